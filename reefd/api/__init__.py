@@ -1,0 +1,1 @@
+"""HTTP surface of reefd: one module per protocol, plus errors, reports and admin."""

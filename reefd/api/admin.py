@@ -1,0 +1,72 @@
+"""The operator's API: health, readiness, status and record reads. Apart from agent traffic.
+
+Knows the shapes `reefctl` reads; nothing here generates text.
+"""
+
+from __future__ import annotations
+
+import time
+
+from aiohttp import web
+
+from reefd import __version__
+from reefd.api.errors import ApiError
+from reefd.api.keys import REGISTRY, STARTED_AT, STORE
+
+MAX_LIMIT = 1000
+
+
+async def healthz(request: web.Request) -> web.Response:
+    return web.json_response({"status": "ok"})
+
+
+async def readyz(request: web.Request) -> web.Response:
+    registry = request.app[REGISTRY]
+    engines = {name: s.engine.describe()["state"] for name, s in registry.scenarios.items()}
+    ready = registry.ready
+    return web.json_response({"ready": ready, "scenarios": engines},
+                             status=200 if ready else 503)
+
+
+async def status(request: web.Request) -> web.Response:
+    registry = request.app[REGISTRY]
+    counts = request.app[STORE].counts()
+    scenarios = []
+    for name, s in sorted(registry.scenarios.items()):
+        c = counts.get(name, {})
+        scenarios.append({"name": name, "model": s.cfg.model.name,
+                          "engine": s.engine.describe(), "release": s.release,
+                          "records": c.get("records", 0), "reports": c.get("reports", 0)})
+    return web.json_response({"version": __version__, "ready": registry.ready,
+                              "uptime_s": round(time.time() - request.app[STARTED_AT], 3),
+                              "scenarios": scenarios})
+
+
+async def get_record(request: web.Request) -> web.Response:
+    receipt = request.match_info["receipt"]
+    record = request.app[STORE].get_record(receipt)
+    if record is None:
+        raise ApiError(404, f"no record with receipt {receipt!r}", code="record_not_found")
+    return web.json_response(record)
+
+
+def _limit(raw: str | None) -> int:
+    if raw is None or raw == "":
+        return 50
+    try:
+        value = int(raw)
+    except ValueError:
+        raise ApiError(400, f"limit: {raw!r} is not an integer", param="limit") from None
+    if not 1 <= value <= MAX_LIMIT:
+        raise ApiError(400, f"limit: must be between 1 and {MAX_LIMIT}", param="limit")
+    return value
+
+
+async def list_records(request: web.Request) -> web.Response:
+    scenario = request.app[REGISTRY].get(request.match_info["name"])
+    limit = _limit(request.query.get("limit"))
+    after = request.query.get("after") or None
+    rows = request.app[STORE].list_records(scenario.name, after=after, limit=limit + 1)
+    data = rows[:limit]
+    return web.json_response({"object": "list", "data": data, "has_more": len(rows) > limit,
+                              "last_id": data[-1]["id"] if data else None})

@@ -1,0 +1,117 @@
+"""Errors on the wire: one exception type, rendered in the caller's provider format.
+
+`/v1/messages*` callers get Anthropic's shape; everyone else gets OpenAI's. Knows nothing
+about scenarios or engines.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import jsonschema
+from aiohttp import web
+
+log = logging.getLogger("reefd.api")
+
+_OPENAI_TYPES = {400: "invalid_request_error", 401: "invalid_request_error",
+                 403: "permission_error", 404: "invalid_request_error",
+                 405: "invalid_request_error", 409: "invalid_request_error",
+                 413: "invalid_request_error", 429: "rate_limit_error"}
+_ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error",
+                    403: "permission_error", 404: "not_found_error",
+                    405: "invalid_request_error", 409: "invalid_request_error",
+                    413: "request_too_large", 429: "rate_limit_error",
+                    503: "overloaded_error", 529: "overloaded_error"}
+
+
+class ApiError(Exception):
+    """An answer other than success. `param` names the offending field path, if any."""
+
+    def __init__(self, status: int, message: str, *, param: str | None = None,
+                 code: str | None = None, headers: dict[str, str] | None = None):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+        self.headers = headers or {}
+
+
+def is_anthropic(request: web.Request) -> bool:
+    path = request.path
+    if path.startswith("/scenarios/"):
+        path = "/" + path.split("/", 3)[-1]
+    return path.startswith("/v1/messages")
+
+
+def openai_body(err: ApiError) -> dict[str, Any]:
+    etype = _OPENAI_TYPES.get(err.status, "server_error")
+    return {"error": {"message": err.message, "type": etype, "param": err.param,
+                      "code": err.code}}
+
+
+def anthropic_body(err: ApiError) -> dict[str, Any]:
+    etype = _ANTHROPIC_TYPES.get(err.status, "api_error")
+    return {"type": "error", "error": {"type": etype, "message": err.message}}
+
+
+def render(request: web.Request, err: ApiError) -> web.Response:
+    body = anthropic_body(err) if is_anthropic(request) else openai_body(err)
+    return web.json_response(body, status=err.status, headers=err.headers,
+                             dumps=lambda o: json.dumps(o, ensure_ascii=False))
+
+
+@web.middleware
+async def error_middleware(request: web.Request,
+                           handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+                           ) -> web.StreamResponse:
+    try:
+        return await handler(request)
+    except ApiError as err:
+        return render(request, err)
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        message = {404: f"no route for {request.method} {request.path}",
+                   405: f"method {request.method} not allowed on {request.path}"
+                   }.get(exc.status, exc.reason)
+        return render(request, ApiError(exc.status, message))
+    except Exception:
+        log.exception("unhandled error on %s %s", request.method, request.path)
+        return render(request, ApiError(500, "internal server error"))
+
+
+class _NonFinite(str):
+    """NaN/Infinity in a body: not JSON numbers, so schemas reject them by field path."""
+
+
+async def read_json(request: web.Request) -> dict[str, Any]:
+    """The request body as a JSON object, or a 400 that says what is wrong with it."""
+    raw = await request.read()
+    if not raw:
+        raise ApiError(400, "the request body is empty; expected a JSON object")
+    try:
+        body = json.loads(raw, parse_constant=_NonFinite)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ApiError(400, f"the request body is not valid JSON: {exc}") from exc
+    if not isinstance(body, dict):
+        raise ApiError(400, "the request body must be a JSON object")
+    return body
+
+
+def check(validator: jsonschema.protocols.Validator, body: Any, root: str = "") -> None:
+    """Validate a request body; a 400 names the first bad field's full path."""
+    errors = sorted(validator.iter_errors(body), key=lambda e: (len(e.absolute_path),
+                                                               list(map(str, e.absolute_path))))
+    if not errors:
+        return
+    err = errors[0]
+    path = ".".join(str(p) for p in err.absolute_path)
+    path = ".".join(p for p in (root, path) if p)
+    message = err.message
+    if err.validator == "required":
+        message = message.replace("is a required property", "is required")
+    raise ApiError(400, f"{path}: {message}" if path else message, param=path or None)

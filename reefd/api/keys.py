@@ -1,0 +1,12 @@
+"""Typed application keys: the resources that handlers read from the app."""
+
+from __future__ import annotations
+
+from aiohttp import web
+
+from reefd.records import RecordStore
+from reefd.scenarios import Registry
+
+REGISTRY = web.AppKey("registry", Registry)
+STORE = web.AppKey("store", RecordStore)
+STARTED_AT = web.AppKey("started_at", float)

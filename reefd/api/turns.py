@@ -1,0 +1,163 @@
+"""One agent turn, protocol-independent: engine → record (durable) → answer.
+
+The provider modules supply a `Wire` that formats bodies and stream events; this module
+owns the order that makes receipts trustworthy: an answer, or a stream's terminal event,
+leaves only after its record is fsynced.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import AsyncIterator, Callable
+from typing import Any, Protocol
+
+from aiohttp import web
+
+from reefd.api.errors import ApiError
+from reefd.chat import ChatRequest, Completion
+from reefd.engines import EngineError, EngineUnavailable, Prompt
+from reefd.records import RecordStore, StorageError, new_receipt
+from reefd.scenarios import Scenario
+
+log = logging.getLogger("reefd.api")
+
+RECEIPT_HEADER = "x-reef-agent-record-id"
+RELEASE_HEADER = "x-reef-release-id"
+
+
+class Wire(Protocol):
+    """A provider's formatting of one answer (built per request, knows ids and model name)."""
+
+    api: str
+
+    def response(self, c: Completion) -> dict[str, Any]: ...
+
+    def stream_head(self, prompt_tokens: int) -> bytes: ...
+
+    def stream_delta(self, text: str) -> bytes: ...
+
+    def stream_tail(self, c: Completion) -> bytes: ...
+
+    def stream_terminal(self) -> bytes: ...
+
+    def stream_error(self, err: ApiError) -> bytes: ...
+
+
+def engine_failure(exc: Exception) -> ApiError:
+    if isinstance(exc, EngineUnavailable):
+        return ApiError(503, str(exc), code="engine_unavailable",
+                        headers={"Retry-After": str(exc.retry_after)})
+    if isinstance(exc, EngineError):
+        return ApiError(exc.status, str(exc), code="engine_error")
+    if isinstance(exc, StorageError):
+        return ApiError(503, f"the record could not be stored durably: {exc}",
+                        code="storage_unavailable", headers={"Retry-After": "5"})
+    raise exc
+
+
+def new_record(request: web.Request, scenario: Scenario, receipt: str, api: str,
+               body: dict[str, Any], chat: ChatRequest, stream: bool) -> dict[str, Any]:
+    tags = {k[len("x-reef-tag-"):]: v for k, v in request.headers.items()
+            if k.lower().startswith("x-reef-tag-")}
+    return {"id": receipt, "scenario": scenario.name, "release": scenario.release,
+            "engine": scenario.engine.kind, "model": scenario.cfg.model.name, "api": api,
+            "created_at": time.time(), "session": request.headers.get("x-reef-session"),
+            "tags": {k.lower(): v for k, v in tags.items()}, "stream": stream,
+            "request": body, "messages": chat.messages, "tools": chat.tools}
+
+
+def finish_record(record: dict[str, Any], c: Completion, answer: dict[str, Any],
+                  started: float, ttft: float | None) -> None:
+    assistant: dict[str, Any] = {"role": "assistant", "content": c.text}
+    if c.tool_calls:
+        assistant["tool_calls"] = c.tool_calls
+    now = time.monotonic()
+    record.update({
+        "response": answer, "messages": [*record["messages"], assistant],
+        "finish_reason": c.finish_reason, "stop_sequence": c.stop_sequence,
+        "raw_text": c.raw_text, "prompt_token_ids": c.prompt_token_ids,
+        "completion_token_ids": c.completion_token_ids,
+        "completion_logprobs": c.completion_logprobs,
+        "usage": {"prompt_tokens": c.prompt_tokens, "completion_tokens": c.completion_tokens},
+        "latency_s": round(now - started, 6),
+        "ttft_s": round(ttft - started, 6) if ttft is not None else None,
+        "finished_at": time.time()})
+
+
+async def serve_turn(request: web.Request, scenario: Scenario, store: RecordStore,
+                     wire_for: Callable[[str], Wire], body: dict[str, Any],
+                     chat: ChatRequest, stream: bool) -> web.StreamResponse:
+    receipt = new_receipt()
+    wire = wire_for(receipt)
+    record = new_record(request, scenario, receipt, wire.api, body, chat, stream)
+    headers = {RECEIPT_HEADER: record["id"], RELEASE_HEADER: scenario.release}
+    started = time.monotonic()
+    events = scenario.engine.generate(chat, stream=stream,
+                                      timeout_s=scenario.cfg.serve.request_timeout_s)
+    try:
+        first = await anext(events)  # engine refusals become proper statuses, not broken streams
+    except (EngineUnavailable, EngineError) as exc:
+        raise engine_failure(exc) from exc
+    if not stream:
+        completion = first if isinstance(first, Completion) else await _last(events)
+        answer = wire.response(completion)
+        finish_record(record, completion, answer, started, None)
+        try:
+            await store.put_record(record)
+        except StorageError as exc:
+            raise engine_failure(exc) from exc
+        return web.json_response(answer, headers=headers)
+    return await _stream(request, store, wire, record, headers, first, events, started)
+
+
+async def _last(events: AsyncIterator[Any]) -> Completion:
+    async for event in events:
+        if isinstance(event, Completion):
+            return event
+    raise ApiError(502, "the engine ended without a completion")
+
+
+async def _stream(request: web.Request, store: RecordStore, wire: Wire,
+                  record: dict[str, Any], headers: dict[str, str], first: Any,
+                  events: AsyncIterator[Any], started: float) -> web.StreamResponse:
+    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
+                                       "Cache-Control": "no-cache", **headers})
+    await resp.prepare(request)
+    prompt_tokens = first.tokens if isinstance(first, Prompt) else 0
+    await resp.write(wire.stream_head(prompt_tokens))
+    ttft: float | None = None
+    completion: Completion | None = None
+    try:
+        pending = [] if isinstance(first, Prompt) else [first]
+        async for event in _chain(pending, events):
+            if isinstance(event, Completion):
+                completion = event
+            elif isinstance(event, str):
+                ttft = ttft or time.monotonic()
+                await resp.write(wire.stream_delta(event))
+        if completion is None:
+            raise ApiError(502, "the engine ended without a completion")
+        await resp.write(wire.stream_tail(completion))
+        answer = wire.response(completion)
+        finish_record(record, completion, answer, started, ttft)
+        await store.put_record(record)
+        await resp.write(wire.stream_terminal())
+    except (ConnectionResetError, ConnectionError):
+        log.info("client went away during stream %s", record["id"])
+        return resp
+    except (EngineUnavailable, EngineError, StorageError, ApiError) as exc:
+        err = exc if isinstance(exc, ApiError) else engine_failure(exc)
+        log.warning("stream %s failed: %s", record["id"], err.message)
+        await resp.write(wire.stream_error(err))
+    finally:
+        await events.aclose()  # type: ignore[attr-defined]
+    await resp.write_eof()
+    return resp
+
+
+async def _chain(pending: list[Any], events: AsyncIterator[Any]) -> AsyncIterator[Any]:
+    for event in pending:
+        yield event
+    async for event in events:
+        yield event

@@ -1,0 +1,78 @@
+"""The aiohttp app factory: Reef's loop at a glance, each resource a cleanup context.
+
+Serve (OpenAI / Anthropic APIs → scenario engine) → Observe (records + reports in LMDB).
+Grow and Commit (recipes, gates, the release chain) plug in beside these resources.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import aiohttp
+from aiohttp import web
+
+from reefd.api import admin, anthropic, openai, reports
+from reefd.api.errors import error_middleware
+from reefd.api.keys import REGISTRY, STARTED_AT, STORE
+from reefd.auth import auth_middleware
+from reefd.config import ScenarioConfig
+from reefd.records import RecordStore
+from reefd.scenarios import Registry
+
+HTTP = web.AppKey("http", aiohttp.ClientSession)
+
+
+@dataclass
+class Settings:
+    """How this daemon runs (flags and environment), as opposed to what it serves (scenarios)."""
+
+    state_dir: Path
+    tokens: list[str]
+    records_map_size: int = 1 << 30
+    shutdown_timeout_s: float = 30.0
+    scenarios: dict[str, ScenarioConfig] = field(default_factory=dict)
+
+
+def build_app(settings: Settings) -> web.Application:
+    app = web.Application(middlewares=[error_middleware, auth_middleware(settings.tokens)],
+                          client_max_size=64 * 1024 * 1024)
+    app[STARTED_AT] = time.time()
+
+    async def records(app: web.Application) -> AsyncIterator[None]:  # Observe
+        app[STORE] = RecordStore(settings.state_dir / "records",
+                                 map_size=settings.records_map_size)
+        await app[STORE].open()
+        yield
+        await app[STORE].close()
+
+    async def http_client(app: web.Application) -> AsyncIterator[None]:
+        connector = aiohttp.TCPConnector(limit=0, limit_per_host=0)
+        app[HTTP] = aiohttp.ClientSession(connector=connector, trust_env=False)
+        yield
+        await app[HTTP].close()
+
+    async def engines(app: web.Application) -> AsyncIterator[None]:  # Serve
+        app[REGISTRY] = Registry(settings.scenarios, settings.state_dir, app[HTTP])
+        await app[REGISTRY].start()
+        yield
+        await app[REGISTRY].stop()
+
+    app.cleanup_ctx.extend([records, http_client, engines])
+
+    # Serve: provider-native agent APIs, by header or by path.
+    for prefix in ("", "/scenarios/{scenario}"):
+        app.router.add_post(prefix + "/v1/chat/completions", openai.chat_completions)
+        app.router.add_post(prefix + "/v1/messages", anthropic.messages)
+        app.router.add_post(prefix + "/v1/messages/count_tokens", anthropic.count_tokens)
+    app.router.add_get("/v1/models", openai.list_models)
+    # Observe: feedback on receipts, and reads for operators.
+    app.router.add_post("/reef/report", reports.report)
+    app.router.add_get("/reef/records/{receipt}", admin.get_record)
+    app.router.add_get("/reef/scenarios/{name}/records", admin.list_records)
+    app.router.add_get("/reef/status", admin.status)
+    app.router.add_get("/healthz", admin.healthz)
+    app.router.add_get("/readyz", admin.readyz)
+    return app

@@ -1,0 +1,171 @@
+"""The provider-neutral chat turn: request, completion, chat templates and tool-call parsing.
+
+Both provider APIs convert to and from these types; engines consume and produce them.
+Renders an HF chat template and tokenizes with `tokenizers` + `jinja2` (no torch), so the
+token ids an engine receives are exactly the ones recorded. Knows nothing about HTTP.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import re
+import uuid
+from dataclasses import dataclass, field
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import jinja2
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import Tokenizer
+
+
+@dataclass
+class ChatRequest:
+    """One chat turn to generate. Messages are OpenAI-shaped; tool-call arguments are JSON text."""
+
+    messages: list[dict[str, Any]]
+    max_tokens: int
+    tools: list[dict[str, Any]] = field(default_factory=list)
+    tool_choice: Any = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+
+
+@dataclass
+class Completion:
+    """What the engine produced, already split into text and tool calls."""
+
+    text: str | None
+    finish_reason: str  # stop | length | tool_calls
+    prompt_tokens: int
+    completion_tokens: int
+    tool_calls: list[dict[str, Any]] = field(default_factory=list)
+    stop_sequence: str | None = None
+    raw_text: str = ""
+    prompt_token_ids: list[int] | None = None
+    completion_token_ids: list[int] | None = None
+    completion_logprobs: list[float] | None = None
+
+
+# ---------------------------------------------------------------- chat templates
+
+
+def _special(value: Any) -> str | None:
+    if isinstance(value, dict):  # serialized AddedToken
+        return value.get("content")
+    return value if isinstance(value, str) else None
+
+
+def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None,
+            separators: tuple[str, str] | None = None, sort_keys: bool = False) -> str:
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent,
+                      separators=separators, sort_keys=sort_keys)
+
+
+def _raise(message: str) -> None:
+    raise jinja2.exceptions.TemplateError(message)
+
+
+class ChatTemplate:
+    """An HF model folder's tokenizer and chat template, rendered the way transformers does."""
+
+    def __init__(self, model_dir: Path):
+        self.model_dir = model_dir
+        self.tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+        cfg_path = model_dir / "tokenizer_config.json"
+        cfg = json.loads(cfg_path.read_text()) if cfg_path.exists() else {}
+        source = cfg.get("chat_template")
+        jinja_file = model_dir / "chat_template.jinja"
+        if jinja_file.exists():
+            source = jinja_file.read_text()
+        if isinstance(source, list):  # named templates: take the default one
+            source = next((t["template"] for t in source if t.get("name") == "default"), None)
+        if not source:
+            raise ValueError(f"{model_dir}: the model has no chat template")
+        self.source: str = source
+        self.specials = {k: _special(cfg.get(k)) for k in
+                         ("bos_token", "eos_token", "pad_token", "unk_token")}
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                            extensions=["jinja2.ext.loopcontrols"])
+        env.filters["tojson"] = _tojson
+        env.globals["raise_exception"] = _raise
+        env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+        self._template = env.from_string(source)
+        self.supports_tools = "tools" in source
+
+    def render(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
+               add_generation_prompt: bool = True) -> str:
+        prepared = [_template_message(m) for m in messages]
+        kwargs: dict[str, Any] = {k: v for k, v in self.specials.items() if v is not None}
+        return self._template.render(messages=prepared, tools=tools or None,
+                                     add_generation_prompt=add_generation_prompt, **kwargs)
+
+    def encode(self, text: str) -> list[int]:
+        return list(self.tokenizer.encode(text, add_special_tokens=False).ids)
+
+    def prompt_ids(self, req: ChatRequest) -> list[int]:
+        tools = [] if req.tool_choice == "none" else _chosen_tools(req.tools, req.tool_choice)
+        return self.encode(self.render(req.messages, tools))
+
+    def count_tokens(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]]) -> int:
+        return len(self.encode(self.render(messages, tools)))
+
+
+def _chosen_tools(tools: list[dict[str, Any]], choice: Any) -> list[dict[str, Any]]:
+    if isinstance(choice, dict):
+        name = (choice.get("function") or {}).get("name")
+        return [t for t in tools if t.get("function", {}).get("name") == name]
+    return tools
+
+
+def _template_message(msg: dict[str, Any]) -> dict[str, Any]:
+    """transformers' convention: tool-call arguments are objects inside templates."""
+    if not msg.get("tool_calls"):
+        return msg
+    calls = []
+    for call in msg["tool_calls"]:
+        fn = dict(call.get("function", {}))
+        if isinstance(fn.get("arguments"), str):
+            with contextlib.suppress(json.JSONDecodeError):
+                fn["arguments"] = json.loads(fn["arguments"])
+        calls.append({**call, "function": fn})
+    return {**msg, "tool_calls": calls}
+
+
+# ---------------------------------------------------------------- tool calls (Hermes convention)
+
+TOOL_OPEN, TOOL_CLOSE = "<tool_call>", "</tool_call>"
+_TOOL_BLOCK = re.compile(re.escape(TOOL_OPEN) + r"(.*?)(?:" + re.escape(TOOL_CLOSE) + r"|$)",
+                         re.DOTALL)
+
+
+def new_tool_call_id() -> str:
+    return "call_" + uuid.uuid4().hex[:24]
+
+
+def parse_tool_calls(text: str) -> tuple[str | None, list[dict[str, Any]]]:
+    """Split model output into (content, tool_calls). Malformed markup stays plain text."""
+    start = text.find(TOOL_OPEN)
+    if start < 0:
+        return text, []
+    calls: list[dict[str, Any]] = []
+    for body in _TOOL_BLOCK.findall(text[start:]):
+        try:
+            parsed = json.loads(body.strip())
+        except json.JSONDecodeError:
+            return text, []
+        for item in parsed if isinstance(parsed, list) else [parsed]:
+            if not isinstance(item, dict) or not isinstance(item.get("name"), str):
+                return text, []
+            args = item.get("arguments", item.get("parameters", {}))
+            calls.append({"id": new_tool_call_id(), "type": "function",
+                          "function": {"name": item["name"],
+                                       "arguments": args if isinstance(args, str)
+                                       else json.dumps(args, ensure_ascii=False)}})
+    content = text[:start].strip()
+    return (content or None), calls

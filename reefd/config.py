@@ -1,0 +1,241 @@
+"""Scenario configs: structured dataclasses, composed by Hydra, validated by JSON Schema.
+
+Owns the YAML contract (keys, defaults, allowed values) and turns any mistake into one
+line naming the file and the full key path. Knows nothing about HTTP or engines.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import re
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+ENGINE_KINDS = ["worker", "sglang", "upstream"]
+MODEL_SOURCES = ["tiny", "smollm2"]
+TOOL_PARSERS = ["hermes"]
+
+
+@dataclass
+class ModelConfig:
+    """Which model answers a scenario, and which engine runs it."""
+
+    name: str = field(default="", metadata={"description": "Display name of the model."})
+    engine: str = field(
+        default="worker",
+        metadata={"enum": ENGINE_KINDS, "description": "worker: the embedded engine process; "
+                  "sglang: a real SGLang server (launched, or attached by url); "
+                  "upstream: an OpenAI-compatible provider."},
+    )
+    source: str | None = field(
+        default=None,
+        metadata={"enum": [*MODEL_SOURCES, None],
+                  "description": "A built-in model that reefd prepares into STATE/models/<source>."},
+    )
+    path: str | None = field(
+        default=None, metadata={"description": "An HF model folder (overrides source)."}
+    )
+    url: str | None = field(
+        default=None,
+        metadata={"description": "sglang: attach to this server instead of launching one. "
+                  "upstream: the provider's base URL, e.g. https://api.openai.com/v1."},
+    )
+    api_key_env: str | None = field(
+        default=None, metadata={"description": "upstream: environment variable holding the key."}
+    )
+    upstream_model: str | None = field(
+        default=None, metadata={"description": "upstream: the model name sent to the provider."}
+    )
+    tool_parser: str = field(
+        default="hermes",
+        metadata={"enum": TOOL_PARSERS, "description": "How tool calls appear in model output."},
+    )
+    max_batch: int = field(
+        default=8, metadata={"minimum": 1, "description": "Engine batch size (worker)."}
+    )
+    launch_args: list[str] = field(
+        default_factory=list,
+        metadata={"description": "Extra command-line arguments for a launched engine."},
+    )
+    startup_timeout_s: float = field(
+        default=600.0, metadata={"exclusiveMinimum": 0, "description": "Engine start deadline."}
+    )
+
+
+@dataclass
+class ServeConfig:
+    """Per-scenario serving limits."""
+
+    default_max_tokens: int = field(
+        default=512, metadata={"minimum": 1,
+                               "description": "Used when an OpenAI request sets no max_tokens."}
+    )
+    request_timeout_s: float = field(
+        default=600.0, metadata={"exclusiveMinimum": 0, "description": "Engine call deadline."}
+    )
+
+
+@dataclass
+class ScenarioConfig:
+    """One scenario: a model plus how it is served (later: recipe, gates, release, triggers)."""
+
+    name: str = field(default="", metadata={"description": "Set from the file name."})
+    description: str = ""
+    model: ModelConfig = field(default_factory=ModelConfig)
+    serve: ServeConfig = field(default_factory=ServeConfig)
+
+
+class ConfigError(Exception):
+    """A scenario that does not compose or validate. str() is the one-line message."""
+
+
+# ---------------------------------------------------------------- JSON Schema
+
+
+def _type_schema(tp: Any) -> dict[str, Any]:
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        subs = [_type_schema(a) for a in typing.get_args(tp)]
+        return {"anyOf": subs}
+    if origin is list:
+        (item,) = typing.get_args(tp)
+        return {"type": "array", "items": _type_schema(item)}
+    if dataclasses.is_dataclass(tp):
+        return dataclass_schema(tp)  # type: ignore[arg-type]
+    mapping = {str: "string", int: "integer", float: "number", bool: "boolean",
+               type(None): "null"}
+    if tp in mapping:
+        return {"type": mapping[tp]}
+    raise TypeError(f"no JSON Schema for {tp!r}")
+
+
+def dataclass_schema(cls: type) -> dict[str, Any]:
+    """The JSON Schema of a config dataclass: types, enums, bounds, no unknown keys."""
+    hints = typing.get_type_hints(cls)
+    props: dict[str, Any] = {}
+    for f in dataclasses.fields(cls):
+        sub = _type_schema(hints[f.name])
+        meta = dict(f.metadata)
+        if "enum" in meta:
+            sub = {"enum": meta.pop("enum")}
+        sub.update(meta)
+        if f.default is not dataclasses.MISSING and not dataclasses.is_dataclass(f.default):
+            sub["default"] = f.default
+        props[f.name] = sub
+    schema: dict[str, Any] = {"type": "object", "properties": props, "additionalProperties": False}
+    if cls.__doc__:
+        schema["description"] = cls.__doc__.strip()
+    return schema
+
+
+def json_schema() -> dict[str, Any]:
+    """The schema of a composed scenario, printed by `reefd schema` for editors."""
+    schema = dataclass_schema(ScenarioConfig)
+    schema["$schema"] = "https://json-schema.org/draft/2020-12/schema"
+    schema["title"] = "Reef scenario (composed)"
+    return schema
+
+
+_VALIDATOR = jsonschema.Draft202012Validator(json_schema())
+
+
+def _semantic_errors(cfg: dict[str, Any]) -> list[tuple[str, str]]:
+    """Cross-field rules that JSON Schema would express only clumsily."""
+    m = cfg["model"]
+    errs: list[tuple[str, str]] = []
+    if m["engine"] == "upstream":
+        if not m["url"]:
+            errs.append(("model.url", "an upstream model needs its provider's base URL"))
+    elif m["engine"] == "worker" and not (m["source"] or m["path"]):
+        errs.append(("model", "a worker model needs 'source' or 'path'"))
+    elif m["engine"] == "sglang" and not (m["url"] or m["source"] or m["path"]):
+        errs.append(("model", "an sglang model needs 'url' to attach to, or 'source'/'path'"))
+    return errs
+
+
+# ---------------------------------------------------------------- composition
+
+
+def scenario_files(scenarios_dir: Path) -> list[Path]:
+    """Scenario files are the YAML files at the top of the folder; sub-folders are groups."""
+    return sorted(p for p in scenarios_dir.glob("*.yaml") if p.is_file())
+
+
+def _one_line(text: str) -> str:
+    text = text.split("Config search path")[0]  # Hydra's search-path dump helps nobody here
+    return re.sub(r"\s+", " ", text).strip()
+
+
+def _omegaconf_message(exc: OmegaConfBaseException) -> str:
+    key = getattr(exc, "full_key", None) or ""
+    msg = str(exc).split("\n")[0]
+    unknown = re.match(r"Key '([^']+)' not in '(\w+)'", msg)
+    if unknown:
+        cls = {"ModelConfig": ModelConfig, "ServeConfig": ServeConfig,
+               "ScenarioConfig": ScenarioConfig}.get(unknown.group(2))
+        known = [f.name for f in dataclasses.fields(cls)] if cls else []
+        hint = difflib.get_close_matches(unknown.group(1), known, n=1)
+        msg = "unknown key" + (f" (did you mean '{hint[0]}'?)" if hint else "")
+    return f"{key}: {msg}" if key else msg
+
+
+def compose(path: Path) -> ScenarioConfig:
+    """Compose one scenario file with Hydra and validate it; raise ConfigError on any mistake."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    label = str(path)
+    GlobalHydra.instance().clear()
+    try:
+        with initialize_config_dir(config_dir=str(path.parent.resolve()), version_base="1.3"):
+            raw = hydra_compose(config_name=path.stem)
+    except Exception as exc:  # Hydra's own errors: missing group options, YAML syntax, …
+        raise ConfigError(f"{label}: {_one_line(str(exc))}") from exc
+    finally:
+        GlobalHydra.instance().clear()
+    try:
+        merged = OmegaConf.merge(OmegaConf.structured(ScenarioConfig), raw)
+        merged.name = path.stem
+        data = typing.cast(dict[str, Any], OmegaConf.to_container(merged, resolve=True))
+    except OmegaConfBaseException as exc:
+        raise ConfigError(f"{label}: {_omegaconf_message(exc)}") from exc
+    errors = sorted(_VALIDATOR.iter_errors(data), key=lambda e: list(e.absolute_path))
+    if errors:
+        err = errors[0]
+        where = ".".join(str(p) for p in err.absolute_path) or "(top level)"
+        raise ConfigError(f"{label}: {where}: {err.message}")
+    for where, msg in _semantic_errors(data):
+        raise ConfigError(f"{label}: {where}: {msg}")
+    return from_dict(data)
+
+
+def from_dict(data: dict[str, Any]) -> ScenarioConfig:
+    return ScenarioConfig(
+        name=data["name"],
+        description=data["description"],
+        model=ModelConfig(**data["model"]),
+        serve=ServeConfig(**data["serve"]),
+    )
+
+
+def load_all(scenarios_dir: Path) -> dict[str, ScenarioConfig]:
+    """Compose every scenario in the folder; the first bad file raises ConfigError."""
+    if not scenarios_dir.is_dir():
+        raise ConfigError(f"{scenarios_dir}: scenarios folder not found")
+    out = {p.stem: compose(p) for p in scenario_files(scenarios_dir)}
+    if not out:
+        raise ConfigError(f"{scenarios_dir}: no scenario files (*.yaml) found")
+    return out
+
+
+def to_dict(cfg: ScenarioConfig) -> dict[str, Any]:
+    return dataclasses.asdict(cfg)

@@ -1,0 +1,78 @@
+"""Engines: the data plane behind a scenario, and the registry that maps `model.engine` to one.
+
+An engine turns a ChatRequest into text deltas and a final Completion. Knows nothing about
+provider wire formats or records.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+import aiohttp
+
+from reefd.chat import ChatRequest, Completion
+from reefd.config import ModelConfig
+
+
+@dataclass
+class Prompt:
+    """An optional first stream event: the engine knows the prompt's length in tokens."""
+
+    tokens: int
+
+
+class EngineUnavailable(Exception):
+    """The engine cannot take requests right now (starting, restarting). Retry later."""
+
+    def __init__(self, message: str, retry_after: int = 5):
+        super().__init__(message)
+        self.retry_after = retry_after
+
+
+class EngineError(Exception):
+    """The engine failed this request. `status` is the HTTP status to answer with."""
+
+    def __init__(self, message: str, status: int = 502):
+        super().__init__(message)
+        self.status = status
+
+
+class Engine(Protocol):
+    """What a scenario needs from its engine.
+
+    `generate` may first yield a Prompt, then yields str text deltas (tool-call markup already held back) and ends with
+    exactly one Completion; it raises EngineUnavailable before yielding anything when the
+    engine is not ready. `start` returns promptly (start-up continues in the background);
+    `stop` ends anything the engine launched. `describe` is for status pages.
+    """
+
+    kind: str
+
+    @property
+    def ready(self) -> bool: ...
+
+    async def start(self) -> None: ...
+
+    async def stop(self) -> None: ...
+
+    def generate(self, req: ChatRequest, *, stream: bool = True,
+                 timeout_s: float = 600.0) -> AsyncIterator[Prompt | str | Completion]: ...
+
+    def count_tokens(self, req: ChatRequest) -> int: ...
+
+    def describe(self) -> dict[str, Any]: ...
+
+
+def build_engine(cfg: ModelConfig, state_dir: Path, session: aiohttp.ClientSession) -> Engine:
+    """The registry: `model.engine` in YAML → engine class."""
+    from reefd.engines.sglang import SGLangEngine
+    from reefd.engines.upstream import UpstreamEngine
+
+    if cfg.engine == "upstream":
+        return UpstreamEngine(cfg, session)
+    if cfg.engine in ("worker", "sglang"):
+        return SGLangEngine(cfg, state_dir, session)
+    raise ValueError(f"unknown engine {cfg.engine!r}")

@@ -1,0 +1,269 @@
+"""Engines that speak SGLang's HTTP contract: the embedded worker and a real SGLang server.
+
+Token in, token out: the prompt is rendered and tokenized here, `/generate` returns ids and
+logprobs, and those exact numbers are what the record keeps. The same client drives
+`python -m reefd.worker` and `python -m sglang.launch_server`. Knows nothing about
+provider wire formats.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import sys
+import uuid
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+
+from reefd.chat import ChatRequest, ChatTemplate, Completion, parse_tool_calls
+from reefd.config import ModelConfig
+from reefd.engines import EngineError, EngineUnavailable, Prompt
+from reefd.engines.stream import StreamGuard
+from reefd.engines.supervisor import Supervisor
+
+log = logging.getLogger("reefd.engine")
+
+
+class SGLangClient:
+    """The HTTP contract: /generate (plain or streamed), /health_generate, /get_model_info."""
+
+    def __init__(self, session: aiohttp.ClientSession, base_url: str):
+        self.session = session
+        self.base_url = base_url.rstrip("/")
+
+    async def healthy(self, timeout_s: float = 30.0) -> bool:
+        try:
+            async with self.session.get(f"{self.base_url}/health_generate",
+                                        timeout=aiohttp.ClientTimeout(total=timeout_s)) as r:
+                return r.status == 200
+        except (aiohttp.ClientError, TimeoutError):
+            return False
+
+    async def model_info(self) -> dict[str, Any]:
+        async with self.session.get(f"{self.base_url}/get_model_info") as r:
+            r.raise_for_status()
+            return dict(await r.json())
+
+    async def generate(self, payload: dict[str, Any], timeout_s: float
+                       ) -> AsyncIterator[dict[str, Any]]:
+        """Yields the engine's answer chunks (one when not streaming)."""
+        timeout = aiohttp.ClientTimeout(total=timeout_s)
+        answered = False
+        try:
+            async with self.session.post(f"{self.base_url}/generate", json=payload,
+                                         timeout=timeout) as r:
+                answered = True
+                if r.status != 200:
+                    raise EngineError(f"engine answered {r.status}: {(await r.text())[:500]}",
+                                      status=502 if r.status >= 500 else 400)
+                if not payload.get("stream"):
+                    yield dict(await r.json())
+                    return
+                async for raw in r.content:
+                    line = raw.strip()
+                    if not line.startswith(b"data:"):
+                        continue
+                    data = line[5:].strip()
+                    if data == b"[DONE]":
+                        return
+                    chunk = json.loads(data)
+                    if "error" in chunk:
+                        raise EngineError(f"engine error: {chunk['error']}")
+                    yield chunk
+        except aiohttp.ClientConnectionError as exc:
+            if not answered:  # the process is gone or restarting: the request never started
+                raise EngineUnavailable(f"engine unreachable: {exc}", retry_after=2) from exc
+            raise EngineError(f"engine connection lost: {exc}") from exc
+        except aiohttp.ClientError as exc:
+            raise EngineError(f"engine connection failed: {exc}") from exc
+
+
+def sampling_params(req: ChatRequest) -> dict[str, Any]:
+    params: dict[str, Any] = {"max_new_tokens": req.max_tokens,
+                              "temperature": 1.0 if req.temperature is None else req.temperature,
+                              "top_p": 1.0 if req.top_p is None else req.top_p,
+                              "top_k": -1 if req.top_k is None else req.top_k}
+    if req.stop:
+        params["stop"] = list(req.stop)
+    if req.seed is not None:
+        params["sampling_seed"] = req.seed
+    return params
+
+
+class SGLangEngine:
+    """`engine: worker` (launched `reefd.worker`) or `engine: sglang` (launched or attached)."""
+
+    def __init__(self, cfg: ModelConfig, state_dir: Path, session: aiohttp.ClientSession):
+        self.kind = cfg.engine
+        self.cfg = cfg
+        self.state_dir = state_dir
+        self.session = session
+        self.template: ChatTemplate | None = None
+        self.model_dir: Path | None = Path(cfg.path) if cfg.path else None
+        self.supervisor: Supervisor | None = None
+        self.client: SGLangClient | None = None
+        self._state = "starting"
+        self._task: asyncio.Task[None] | None = None
+
+    # ------------------------------------------------------------ lifecycle
+
+    @property
+    def ready(self) -> bool:
+        return self.template is not None and self.state == "ready"
+
+    @property
+    def state(self) -> str:
+        return self.supervisor.state if self.supervisor is not None else self._state
+
+    async def start(self) -> None:
+        self._task = asyncio.create_task(self._start(), name=f"engine-{self.cfg.name}")
+
+    async def _start(self) -> None:
+        try:
+            if self.cfg.engine == "sglang" and self.cfg.url:
+                await self._attach(self.cfg.url)
+                return
+            if self.model_dir is None:
+                assert self.cfg.source is not None
+                self.model_dir = await self._prepare(self.cfg.source)
+            self.template = ChatTemplate(self.model_dir)
+            self.supervisor = Supervisor(self.cfg.name, self._argv, self._healthy,
+                                         startup_timeout_s=self.cfg.startup_timeout_s)
+            self.supervisor.start()
+        except Exception as exc:  # keep reefd up; the scenario reports the failure
+            log.error("%s: engine failed to start: %s", self.cfg.name, exc)
+            self._state = "failed"
+
+    async def _attach(self, url: str) -> None:
+        self.client = SGLangClient(self.session, url)
+        while not await self.client.healthy():
+            self._state = "starting"
+            await asyncio.sleep(2)
+        if self.model_dir is None:
+            info = await self.client.model_info()
+            self.model_dir = Path(info.get("tokenizer_path") or info["model_path"])
+        self.template = ChatTemplate(self.model_dir)
+        self._state = "ready"
+
+    async def _prepare(self, source: str) -> Path:
+        out = self.state_dir / "models" / source
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "reefd.worker.prepare", source, "--out", str(out),
+            stdin=asyncio.subprocess.DEVNULL)
+        if await proc.wait() != 0:
+            raise RuntimeError(f"preparing model {source!r} failed (exit {proc.returncode})")
+        return out
+
+    def _argv(self, port: int) -> list[str]:
+        assert self.model_dir is not None
+        if self.cfg.engine == "sglang":
+            return [sys.executable, "-m", "sglang.launch_server", "--model-path",
+                    str(self.model_dir), "--host", "127.0.0.1", "--port", str(port),
+                    *self.cfg.launch_args]
+        return [sys.executable, "-m", "reefd.worker", "--model", str(self.model_dir),
+                "--host", "127.0.0.1", "--port", str(port),
+                "--max-batch", str(self.cfg.max_batch), *self.cfg.launch_args]
+
+    async def _healthy(self, url: str) -> bool:
+        return await SGLangClient(self.session, url).healthy()
+
+    async def stop(self) -> None:
+        if self._task is not None and not self._task.done():
+            self._task.cancel()
+        if self.supervisor is not None:
+            await self.supervisor.stop()
+        self._state = "stopped"
+
+    def describe(self) -> dict[str, Any]:
+        sup = self.supervisor
+        return {"kind": self.kind, "state": self.state,
+                "url": sup.url if sup else (self.cfg.url or ""),
+                "restarts": sup.restarts if sup else 0, "pid": sup.pid if sup else None,
+                "model_dir": str(self.model_dir) if self.model_dir else None,
+                "last_error": sup.last_error if sup else None}
+
+    # ------------------------------------------------------------ generation
+
+    def _client(self) -> SGLangClient:
+        if not self.ready:
+            raise EngineUnavailable(f"engine for model {self.cfg.name!r} is {self.state}; "
+                                    "retry shortly", retry_after=2)
+        if self.supervisor is not None and (self.client is None or self.client.base_url != self.supervisor.url):
+            self.client = SGLangClient(self.session, self.supervisor.url)
+        assert self.client is not None
+        return self.client
+
+    def count_tokens(self, req: ChatRequest) -> int:
+        if self.template is None:
+            raise EngineUnavailable(f"engine for model {self.cfg.name!r} is {self.state}")
+        return len(self.template.prompt_ids(req))
+
+    async def generate(self, req: ChatRequest, *, stream: bool = True,
+                       timeout_s: float = 600.0) -> AsyncIterator[Prompt | str | Completion]:
+        client = self._client()
+        assert self.template is not None
+        prompt_ids = self.template.prompt_ids(req)
+        payload = {"input_ids": prompt_ids, "sampling_params": sampling_params(req),
+                   "return_logprob": True, "stream": stream, "rid": uuid.uuid4().hex}
+        tools_on = bool(req.tools) and req.tool_choice != "none"
+        guard = StreamGuard(req.stop, hold_tool_markup=tools_on)
+        text = ""
+        ids: list[int] = []
+        logprobs: list[float] = []
+        meta: dict[str, Any] = {}
+        chunks = client.generate(payload, timeout_s)
+        first = await anext(chunks)  # fail before yielding anything: callers map it to a status
+        yield Prompt(len(prompt_ids))
+        async for chunk in _chain(first, chunks):
+            meta = chunk.get("meta_info") or {}
+            new_ids = chunk.get("output_ids") or []
+            new_lps = meta.get("output_token_logprobs") or []
+            chunk_text = chunk.get("text") or ""
+            if len(new_ids) == meta.get("completion_tokens", -1):  # cumulative (SGLang default)
+                new_ids, new_lps = new_ids[len(ids):], new_lps[len(logprobs):]
+                # the engine's text is the truth; a final text may drop a trimmed stop string
+                delta = chunk_text[len(text):] if chunk_text.startswith(text) else ""
+                text = chunk_text
+            else:  # incremental chunks (SGLang --incremental-streaming-output)
+                delta = chunk_text
+                text += chunk_text
+            ids.extend(new_ids)
+            logprobs.extend(float(lp[0]) if lp[0] is not None else 0.0 for lp in new_lps)
+            if delta and stream:
+                out = guard.feed(delta)
+                if out:
+                    yield out
+        completion = self._finish(text, ids, logprobs, meta, prompt_ids, req, tools_on)
+        if stream:
+            tail = guard.tail(completion.text or "")
+            if tail:
+                yield tail
+        yield completion
+
+    def _finish(self, text: str, ids: list[int], logprobs: list[float], meta: dict[str, Any],
+                prompt_ids: list[int], req: ChatRequest, tools_on: bool) -> Completion:
+        reason = meta.get("finish_reason") or {}
+        rtype = reason.get("type")
+        if rtype == "abort":
+            raise EngineError(f"engine aborted the request: {reason.get('message', '')}")
+        matched = reason.get("matched")
+        content, calls = parse_tool_calls(text) if tools_on else (text, [])
+        finish = "tool_calls" if calls else ("length" if rtype == "length" else "stop")
+        return Completion(
+            text=content, finish_reason=finish, tool_calls=calls,
+            stop_sequence=matched if isinstance(matched, str) and matched in req.stop else None,
+            prompt_tokens=int(meta.get("prompt_tokens", len(prompt_ids))),
+            completion_tokens=int(meta.get("completion_tokens", len(ids))),
+            raw_text=text, prompt_token_ids=prompt_ids, completion_token_ids=ids,
+            completion_logprobs=logprobs if len(logprobs) == len(ids) else None)
+
+
+async def _chain(first: dict[str, Any], rest: AsyncIterator[dict[str, Any]]
+                 ) -> AsyncIterator[dict[str, Any]]:
+    yield first
+    async for chunk in rest:
+        yield chunk

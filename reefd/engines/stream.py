@@ -1,0 +1,47 @@
+"""Holds back streamed text that may turn out to be a stop string or tool-call markup.
+
+A client must never see a stop sequence or a half-written `<tool_call>` in its text deltas.
+Knows nothing about engines or wire formats.
+"""
+
+from __future__ import annotations
+
+from reefd.chat import TOOL_OPEN
+
+
+class StreamGuard:
+    def __init__(self, stops: list[str], *, hold_tool_markup: bool):
+        self._stops = [s for s in stops if s]
+        self._markers = self._stops + ([TOOL_OPEN] if hold_tool_markup else [])
+        self._held = ""
+        self._closed = False
+        self.emitted = ""
+
+    def feed(self, delta: str) -> str:
+        """The part of `delta` (plus held text) that is safe to show now."""
+        if self._closed:
+            return ""
+        text = self._held + delta
+        cut = min((i for i in (text.find(m) for m in self._markers) if i >= 0), default=-1)
+        if cut >= 0:
+            self._closed = True
+            self._held = ""
+            return self._emit(text[:cut])
+        keep = 0
+        for marker in self._markers:
+            for n in range(min(len(marker) - 1, len(text)), keep, -1):
+                if marker.startswith(text[-n:]):
+                    keep = n
+                    break
+        self._held = text[len(text) - keep:] if keep else ""
+        return self._emit(text[: len(text) - keep])
+
+    def tail(self, final_text: str) -> str:
+        """What is still owed once the final text is known (held text that was harmless)."""
+        if final_text.startswith(self.emitted):
+            return self._emit(final_text[len(self.emitted):])
+        return ""
+
+    def _emit(self, text: str) -> str:
+        self.emitted += text
+        return text

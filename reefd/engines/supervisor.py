@@ -1,0 +1,121 @@
+"""Keeps one engine process alive: launch, wait until it generates, watch, restart with backoff.
+
+Knows nothing about the contract spoken to the process beyond a health callback.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ctypes
+import logging
+import signal
+import socket
+import time
+from collections.abc import Awaitable, Callable
+
+log = logging.getLogger("reefd.engine")
+
+_PR_SET_PDEATHSIG = 1
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def _die_with_parent() -> None:
+    """Runs in the child before exec: take SIGTERM when reefd dies, even by SIGKILL."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+class Supervisor:
+    """State: starting → ready → (restarting → ready)* → stopped, or failed after the deadline."""
+
+    def __init__(self, name: str, argv: Callable[[int], list[str]],
+                 healthy: Callable[[str], Awaitable[bool]], *, startup_timeout_s: float,
+                 host: str = "127.0.0.1"):
+        self.name = name
+        self._argv = argv
+        self._healthy = healthy
+        self._timeout = startup_timeout_s
+        self._host = host
+        self.state = "starting"
+        self.url = ""
+        self.restarts = 0
+        self.pid: int | None = None
+        self.last_error: str | None = None
+        self._proc: asyncio.subprocess.Process | None = None
+        self._task: asyncio.Task[None] | None = None
+        self._stopping = False
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._run(), name=f"supervise-{self.name}")
+
+    async def _run(self) -> None:
+        backoff = 1.0
+        while not self._stopping:
+            started = time.monotonic()
+            if await self._launch_once():
+                backoff = 1.0
+                assert self._proc is not None
+                code = await self._proc.wait()
+                if self._stopping:
+                    break
+                self.last_error = f"engine process exited with code {code}"
+            if self._stopping:
+                break
+            log.warning("%s: %s; restarting in %.0f s", self.name, self.last_error, backoff)
+            self.state = "restarting"
+            self.restarts += 1
+            await asyncio.sleep(backoff)
+            if time.monotonic() - started < 60:
+                backoff = min(backoff * 2, 30.0)
+
+    async def _launch_once(self) -> bool:
+        port = free_port(self._host)
+        url = f"http://{self._host}:{port}"
+        argv = self._argv(port)
+        log.info("%s: launching %s", self.name, " ".join(argv))
+        self._proc = await asyncio.create_subprocess_exec(
+            *argv, stdin=asyncio.subprocess.DEVNULL, preexec_fn=_die_with_parent)
+        self.pid = self._proc.pid
+        deadline = time.monotonic() + self._timeout
+        while time.monotonic() < deadline and not self._stopping:
+            if self._proc.returncode is not None:
+                self.last_error = f"engine process exited with code {self._proc.returncode}"
+                return False
+            if await self._healthy(url):
+                self.url = url
+                self.state = "ready"
+                log.info("%s: ready at %s (pid %s)", self.name, url, self.pid)
+                return True
+            await asyncio.sleep(0.25)
+        if self._stopping:
+            return False
+        self.last_error = f"engine not healthy within {self._timeout:.0f} s"
+        await self._terminate()
+        return False
+
+    async def _terminate(self, grace_s: float = 10.0) -> None:
+        proc = self._proc
+        if proc is None or proc.returncode is not None:
+            return
+        proc.terminate()
+        try:
+            await asyncio.wait_for(proc.wait(), grace_s)
+        except TimeoutError:
+            log.warning("%s: engine did not stop in %.0f s; killing it", self.name, grace_s)
+            proc.kill()
+            await proc.wait()
+
+    async def stop(self) -> None:
+        self._stopping = True
+        self.state = "stopped"
+        await self._terminate()
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task

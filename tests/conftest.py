@@ -1,0 +1,138 @@
+"""Shared fixtures: a real `reefd` subprocess on a free loopback port, serving the tiny model."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+TOKEN = "test-token-" + "x" * 16
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class Daemon:
+    """A running reefd: its URL, token, folders and process, with restart/kill helpers."""
+
+    scenarios: Path
+    state: Path
+    log_path: Path
+    token: str = TOKEN
+    port: int = field(default_factory=free_port)
+    env: dict[str, str] = field(default_factory=dict)
+    proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self, wait_ready: bool = True) -> None:
+        env = {**os.environ, "REEF_TOKEN": self.token, "REEF_LOG_LEVEL": "INFO", **self.env}
+        env.pop("REEF_URL", None)
+        with self.log_path.open("ab") as log:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "reefd", "--scenarios", str(self.scenarios),
+                 "--state", str(self.state), "--listen", f"127.0.0.1:{self.port}"],
+                stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
+        if wait_ready:
+            self.wait_ready()
+
+    def get(self, path: str, token: str | None = None) -> tuple[int, bytes]:
+        req = urllib.request.Request(self.url + path, headers={
+            "Authorization": f"Bearer {token or self.token}"})
+        try:
+            with urllib.request.urlopen(req, timeout=10) as r:
+                return r.status, r.read()
+        except urllib.error.HTTPError as e:
+            return e.code, e.read()
+
+    def post(self, path: str, body: bytes | dict[str, Any], headers: dict[str, str] | None = None,
+             token: str | None = None) -> tuple[int, dict[str, Any], dict[str, str]]:
+        data = body if isinstance(body, bytes) else json.dumps(body).encode()
+        hdrs = {"Authorization": f"Bearer {token or self.token}", "x-reef-scenario": "tiny",
+                "content-type": "application/json", **(headers or {})}
+        req = urllib.request.Request(self.url + path, data=data, headers=hdrs, method="POST")
+        try:
+            with urllib.request.urlopen(req, timeout=60) as r:
+                return r.status, json.loads(r.read()), dict(r.headers)
+        except urllib.error.HTTPError as e:
+            return e.code, json.loads(e.read()), dict(e.headers)
+
+    def wait_ready(self, timeout_s: float = 180.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            assert self.proc is not None
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"reefd exited with {self.proc.returncode}:\n{self.logs()}")
+            try:
+                if self.get("/readyz")[0] == 200:
+                    return
+            except OSError:
+                pass
+            time.sleep(0.2)
+        raise RuntimeError(f"reefd not ready in {timeout_s} s:\n{self.logs()}")
+
+    def logs(self) -> str:
+        return self.log_path.read_text(errors="replace")[-6000:]
+
+    def stop(self, sig: int = signal.SIGTERM, timeout_s: float = 60.0) -> int:
+        assert self.proc is not None
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            self.proc.wait(timeout_s)
+        return int(self.proc.returncode)
+
+
+def make_scenarios(dst: Path, names: tuple[str, ...] = ("tiny",), extra: dict[str, str] | None = None
+                   ) -> Path:
+    """A scenario folder with the project's config groups and a chosen subset of scenarios."""
+    dst.mkdir(parents=True, exist_ok=True)
+    for group in (ROOT / "scenarios").iterdir():
+        if group.is_dir():
+            shutil.copytree(group, dst / group.name, dirs_exist_ok=True)
+    for name in names:
+        shutil.copy(ROOT / "scenarios" / f"{name}.yaml", dst / f"{name}.yaml")
+    for name, text in (extra or {}).items():
+        (dst / f"{name}.yaml").write_text(text)
+    return dst
+
+
+@pytest.fixture(scope="session")
+def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
+    """One reefd for the session's read-mostly end-to-end tests."""
+    base = tmp_path_factory.mktemp("reefd")
+    d = Daemon(scenarios=make_scenarios(base / "scenarios"), state=base / "state",
+               log_path=base / "reefd.log")
+    d.start()
+    yield d
+    d.stop()
+
+
+@pytest.fixture
+def fresh_daemon(tmp_path: Path) -> Iterator[Daemon]:
+    """A reefd of the test's own, for tests that stop, kill or restart it."""
+    d = Daemon(scenarios=make_scenarios(tmp_path / "scenarios"), state=tmp_path / "state",
+               log_path=tmp_path / "reefd.log")
+    yield d
+    if d.proc is not None and d.proc.poll() is None:
+        d.proc.kill()
+        d.proc.wait()

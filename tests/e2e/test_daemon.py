@@ -1,0 +1,135 @@
+"""The daemon as operators see it: config checks, tokens, signals, engine restarts, crashes."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import stat
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import openai
+import pytest
+
+from tests.conftest import ROOT, Daemon, make_scenarios
+
+
+def reefd(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "reefd", *args], capture_output=True, text=True,
+                          cwd=ROOT, env={**os.environ, **(env or {})}, timeout=120)
+
+
+def test_check_composes_every_shipped_scenario() -> None:
+    out = reefd("--check", "--scenarios", str(ROOT / "scenarios"))
+    assert out.returncode == 0, out.stderr
+    assert "hello: ok (model smollm2, engine worker)" in out.stdout
+    assert "tiny: ok (model tiny, engine worker)" in out.stdout
+
+
+def test_bad_config_exits_2_with_one_line_naming_file_and_key(tmp_path: Path) -> None:
+    scen = make_scenarios(tmp_path / "s", extra={
+        "hello": "defaults:\n  - model: smollm2\n  - _self_\nmodel:\n  engine: wrker\n"})
+    out = reefd("--check", "--scenarios", str(scen))
+    assert out.returncode == 2
+    lines = out.stderr.strip().splitlines()
+    assert lines == [f"{scen}/hello.yaml: model.engine: 'wrker' is not one of "
+                     "['worker', 'sglang', 'upstream']"]
+
+
+def test_schema_command_prints_json_schema() -> None:
+    out = reefd("schema")
+    schema = json.loads(out.stdout)
+    assert schema["properties"]["model"]["properties"]["engine"]["enum"] == [
+        "worker", "sglang", "upstream"]
+
+
+def test_generated_token_is_private_and_never_logged(fresh_daemon: Daemon) -> None:
+    fresh_daemon.env = {"REEF_TOKEN": ""}
+    fresh_daemon.token = ""
+    fresh_daemon.start(wait_ready=False)
+    token_file = fresh_daemon.state / "token"
+    deadline = time.monotonic() + 60
+    while not token_file.exists() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    token = token_file.read_text().strip()
+    assert stat.S_IMODE(token_file.stat().st_mode) == 0o600
+    fresh_daemon.token = token
+    fresh_daemon.wait_ready()
+    assert str(token_file) in fresh_daemon.logs()
+    assert token not in fresh_daemon.logs()
+    assert fresh_daemon.get("/reef/status")[0] == 200
+
+
+def test_sigterm_drains_in_flight_streams_and_stops_workers(fresh_daemon: Daemon) -> None:
+    fresh_daemon.start()
+    status = json.loads(fresh_daemon.get("/reef/status")[1])
+    worker_pid = status["scenarios"][0]["engine"]["pid"]
+    c = openai.OpenAI(base_url=fresh_daemon.url + "/v1", api_key=fresh_daemon.token,
+                      max_retries=0, default_headers={"x-reef-scenario": "tiny"})
+    lines: list[str] = []
+    started = threading.Event()
+
+    def consume() -> None:
+        with c.chat.completions.with_streaming_response.create(
+                model="tiny", messages=[{"role": "user", "content": "long"}], stream=True,
+                max_tokens=400, extra_body={"ignore_eos": True}) as resp:
+            for line in resp.iter_lines():
+                if line:
+                    lines.append(line)
+                    started.set()
+
+    t = threading.Thread(target=consume)
+    t.start()
+    assert started.wait(60)
+    assert fresh_daemon.stop(signal.SIGTERM) == 0
+    t.join(60)
+    assert lines[-1] == "data: [DONE]"
+    with pytest.raises(ProcessLookupError):
+        os.kill(worker_pid, 0)
+
+
+def test_dead_worker_is_restarted_and_503_meanwhile(fresh_daemon: Daemon) -> None:
+    fresh_daemon.start()
+    pid = json.loads(fresh_daemon.get("/reef/status")[1])["scenarios"][0]["engine"]["pid"]
+    os.kill(pid, signal.SIGKILL)
+    c = openai.OpenAI(base_url=fresh_daemon.url + "/v1", api_key=fresh_daemon.token,
+                      max_retries=0, default_headers={"x-reef-scenario": "tiny"})
+    with pytest.raises(openai.APIStatusError) as exc:
+        c.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}])
+    assert exc.value.status_code == 503
+    assert int(exc.value.response.headers["retry-after"]) >= 1
+    fresh_daemon.wait_ready()
+    engine = json.loads(fresh_daemon.get("/reef/status")[1])["scenarios"][0]["engine"]
+    assert engine["restarts"] >= 1 and engine["pid"] != pid
+    ok = c.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}],
+                                   max_tokens=2)
+    assert ok.usage is not None and ok.usage.completion_tokens >= 1
+
+
+def test_acknowledged_receipts_survive_kill_9(fresh_daemon: Daemon) -> None:
+    fresh_daemon.start()
+    c = openai.OpenAI(base_url=fresh_daemon.url + "/v1", api_key=fresh_daemon.token,
+                      max_retries=0, default_headers={"x-reef-scenario": "tiny"})
+    receipts: list[str] = []
+    for i in range(12):
+        raw = c.chat.completions.with_raw_response.create(
+            model="tiny", messages=[{"role": "user", "content": f"n={i}"}], max_tokens=2)
+        receipt = raw.headers["x-reef-agent-record-id"]
+        receipts.append(receipt)
+        status, report, _ = fresh_daemon.post("/reef/report", {"score": i, "references": [receipt]})
+        assert status == 200 and report["references"] == [receipt]
+    assert fresh_daemon.proc is not None
+    fresh_daemon.proc.send_signal(signal.SIGKILL)
+    fresh_daemon.proc.wait(30)
+    fresh_daemon.start()
+    for i, receipt in enumerate(receipts):
+        status, body = fresh_daemon.get(f"/reef/records/{receipt}")
+        assert status == 200, receipt
+        rec = json.loads(body)
+        assert [r["score"] for r in rec["reports"]] == [i]
+    counts = json.loads(fresh_daemon.get("/reef/status")[1])["scenarios"][0]
+    assert counts["records"] == 12 and counts["reports"] == 12

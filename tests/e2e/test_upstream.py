@@ -1,0 +1,110 @@
+"""`engine: upstream` passes requests through to an OpenAI-compatible provider and records them.
+
+Contract test: the provider is tests/fake_upstream.py on loopback (hosted providers are out of
+reach here); pointing `model.url` at a real provider is the only change for production.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import anthropic
+import openai
+import pytest
+from aiohttp import web
+
+from tests.conftest import Daemon, free_port, make_scenarios
+from tests.fake_upstream import SEEN, build
+
+pytestmark = pytest.mark.contract
+
+
+@pytest.fixture(scope="module")
+def upstream() -> Iterator[tuple[str, web.Application]]:
+    import asyncio
+
+    app = build()
+    port = free_port()
+    loop = asyncio.new_event_loop()
+    runner = web.AppRunner(app, access_log=None)
+    loop.run_until_complete(runner.setup())
+    loop.run_until_complete(web.TCPSite(runner, "127.0.0.1", port).start())
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{port}/v1", app
+    loop.call_soon_threadsafe(loop.stop)
+    thread.join(5)
+    loop.run_until_complete(runner.cleanup())
+    loop.close()
+
+
+@pytest.fixture(scope="module")
+def proxy(upstream: tuple[str, web.Application], tmp_path_factory: pytest.TempPathFactory
+          ) -> Iterator[Daemon]:
+    base = tmp_path_factory.mktemp("up")
+    yaml = ("defaults:\n  - model: upstream\n  - _self_\nmodel:\n"
+            f"  url: {upstream[0]}\n  api_key_env: UP_KEY\n  upstream_model: up-model\n")
+    d = Daemon(scenarios=make_scenarios(base / "s", names=(), extra={"up": yaml}),
+               state=base / "state", log_path=base / "reefd.log", env={"UP_KEY": "up-key"})
+    d.start()
+    yield d
+    d.stop()
+
+
+def test_openai_passthrough_is_recorded_without_token_ids(proxy: Daemon,
+                                                          upstream: tuple[str, web.Application]
+                                                          ) -> None:
+    c = openai.OpenAI(base_url=proxy.url + "/v1", api_key=proxy.token, max_retries=0,
+                      default_headers={"x-reef-scenario": "up"})
+    raw = c.chat.completions.with_raw_response.create(
+        model="up", messages=[{"role": "user", "content": "hi"}], max_tokens=9)
+    answer = raw.parse()
+    assert answer.choices[0].message.content == "Hello from upstream."
+    sent = upstream[1][SEEN][-1]
+    assert sent["body"]["model"] == "up-model" and sent["body"]["max_tokens"] == 9
+    rec = json.loads(proxy.get(f"/reef/records/{raw.headers['x-reef-agent-record-id']}")[1])
+    assert rec["engine"] == "upstream" and rec["completion_token_ids"] is None
+    assert rec["usage"] == {"prompt_tokens": 7, "completion_tokens": 4}
+
+
+def test_streaming_passthrough_forces_usage_upstream(proxy: Daemon,
+                                                     upstream: tuple[str, web.Application]
+                                                     ) -> None:
+    c = openai.OpenAI(base_url=proxy.url + "/v1", api_key=proxy.token, max_retries=0,
+                      default_headers={"x-reef-scenario": "up"})
+    chunks = list(c.chat.completions.create(
+        model="up", messages=[{"role": "user", "content": "hi"}], stream=True))
+    text = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
+    assert text == "Hello from upstream."
+    assert all(ch.usage is None for ch in chunks)  # the client did not ask for usage
+    assert upstream[1][SEEN][-1]["body"]["stream_options"] == {"include_usage": True}
+
+
+def test_anthropic_client_over_openai_upstream_gets_tool_use(proxy: Daemon) -> None:
+    c = anthropic.Anthropic(base_url=proxy.url, api_key=proxy.token, max_retries=0,
+                            default_headers={"x-reef-scenario": "up"})
+    msg = c.messages.create(model="up", max_tokens=20,
+                            tools=[{"name": "search", "input_schema": {"type": "object"}}],
+                            messages=[{"role": "user", "content": "find"}])
+    assert msg.stop_reason == "tool_use"
+    block = msg.content[0]
+    assert block.type == "tool_use" and block.name == "search" and block.input == {"q": 1}
+
+
+def test_upstream_auth_failure_is_passed_on(upstream: tuple[str, web.Application],
+                                            tmp_path: Path) -> None:
+    yaml = (f"defaults:\n  - model: upstream\n  - _self_\nmodel:\n  url: {upstream[0]}\n"
+            "  api_key_env: NO_SUCH_KEY\n")
+    d = Daemon(scenarios=make_scenarios(tmp_path / "s", names=(), extra={"up": yaml}),
+               state=tmp_path / "state", log_path=tmp_path / "reefd.log")
+    d.start()
+    try:
+        status, body, _ = d.post("/v1/chat/completions", {
+            "model": "up", "messages": [{"role": "user", "content": "x"}]},
+            headers={"x-reef-scenario": "up"})
+        assert status == 502 and "bad upstream key" in body["error"]["message"]
+    finally:
+        d.stop()
