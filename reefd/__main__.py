@@ -12,6 +12,8 @@ import logging
 import os
 import signal
 import sys
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 from aiohttp import web
@@ -60,7 +62,7 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
-async def serve(settings: Settings, host: str, port: int) -> int:
+async def serve(settings: Settings, host: str, port: int, scenarios_dir: Path) -> int:
     app = build_app(settings)
     runner = web.AppRunner(app, handle_signals=False, access_log=None,
                            shutdown_timeout=settings.shutdown_timeout_s)
@@ -77,6 +79,14 @@ async def serve(settings: Settings, host: str, port: int) -> int:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    reloads: set[asyncio.Task[None]] = set()
+
+    def on_hup() -> None:
+        task = asyncio.create_task(_reload(app, scenarios_dir))
+        reloads.add(task)
+        task.add_done_callback(reloads.discard)
+
+    loop.add_signal_handler(signal.SIGHUP, on_hup)
     ready = asyncio.create_task(_announce_ready(app))
     await stop.wait()
     log.info("stopping: draining in-flight requests (up to %.0f s)", settings.shutdown_timeout_s)
@@ -85,6 +95,19 @@ async def serve(settings: Settings, host: str, port: int) -> int:
     await runner.cleanup()
     log.info("stopped")
     return 0
+
+
+async def _reload(app: web.Application, scenarios_dir: Path) -> None:
+    """SIGHUP (`systemctl reload reefd`): re-read the folder and apply the difference."""
+    systemd.notify("RELOADING=1", f"MONOTONIC_USEC={time.clock_gettime_ns(time.CLOCK_MONOTONIC) // 1000}")
+    try:
+        scenarios = config.load_all(scenarios_dir)
+    except config.ConfigError as exc:
+        log.error("reload refused, still serving the previous scenarios: %s", exc)
+    else:
+        await app[REGISTRY].reload(scenarios)
+        log.info("reloaded scenarios: %s", ", ".join(sorted(scenarios)))
+    systemd.notify("READY=1", "STATUS=serving")
 
 
 async def _announce_ready(app: web.Application) -> None:
@@ -116,7 +139,19 @@ def main(argv: list[str] | None = None) -> int:
     args.state.mkdir(parents=True, exist_ok=True)
     settings = Settings(state_dir=args.state, tokens=load_tokens(args.state),
                         scenarios=scenarios)
-    return asyncio.run(serve(settings, host, port))
+    with asyncio.Runner(loop_factory=_loop_factory()) as runner:
+        return runner.run(serve(settings, host, port, args.scenarios))
+
+
+def _loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
+    """uvloop when installed (it is a dependency; REEF_LOOP=asyncio opts out)."""
+    if os.environ.get("REEF_LOOP") == "asyncio":
+        return None
+    try:
+        import uvloop
+    except ImportError:
+        return None
+    return uvloop.new_event_loop
 
 
 if __name__ == "__main__":

@@ -65,7 +65,7 @@ def matches(presented: str | None, tokens: list[str]) -> bool:
     ok = False
     for token in tokens:
         ok |= hmac.compare_digest(given, token.encode())
-    return ok and presented is not None
+    return ok and bool(presented)
 
 
 def auth_middleware(tokens: list[str]) -> Callable[..., Awaitable[web.StreamResponse]]:

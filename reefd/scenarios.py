@@ -7,6 +7,7 @@ Knows nothing about wire formats or records.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 from dataclasses import dataclass
@@ -36,20 +37,60 @@ class Scenario:
         return self.cfg.name
 
 
+def _model_key(cfg: ScenarioConfig) -> str:
+    return json.dumps(to_dict(cfg)["model"], sort_keys=True)
+
+
 class Registry:
     def __init__(self, configs: dict[str, ScenarioConfig], state_dir: Path,
                  session: aiohttp.ClientSession):
+        self.state_dir = state_dir
+        self.session = session
         self.engines: dict[str, Engine] = {}
         self.scenarios: dict[str, Scenario] = {}
+        self._next: dict[str, Scenario] = {}
+        self._bind(configs)
+
+    def _bind(self, configs: dict[str, ScenarioConfig]) -> list[Engine]:
+        """Point scenarios at engines, building engines for new models; returns the new ones."""
+        new: list[Engine] = []
+        scenarios = {}
         for name, cfg in sorted(configs.items()):
-            key = json.dumps(to_dict(cfg)["model"], sort_keys=True)
+            key = _model_key(cfg)
             if key not in self.engines:
-                self.engines[key] = build_engine(cfg.model, state_dir, session)
-            self.scenarios[name] = Scenario(cfg, self.engines[key])
+                self.engines[key] = build_engine(cfg.model, self.state_dir, self.session)
+                new.append(self.engines[key])
+            old = self.scenarios.get(name)
+            scenarios[name] = Scenario(cfg, self.engines[key],
+                                       old.release if old else BASE_RELEASE)
+        self._next = scenarios
+        return new
 
     async def start(self) -> None:
+        self.scenarios = self._next
         for engine in self.engines.values():
             await engine.start()
+
+    async def reload(self, configs: dict[str, ScenarioConfig]) -> None:
+        """Apply a re-read scenario folder without dropping requests.
+
+        New engines start and get until their start-up deadline to generate before any route
+        moves to them; requests in flight keep the Scenario (and engine) they resolved; an
+        engine that no scenario uses any more is stopped after the swap.
+        """
+        fresh = self._bind(configs)
+        for engine in fresh:
+            await engine.start()
+        deadline = max((s.cfg.model.startup_timeout_s for s in self._next.values()), default=0)
+        waited = 0.0
+        while any(not e.ready and e.describe()["state"] != "failed" for e in fresh) \
+                and waited < deadline:
+            await asyncio.sleep(0.25)
+            waited += 0.25
+        self.scenarios = self._next
+        used = {_model_key(s.cfg) for s in self.scenarios.values()}
+        for key in [k for k in self.engines if k not in used]:
+            await self.engines.pop(key).stop()
 
     async def stop(self) -> None:
         for engine in self.engines.values():

@@ -136,3 +136,12 @@ def fresh_daemon(tmp_path: Path) -> Iterator[Daemon]:
     if d.proc is not None and d.proc.poll() is None:
         d.proc.kill()
         d.proc.wait()
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny test model, built once per session by the worker's own preparation command."""
+    out = tmp_path_factory.mktemp("models") / "tiny"
+    subprocess.run([sys.executable, "-m", "reefd.worker.prepare", "tiny", "--out", str(out)],
+                   check=True, capture_output=True)
+    return out

@@ -100,12 +100,12 @@ async def serve_turn(request: web.Request, scenario: Scenario, store: RecordStor
     except (EngineUnavailable, EngineError) as exc:
         raise engine_failure(exc) from exc
     if not stream:
-        completion = first if isinstance(first, Completion) else await _last(events)
-        answer = wire.response(completion)
-        finish_record(record, completion, answer, started, None)
         try:
+            completion = first if isinstance(first, Completion) else await _last(events)
+            answer = wire.response(completion)
+            finish_record(record, completion, answer, started, None)
             await store.put_record(record)
-        except StorageError as exc:
+        except (EngineUnavailable, EngineError, StorageError) as exc:
             raise engine_failure(exc) from exc
         return web.json_response(answer, headers=headers)
     return await _stream(request, store, wire, record, headers, first, events, started)

@@ -80,6 +80,8 @@ class SGLangClient:
             raise EngineError(f"engine connection lost: {exc}") from exc
         except aiohttp.ClientError as exc:
             raise EngineError(f"engine connection failed: {exc}") from exc
+        except TimeoutError as exc:
+            raise EngineError(f"engine did not answer within {timeout_s:.0f} s", status=504) from exc
 
 
 def sampling_params(req: ChatRequest) -> dict[str, Any]:

@@ -95,6 +95,8 @@ class UpstreamEngine:
                     yield item
         except aiohttp.ClientError as exc:
             raise EngineUnavailable(f"upstream {self.cfg.url} unreachable: {exc}") from exc
+        except TimeoutError as exc:
+            raise EngineError(f"upstream did not answer within {timeout_s:.0f} s", status=504) from exc
 
     async def _raise(self, r: aiohttp.ClientResponse) -> None:
         text = await r.text()

@@ -133,3 +133,31 @@ def test_acknowledged_receipts_survive_kill_9(fresh_daemon: Daemon) -> None:
         assert [r["score"] for r in rec["reports"]] == [i]
     counts = json.loads(fresh_daemon.get("/reef/status")[1])["scenarios"][0]
     assert counts["records"] == 12 and counts["reports"] == 12
+
+
+def test_sighup_applies_new_scenarios_and_refuses_bad_ones(fresh_daemon: Daemon) -> None:
+    fresh_daemon.start()
+    assert fresh_daemon.proc is not None
+    (fresh_daemon.scenarios / "second.yaml").write_text(
+        "defaults:\n  - model: tiny\n  - _self_\ndescription: same model, second name\n")
+    fresh_daemon.proc.send_signal(signal.SIGHUP)
+    deadline = time.monotonic() + 30
+    names: list[str] = []
+    while time.monotonic() < deadline and names != ["second", "tiny"]:
+        names = [m["id"] for m in json.loads(fresh_daemon.get("/v1/models")[1])["data"]]
+        time.sleep(0.2)
+    assert names == ["second", "tiny"]
+    engines = {s["engine"]["pid"] for s in
+               json.loads(fresh_daemon.get("/reef/status")[1])["scenarios"]}
+    assert len(engines) == 1  # the same model is served by one worker
+    status, _, headers = fresh_daemon.post("/v1/chat/completions", {
+        "model": "second", "messages": [{"role": "user", "content": "x"}], "max_tokens": 2},
+        headers={"x-reef-scenario": "second"})
+    assert status == 200 and headers["x-reef-agent-record-id"]
+    (fresh_daemon.scenarios / "broken.yaml").write_text("model:\n  engine: wrker\n")
+    fresh_daemon.proc.send_signal(signal.SIGHUP)
+    deadline = time.monotonic() + 30
+    while "reload refused" not in fresh_daemon.logs() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert "broken.yaml: model.engine: 'wrker' is not one of" in fresh_daemon.logs()
+    assert fresh_daemon.get("/readyz")[0] == 200

@@ -67,7 +67,7 @@ def test_malformed_reports_are_400_naming_the_field(daemon: Daemon, body: dict[s
 
 @pytest.mark.parametrize("constant", ["NaN", "Infinity", "-Infinity"])
 def test_non_finite_score_is_rejected(daemon: Daemon, receipt: str, constant: str) -> None:
-    raw = ('{"score": %s, "references": ["%s"]}' % (constant, receipt)).encode()
+    raw = f'{{"score": {constant}, "references": ["{receipt}"]}}'.encode()
     status, answer, _ = post(daemon, "/reef/report", raw)
     assert status == 400 and answer["error"]["param"] == "score"
 

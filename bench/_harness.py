@@ -1,0 +1,107 @@
+"""Shared pieces of the benchmarks: start reefd or the fake upstream, load them, read RSS."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from tests.conftest import Daemon, free_port, make_scenarios  # noqa: E402
+
+
+def scratch_dir() -> Path:
+    base = ROOT / ".bench-tmp"
+    base.mkdir(exist_ok=True)
+    return Path(tempfile.mkdtemp(dir=base))
+
+
+def start_upstream() -> tuple[subprocess.Popen[bytes], str]:
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, str(ROOT / "tests" / "fake_upstream.py"),
+                             "--port", str(port)])
+    url = f"http://127.0.0.1:{port}/v1"
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        try:
+            urllib.request.urlopen(url.replace("/v1", "/"), timeout=1)
+        except urllib.error.HTTPError:
+            return proc, url  # it answers (404 on /): it is up
+        except OSError:
+            time.sleep(0.1)
+    raise RuntimeError("fake upstream did not start")
+
+
+def start_reefd(tmp: Path, extra: dict[str, str], names: tuple[str, ...] = (),
+                env: dict[str, str] | None = None) -> Daemon:
+    d = Daemon(scenarios=make_scenarios(tmp / "scenarios", names=names, extra=extra),
+               state=tmp / "state", log_path=tmp / "reefd.log", env=env or {})
+    d.start()
+    return d
+
+
+def upstream_scenario(url: str) -> str:
+    return (f"defaults:\n  - model: upstream\n  - _self_\nmodel:\n  url: {url}\n"
+            "  api_key_env: UP_KEY\n  upstream_model: up\n")
+
+
+def peak_rss_mb(pid: int) -> float:
+    """VmHWM: the peak resident set of a process so far."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024
+    raise RuntimeError(f"no VmHWM for pid {pid}")
+
+
+def rss_mb(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    raise RuntimeError(f"no VmRSS for pid {pid}")
+
+
+async def load(url: str, headers: dict[str, str], body: dict, n: int, concurrency: int
+               ) -> tuple[list[float], float]:
+    """n POSTs at a fixed concurrency; returns per-request latencies (s) and wall time (s)."""
+    import aiohttp
+
+    latencies: list[float] = []
+    queue: asyncio.Queue[int] = asyncio.Queue()
+    for i in range(n):
+        queue.put_nowait(i)
+    connector = aiohttp.TCPConnector(limit=concurrency)
+    async with aiohttp.ClientSession(connector=connector) as session:
+        async def worker() -> None:
+            while not queue.empty():
+                queue.get_nowait()
+                t0 = time.perf_counter()
+                async with session.post(url, json=body, headers=headers) as r:
+                    await r.read()
+                    if r.status != 200:
+                        raise RuntimeError(f"{url}: {r.status} {await r.text()}")
+                latencies.append(time.perf_counter() - t0)
+
+        start = time.perf_counter()
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+        return latencies, time.perf_counter() - start
+
+
+def pct(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def median(values: list[float]) -> float:
+    return statistics.median(values)
+
+
+__all__ = ["ROOT", "Daemon", "load", "os", "pct", "peak_rss_mb", "rss_mb", "scratch_dir",
+           "start_reefd", "start_upstream", "upstream_scenario"]

@@ -1,0 +1,62 @@
+"""What reefd adds in front of a provider: latency and throughput vs calling it directly.
+
+reefd (upstream engine, every turn recorded durably) in front of a trivially fast
+OpenAI-compatible server, against that server called directly, at concurrency 1 and 64.
+Goals: added p50 ≤ 2 ms, throughput ≥ 0.5× direct.
+Run: python bench/proxy_overhead.py [--n1 400] [--n64 4000]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import shutil
+
+from _harness import load, pct, scratch_dir, start_reefd, start_upstream, upstream_scenario
+
+BODY = {"model": "up", "messages": [{"role": "user", "content": "ping"}], "max_tokens": 8}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--n1", type=int, default=400, help="requests at concurrency 1")
+    ap.add_argument("--n64", type=int, default=4000, help="requests at concurrency 64")
+    args = ap.parse_args()
+    tmp = scratch_dir()
+    upstream, url = start_upstream()
+    daemon = start_reefd(tmp, {"up": upstream_scenario(url)}, env={"UP_KEY": "up-key"})
+    direct = (url + "/chat/completions", {"Authorization": "Bearer up-key"})
+    proxied = (daemon.url + "/v1/chat/completions",
+               {"Authorization": f"Bearer {daemon.token}", "x-reef-scenario": "up"})
+    result: dict[str, object] = {"bench": "proxy_overhead"}
+    try:
+        for conc, n in ((1, args.n1), (64, args.n64)):
+            for target in (direct, proxied):  # warm both paths
+                asyncio.run(load(target[0], target[1], BODY, min(n, 200), conc))
+            d_lat, d_wall = asyncio.run(load(*direct, BODY, n, conc))
+            p_lat, p_wall = asyncio.run(load(*proxied, BODY, n, conc))
+            added_p50 = (pct(p_lat, 0.5) - pct(d_lat, 0.5)) * 1000
+            added_p99 = (pct(p_lat, 0.99) - pct(d_lat, 0.99)) * 1000
+            ratio = (n / p_wall) / (n / d_wall)
+            print(f"concurrency {conc:>2}: direct p50 {pct(d_lat, .5) * 1e3:6.2f} ms "
+                  f"p99 {pct(d_lat, .99) * 1e3:6.2f} ms {n / d_wall:7.0f} req/s | via reefd "
+                  f"p50 {pct(p_lat, .5) * 1e3:6.2f} ms p99 {pct(p_lat, .99) * 1e3:6.2f} ms "
+                  f"{n / p_wall:7.0f} req/s | added p50 {added_p50:+.2f} ms "
+                  f"p99 {added_p99:+.2f} ms, throughput {ratio:.2f}x direct")
+            result[f"c{conc}"] = {"added_p50_ms": round(added_p50, 3),
+                                  "added_p99_ms": round(added_p99, 3),
+                                  "direct_rps": round(n / d_wall, 1),
+                                  "reefd_rps": round(n / p_wall, 1),
+                                  "throughput_ratio": round(ratio, 3)}
+        result["goal"] = {"added_p50_ms": 2.0, "throughput_ratio": 0.5}
+        print(json.dumps(result))
+    finally:
+        daemon.stop()
+        upstream.terminate()
+        upstream.wait()
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()

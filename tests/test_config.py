@@ -1,0 +1,72 @@
+"""Scenario composition: Hydra defaults, structured validation, one-line errors with key paths."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import jsonschema
+import pytest
+
+from reefd import config
+from tests.conftest import ROOT, make_scenarios
+
+
+@pytest.mark.parametrize("path", sorted((ROOT / "scenarios").glob("*.yaml")), ids=lambda p: p.stem)
+def test_every_shipped_scenario_composes_and_validates(path: Path) -> None:
+    cfg = config.compose(path)
+    assert cfg.name == path.stem
+    jsonschema.validate(config.to_dict(cfg), config.json_schema())
+
+
+def test_defaults_pick_the_model_group_and_self_overrides(tmp_path: Path) -> None:
+    scen = make_scenarios(tmp_path, names=(), extra={
+        "x": "defaults:\n  - model: smollm2\n  - _self_\nmodel:\n  max_batch: 3\n"})
+    cfg = config.compose(scen / "x.yaml")
+    assert (cfg.model.name, cfg.model.source, cfg.model.max_batch) == ("smollm2", "smollm2", 3)
+
+
+@pytest.mark.parametrize("body,message", [
+    ("model:\n  engine: wrker\n",
+     "model.engine: 'wrker' is not one of ['worker', 'sglang', 'upstream']"),
+    ("model:\n  enigne: worker\n", "model.enigne: unknown key (did you mean 'engine'?)"),
+    ("serve:\n  default_max_tokens: 0\n", "serve.default_max_tokens: 0 is less than the minimum of 1"),
+    ("model:\n  max_batch: lots\n", "model.max_batch: Value 'lots' of type 'str' could not be converted to Integer"),
+    ("descripton: typo\n", "descripton: unknown key (did you mean 'description'?)"),
+])
+def test_mistakes_name_file_and_full_key_path(tmp_path: Path, body: str, message: str) -> None:
+    scen = make_scenarios(tmp_path, names=(), extra={
+        "bad": "defaults:\n  - model: tiny\n  - _self_\n" + body})
+    with pytest.raises(config.ConfigError) as exc:
+        config.compose(scen / "bad.yaml")
+    assert str(exc.value) == f"{scen}/bad.yaml: {message}"
+    assert "\n" not in str(exc.value)
+
+
+def test_missing_group_option_lists_the_available_ones(tmp_path: Path) -> None:
+    scen = make_scenarios(tmp_path, names=(), extra={"bad": "defaults:\n  - model: tinyy\n"})
+    with pytest.raises(config.ConfigError) as exc:
+        config.compose(scen / "bad.yaml")
+    text = str(exc.value)
+    assert "model/tinyy" in text and "smollm2 tiny upstream" in text and "\n" not in text
+
+
+def test_upstream_needs_a_url(tmp_path: Path) -> None:
+    scen = make_scenarios(tmp_path, names=(), extra={
+        "up": "defaults:\n  - model: upstream\n  - _self_\nmodel:\n  url: null\n"})
+    with pytest.raises(config.ConfigError, match=r"model\.url: an upstream model needs"):
+        config.compose(scen / "up.yaml")
+
+
+def test_empty_or_missing_folder_is_an_error(tmp_path: Path) -> None:
+    with pytest.raises(config.ConfigError, match="scenarios folder not found"):
+        config.load_all(tmp_path / "nope")
+    with pytest.raises(config.ConfigError, match="no scenario files"):
+        config.load_all(tmp_path)
+
+
+def test_schema_rejects_unknown_keys_and_documents_fields() -> None:
+    schema = config.json_schema()
+    assert schema["additionalProperties"] is False
+    assert "description" in schema["properties"]["model"]["properties"]["engine"]
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate({"modle": {}}, schema)
