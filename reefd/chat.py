@@ -100,10 +100,16 @@ class ChatTemplate:
 
     def render(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
                add_generation_prompt: bool = True) -> str:
+        if not self.supports_tools:  # e.g. SmolLM2: spell tools out in the Hermes convention
+            messages, tools = fold_tools(messages, tools or []), None
         prepared = [_template_message(m) for m in messages]
         kwargs: dict[str, Any] = {k: v for k, v in self.specials.items() if v is not None}
-        return self._template.render(messages=prepared, tools=tools or None,
-                                     add_generation_prompt=add_generation_prompt, **kwargs)
+        try:
+            return self._template.render(messages=prepared, tools=tools or None,
+                                         add_generation_prompt=add_generation_prompt, **kwargs)
+        except (jinja2.TemplateError, TypeError, ValueError) as exc:
+            raise TemplateError(f"the model's chat template cannot render this conversation: "
+                                f"{exc}") from exc
 
     def encode(self, text: str) -> list[int]:
         return list(self.tokenizer.encode(text, add_special_tokens=False).ids)
@@ -114,6 +120,47 @@ class ChatTemplate:
 
     def count_tokens(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]]) -> int:
         return len(self.encode(self.render(messages, tools)))
+
+
+class TemplateError(ValueError):
+    """The conversation does not fit the model's chat template (a client error)."""
+
+
+HERMES_TOOLS_PROMPT = (
+    "# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
+    "You are provided with function signatures within <tools></tools> XML tags:\n<tools>\n"
+    "{tools}\n</tools>\n\nFor each function call, return a json object with function name and "
+    "arguments within <tool_call></tool_call> XML tags:\n<tool_call>\n"
+    '{{"name": <function-name>, "arguments": <args-json-object>}}\n</tool_call>')
+
+
+def fold_tools(messages: list[dict[str, Any]], tools: list[dict[str, Any]]
+               ) -> list[dict[str, Any]]:
+    """Tools, tool calls and tool results as plain text, for templates that know no tools."""
+    out: list[dict[str, Any]] = []
+    for m in messages:
+        if m["role"] == "tool":
+            out.append({"role": "user",
+                        "content": f"<tool_response>\n{m.get('content') or ''}\n</tool_response>"})
+        elif m.get("tool_calls"):
+            calls = _template_message(m)["tool_calls"]
+            text = "\n".join(
+                "<tool_call>\n" + json.dumps({"name": c["function"]["name"],
+                                              "arguments": c["function"]["arguments"]},
+                                             ensure_ascii=False) + "\n</tool_call>"
+                for c in calls)
+            head = m.get("content") or ""
+            out.append({"role": m["role"], "content": f"{head}\n{text}" if head else text})
+        else:
+            out.append({**m, "content": m.get("content") or ""})
+    if tools:
+        block = HERMES_TOOLS_PROMPT.format(
+            tools="\n".join(json.dumps(t, ensure_ascii=False) for t in tools))
+        if out and out[0]["role"] == "system":
+            out[0] = {**out[0], "content": f"{out[0]['content']}\n\n{block}"}
+        else:
+            out.insert(0, {"role": "system", "content": block})
+    return out
 
 
 def _chosen_tools(tools: list[dict[str, Any]], choice: Any) -> list[dict[str, Any]]:

@@ -145,3 +145,19 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     subprocess.run([sys.executable, "-m", "reefd.worker.prepare", "tiny", "--out", str(out)],
                    check=True, capture_output=True)
     return out
+
+
+_SDK_CLIENTS: list[Any] = []
+
+
+def sdk(client: Any) -> Any:
+    """Keep an SDK client alive until the session ends, then close it (no ResourceWarning)."""
+    _SDK_CLIENTS.append(client)
+    return client
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _close_sdk_clients() -> Iterator[None]:
+    yield
+    for client in _SDK_CLIENTS:
+        client.close()

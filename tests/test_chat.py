@@ -71,3 +71,33 @@ def test_unterminated_call_at_the_end_still_parses() -> None:
                                   '<tool_call>{"arguments": {}}</tool_call>'])
 def test_malformed_markup_stays_text(text: str) -> None:
     assert parse_tool_calls(text) == (text, [])
+
+
+def test_templates_without_tools_get_them_folded_in(tmp_path: Path, tiny: Path) -> None:
+    import shutil
+
+    plain = tmp_path / "plain"
+    shutil.copytree(tiny, plain)
+    (plain / "chat_template.jinja").write_text(  # SmolLM2's own template: no tool support
+        "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\\n' + "
+        "message['content'] + '<|im_end|>' + '\\n'}}{% endfor %}"
+        "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
+    t = ChatTemplate(plain)
+    assert not t.supports_tools
+    text = t.render(CONVERSATION, TOOLS)
+    assert "<tools>\n" + json.dumps(TOOLS[0]) + "\n</tools>" in text
+    assert '<tool_call>\n{"name": "get", "arguments": {"x": 1}}\n</tool_call>' in text
+    assert "<|im_start|>user\n<tool_response>\n42\n</tool_response><|im_end|>" in text
+
+
+def test_unrenderable_conversation_is_a_template_error(tmp_path: Path, tiny: Path) -> None:
+    import shutil
+
+    from reefd.chat import TemplateError
+
+    strict = tmp_path / "strict"
+    shutil.copytree(tiny, strict)
+    (strict / "chat_template.jinja").write_text(
+        "{% if messages[0]['role'] != 'user' %}{{ raise_exception('user first') }}{% endif %}x")
+    with pytest.raises(TemplateError, match="user first"):
+        ChatTemplate(strict).render([{"role": "assistant", "content": "hi"}])

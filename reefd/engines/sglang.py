@@ -19,7 +19,7 @@ from typing import Any
 
 import aiohttp
 
-from reefd.chat import ChatRequest, ChatTemplate, Completion, parse_tool_calls
+from reefd.chat import ChatRequest, ChatTemplate, Completion, TemplateError, parse_tool_calls
 from reefd.config import ModelConfig
 from reefd.engines import EngineError, EngineUnavailable, Prompt
 from reefd.engines.stream import StreamGuard
@@ -202,13 +202,19 @@ class SGLangEngine:
     def count_tokens(self, req: ChatRequest) -> int:
         if self.template is None:
             raise EngineUnavailable(f"engine for model {self.cfg.name!r} is {self.state}")
-        return len(self.template.prompt_ids(req))
+        try:
+            return len(self.template.prompt_ids(req))
+        except TemplateError as exc:
+            raise EngineError(str(exc), status=400) from exc
 
     async def generate(self, req: ChatRequest, *, stream: bool = True,
                        timeout_s: float = 600.0) -> AsyncIterator[Prompt | str | Completion]:
         client = self._client()
         assert self.template is not None
-        prompt_ids = self.template.prompt_ids(req)
+        try:
+            prompt_ids = self.template.prompt_ids(req)
+        except TemplateError as exc:
+            raise EngineError(str(exc), status=400) from exc
         payload = {"input_ids": prompt_ids, "sampling_params": sampling_params(req),
                    "return_logprob": True, "stream": stream, "rid": uuid.uuid4().hex}
         tools_on = bool(req.tools) and req.tool_choice != "none"

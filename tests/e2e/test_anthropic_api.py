@@ -7,12 +7,12 @@ import json
 import anthropic
 import pytest
 
-from tests.conftest import Daemon
+from tests.conftest import Daemon, sdk
 
 
 def client(d: Daemon, **headers: str) -> anthropic.Anthropic:
-    return anthropic.Anthropic(base_url=d.url, api_key=d.token, max_retries=0,
-                               default_headers={"x-reef-scenario": "tiny", **headers})
+    return sdk(anthropic.Anthropic(base_url=d.url, api_key=d.token, max_retries=0,
+                               default_headers={"x-reef-scenario": "tiny", **headers}))
 
 
 def record(d: Daemon, receipt: str) -> dict:
@@ -107,8 +107,8 @@ def test_max_tokens_is_required(daemon: Daemon) -> None:
 
 
 def test_errors_use_the_anthropic_shape(daemon: Daemon) -> None:
-    bad = anthropic.Anthropic(base_url=daemon.url, api_key="wrong", max_retries=0,
-                              default_headers={"x-reef-scenario": "tiny"})
+    bad = sdk(anthropic.Anthropic(base_url=daemon.url, api_key="wrong", max_retries=0,
+                              default_headers={"x-reef-scenario": "tiny"}))
     with pytest.raises(anthropic.AuthenticationError) as exc:
         bad.messages.create(model="tiny", max_tokens=1, messages=[{"role": "user", "content": "x"}])
     assert isinstance(exc.value.body, dict)

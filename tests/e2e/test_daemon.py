@@ -15,7 +15,7 @@ from pathlib import Path
 import openai
 import pytest
 
-from tests.conftest import ROOT, Daemon, make_scenarios
+from tests.conftest import ROOT, Daemon, make_scenarios, sdk
 
 
 def reefd(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
@@ -68,8 +68,8 @@ def test_sigterm_drains_in_flight_streams_and_stops_workers(fresh_daemon: Daemon
     fresh_daemon.start()
     status = json.loads(fresh_daemon.get("/reef/status")[1])
     worker_pid = status["scenarios"][0]["engine"]["pid"]
-    c = openai.OpenAI(base_url=fresh_daemon.url + "/v1", api_key=fresh_daemon.token,
-                      max_retries=0, default_headers={"x-reef-scenario": "tiny"})
+    c = sdk(openai.OpenAI(base_url=fresh_daemon.url + "/v1", api_key=fresh_daemon.token,
+                      max_retries=0, default_headers={"x-reef-scenario": "tiny"}))
     lines: list[str] = []
     started = threading.Event()
 
@@ -96,8 +96,8 @@ def test_dead_worker_is_restarted_and_503_meanwhile(fresh_daemon: Daemon) -> Non
     fresh_daemon.start()
     pid = json.loads(fresh_daemon.get("/reef/status")[1])["scenarios"][0]["engine"]["pid"]
     os.kill(pid, signal.SIGKILL)
-    c = openai.OpenAI(base_url=fresh_daemon.url + "/v1", api_key=fresh_daemon.token,
-                      max_retries=0, default_headers={"x-reef-scenario": "tiny"})
+    c = sdk(openai.OpenAI(base_url=fresh_daemon.url + "/v1", api_key=fresh_daemon.token,
+                      max_retries=0, default_headers={"x-reef-scenario": "tiny"}))
     with pytest.raises(openai.APIStatusError) as exc:
         c.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}])
     assert exc.value.status_code == 503
@@ -112,8 +112,8 @@ def test_dead_worker_is_restarted_and_503_meanwhile(fresh_daemon: Daemon) -> Non
 
 def test_acknowledged_receipts_survive_kill_9(fresh_daemon: Daemon) -> None:
     fresh_daemon.start()
-    c = openai.OpenAI(base_url=fresh_daemon.url + "/v1", api_key=fresh_daemon.token,
-                      max_retries=0, default_headers={"x-reef-scenario": "tiny"})
+    c = sdk(openai.OpenAI(base_url=fresh_daemon.url + "/v1", api_key=fresh_daemon.token,
+                      max_retries=0, default_headers={"x-reef-scenario": "tiny"}))
     receipts: list[str] = []
     for i in range(12):
         raw = c.chat.completions.with_raw_response.create(

@@ -7,14 +7,14 @@ import json
 import openai
 import pytest
 
-from tests.conftest import Daemon
+from tests.conftest import Daemon, sdk
 
 HEADERS = {"x-reef-scenario": "tiny"}
 
 
 def client(d: Daemon, **kw: object) -> openai.OpenAI:
-    return openai.OpenAI(base_url=d.url + "/v1", api_key=d.token, max_retries=0,
-                         default_headers=HEADERS, **kw)  # type: ignore[arg-type]
+    return sdk(openai.OpenAI(base_url=d.url + "/v1", api_key=d.token, max_retries=0,
+                         default_headers=HEADERS, **kw))  # type: ignore[arg-type]
 
 
 def record(d: Daemon, receipt: str) -> dict:
@@ -129,8 +129,8 @@ def test_models_lists_scenarios(daemon: Daemon) -> None:
 ])
 def test_scenario_header_errors(daemon: Daemon, headers: dict, status: int,
                                 fragment: str) -> None:
-    c = openai.OpenAI(base_url=daemon.url + "/v1", api_key=daemon.token, max_retries=0,
-                      default_headers=headers)
+    c = sdk(openai.OpenAI(base_url=daemon.url + "/v1", api_key=daemon.token, max_retries=0,
+                      default_headers=headers))
     with pytest.raises(openai.APIStatusError) as exc:
         c.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}])
     assert exc.value.status_code == status
@@ -140,8 +140,8 @@ def test_scenario_header_errors(daemon: Daemon, headers: dict, status: int,
 
 
 def test_bad_token_is_401_in_openai_shape(daemon: Daemon) -> None:
-    c = openai.OpenAI(base_url=daemon.url + "/v1", api_key="wrong", max_retries=0,
-                      default_headers=HEADERS)
+    c = sdk(openai.OpenAI(base_url=daemon.url + "/v1", api_key="wrong", max_retries=0,
+                      default_headers=HEADERS))
     with pytest.raises(openai.AuthenticationError) as exc:
         c.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}])
     assert exc.value.status_code == 401

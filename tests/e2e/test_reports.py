@@ -8,7 +8,7 @@ from typing import Any
 import openai
 import pytest
 
-from tests.conftest import Daemon
+from tests.conftest import Daemon, sdk
 
 
 def post(d: Daemon, path: str, body: bytes | dict[str, Any], headers: dict[str, str] | None = None,
@@ -18,8 +18,8 @@ def post(d: Daemon, path: str, body: bytes | dict[str, Any], headers: dict[str, 
 
 @pytest.fixture(scope="module")
 def receipt(daemon: Daemon) -> str:
-    c = openai.OpenAI(base_url=daemon.url + "/v1", api_key=daemon.token, max_retries=0,
-                      default_headers={"x-reef-scenario": "tiny"})
+    c = sdk(openai.OpenAI(base_url=daemon.url + "/v1", api_key=daemon.token, max_retries=0,
+                      default_headers={"x-reef-scenario": "tiny"}))
     raw = c.chat.completions.with_raw_response.create(
         model="tiny", messages=[{"role": "user", "content": "rate me"}], max_tokens=3)
     return raw.headers["x-reef-agent-record-id"]

@@ -16,7 +16,7 @@ import openai
 import pytest
 from aiohttp import web
 
-from tests.conftest import Daemon, free_port, make_scenarios
+from tests.conftest import Daemon, free_port, make_scenarios, sdk
 from tests.fake_upstream import SEEN, build
 
 pytestmark = pytest.mark.contract
@@ -57,8 +57,8 @@ def proxy(upstream: tuple[str, web.Application], tmp_path_factory: pytest.TempPa
 def test_openai_passthrough_is_recorded_without_token_ids(proxy: Daemon,
                                                           upstream: tuple[str, web.Application]
                                                           ) -> None:
-    c = openai.OpenAI(base_url=proxy.url + "/v1", api_key=proxy.token, max_retries=0,
-                      default_headers={"x-reef-scenario": "up"})
+    c = sdk(openai.OpenAI(base_url=proxy.url + "/v1", api_key=proxy.token, max_retries=0,
+                      default_headers={"x-reef-scenario": "up"}))
     raw = c.chat.completions.with_raw_response.create(
         model="up", messages=[{"role": "user", "content": "hi"}], max_tokens=9)
     answer = raw.parse()
@@ -73,8 +73,8 @@ def test_openai_passthrough_is_recorded_without_token_ids(proxy: Daemon,
 def test_streaming_passthrough_forces_usage_upstream(proxy: Daemon,
                                                      upstream: tuple[str, web.Application]
                                                      ) -> None:
-    c = openai.OpenAI(base_url=proxy.url + "/v1", api_key=proxy.token, max_retries=0,
-                      default_headers={"x-reef-scenario": "up"})
+    c = sdk(openai.OpenAI(base_url=proxy.url + "/v1", api_key=proxy.token, max_retries=0,
+                      default_headers={"x-reef-scenario": "up"}))
     chunks = list(c.chat.completions.create(
         model="up", messages=[{"role": "user", "content": "hi"}], stream=True))
     text = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
@@ -84,8 +84,8 @@ def test_streaming_passthrough_forces_usage_upstream(proxy: Daemon,
 
 
 def test_anthropic_client_over_openai_upstream_gets_tool_use(proxy: Daemon) -> None:
-    c = anthropic.Anthropic(base_url=proxy.url, api_key=proxy.token, max_retries=0,
-                            default_headers={"x-reef-scenario": "up"})
+    c = sdk(anthropic.Anthropic(base_url=proxy.url, api_key=proxy.token, max_retries=0,
+                            default_headers={"x-reef-scenario": "up"}))
     msg = c.messages.create(model="up", max_tokens=20,
                             tools=[{"name": "search", "input_schema": {"type": "object"}}],
                             messages=[{"role": "user", "content": "find"}])

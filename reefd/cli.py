@@ -1,0 +1,432 @@
+"""reefctl: a kubectl-style command line over reefd's admin HTTP API.
+
+Standard library only, so it starts fast; knows the admin wire format and nothing of the daemon's internals.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import math
+import os
+import sys
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+DEFAULT_URL = "http://127.0.0.1:8900"
+TIMEOUT_S = 30.0
+PREVIEW = 60  # characters of completion shown in the records table (twice that with -o wide)
+
+
+class CliError(Exception):
+    """A failure worth one line on stderr; `code` is the exit status."""
+    code = 1
+
+
+class Unreachable(CliError):
+    """The daemon did not answer at all (refused, reset, timed out)."""
+
+
+def _token_file(env: Mapping[str, str]) -> str | None:
+    """First line of STATE/token. STATE: $REEF_STATE, else $STATE_DIRECTORY (systemd's, first of a
+    colon list), else ~/.local/state/reefd."""
+    systemd = env.get("STATE_DIRECTORY", "").split(":")[0]
+    path = Path(env.get("REEF_STATE") or systemd or Path.home() / ".local/state/reefd") / "token"
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        print(f"reefctl: warning: cannot read {path}: {exc.strerror or exc}", file=sys.stderr)
+        return None
+    return next((line for line in text.splitlines() if line.strip()), None)
+
+
+def resolve_connection(args: argparse.Namespace, env: Mapping[str, str]) -> tuple[str, str | None]:
+    """(url, token): explicit flags override the environment, which overrides the state dir's token file."""
+    url = getattr(args, "url", None) or env.get("REEF_URL") or DEFAULT_URL
+    token = getattr(args, "token", None) or env.get("REEF_TOKEN") or _token_file(env) or ""
+    return url.rstrip("/"), token.split(",")[0].strip() or None  # a rotation list "new,old": send the first
+
+
+class Client:
+    """JSON over HTTP to reefd; every failure becomes a CliError with a readable message."""
+
+    def __init__(self, url: str, token: str | None, timeout: float = TIMEOUT_S) -> None:
+        try:
+            parts = urllib.parse.urlsplit(url)
+            valid = parts.scheme in ("http", "https") and bool(parts.hostname) and parts.port != 0
+        except ValueError:  # a port that is not a number, or out of range
+            valid = False
+        if not valid:
+            raise CliError(f"bad reefd URL {url!r}: expected http://HOST:PORT")
+        self.url, self.token, self.timeout = url, token, timeout
+
+    def call(self, method: str, path: str, *, query: Mapping[str, Any] | None = None,
+             body: Any = None, headers: Mapping[str, str] | None = None) -> Any:
+        target = self.url + path
+        if query:
+            target += "?" + urllib.parse.urlencode(query)
+        data = None if body is None else json.dumps(body).encode()
+        sent = {"Accept": "application/json", **(headers or {})}
+        if data is not None:
+            sent["Content-Type"] = "application/json"
+        if self.token:
+            sent["Authorization"] = f"Bearer {self.token}"
+        req = urllib.request.Request(target, data=data, method=method, headers=sent)
+        try:
+            with urllib.request.urlopen(req, timeout=self.timeout) as resp:
+                raw = resp.read()
+        except urllib.error.HTTPError as exc:
+            with exc:
+                raise CliError(_http_error(exc.code, exc.reason, exc.read())) from None
+        except OSError as exc:  # URLError wraps refused/unresolvable; resets and timeouts come bare
+            reason = exc.reason if isinstance(exc, urllib.error.URLError) else exc
+            text = getattr(reason, "strerror", None) or str(reason) or type(reason).__name__
+            raise Unreachable(f"cannot reach reefd at {self.url}: {text}") from None
+        try:
+            return json.loads(raw)
+        except ValueError:
+            raise CliError(f"{method} {path}: reefd answered with something other than JSON") from None
+
+
+def _http_error(status: int, reason: str, raw: bytes) -> str:
+    """The message of an OpenAI- or Anthropic-shaped error body ({"error": {"message"}}), else the text."""
+    try:
+        err = json.loads(raw).get("error")
+    except (ValueError, AttributeError):
+        err = None
+    message = err.get("message") if isinstance(err, dict) else err
+    if not (message and isinstance(message, str)):
+        message = raw.decode("utf-8", "replace").strip()[:300] or reason
+    return f"HTTP {status}: {message}"
+
+
+def _print_json(obj: Any, *, lines: bool = False) -> None:
+    print(json.dumps(obj, ensure_ascii=False, indent=None if lines else 2), flush=True)
+
+
+def _note(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+class Table:
+    """kubectl-style columns: left-aligned, three spaces apart, header before the first row.
+    Widths only grow, so rows printed later (--follow) stay aligned as far as they can."""
+
+    def __init__(self, headers: Sequence[str]) -> None:
+        self.headers = list(headers)
+        self.widths = [len(h) for h in headers]
+        self.started = False
+
+    def emit(self, rows: Sequence[Sequence[str]]) -> None:
+        if not rows:
+            return
+        for row in rows:
+            self.widths = [max(w, len(cell)) for w, cell in zip(self.widths, row, strict=True)]
+        for row in ([] if self.started else [self.headers]) + [list(r) for r in rows]:
+            print("   ".join(cell.ljust(w) for cell, w in zip(row, self.widths, strict=True)).rstrip(), flush=True)
+        self.started = True
+
+
+def _age(seconds: float | None) -> str:
+    """kubectl-style: 42s, 5m3s, 2h7m, 3d4h."""
+    s = int(seconds or 0)
+    d, h, m = s // 86400, s // 3600 % 24, s // 60 % 60
+    return f"{d}d{h}h" if d else f"{h}h{m}m" if h else f"{m}m{s % 60}s" if m else f"{s}s"
+
+
+def _cell(value: Any) -> str:
+    return "-" if value is None or value == "" else str(value)
+
+
+Run = Callable[[Client, argparse.Namespace], int]
+Configure = Callable[[argparse.ArgumentParser], None]
+COMMANDS: dict[str, tuple[str, Configure, Run]] = {}  # verb -> (help, declare its arguments, run it)
+
+
+def command(name: str, help: str, configure: Configure) -> Callable[[Run], Run]:
+    """Register `reefctl NAME`; a new verb is one decorated function plus its arguments."""
+
+    def register(run: Run) -> Run:
+        COMMANDS[name] = (help, configure, run)
+        return run
+
+    return register
+
+
+def _number(kind: Callable[[str], float], *, positive: bool = False) -> Callable[[str], Any]:
+    """An argparse type: a finite number, and above zero when `positive` (so nan, inf and 0 are usage errors)."""
+
+    def parse(text: str) -> Any:
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+        if not math.isfinite(value) or (positive and value <= 0):
+            raise argparse.ArgumentTypeError(f"must be a finite{' positive' if positive else ''} number: {text!r}")
+        return value
+
+    return parse
+
+
+def _json(text: str, *, want: type = object) -> Any:
+    """An argparse type: JSON text, of type `want` (dict for --metadata)."""
+    try:
+        value = json.loads(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"invalid JSON ({exc}): {text!r}") from None
+    if not isinstance(value, want):
+        raise argparse.ArgumentTypeError(f"must be a JSON {'object' if want is dict else want.__name__}: {text!r}")
+    return value
+
+
+def _receipt(text: str) -> str:
+    """Accept `record/<receipt>` too, so `-o name` output can be fed back in."""
+    return text.removeprefix("record/")
+
+
+def _get_record(client: Client, receipt: str) -> Any:
+    return client.call("GET", f"/reef/records/{urllib.parse.quote(receipt, safe='')}")
+
+
+def _status_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("-o", "--output", choices=["json", "wide"], help="json: the raw status; wide: more columns")
+
+
+@command("status", "show the daemon and each scenario's engine, release and counts", _status_args)
+def cmd_status(client: Client, args: argparse.Namespace) -> int:
+    status = client.call("GET", "/reef/status")
+    if args.output == "json":
+        _print_json(status)
+        return 0
+    ready = "ready" if status.get("ready") else "NOT READY"
+    _note(f"reefd {status.get('version', '?')} at {client.url}, up {_age(status.get('uptime_s'))}, {ready}")
+    wide = args.output == "wide"
+    rows = []
+    for sc in status.get("scenarios") or []:
+        engine = sc.get("engine") or {}
+        row = [sc.get("name"), sc.get("model"), engine.get("kind"), engine.get("state"),
+               sc.get("release"), sc.get("records"), sc.get("reports")]
+        if wide:
+            row += [engine.get("url"), engine.get("restarts"), engine.get("pid")]
+        rows.append([_cell(v) for v in row])
+    if not rows:
+        _note("No scenarios configured.")
+    columns = ["SCENARIO", "MODEL", "ENGINE", "STATE", "RELEASE", "RECORDS", "REPORTS"]
+    Table(columns + (["URL", "RESTARTS", "PID"] if wide else [])).emit(rows)
+    return 0
+
+
+def completion_text(record: Mapping[str, Any]) -> str:
+    """The answer's text: OpenAI choices[0].message.content, or Anthropic's text blocks joined."""
+    response = record.get("response") or {}
+    if str(record.get("api", "")).startswith("anthropic"):
+        content = response.get("content")
+        blocks = content if isinstance(content, list) else []
+        calls = [b.get("name") for b in blocks if isinstance(b, dict) and b.get("type") == "tool_use"]
+    else:
+        message = ((response.get("choices") or [{}])[0]).get("message") or {}
+        content = message.get("content")
+        calls = [(c.get("function") or {}).get("name") for c in message.get("tool_calls") or []]
+    if isinstance(content, list):
+        content = "".join(b.get("text", "") for b in content if isinstance(b, dict) and b.get("type") == "text")
+    text = content if isinstance(content, str) else ""
+    if not text.strip() and calls:
+        return "[tool call: " + ", ".join(str(c) for c in calls) + "]"
+    return text
+
+
+def latest_score(record: Mapping[str, Any]) -> float | None:
+    """The score of the newest report that has one (a later feedback-only report does not hide it)."""
+    scored = [r for r in record.get("reports") or [] if isinstance(r.get("score"), (int, float))]
+    scored.sort(key=lambda r: r.get("created_at") or 0)  # stable: ties keep the server's order
+    return scored[-1]["score"] if scored else None
+
+
+def _record_row(record: Mapping[str, Any], wide: bool) -> list[str]:
+    usage = record.get("usage") or {}
+    created = record.get("created_at")
+    score = latest_score(record)
+    text = " ".join(completion_text(record).split())
+    preview = "".join(ch if ch.isprintable() else "?" for ch in text)  # no escape codes into the terminal
+    limit = PREVIEW * (2 if wide else 1)
+    if len(preview) > limit:
+        preview = preview[: limit - 3] + "..."
+    row = [record.get("id"), time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(created)) if created else None,
+           record.get("api"), f"{usage.get('prompt_tokens', '?')}+{usage.get('completion_tokens', '?')}",
+           None if score is None else f"{score:g}"]
+    if wide:
+        latency = record.get("latency_s")
+        row += [record.get("release"), record.get("session"),
+                None if latency is None else f"{latency:.2f}s", record.get("finish_reason")]
+    return [_cell(v) for v in [*row, preview]]
+
+
+Emit = Callable[[list[dict[str, Any]]], None]
+
+
+def _record_printer(output: str | None) -> Emit:
+    wide = output == "wide"
+    extra = ["RELEASE", "SESSION", "LATENCY", "FINISH"] if wide else []
+    table = Table(["RECEIPT", "CREATED", "API", "TOKENS", "SCORE", *extra, "COMPLETION"])
+
+    def emit(batch: list[dict[str, Any]]) -> None:
+        if output not in ("json", "name"):
+            table.emit([_record_row(r, wide) for r in batch])
+        for record in batch if output == "json" else []:
+            _print_json(record, lines=True)
+        for record in batch if output == "name" else []:
+            print(f"record/{record['id']}", flush=True)
+
+    return emit
+
+
+def _pages(client: Client, scenario: str, after: str | None, limit: int | None) -> Iterator[list[dict[str, Any]]]:
+    """Yield pages of records after `after`: one page of `limit`, or every page while has_more."""
+    path = f"/reef/scenarios/{urllib.parse.quote(scenario, safe='')}/records"
+    while True:
+        query: dict[str, Any] = {"after": after} if after else {}
+        if limit:
+            query["limit"] = limit
+        page = client.call("GET", path, query=query)
+        data = page.get("data") or []
+        yield data
+        cursor = page.get("last_id") or (data[-1]["id"] if data else None)
+        if limit or not page.get("has_more") or not cursor or cursor == after:
+            return
+        after = cursor
+
+
+def _records_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("name", metavar="SCENARIO")
+    p.add_argument("--after", metavar="RECEIPT", type=_receipt, help="start after this receipt")
+    p.add_argument("--limit", metavar="N", type=_number(int, positive=True),
+                   help="show one page of at most N records (default: every page)")
+    p.add_argument("-f", "--follow", action="store_true", help="keep printing new records until Ctrl-C")
+    p.add_argument("--interval", type=_number(float, positive=True), default=1.0, help=argparse.SUPPRESS)
+    p.add_argument("-o", "--output", choices=["json", "wide", "name"],
+                   help="json: one record per line (JSON Lines); name: record/<receipt>; wide: more columns")
+
+
+@command("records", "list a scenario's records, oldest first", _records_args)
+def cmd_records(client: Client, args: argparse.Namespace) -> int:
+    emit = _record_printer(args.output)
+    cursor = args.after
+    try:
+        pages = _pages(client, args.name, cursor, args.limit)
+        if args.output in (None, "wide"):  # a table is aligned over the whole listing
+            pages = iter([[r for page in pages for r in page]])
+        for batch in pages:
+            emit(batch)
+            cursor = batch[-1]["id"] if batch else cursor
+        if cursor == args.after and args.output in (None, "wide"):
+            _note(f"No records found in scenario {args.name}.")
+        if args.follow:
+            _follow(client, args, emit, cursor)
+    except KeyboardInterrupt:
+        if not args.follow:
+            raise
+    return 0
+
+
+def _follow(client: Client, args: argparse.Namespace, emit: Emit, cursor: str | None) -> None:
+    """Poll for records after `cursor` until Ctrl-C; a daemon restart is waited out, not fatal."""
+    down = False
+    while True:
+        time.sleep(args.interval)
+        try:
+            for batch in _pages(client, args.name, cursor, None):
+                emit(batch)
+                cursor = batch[-1]["id"] if batch else cursor
+            down = False
+        except Unreachable as exc:
+            if not down:
+                _note(f"reefctl: {exc}; retrying every {args.interval:g}s")
+            down = True
+
+
+def _get_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("kind", choices=["record"])
+    p.add_argument("name", metavar="RECEIPT", type=_receipt)
+    p.add_argument("-o", "--output", choices=["json"], help="json (the default): the object, indented")
+
+
+@command("get", "show one object as JSON: get record RECEIPT", _get_args)
+def cmd_get(client: Client, args: argparse.Namespace) -> int:
+    _print_json(_get_record(client, args.name))
+    return 0
+
+
+def _report_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("receipts", metavar="RECEIPT", nargs="+", type=_receipt, help="the records the report is about")
+    p.add_argument("--score", metavar="X", type=_number(float), help="a finite number")
+    feedback = p.add_mutually_exclusive_group()
+    feedback.add_argument("--feedback", metavar="TEXT", help="free-text feedback")
+    feedback.add_argument("--feedback-json", metavar="JSON", type=_json, help="structured feedback")
+    p.add_argument("--metadata", metavar="JSON", type=functools.partial(_json, want=dict), help="a JSON object")
+    p.add_argument("--report-id", metavar="ID", help="idempotency key: resending the same report is a no-op")
+    p.add_argument("--scenario", metavar="NAME", help="default: the first receipt's scenario")
+    p.add_argument("-o", "--output", choices=["json", "name"], help="json: the created report; name: report/<id>")
+
+
+@command("report", "attach a score and/or feedback to records", _report_args)
+def cmd_report(client: Client, args: argparse.Namespace) -> int:
+    scenario = args.scenario or _get_record(client, args.receipts[0]).get("scenario")
+    if not scenario:
+        raise CliError(f"record {args.receipts[0]} names no scenario; pass --scenario")
+    feedback = args.feedback if args.feedback is not None else args.feedback_json
+    body: dict[str, Any] = {"references": args.receipts}
+    for key, value in (("score", args.score), ("feedback", feedback),
+                       ("metadata", args.metadata), ("report_id", args.report_id)):
+        if value is not None:
+            body[key] = value
+    report = client.call("POST", "/reef/report", body=body, headers={"x-reef-scenario": scenario})
+    if args.output == "json":
+        _print_json(report)
+    else:
+        print(f"report/{report.get('report_id')}" + ("" if args.output == "name" else " created"))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """Connection flags go on the root and on every subcommand, so they work before or after the verb."""
+    conn = argparse.ArgumentParser(add_help=False)
+    conn.add_argument("--url", default=argparse.SUPPRESS, help=f"reefd's address (env REEF_URL; {DEFAULT_URL})")
+    conn.add_argument("--token", default=argparse.SUPPRESS,
+                      help="bearer token (env REEF_TOKEN, first of a comma list; else STATE/token)")
+    parser = argparse.ArgumentParser(
+        prog="reefctl", parents=[conn], description="Talk to a running reefd over its admin API.",
+        epilog="STATE is $REEF_STATE, else $STATE_DIRECTORY, else ~/.local/state/reefd.")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for name, (summary, configure, run) in COMMANDS.items():
+        p = sub.add_parser(name, parents=[conn], help=summary, description=summary)
+        configure(p)
+        p.set_defaults(run=run)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run one reefctl command; the exit status is 0, 1 on any failure, or 2 (from argparse) on misuse."""
+    args = build_parser().parse_args(argv)
+    try:
+        client = Client(*resolve_connection(args, os.environ))
+        return int(args.run(client, args))
+    except CliError as exc:
+        print(f"reefctl: {exc}", file=sys.stderr)
+        return exc.code
+    except KeyboardInterrupt:
+        return 130
+    except BrokenPipeError:  # `reefctl records x -o json | head`: stop quietly
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

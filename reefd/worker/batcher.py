@@ -1,0 +1,335 @@
+"""Continuous batching: one scheduler thread runs torch for every in-flight request.
+
+Owns the running batch (KV cache rows, masks, positions), admission, stop rules and the
+hand-off of token updates to asyncio queues. Knows nothing about HTTP or wire formats.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import random
+import threading
+import time
+import traceback
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from reefd.worker import kvcache
+from reefd.worker.detok import TextTracker
+from reefd.worker.engine import Engine
+from reefd.worker.params import BadRequest, GenerateRequest, SamplingParams
+from reefd.worker.sampling import draw_uniforms, sample
+
+log = logging.getLogger("reefd.worker")
+Finish = dict[str, Any]
+
+
+@dataclass
+class Update:
+    """What one scheduler step produced for one request (ids and logprobs are the new ones)."""
+
+    new_ids: list[int]
+    new_logprobs: list[float]
+    text: str  # cumulative text, safe to show (final: stop string trimmed)
+    finish: Finish | None = None
+    input_logprobs: list[list[Any]] | None = None  # only on the first update, when asked
+
+
+class Job:
+    """The asyncio side of one request: a queue of `Update`s and a cancel flag."""
+
+    def __init__(self, req: GenerateRequest, prompt: list[int], loop: asyncio.AbstractEventLoop) -> None:
+        self.req = req
+        self.prompt = prompt
+        self.loop = loop
+        self.queue: asyncio.Queue[Update] = asyncio.Queue()
+        self.cancelled = False  # written by the loop, read by the scheduler thread
+        self.created = time.monotonic()
+
+
+@dataclass(eq=False)
+class Row:
+    """A running sequence inside the scheduler thread."""
+
+    job: Job
+    sampling: SamplingParams
+    max_new: int
+    generator: torch.Generator
+    tracker: TextTracker
+    ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    sent: int = 0  # ids already delivered
+    finish: Finish | None = None
+    input_logprobs: list[list[Any]] | None = None
+
+
+@dataclass
+class Stats:
+    prefills: int = 0
+    decode_steps: int = 0
+    decode_rows: int = 0  # sum of batch sizes over decode steps
+    max_running: int = 0  # the largest batch a decode step ran with
+    requests_completed: int = 0
+    tokens_generated: int = 0
+
+    def as_dict(self) -> dict[str, Any]:
+        avg = self.decode_rows / self.decode_steps if self.decode_steps else 0.0
+        return {**self.__dict__, "avg_decode_batch": round(avg, 3)}
+
+
+class Scheduler:
+    """Admits waiting jobs into the running batch and steps it until every row finishes."""
+
+    def __init__(self, engine: Engine, max_batch: int = 8, threads: int | None = None) -> None:
+        self.engine = engine
+        self.max_batch = max(1, max_batch)
+        self.threads = threads
+        self.stats = Stats()
+        self._waiting: deque[Job] = deque()
+        self._cond = threading.Condition()
+        self._stopping = False
+        self._thread = threading.Thread(target=self._run, name="reefd-worker-scheduler", daemon=True)
+        self._seeds = random.SystemRandom()
+        self.rows: list[Row] = []
+        self._cache: Any = None
+        self._mask = torch.zeros((0, 0), dtype=torch.long)
+        self._positions = torch.zeros(0, dtype=torch.long)
+        self._next = torch.zeros(0, dtype=torch.long)
+
+    # ---- asyncio side -------------------------------------------------------------
+    def start(self) -> None:
+        self._thread.start()
+
+    def submit(self, req: GenerateRequest, prompt: list[int]) -> Job:
+        """Queue a request (call on the event loop). Raises BadRequest for impossible prompts."""
+        if not prompt:
+            raise BadRequest("the prompt is empty")
+        if len(prompt) >= self.engine.context_length:
+            raise BadRequest(f"the prompt has {len(prompt)} tokens; the context length is {self.engine.context_length}")
+        bad = [t for t in prompt if not 0 <= t < self.engine.vocab_size]
+        if bad:
+            raise BadRequest(f"token id {bad[0]} is outside the vocabulary (size {self.engine.vocab_size})")
+        job = Job(req, prompt, asyncio.get_running_loop())
+        with self._cond:
+            if self._stopping:
+                raise RuntimeError("the worker is shutting down")
+            self._waiting.append(job)
+            self._cond.notify()
+        return job
+
+    @property
+    def busy(self) -> int:
+        """Requests waiting or running."""
+        return len(self._waiting) + len(self.rows)
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Abort every request and end the scheduler thread."""
+        with self._cond:
+            self._stopping = True
+            self._cond.notify()
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+
+    # ---- scheduler thread ---------------------------------------------------------
+    def _run(self) -> None:
+        if self.threads:
+            torch.set_num_threads(self.threads)  # OpenMP settings are per thread
+        with torch.inference_mode():
+            while True:
+                admitted = self._take()
+                if admitted is None:
+                    break
+                try:
+                    if admitted:
+                        self._admit(admitted)
+                    elif self.rows:
+                        self._decode()
+                except Exception as exc:  # keep serving: fail the batch, not the process
+                    log.error("generation failed: %s\n%s", exc, traceback.format_exc())
+                    self._fail_all(admitted, f"generation failed: {exc}")
+                self._reap()
+        self._abort_all("the worker is shutting down")
+
+    def _take(self) -> list[Job] | None:
+        """Waiting jobs that fit in the batch; blocks while idle; None when stopping."""
+        with self._cond:
+            while not self._stopping and not self._waiting and not self.rows:
+                self._cond.wait()
+            if self._stopping:
+                return None
+            room = self.max_batch - len(self.rows)
+            taken: list[Job] = []
+            while self._waiting and len(taken) < room:
+                job = self._waiting.popleft()
+                if not job.cancelled:
+                    taken.append(job)
+            return taken
+
+    def _new_row(self, job: Job) -> Row:
+        sp = job.req.sampling
+        seed = sp.seed if sp.seed is not None else self._seeds.getrandbits(63)
+        return Row(
+            job=job,
+            sampling=sp,
+            max_new=min(sp.max_new_tokens, self.engine.context_length - len(job.prompt)),
+            generator=torch.Generator().manual_seed(seed),
+            tracker=TextTracker(self.engine.decode, sp.stop),
+        )
+
+    def _admit(self, jobs: list[Job]) -> None:
+        """Prefill new jobs, sample their first token, merge them into the running batch.
+
+        Jobs asking for prompt logprobs need the full (columns x vocab) logits, so each is
+        prefilled alone; all the others are prefilled together in one left-padded pass.
+        """
+        rows = [self._new_row(job) for job in jobs]
+        scoring = [r for r in rows if r.job.req.return_logprob and r.job.req.logprob_start_len >= 0]
+        plain = [r for r in rows if r not in scoring]
+        for group in [*([r] for r in scoring), plain]:
+            if group:
+                self._prefill(group, full_logits=group is not plain)
+        self._publish()
+
+    def _prefill(self, rows: list[Row], full_logits: bool) -> None:
+        pre = self.engine.prefill([r.job.prompt for r in rows], full_logits=full_logits)
+        self.stats.prefills += 1
+        if pre.all_logits is not None:
+            for i, row in enumerate(rows):
+                row.input_logprobs = self._input_logprobs(row, pre.all_logits[i], pre.mask.shape[1])
+        uniforms = draw_uniforms([r.generator for r in rows])
+        tokens, logprobs = sample(pre.last_logits, [r.sampling for r in rows], uniforms)
+        for row, token, logprob in zip(rows, tokens.tolist(), logprobs.tolist(), strict=True):
+            if row.max_new == 0:  # prefill only (e.g. scoring a prompt's logprobs)
+                row.finish = {"type": "length", "length": 0}
+                row.tracker.update([])
+            else:
+                self._append(row, token, logprob)
+        positions = torch.tensor([len(r.job.prompt) for r in rows], device=pre.mask.device)
+        if not self.rows:
+            kv, mask = pre.kv, pre.mask
+        else:
+            kv, mask = kvcache.merge(kvcache.tensors(self._cache), self._mask, pre.kv, pre.mask)
+            positions = torch.cat([self._positions, positions])
+            tokens = torch.cat([self._next, tokens])
+        self.rows += rows
+        self._cache, self._mask, self._positions, self._next = self.engine.cache_from(kv), mask, positions, tokens
+
+    def _input_logprobs(self, row: Row, logits: torch.Tensor, width: int) -> list[list[Any]]:
+        """[[logprob, token, None], ...] for the prompt from logprob_start_len (position 0: None)."""
+        prompt = row.job.prompt
+        offset = width - len(prompt)
+        start = min(row.job.req.logprob_start_len, len(prompt))
+        out: list[list[Any]] = []
+        if start == 0:
+            out.append([None, prompt[0], None])
+            start = 1
+        if start < len(prompt):
+            lp = logits[offset + start - 1 : offset + len(prompt) - 1].float().log_softmax(dim=-1)
+            targets = torch.tensor(prompt[start:], device=lp.device)[:, None]
+            for token, value in zip(prompt[start:], lp.gather(1, targets)[:, 0].tolist(), strict=True):
+                out.append([value, token, None])
+        return out
+
+    def _decode(self) -> None:
+        """One decode step for every running row."""
+        mask = torch.cat([self._mask, self._mask.new_ones((self._mask.shape[0], 1))], dim=1)
+        logits, self._cache = self.engine.decode_step(self._cache, mask, self._next, self._positions)
+        self._mask, self._positions = mask, self._positions + 1
+        self.stats.decode_steps += 1
+        self.stats.decode_rows += len(self.rows)
+        self.stats.max_running = max(self.stats.max_running, len(self.rows))
+        rows = self.rows
+        tokens, logprobs = sample(logits, [r.sampling for r in rows], draw_uniforms([r.generator for r in rows]))
+        self._next = tokens
+        for row, token, logprob in zip(rows, tokens.tolist(), logprobs.tolist(), strict=True):
+            if row.finish is None:
+                self._append(row, token, logprob)
+        self._publish()
+
+    def _append(self, row: Row, token: int, logprob: float) -> None:
+        """Record one token and apply SGLang's stop rules in SGLang's order."""
+        row.ids.append(token)
+        row.logprobs.append(logprob)
+        self.stats.tokens_generated += 1
+        sp = row.sampling
+        if len(row.ids) >= row.max_new:
+            row.finish = {"type": "length", "length": row.max_new}
+            row.tracker.update(row.ids, check_stops=False)
+        elif not sp.ignore_eos and (token in sp.stop_token_ids or token in self.engine.eos_ids):
+            row.finish = {"type": "stop", "matched": token}
+            row.tracker.update(row.ids[:-1], check_stops=False)  # the matched token's text is not shown
+        elif (matched := row.tracker.update(row.ids)) is not None:
+            row.finish = {"type": "stop", "matched": matched}
+
+    def _publish(self) -> None:
+        """Hand this step's updates to the event loop (streams every step, others at the end)."""
+        out: list[tuple[Job, Update]] = []
+        for row in self.rows:
+            if row.finish is None and not row.job.req.stream:
+                continue
+            if row.finish is None and row.sent == len(row.ids):
+                continue
+            text = row.tracker.text if row.finish is not None else row.tracker.visible()
+            update = Update(row.ids[row.sent :], row.logprobs[row.sent :], text, row.finish)
+            if row.sent == 0:
+                update.input_logprobs = row.input_logprobs
+            row.sent = len(row.ids)
+            out.append((row.job, update))
+        _deliver(out)
+
+    def _reap(self) -> None:
+        """Drop finished and cancelled rows from the batch."""
+        for row in self.rows:
+            if row.finish is None and row.job.cancelled:
+                row.finish = {"type": "abort", "message": "cancelled by the client"}
+        keep = [i for i, r in enumerate(self.rows) if r.finish is None]
+        if len(keep) == len(self.rows):
+            return
+        done = [r for r in self.rows if r.finish is not None]
+        self.stats.requests_completed += len(done)
+        for row in done:
+            log.debug("done %s: %d+%d tokens, %s", row.job.req.rid, len(row.job.prompt), len(row.ids), row.finish)
+        if keep:
+            kv, self._mask = kvcache.select(kvcache.tensors(self._cache), self._mask, keep)
+            self._cache = self.engine.cache_from(kv)
+            index = torch.tensor(keep, device=self._positions.device)
+            self._positions, self._next = self._positions[index], self._next[index]
+        self.rows = [self.rows[i] for i in keep]
+        if not self.rows:
+            self._cache = None
+
+    def _fail_all(self, admitted: list[Job], message: str) -> None:
+        finish = {"type": "abort", "message": message}
+        seen = {id(r.job) for r in self.rows}
+        extra = [j for j in admitted if id(j) not in seen]
+        for row in self.rows:
+            row.finish = row.finish or finish
+        _deliver([(r.job, Update([], [], r.tracker.text, r.finish)) for r in self.rows])
+        _deliver([(j, Update([], [], "", finish)) for j in extra])
+        self.rows, self._cache = [], None
+
+    def _abort_all(self, message: str) -> None:
+        with self._cond:
+            waiting = list(self._waiting)
+            self._waiting.clear()
+        self._fail_all(waiting, message)
+
+
+def _deliver(updates: list[tuple[Job, Update]]) -> None:
+    """Push updates into their jobs' asyncio queues, one thread-safe call per event loop."""
+    by_loop: dict[asyncio.AbstractEventLoop, list[tuple[Job, Update]]] = {}
+    for job, update in updates:
+        by_loop.setdefault(job.loop, []).append((job, update))
+    for loop, items in by_loop.items():
+        with contextlib.suppress(RuntimeError):  # a closed loop: nobody is listening any more
+            loop.call_soon_threadsafe(_put_all, items)
+
+
+def _put_all(items: list[tuple[Job, Update]]) -> None:
+    for job, update in items:
+        job.queue.put_nowait(update)

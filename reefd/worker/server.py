@@ -1,0 +1,166 @@
+"""The worker's aiohttp app: SGLang's `/generate`, health and info routes (the wire shapes).
+
+Owns the SGLang response bodies (`text`, `output_ids`, `meta_info`). Knows nothing about
+torch: requests go to the scheduler as token ids and come back as `Update`s.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from contextlib import aclosing
+from typing import Any
+
+from aiohttp import web
+
+from reefd.worker import openai_chat
+from reefd.worker.batcher import Job, Update
+from reefd.worker.params import GenerateRequest, SamplingParams, parse_generate
+from reefd.worker.wire import (
+    STATE,
+    WorkerState,
+    close_sse,
+    error_response,
+    errors_middleware,
+    open_sse,
+    read_json,
+    send_sse,
+    updates,
+)
+
+
+class Result:
+    """The growing SGLang answer of one job (cumulative, as SGLang streams by default)."""
+
+    def __init__(self, job: Job) -> None:
+        self.job = job
+        self.ids: list[int] = []
+        self.logprobs: list[float] = []
+        self.text = ""
+        self.finish: dict[str, Any] | None = None
+        self.input_logprobs: list[list[Any]] | None = None
+
+    def add(self, update: Update) -> None:
+        self.ids += update.new_ids
+        self.logprobs += update.new_logprobs
+        self.text = update.text
+        self.finish = update.finish
+        if update.input_logprobs is not None:
+            self.input_logprobs = update.input_logprobs
+
+    def body(self) -> dict[str, Any]:
+        req = self.job.req
+        meta: dict[str, Any] = {
+            "id": req.rid,
+            "finish_reason": self.finish,
+            "prompt_tokens": len(self.job.prompt),
+            "completion_tokens": len(self.ids),
+            "cached_tokens": 0,
+            "e2e_latency": round(time.monotonic() - self.job.created, 6),
+        }
+        if req.return_logprob:
+            meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(self.logprobs, self.ids, strict=True)]
+            if req.logprob_start_len >= 0:
+                meta["input_token_logprobs"] = self.input_logprobs or []
+        return {"text": self.text, "output_ids": list(self.ids), "meta_info": meta}
+
+
+def aborted(result: Result) -> bool:
+    return bool(result.finish and result.finish.get("type") == "abort")
+
+
+async def generate(request: web.Request) -> web.StreamResponse:
+    state = request.app[STATE]
+    req = parse_generate(await read_json(request))
+    prompt = req.input_ids if req.input_ids is not None else list(state.tokenizer.encode(req.text))
+    job = state.scheduler.submit(req, prompt)
+    result = Result(job)
+    if not req.stream:
+        async with aclosing(updates(job)) as stream:
+            async for update in stream:
+                result.add(update)
+        if aborted(result):
+            return error_response(503, str(result.finish and result.finish.get("message")), "server_error")
+        return web.json_response(result.body())
+    response = await open_sse(request)
+    async with aclosing(updates(job)) as stream:
+        async for update in stream:
+            result.add(update)
+            await send_sse(response, result.body())
+    return await close_sse(response)
+
+
+async def health(request: web.Request) -> web.Response:
+    return web.Response(status=200)
+
+
+async def health_generate(request: web.Request) -> web.Response:
+    """200 only after the model really produced one token."""
+    state = request.app[STATE]
+    engine = state.scheduler.engine
+    req = GenerateRequest(
+        input_ids=[engine.pad_id],
+        text=None,
+        sampling=SamplingParams(max_new_tokens=1, temperature=0.0, ignore_eos=True),
+    )
+    try:
+        job = state.scheduler.submit(req, [engine.pad_id])
+        async with asyncio.timeout(60), aclosing(updates(job)) as stream:
+            async for update in stream:
+                if update.finish and update.finish.get("type") == "length" and len(update.new_ids) == 1:
+                    return web.Response(status=200)
+    except (RuntimeError, TimeoutError) as exc:
+        return error_response(503, f"generation failed: {exc}", "server_error")
+    return error_response(503, "generation did not produce a token", "server_error")
+
+
+def server_info_body(state: WorkerState) -> dict[str, Any]:
+    scheduler = state.scheduler
+    engine = scheduler.engine
+    return {
+        "model_path": state.model_path,
+        "tokenizer_path": state.model_path,
+        "served_model_name": state.served_model_name,
+        "max_batch": scheduler.max_batch,
+        "max_running_requests": scheduler.max_batch,
+        "context_length": engine.context_length,
+        "device": str(engine.device),
+        "dtype": "float32",
+        "version": state.version,
+        "engine": "reefd.worker",
+        "uptime_s": round(time.time() - state.started, 3),
+        "running_requests": len(scheduler.rows),
+        "waiting_requests": scheduler.busy - len(scheduler.rows),
+        "stats": scheduler.stats.as_dict(),
+    }
+
+
+async def server_info(request: web.Request) -> web.Response:
+    return web.json_response(server_info_body(request.app[STATE]))
+
+
+async def model_info(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    return web.json_response(
+        {
+            "model_path": state.model_path,
+            "tokenizer_path": state.model_path,
+            "is_generation": True,
+            "served_model_name": state.served_model_name,
+        }
+    )
+
+
+def build_app(state: WorkerState) -> web.Application:
+    """The worker's routes over one scheduler."""
+    app = web.Application(middlewares=[errors_middleware], client_max_size=64 * 1024 * 1024)
+    app[STATE] = state
+    app.router.add_post("/generate", generate)
+    app.router.add_get("/health", health)
+    app.router.add_get("/health_generate", health_generate)
+    app.router.add_get("/server_info", server_info)
+    app.router.add_get("/get_server_info", server_info)
+    app.router.add_get("/get_model_info", model_info)
+    app.router.add_post("/v1/chat/completions", openai_chat.chat_completions)
+    app.router.add_get("/v1/models", openai_chat.models)
+    return app

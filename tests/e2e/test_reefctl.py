@@ -1,0 +1,74 @@
+"""`reefctl` against the real daemon: status, records, report, and its connection fallbacks."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import openai
+
+from tests.conftest import ROOT, Daemon, sdk
+
+
+def reefctl(d: Daemon, *args: str, env: dict[str, str] | None = None
+            ) -> subprocess.CompletedProcess[str]:
+    base = {k: v for k, v in os.environ.items() if not k.startswith("REEF_")}
+    return subprocess.run([sys.executable, "-m", "reefd.cli", *args], capture_output=True,
+                          text=True, cwd=ROOT, timeout=60,
+                          env={**base, "REEF_URL": d.url, "REEF_TOKEN": d.token, **(env or {})})
+
+
+def ask(d: Daemon) -> str:
+    c = sdk(openai.OpenAI(base_url=d.url + "/v1", api_key=d.token, max_retries=0,
+                      default_headers={"x-reef-scenario": "tiny"}))
+    raw = c.chat.completions.with_raw_response.create(
+        model="tiny", messages=[{"role": "user", "content": "for reefctl"}], max_tokens=3)
+    return raw.headers["x-reef-agent-record-id"]
+
+
+def test_status_table_and_json(daemon: Daemon) -> None:
+    out = reefctl(daemon, "status")
+    assert out.returncode == 0, out.stderr
+    header, row = out.stdout.splitlines()[:2]
+    assert header.split()[:4] == ["SCENARIO", "MODEL", "ENGINE", "STATE"]
+    assert row.split()[:5] == ["tiny", "tiny", "worker", "ready", "base"]
+    data = json.loads(reefctl(daemon, "status", "-o", "json").stdout)
+    assert data["scenarios"][0]["engine"]["state"] == "ready"
+
+
+def test_report_then_records_show_the_score(daemon: Daemon) -> None:
+    receipt = ask(daemon)
+    out = reefctl(daemon, "report", receipt, "--score", "0.75", "--feedback", "fine")
+    assert out.returncode == 0, out.stderr
+    lines = reefctl(daemon, "records", "tiny", "-o", "json").stdout.splitlines()
+    records = {r["id"]: r for r in map(json.loads, lines)}
+    assert records[receipt]["reports"][0]["score"] == 0.75
+    table = reefctl(daemon, "records", "tiny").stdout
+    assert any(line.startswith(receipt) and "0.75" in line for line in table.splitlines())
+    assert reefctl(daemon, "records", "tiny", "-o", "name").stdout.count("record/") == len(records)
+
+
+def test_bad_score_and_unknown_receipt_fail_cleanly(daemon: Daemon) -> None:
+    nan = reefctl(daemon, "report", "x", "--score", "nan")
+    assert nan.returncode == 2 and "score" in nan.stderr
+    ghost = reefctl(daemon, "report", "01ARZ3NDEKTSV4RRFFQ69G5FAV", "--score", "1",
+                    "--scenario", "tiny")
+    assert ghost.returncode == 1 and "unknown receipt" in ghost.stderr and ghost.stdout == ""
+
+
+def test_wrong_token_and_down_daemon_exit_non_zero(daemon: Daemon) -> None:
+    bad = reefctl(daemon, "status", "--token", "nope")
+    assert bad.returncode == 1 and "invalid API token" in bad.stderr
+    down = reefctl(daemon, "status", env={"REEF_URL": "http://127.0.0.1:9"})
+    assert down.returncode != 0 and "cannot reach reefd" in down.stderr
+
+
+def test_token_file_in_the_state_dir_is_found(daemon: Daemon) -> None:
+    home = daemon.state.parent / "home"
+    state = home / ".local" / "state" / "reefd"
+    state.mkdir(parents=True)
+    (state / "token").write_text(daemon.token + "\n")
+    out = reefctl(daemon, "status", "-o", "json", env={"REEF_TOKEN": "", "HOME": str(home)})
+    assert out.returncode == 0, out.stderr

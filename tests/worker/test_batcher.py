@@ -1,0 +1,181 @@
+"""The scheduler in-process on the tiny model: batching must not change any row's result."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+import torch
+
+from reefd.worker.batcher import Job, Scheduler
+from reefd.worker.params import GenerateRequest, SamplingParams, parse_sampling
+from tests.worker.support import reference_greedy
+
+PROMPTS = [[5, 17, 99], [300, 2, 41, 41, 7, 8, 120, 64, 11], [77], [450, 451, 452, 453, 454]]
+
+
+def request(prompt: list[int], **sampling: Any) -> tuple[GenerateRequest, list[int]]:
+    return GenerateRequest(input_ids=prompt, text=None, sampling=parse_sampling(sampling)), prompt
+
+
+async def collect(job: Job) -> dict[str, Any]:
+    out: dict[str, Any] = {"ids": [], "logprobs": [], "updates": 0}
+    while True:
+        update = await job.queue.get()
+        out["ids"] += update.new_ids
+        out["logprobs"] += update.new_logprobs
+        out["updates"] += 1
+        if update.input_logprobs is not None:
+            out["input_logprobs"] = update.input_logprobs
+        if update.finish is not None:
+            out.update(text=update.text, finish=update.finish)
+            return out
+
+
+def run(engine: Any, reqs: list[tuple[GenerateRequest, list[int]]], max_batch: int = 8) -> tuple[list[dict], Scheduler]:
+    """Submit every request before the scheduler starts, so they share the first wave."""
+
+    async def main() -> tuple[list[dict], Scheduler]:
+        scheduler = Scheduler(engine, max_batch=max_batch, threads=1)
+        jobs = [scheduler.submit(req, prompt) for req, prompt in reqs]
+        scheduler.start()
+        try:
+            return list(await asyncio.gather(*(collect(j) for j in jobs))), scheduler
+        finally:
+            scheduler.stop()
+
+    return asyncio.run(main())
+
+
+def test_greedy_batch_equals_unbatched_argmax(engine: Any) -> None:
+    results, scheduler = run(engine, [request(p, temperature=0.0, max_new_tokens=12, ignore_eos=True) for p in PROMPTS])
+    for prompt, result in zip(PROMPTS, results, strict=True):
+        ids, logprobs = reference_greedy(engine, prompt, 12)
+        assert result["ids"] == ids
+        assert result["logprobs"] == pytest.approx(logprobs, abs=1e-4)
+        assert result["finish"] == {"type": "length", "length": 12}
+    assert scheduler.stats.max_running == len(PROMPTS)
+    assert scheduler.stats.prefills == 1
+
+
+def test_seeded_sampling_ignores_batch_partners(engine: Any) -> None:
+    target = request(PROMPTS[1], temperature=1.0, sampling_seed=1234, max_new_tokens=16, ignore_eos=True)
+    alone, _ = run(engine, [target])
+    partners = [request(p, temperature=0.8, top_p=0.9, max_new_tokens=5 + 3 * i) for i, p in enumerate(PROMPTS)]
+    together, scheduler = run(engine, [partners[0], target, *partners[1:]])
+    assert scheduler.stats.max_running == 5
+    assert together[1]["ids"] == alone[0]["ids"]
+    assert together[1]["logprobs"] == pytest.approx(alone[0]["logprobs"], abs=1e-4)
+    unseeded, _ = run(engine, [request(PROMPTS[1], temperature=1.0, max_new_tokens=16, ignore_eos=True)] * 2)
+    assert unseeded[0]["ids"] != alone[0]["ids"] or unseeded[1]["ids"] != alone[0]["ids"]
+
+
+def test_requests_joining_a_running_batch_keep_their_results(engine: Any) -> None:
+    """Continuous batching: a request admitted mid-decode gets exactly its solo result."""
+
+    async def main() -> list[dict]:
+        scheduler = Scheduler(engine, max_batch=8, threads=1)
+        scheduler.start()
+        try:
+            first = scheduler.submit(*request(PROMPTS[0], temperature=0.0, max_new_tokens=200, ignore_eos=True))
+            while scheduler.stats.decode_steps < 3:
+                await asyncio.sleep(0.001)
+            later = [
+                scheduler.submit(*request(p, temperature=0.0, max_new_tokens=10, ignore_eos=True)) for p in PROMPTS[1:]
+            ]
+            results = await asyncio.gather(collect(first), *(collect(j) for j in later))
+            assert scheduler.stats.prefills == 2
+            assert scheduler.stats.max_running == len(PROMPTS)  # the late ones joined the running row
+            return list(results)
+        finally:
+            scheduler.stop()
+
+    results = asyncio.run(main())
+    assert results[0]["ids"] == reference_greedy(engine, PROMPTS[0], 200)[0]
+    for prompt, result in zip(PROMPTS[1:], results[1:], strict=True):
+        assert result["ids"] == reference_greedy(engine, prompt, 10)[0]
+
+
+def test_stop_token_and_eos_end_the_row_and_stay_in_output_ids(engine: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    free, _ = run(engine, [request(PROMPTS[2], temperature=1.0, sampling_seed=9, max_new_tokens=12, ignore_eos=True)])
+    ids = free[0]["ids"]
+    stop = ids[4]
+    cut = ids.index(stop) + 1
+    by_stop_id, _ = run(
+        engine, [request(PROMPTS[2], temperature=1.0, sampling_seed=9, max_new_tokens=12, stop_token_ids=[stop])]
+    )
+    assert by_stop_id[0]["ids"] == ids[:cut]
+    assert by_stop_id[0]["finish"] == {"type": "stop", "matched": stop}
+    assert by_stop_id[0]["text"] == engine.decode(ids[: cut - 1])
+    monkeypatch.setattr(engine, "eos_ids", {stop})
+    by_eos, _ = run(engine, [request(PROMPTS[2], temperature=1.0, sampling_seed=9, max_new_tokens=12)])
+    assert by_eos[0]["ids"] == ids[:cut]
+    assert by_eos[0]["finish"] == {"type": "stop", "matched": stop}
+    ignored, _ = run(
+        engine, [request(PROMPTS[2], temperature=1.0, sampling_seed=9, max_new_tokens=12, ignore_eos=True)]
+    )
+    assert ignored[0]["ids"] == ids
+
+
+def test_prompt_logprobs_without_generation(engine: Any) -> None:
+    prompt = PROMPTS[1]
+    req = GenerateRequest(
+        input_ids=prompt, text=None, sampling=SamplingParams(max_new_tokens=0), return_logprob=True, logprob_start_len=0
+    )
+    other = request(PROMPTS[0], temperature=0.0, max_new_tokens=4)
+    (result, partner), _ = run(engine, [(req, prompt), other])
+    assert result["ids"] == [] and result["finish"] == {"type": "length", "length": 0}
+    with torch.inference_mode():
+        ref = engine.model(input_ids=torch.tensor([prompt])).logits[0].log_softmax(-1)
+    expected = [None] + [float(ref[i - 1, prompt[i]]) for i in range(1, len(prompt))]
+    assert [t for _, t, _ in result["input_logprobs"]] == prompt
+    assert result["input_logprobs"][0][0] is None
+    assert [lp for lp, _, _ in result["input_logprobs"][1:]] == pytest.approx(expected[1:], abs=1e-4)
+    assert partner["ids"] == reference_greedy(engine, PROMPTS[0], 4)[0]
+
+
+def test_streaming_rows_get_every_step_and_others_one_final_update(engine: Any) -> None:
+    streaming = GenerateRequest(
+        input_ids=PROMPTS[0], text=None, stream=True, sampling=SamplingParams(temperature=0.0, max_new_tokens=6)
+    )
+    plain = request(PROMPTS[0], temperature=0.0, max_new_tokens=6)
+    (s, p), _ = run(engine, [(streaming, PROMPTS[0]), plain])
+    assert s["ids"] == p["ids"]
+    assert p["updates"] == 1
+    assert s["updates"] > 1
+
+
+def test_cancelled_job_leaves_the_batch(engine: Any) -> None:
+    async def main() -> tuple[dict, Scheduler]:
+        scheduler = Scheduler(engine, max_batch=8, threads=1)
+        doomed = scheduler.submit(*request(PROMPTS[0], max_new_tokens=10_000, ignore_eos=True))
+        kept = scheduler.submit(*request(PROMPTS[1], temperature=0.0, max_new_tokens=30, ignore_eos=True))
+        scheduler.start()
+        try:
+            while scheduler.stats.decode_steps < 2:
+                await asyncio.sleep(0.001)
+            doomed.cancelled = True
+            result = await collect(kept)
+            return result, scheduler
+        finally:
+            scheduler.stop()
+
+    result, scheduler = asyncio.run(main())
+    assert result["ids"] == reference_greedy(engine, PROMPTS[1], 30)[0]
+    assert scheduler.stats.requests_completed == 2
+    assert not scheduler.rows
+
+
+def test_stop_aborts_waiting_and_running_jobs(engine: Any) -> None:
+    async def main() -> list[dict]:
+        scheduler = Scheduler(engine, max_batch=1, threads=1)
+        jobs = [scheduler.submit(*request(p, max_new_tokens=1900, ignore_eos=True)) for p in PROMPTS[:2]]
+        scheduler.start()
+        while scheduler.stats.decode_steps < 1:
+            await asyncio.sleep(0.001)
+        await asyncio.to_thread(scheduler.stop)
+        return list(await asyncio.gather(*(collect(j) for j in jobs)))
+
+    for result in asyncio.run(main()):
+        assert result["finish"]["type"] == "abort"

@@ -1,0 +1,226 @@
+"""The worker over HTTP (a real subprocess): SGLang's /generate, health and info routes."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+import signal
+import threading
+import time
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import pytest
+
+from tests.worker.support import Worker, reference_greedy
+
+
+def generate(worker: Worker, **body: Any) -> dict[str, Any]:
+    status, answer = worker.post("/generate", body)
+    assert status == 200, answer
+    return dict(answer)
+
+
+def test_generate_returns_ids_logprobs_and_counts(worker: Worker, engine: Any) -> None:
+    prompt = [11, 12, 13, 14]
+    answer = generate(
+        worker,
+        input_ids=prompt,
+        return_logprob=True,
+        rid="r-1",
+        sampling_params={"max_new_tokens": 9, "temperature": 0, "ignore_eos": True},
+    )
+    meta = answer["meta_info"]
+    assert meta["id"] == "r-1"
+    assert meta["finish_reason"] == {"type": "length", "length": 9}
+    assert meta["prompt_tokens"] == 4 and meta["completion_tokens"] == 9 == len(answer["output_ids"])
+    assert meta["cached_tokens"] == 0 and meta["e2e_latency"] >= 0
+    assert [t for _, t, _ in meta["output_token_logprobs"]] == answer["output_ids"]
+    assert all(math.isfinite(lp) and lp <= 0 and extra is None for lp, _, extra in meta["output_token_logprobs"])
+    assert "input_token_logprobs" not in meta
+    ids, logprobs = reference_greedy(engine, prompt, 9)
+    assert answer["output_ids"] == ids  # temperature 0 is the argmax of the model
+    assert [lp for lp, _, _ in meta["output_token_logprobs"]] == pytest.approx(logprobs, abs=1e-4)
+    assert answer["text"] == engine.decode(ids)
+
+
+def test_text_and_input_ids_are_the_same_request(worker: Worker, engine: Any) -> None:
+    params = {"max_new_tokens": 5, "temperature": 0}
+    by_text = generate(worker, text="Hello reef", sampling_params=params)
+    by_ids = generate(worker, input_ids=engine.encode("Hello reef"), sampling_params=params)
+    assert by_text["output_ids"] == by_ids["output_ids"]
+    assert by_text["meta_info"]["prompt_tokens"] == len(engine.encode("Hello reef"))
+
+
+def test_input_token_logprobs(worker: Worker) -> None:
+    prompt = [40, 41, 42, 43, 44]
+    meta = generate(
+        worker, input_ids=prompt, return_logprob=True, logprob_start_len=0, sampling_params={"max_new_tokens": 2}
+    )["meta_info"]
+    entries = meta["input_token_logprobs"]
+    assert [t for _, t, _ in entries] == prompt
+    assert entries[0][0] is None
+    assert all(lp <= 0 for lp, _, _ in entries[1:])
+    tail = generate(
+        worker, input_ids=prompt, return_logprob=True, logprob_start_len=3, sampling_params={"max_new_tokens": 1}
+    )["meta_info"]["input_token_logprobs"]
+    assert [t for _, t, _ in tail] == prompt[3:]
+    assert [lp for lp, _, _ in tail] == pytest.approx([lp for lp, _, _ in entries[3:]], abs=1e-4)
+
+
+def test_streaming_chunks_are_cumulative(worker: Worker) -> None:
+    body = {
+        "input_ids": [7, 8, 9],
+        "stream": True,
+        "return_logprob": True,
+        "sampling_params": {"max_new_tokens": 12, "temperature": 0, "ignore_eos": True},
+    }
+    events = worker.stream("/generate", body)
+    assert events[-1] == "[DONE]"
+    chunks = events[:-1]
+    assert len(chunks) >= 2
+    for before, after in itertools.pairwise(chunks):
+        assert after["output_ids"][: len(before["output_ids"])] == before["output_ids"]
+        assert after["text"].startswith(before["text"])
+        assert before["meta_info"]["finish_reason"] is None
+    last = chunks[-1]
+    assert last["meta_info"]["finish_reason"] == {"type": "length", "length": 12}
+    assert last["meta_info"]["completion_tokens"] == 12 == len(last["meta_info"]["output_token_logprobs"])
+    plain = generate(worker, **{**body, "stream": False})
+    assert last["output_ids"] == plain["output_ids"] and last["text"] == plain["text"]
+
+
+def test_stop_string_is_trimmed_and_reported(worker: Worker) -> None:
+    params = {"max_new_tokens": 40, "temperature": 1.0, "sampling_seed": 21, "ignore_eos": True}
+    free = generate(worker, input_ids=[100, 101], sampling_params=params)
+    text = free["text"]
+    stop = next(
+        text[i : i + 2] for i in range(8, len(text) - 2) if text[i : i + 2].isascii() and text[i : i + 2].isprintable()
+    )
+    cut = text.index(stop)
+    stopped = generate(worker, input_ids=[100, 101], sampling_params={**params, "stop": [stop, "never-seen"]})
+    assert stopped["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop}
+    assert stopped["text"] == text[:cut]
+    assert free["output_ids"][: len(stopped["output_ids"])] == stopped["output_ids"]
+    events = worker.stream(
+        "/generate", {"input_ids": [100, 101], "stream": True, "sampling_params": {**params, "stop": stop}}
+    )
+    assert all(stop not in e["text"] for e in events[:-1])
+    assert events[-2]["text"] == text[:cut]
+
+
+def test_stop_token_ids_end_generation(worker: Worker, engine: Any) -> None:
+    params = {"max_new_tokens": 20, "temperature": 1.0, "sampling_seed": 5, "ignore_eos": True}
+    free = generate(worker, input_ids=[9, 10], sampling_params=params)["output_ids"]
+    stop = free[3]
+    del params["ignore_eos"]  # ignore_eos also disables stop_token_ids, as in SGLang
+    answer = generate(worker, input_ids=[9, 10], sampling_params={**params, "stop_token_ids": [stop]})
+    end = next(i for i, t in enumerate(free) if t == stop or t in engine.eos_ids)
+    assert answer["output_ids"] == free[: end + 1]
+    assert answer["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop}
+
+
+def test_seed_reproduces_alone_and_among_concurrent_requests(worker: Worker) -> None:
+    body = {
+        "input_ids": [3, 4, 5, 6],
+        "sampling_params": {"max_new_tokens": 24, "sampling_seed": 99, "ignore_eos": True},
+    }
+    first, second = generate(worker, **body), generate(worker, **body)
+    assert first["output_ids"] == second["output_ids"]
+    alias = generate(
+        worker, input_ids=[3, 4, 5, 6], sampling_params={"max_new_tokens": 24, "seed": 99, "ignore_eos": True}
+    )
+    assert alias["output_ids"] == first["output_ids"]
+    others = [
+        {"input_ids": list(range(20, 20 + n)), "sampling_params": {"max_new_tokens": 10 + n}} for n in range(1, 8)
+    ]
+    with ThreadPoolExecutor(8) as pool:
+        results = list(pool.map(lambda b: generate(worker, **b), [*others[:3], body, *others[3:]]))
+    assert results[3]["output_ids"] == first["output_ids"]
+
+
+def test_concurrent_requests_are_batched_and_correct(worker: Worker, engine: Any) -> None:
+    prompts = [[50 + i] * (1 + i) for i in range(8)]
+    bodies = [
+        {"input_ids": p, "sampling_params": {"max_new_tokens": 30, "temperature": 0, "ignore_eos": True}}
+        for p in prompts
+    ]
+    before = worker.stats()
+    with ThreadPoolExecutor(8) as pool:
+        results = list(pool.map(lambda b: generate(worker, **b), bodies))
+    after = worker.stats()
+    for prompt, result in zip(prompts, results, strict=True):
+        assert result["output_ids"] == reference_greedy(engine, prompt, 30)[0]
+        assert result["meta_info"]["completion_tokens"] == 30
+    steps = after["decode_steps"] - before["decode_steps"]
+    rows = after["decode_rows"] - before["decode_rows"]
+    assert rows == 8 * 29  # every token after the first comes from a decode step
+    assert steps < rows  # several requests shared decode steps
+    assert after["max_running"] >= 2
+
+
+def test_bad_requests_are_400_in_openai_shape(worker: Worker) -> None:
+    cases: list[bytes | dict[str, Any]] = [
+        b"{not json",
+        {"sampling_params": {}},
+        {"input_ids": [1, 2], "sampling_params": {"temperature": -1}},
+        {"input_ids": [1, 10_000_000]},
+        {"input_ids": [1], "sampling_params": {"beam_width": 4}},
+        {"input_ids": list(range(1, 400)) * 6},
+    ]
+    for body in cases:
+        status, answer = worker.post("/generate", body)
+        assert status == 400, body
+        assert answer["error"]["type"] == "invalid_request_error"
+        assert answer["error"]["message"]
+
+
+def test_health_and_info_routes(worker: Worker, tiny_model: Any) -> None:
+    assert worker.get("/health")[0] == 200
+    assert worker.get("/health_generate")[0] == 200
+    for path in ("/server_info", "/get_server_info"):
+        status, body = worker.get(path)
+        info = json.loads(body)
+        assert status == 200
+        assert info["model_path"] == str(tiny_model) == info["tokenizer_path"]
+        assert info["max_batch"] == 8 and info["version"]
+        assert info["stats"]["tokens_generated"] >= 1
+    status, body = worker.get("/get_model_info")
+    assert status == 200
+    assert json.loads(body) == {
+        "model_path": str(tiny_model),
+        "tokenizer_path": str(tiny_model),
+        "is_generation": True,
+        "served_model_name": "tiny",
+    }
+
+
+def test_sigterm_aborts_in_flight_requests_and_exits_zero(fresh_worker: Worker) -> None:
+    fresh_worker.extra = ["--drain-timeout", "0"]
+    fresh_worker.start()
+    answers: list[tuple[int, Any]] = []
+    body = {"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 2045, "ignore_eos": True}}
+    thread = threading.Thread(target=lambda: answers.append(fresh_worker.post("/generate", body)))
+    thread.start()
+    while fresh_worker.stats()["decode_steps"] < 2:
+        time.sleep(0.01)
+    assert fresh_worker.stop(signal.SIGTERM) == 0, fresh_worker.logs()
+    thread.join(60)
+    status, answer = answers[0]
+    assert status == 503 and answer["error"]["type"] == "server_error"
+    assert "stopping" in fresh_worker.logs()
+
+
+def test_a_client_that_leaves_frees_its_row(worker: Worker) -> None:
+    body = {"input_ids": [1, 2, 3], "stream": True, "sampling_params": {"max_new_tokens": 2045, "ignore_eos": True}}
+    before = worker.stats()
+    req = urllib.request.Request(worker.url + "/generate", json.dumps(body).encode(), method="POST")
+    with urllib.request.urlopen(req, timeout=60) as r:
+        assert r.readline().startswith(b"data: ")
+    while worker.stats()["requests_completed"] == before["requests_completed"]:
+        time.sleep(0.01)
+    after = worker.stats()
+    assert after["tokens_generated"] - before["tokens_generated"] < 2045  # aborted, not finished
+    assert json.loads(worker.get("/server_info")[1])["running_requests"] == 0

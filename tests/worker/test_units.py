@@ -1,0 +1,164 @@
+"""Pure units of the worker: request validation, stop strings, sampling, KV-cache row surgery."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from reefd.worker import kvcache
+from reefd.worker.detok import TextTracker, held_back
+from reefd.worker.openai_chat import _streamable, parse_tool_calls
+from reefd.worker.params import BadRequest, SamplingParams, parse_generate, parse_sampling
+from reefd.worker.sampling import draw_uniforms, sample
+
+# ---- params ----------------------------------------------------------------------------
+
+
+def test_parse_generate_defaults_and_aliases() -> None:
+    req = parse_generate({"input_ids": [1, 2], "sampling_params": {"seed": 5, "stop": "\n\n", "top_k": 0}})
+    assert req.input_ids == [1, 2] and req.text is None
+    assert req.sampling.seed == 5
+    assert req.sampling.stop == ("\n\n",)
+    assert req.sampling.top_k == -1
+    assert req.sampling.max_new_tokens == 128
+    assert req.logprob_start_len == -1 and not req.stream and req.rid
+
+
+@pytest.mark.parametrize(
+    ("body", "message"),
+    [
+        ([1, 2], "JSON object"),
+        ({}, "exactly one of"),
+        ({"input_ids": [1], "text": "x"}, "exactly one of"),
+        ({"input_ids": []}, "must not be empty"),
+        ({"input_ids": [1, "2"]}, "list of integers"),
+        ({"text": ["a", "b"]}, "non-empty string"),
+        ({"text": "x", "sampling_params": {"max_new_tokens": -1}}, "max_new_tokens"),
+        ({"text": "x", "sampling_params": {"temperature": "hot"}}, "temperature"),
+        ({"text": "x", "sampling_params": {"top_p": 0}}, "top_p"),
+        ({"text": "x", "sampling_params": {"frobnicate": 1}}, "unknown sampling parameter"),
+        ({"text": "x", "sampling_params": {"frequency_penalty": 0.5}}, "not supported"),
+        ({"text": "x", "sampling_params": {"stop": [""]}}, "stop"),
+        ({"text": "x", "sampling_params": {"sampling_seed": 1.5}}, "sampling_seed"),
+        ({"text": "x", "logprob_start_len": -2}, "logprob_start_len"),
+        ({"text": "x", "stream": "yes"}, "booleans"),
+    ],
+)
+def test_parse_generate_refuses(body: object, message: str) -> None:
+    with pytest.raises(BadRequest, match=message):
+        parse_generate(body)
+
+
+def test_neutral_values_of_unsupported_params_are_accepted() -> None:
+    sp = parse_sampling({"frequency_penalty": 0.0, "repetition_penalty": 1.0, "n": 1, "skip_special_tokens": True})
+    assert sp == SamplingParams()
+
+
+# ---- text and stop strings -------------------------------------------------------------
+
+
+def test_held_back_is_the_longest_partial_stop() -> None:
+    assert held_back("abc END", ["END!"]) == 3
+    assert held_back("abc E", ["END", "EX"]) == 1
+    assert held_back("abc", ["xyz"]) == 0
+
+
+def test_tracker_trims_at_the_earliest_stop() -> None:
+    pieces = ["Hel", "lo", " wor", "ld", "!!"]
+    tracker = TextTracker(lambda ids: "".join(pieces[i] for i in ids), ["world", "lo w"])
+    assert tracker.update([0]) is None
+    assert tracker.update([0, 1]) is None
+    assert tracker.visible() == "Hel"  # "lo" may start "lo w"
+    assert tracker.update([0, 1, 2]) == "lo w"
+    assert tracker.text == "Hel"
+
+
+def test_tracker_hides_a_half_character() -> None:
+    tracker = TextTracker(lambda ids: "ab\ufffd", [])
+    assert tracker.update([1]) is None
+    assert tracker.visible() == "ab"
+    assert tracker.text == "ab\ufffd"
+
+
+def test_parse_tool_calls() -> None:
+    text = 'Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>'
+    content, calls = parse_tool_calls(text)
+    assert content == "Let me check."
+    assert calls[0]["function"] == {"name": "get_weather", "arguments": '{"city": "Oslo"}'}
+    assert calls[0]["type"] == "function" and calls[0]["id"].startswith("call_")
+    assert parse_tool_calls("<tool_call>not json</tool_call>") == ("<tool_call>not json</tool_call>", [])
+
+
+# ---- sampling --------------------------------------------------------------------------
+
+
+def test_greedy_is_argmax_and_logprobs_are_raw_log_softmax() -> None:
+    logits = torch.randn(4, 50, generator=torch.Generator().manual_seed(0))
+    rows = [SamplingParams(temperature=0.0)] * 4
+    tokens, logprobs = sample(logits, rows, torch.rand(4))
+    assert tokens.tolist() == logits.argmax(-1).tolist()
+    expected = logits.log_softmax(-1).gather(1, tokens[:, None])[:, 0]
+    assert torch.allclose(logprobs, expected)
+
+
+def test_logprob_ignores_temperature_and_filters() -> None:
+    logits = torch.randn(1, 50, generator=torch.Generator().manual_seed(1))
+    rows = [SamplingParams(temperature=0.3, top_k=5, top_p=0.5)]
+    token, logprob = sample(logits, rows, torch.tensor([0.7]))
+    assert math.isclose(logprob.item(), logits.log_softmax(-1)[0, token.item()].item(), rel_tol=1e-6)
+
+
+def test_top_k_one_is_greedy_at_any_temperature() -> None:
+    logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(2))
+    tokens, _ = sample(logits, [SamplingParams(temperature=5.0, top_k=1)] * 3, torch.rand(3))
+    assert tokens.tolist() == logits.argmax(-1).tolist()
+
+
+def test_top_p_keeps_only_the_nucleus() -> None:
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
+    seen = {
+        sample(logits, [SamplingParams(top_p=0.7)], torch.tensor([u]))[0].item() for u in torch.linspace(0, 0.999, 50)
+    }
+    assert seen == {0, 1}
+
+
+def test_a_row_depends_only_on_its_own_draw() -> None:
+    gen = torch.Generator().manual_seed(3)
+    logits = torch.randn(5, 64, generator=gen)
+    rows = [SamplingParams(temperature=1.0)] * 5
+    alone = [sample(logits[i : i + 1], rows[:1], torch.tensor([0.25 * i]))[0].item() for i in range(4)]
+    batched = sample(logits[:4], rows[:4], torch.tensor([0.0, 0.25, 0.5, 0.75]))[0].tolist()
+    assert alone == batched
+
+
+def test_draw_uniforms_follow_each_seed() -> None:
+    a = draw_uniforms([torch.Generator().manual_seed(7), torch.Generator().manual_seed(8)])
+    b = draw_uniforms([torch.Generator().manual_seed(8), torch.Generator().manual_seed(7)])
+    assert a.tolist() == b.flip(0).tolist()
+
+
+# ---- kv cache rows ---------------------------------------------------------------------
+
+
+def test_merge_pads_left_and_select_trims_shared_padding() -> None:
+    a = [(torch.ones(2, 1, 3, 4), torch.ones(2, 1, 3, 4))]
+    b = [(torch.full((1, 1, 5, 4), 2.0), torch.full((1, 1, 5, 4), 2.0))]
+    mask_a = torch.tensor([[0, 1, 1], [1, 1, 1]])
+    mask_b = torch.ones(1, 5, dtype=torch.long)
+    kv, mask = kvcache.merge(a, mask_a, b, mask_b)
+    assert mask.tolist() == [[0, 0, 0, 1, 1], [0, 0, 1, 1, 1], [1, 1, 1, 1, 1]]
+    assert kv[0][0].shape == (3, 1, 5, 4)
+    assert kv[0][0][0, 0, :2].abs().sum() == 0
+    kv, mask = kvcache.select(kv, mask, [0, 1])
+    assert mask.tolist() == [[0, 1, 1], [1, 1, 1]]
+    assert kv[0][1].shape == (2, 1, 3, 4)
+
+
+def test_streamed_content_stops_before_a_tool_call() -> None:
+    call = '<tool_call>\n{"name": "f", "arguments": {}}\n</tool_call>'
+    assert _streamable("Sure. <tool_", final=False, tools=True) == "Sure. "
+    assert _streamable("Sure. " + call, final=True, tools=True) == "Sure. "
+    assert _streamable("Sure. <tool_call>oops", final=True, tools=True) == "Sure. <tool_call>oops"
+    assert _streamable("Sure. <tool_", final=False, tools=False) == "Sure. <tool_"
