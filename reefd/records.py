@@ -1,0 +1,468 @@
+"""The durable record store: records and reports in LMDB, written by one group-commit thread.
+
+Owns keys, value encoding, indexes, counters and durability. Knows nothing of HTTP,
+provider formats, engines or recipes: a record is an opaque JSON object with "id" and "scenario".
+"""
+
+from __future__ import annotations
+
+import array
+import asyncio
+import base64
+import contextlib
+import hashlib
+import json
+import os
+import queue
+import re
+import secrets
+import struct
+import threading
+import time
+import zlib
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import lmdb
+import orjson
+
+__all__ = ["RecordStore", "ReportConflict", "StorageError", "StoreClosed", "UnknownReceipt", "new_receipt"]
+
+
+class StorageError(Exception):
+    """A write could not be made durable (disk full, map cannot grow, store closed)."""
+
+
+class StoreClosed(StorageError):
+    """The store is closed (or was never opened): nothing more can be read or written."""
+
+
+class UnknownReceipt(Exception):
+    """A report references a receipt that does not exist or belongs to another scenario."""
+
+    def __init__(self, receipt: str) -> None:
+        super().__init__(f"unknown receipt {receipt!r} for this scenario")
+        self.receipt = receipt
+
+
+class ReportConflict(Exception):
+    """A report_id is already stored with a different body."""
+
+    def __init__(self, report_id: str) -> None:
+        super().__init__(f"report {report_id!r} already exists with a different body")
+        self.report_id = report_id
+
+
+# --- receipts: ULIDs, strictly increasing within the process -------------------------------
+
+_B32_TO_CROCKFORD = bytes.maketrans(b"ABCDEFGHIJKLMNOPQRSTUVWXYZ234567", b"0123456789ABCDEFGHJKMNPQRSTVWXYZ")
+_RECEIPT = re.compile(r"[0-7][0-9A-HJKMNP-TV-Z]{25}")
+_ulid_lock = threading.Lock()
+_ulid_last = (0, 0)
+
+
+def new_receipt() -> str:
+    """A ULID: 48-bit ms timestamp + 80 random bits; later calls sort after earlier ones."""
+    global _ulid_last
+    with _ulid_lock:
+        ms = time.time_ns() // 1_000_000
+        last_ms, last_rand = _ulid_last
+        if ms > last_ms:
+            rand = secrets.randbits(80)
+        else:  # same millisecond (or the clock stepped back): count up from the last one
+            ms, rand = last_ms, last_rand + 1
+            if rand >> 80:
+                ms, rand = ms + 1, secrets.randbits(79)
+        _ulid_last = (ms, rand)
+    # 130 bits (2 leading zeros + 128) are the top of 17 bytes; RFC 4648 base32, then Crockford letters.
+    raw = ((ms << 80 | rand) << 6).to_bytes(17, "big")
+    return base64.b32encode(raw)[:26].translate(_B32_TO_CROCKFORD).decode()
+
+
+def _is_receipt(value: object) -> bool:
+    return isinstance(value, str) and _RECEIPT.fullmatch(value) is not None
+
+
+# --- values: compact JSON, deflated; token ids and logprobs as raw arrays beside it ---
+# Token arrays are most of a record's JSON and compress poorly, so they are stored as int32 /
+# float64 arrays (exact, and non-finite logprobs survive) after the deflated JSON of the rest.
+
+_ARRAYS = (("prompt_token_ids", "i"), ("completion_token_ids", "i"), ("completion_logprobs", "d"))
+_HEAD = struct.Struct("<I")
+
+
+def _as_array(values: Any, code: str) -> array.array[Any] | None:
+    """The list as a typed array, or None when it does not fit one (then it stays in the JSON)."""
+    if not isinstance(values, list):
+        return None
+    try:
+        return array.array(code, values)
+    except (TypeError, OverflowError):
+        return None
+
+
+def _pack(obj: Any) -> bytes:
+    arrays = []
+    if isinstance(obj, dict):
+        for name, code in _ARRAYS:
+            arr = _as_array(obj.get(name), code)
+            if arr is not None:
+                arrays.append((name, arr))
+        if arrays:
+            obj = {k: v for k, v in obj.items() if k not in dict(arrays)}
+    # orjson: ~15x faster than json here; non-finite floats elsewhere in a record become null
+    text = zlib.compress(orjson.dumps(obj, option=orjson.OPT_NON_STR_KEYS), 1)
+    parts = [b"a", _HEAD.pack(len(text)), text]
+    for name, arr in arrays:
+        parts += [bytes([_ARRAY_INDEX[name]]), _HEAD.pack(len(arr)), arr.tobytes()]
+    return b"".join(parts)
+
+
+_ARRAY_INDEX = {name: i for i, (name, _) in enumerate(_ARRAYS)}
+
+
+def _unpack(value: bytes) -> Any:
+    if value[:1] != b"a":  # values written before arrays were split out
+        return orjson.loads(zlib.decompress(value[1:]) if value[:1] == b"z" else value[1:])
+    (size,) = _HEAD.unpack_from(value, 1)
+    at = 1 + _HEAD.size + size
+    obj = orjson.loads(zlib.decompress(value[1 + _HEAD.size:at]))
+    while at < len(value):
+        name, code = _ARRAYS[value[at]]
+        (count,) = _HEAD.unpack_from(value, at + 1)
+        at += 1 + _HEAD.size
+        arr = array.array(code)
+        arr.frombytes(value[at:at + count * arr.itemsize])
+        at += count * arr.itemsize
+        obj[name] = arr.tolist()
+    return obj
+
+
+def _scenario_key(scenario: object) -> bytes:
+    key = scenario.encode() if isinstance(scenario, str) else b""
+    if not key or b"\0" in key or len(key) > 256:
+        raise ValueError(f"scenario must be a non-empty name without NUL, at most 256 bytes: {scenario!r}")
+    return key
+
+
+def _report_key(report_id: str) -> bytes:
+    """The id's UTF-8 bytes; an id too long for an LMDB key is hashed (0xff never starts UTF-8)."""
+    key = report_id.encode("utf-8", "surrogatepass")
+    return key if len(key) <= 256 else b"\xff" + hashlib.sha256(key).digest()
+
+
+def _canonical(report: dict[str, Any]) -> str:
+    """What makes two reports with one report_id "the same" (ids, timestamps aside)."""
+    keys = ("scenario", "references", "score", "feedback", "metadata")
+    return json.dumps({k: report.get(k) for k in keys}, sort_keys=True, separators=(",", ":"))
+
+
+_COUNTS = struct.Struct(">QQ")  # records, reports
+_SEQ = struct.Struct(">Q")
+_STOP = object()
+_OP_ERRORS = (UnknownReceipt, ReportConflict, ValueError, TypeError, RecursionError)  # raised before any put
+Outcome = tuple[bool, Any]  # (True, result) or (False, exception)
+Op = tuple[Callable[..., Any], tuple[Any, ...], asyncio.Future[Any]]
+
+
+class _RWLock:
+    """Many readers or one writer (the map resize); a waiting writer holds new readers back."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._readers = self._writers = 0
+
+    @contextlib.contextmanager
+    def read(self) -> Iterator[None]:
+        with self._cond:
+            self._cond.wait_for(lambda: not self._writers)
+            self._readers += 1
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._readers -= 1
+                self._cond.notify_all()
+
+    @contextlib.contextmanager
+    def write(self) -> Iterator[None]:
+        with self._cond:  # held throughout: new readers queue on it
+            self._writers += 1
+            try:
+                self._cond.wait_for(lambda: not self._readers)
+                yield
+            finally:
+                self._writers -= 1
+                self._cond.notify_all()
+
+
+class RecordStore:
+    """Records and reports in one LMDB env. Writes are group-committed by one thread; reads are inline."""
+
+    def __init__(self, path: str | os.PathLike[str], *, map_size: int = 1 << 30, max_batch: int = 1024,
+                 max_grow: int = 1 << 40) -> None:
+        self.path = os.fspath(path)
+        self._map_size, self._max_batch, self._max_grow = map_size, max_batch, max_grow
+        self._env: lmdb.Environment | None = None
+        self._dbs: dict[str, Any] = {}
+        self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._rw = _RWLock()
+        self._thread: threading.Thread | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._stopped: asyncio.Future[None] | None = None
+        self._closing: asyncio.Future[None] | None = None
+        self.stats = {"commits": 0, "ops": 0, "grows": 0, "largest_batch": 0}
+
+    # --- lifecycle ---------------------------------------------------------------------------
+
+    async def open(self) -> None:
+        """Create the folder, open the env and its tables, start the writer thread."""
+        if self._thread is not None:
+            raise RuntimeError("RecordStore.open() called twice")
+        os.makedirs(self.path, exist_ok=True)
+        env = lmdb.open(self.path, map_size=self._map_size, subdir=True, max_dbs=8,
+                        sync=True, metasync=True, writemap=False)
+        with env.begin(write=True) as txn:
+            for name in ("records", "by_scenario", "reports", "report_index", "counts", "meta"):
+                self._dbs[name] = env.open_db(name.encode(), txn=txn)
+        self._env, self._loop = env, asyncio.get_running_loop()
+        self._stopped = self._loop.create_future()
+        self._thread = threading.Thread(target=self._writer_main, name="reef-records-writer", daemon=True)
+        self._thread.start()
+
+    async def close(self) -> None:
+        """Let every write queued so far commit durably, stop the writer, close the env. Idempotent."""
+        if self._thread is None:
+            return
+        if self._closing is None:
+            self._closing = asyncio.ensure_future(self._shutdown())
+        await asyncio.shield(self._closing)
+
+    async def _shutdown(self) -> None:
+        assert self._thread is not None and self._stopped is not None and self._env is not None
+        self._queue.put(_STOP)
+        await self._stopped
+        self._thread.join()
+        with self._rw.write():
+            self._env.close()
+            self._env = None
+
+    # --- writes: enqueue, then wait for the batch's commit ----------------------------------
+
+    async def put_record(self, record: dict[str, Any]) -> None:
+        """Store one record; returns once it is durable. Raises StorageError when it cannot be.
+
+        The writer thread serialises the record (JSON + zlib, off the event loop), so it must not
+        change until this returns; a TypeError for a value JSON cannot hold is raised here.
+        """
+        receipt = record.get("id")
+        if not _is_receipt(receipt):
+            raise ValueError(f"record id must be a receipt from new_receipt(), got {receipt!r}")
+        scenario = _scenario_key(record.get("scenario"))
+        await self._submit(self._apply_record, str(receipt).encode(), scenario, record)
+
+    async def put_report(self, scenario: str, body: dict[str, Any]) -> tuple[dict[str, Any], bool]:
+        """Attach a report to records of `scenario`; returns (stored report, created). Durable on return."""
+        scenario_key = _scenario_key(scenario)
+        report_id = body.get("report_id") or "rpt_" + new_receipt()
+        if not isinstance(report_id, str):
+            raise ValueError(f"report_id must be a string, got {report_id!r}")
+        score = body.get("score")
+        report = {
+            "report_id": report_id, "scenario": scenario, "references": list(body["references"]),
+            "score": float(score) if isinstance(score, int | float) and not isinstance(score, bool) else score,
+            "feedback": body.get("feedback"), "metadata": body.get("metadata"), "created_at": time.time(),
+        }
+        packed = _pack(report)  # serialisation errors surface here, before the writer sees the op
+        result: tuple[dict[str, Any], bool] = await self._submit(self._apply_report, scenario_key, report, packed)
+        return result
+
+    async def _submit(self, apply: Callable[..., Any], *args: Any) -> Any:
+        if self._loop is None or self._closing is not None:
+            raise StoreClosed("record store is closed" if self._closing else "record store is not open")
+        future = self._loop.create_future()
+        self._queue.put((apply, args, future))
+        return await future
+
+    def _apply_record(self, txn: lmdb.Transaction[bytes], deltas: dict[bytes, list[int]],
+                      receipt: bytes, scenario: bytes, record: dict[str, Any]) -> None:
+        if not txn.put(receipt, _pack(record), overwrite=False, db=self._dbs["records"]):
+            raise ValueError(f"receipt {receipt.decode()} is already stored")
+        txn.put(scenario + b"\0" + receipt, b"", db=self._dbs["by_scenario"])
+        deltas.setdefault(scenario, [0, 0])[0] += 1
+
+    def _apply_report(self, txn: lmdb.Transaction[bytes], deltas: dict[bytes, list[int]],
+                      scenario: bytes, report: dict[str, Any], packed: bytes) -> tuple[dict[str, Any], bool]:
+        db = self._dbs
+        report_key = _report_key(report["report_id"])
+        stored = txn.get(report_key, db=db["reports"])
+        if stored is not None:
+            previous = _unpack(stored)
+            if _canonical(previous) != _canonical(report):
+                raise ReportConflict(report["report_id"])
+            return previous, False
+        references = list(dict.fromkeys(report["references"]))
+        for ref in references:
+            if not _is_receipt(ref) or txn.get(scenario + b"\0" + ref.encode(), db=db["by_scenario"]) is None:
+                raise UnknownReceipt(ref)
+        raw_seq = txn.get(b"report_seq", db=db["meta"])
+        seq = _SEQ.unpack(raw_seq)[0] + 1 if raw_seq else 1
+        txn.put(b"report_seq", _SEQ.pack(seq), db=db["meta"])
+        txn.put(report_key, packed, db=db["reports"])
+        for ref in references:  # receipt + sequence number: a receipt's reports come out oldest first
+            txn.put(ref.encode() + _SEQ.pack(seq), report_key, db=db["report_index"])
+        deltas.setdefault(scenario, [0, 0])[1] += 1
+        return report, True
+
+    # --- the writer thread ------------------------------------------------------------------
+
+    def _writer_main(self) -> None:
+        stop = False
+        while not stop:
+            ops: list[Op] = []
+            item = self._queue.get()  # block for the first op, then take whatever else is queued
+            while item is not _STOP:
+                ops.append(item)
+                if len(ops) >= self._max_batch:
+                    break
+                try:
+                    item = self._queue.get_nowait()
+                except queue.Empty:
+                    break
+            stop = item is _STOP
+            if ops:
+                try:
+                    outcomes = self._commit_batch(ops)
+                except BaseException as exc:  # never leave a caller waiting forever
+                    outcomes = [(False, StorageError(f"record writer failed: {exc!r}")) for _ in ops]
+                self._deliver([op[2] for op in ops], outcomes)
+        if self._stopped is not None:
+            self._deliver([self._stopped], [(True, None)])
+
+    def _commit_batch(self, ops: list[Op]) -> list[Outcome]:
+        """One transaction for the whole batch; grows the map and retries it when the map is full."""
+        while True:
+            try:
+                return self._transact(ops)
+            except lmdb.MapFullError:
+                problem = self._grow()
+            except (lmdb.Error, OSError) as exc:
+                problem = f"record store write failed: {exc}"
+            except Exception as exc:  # a bug in some op: commit the ops one by one to isolate it
+                if len(ops) == 1:
+                    return [(False, exc)]
+                return [outcome for op in ops for outcome in self._commit_batch([op])]
+            if problem:
+                return [(False, StorageError(problem)) for _ in ops]
+
+    def _transact(self, ops: list[Op]) -> list[Outcome]:
+        assert self._env is not None
+        outcomes: list[Outcome] = []
+        deltas: dict[bytes, list[int]] = {}
+        with self._env.begin(write=True) as txn:  # commits (with fsync) on exit, aborts on exception
+            for apply, args, _ in ops:
+                try:
+                    outcomes.append((True, apply(txn, deltas, *args)))
+                except _OP_ERRORS as exc:  # the op checked before writing anything: only it fails
+                    outcomes.append((False, exc))
+            counts = self._dbs["counts"]
+            for scenario, (records, reports) in deltas.items():
+                raw = txn.get(scenario, db=counts)
+                old = _COUNTS.unpack(raw) if raw else (0, 0)
+                txn.put(scenario, _COUNTS.pack(old[0] + records, old[1] + reports), db=counts)
+        self.stats["commits"] += 1
+        self.stats["ops"] += len(ops)
+        self.stats["largest_batch"] = max(self.stats["largest_batch"], len(ops))
+        return outcomes
+
+    def _grow(self) -> str | None:
+        """Double the map (up to max_grow) with no transaction open; a reason when it cannot."""
+        assert self._env is not None
+        size = self._env.info()["map_size"]
+        target = min(size * 2, self._max_grow) // 4096 * 4096
+        if target <= size:
+            return f"record store is full: map is {size} bytes and max_grow is {self._max_grow}"
+        try:
+            with self._rw.write():
+                self._env.set_mapsize(target)
+        except (lmdb.Error, OSError) as exc:
+            return f"record store is full: cannot grow the map to {target} bytes: {exc}"
+        self.stats["grows"] += 1
+        return None
+
+    def _deliver(self, futures: list[asyncio.Future[Any]], outcomes: list[Outcome]) -> None:
+        assert self._loop is not None
+        with contextlib.suppress(RuntimeError):  # a closed loop has nobody left waiting
+            self._loop.call_soon_threadsafe(_settle, futures, outcomes)
+
+    # --- reads: synchronous, short read transactions ----------------------------------------
+
+    @contextlib.contextmanager
+    def _reading(self) -> Iterator[lmdb.Transaction[bytes]]:
+        with self._rw.read():
+            if self._env is None:
+                raise StoreClosed("record store is not open")
+            with self._env.begin() as txn:
+                yield txn
+
+    def get_record(self, receipt: str) -> dict[str, Any] | None:
+        """The record with its "reports" (oldest first), or None."""
+        if not _is_receipt(receipt):
+            return None
+        with self._reading() as txn:
+            return self._load_record(txn, receipt.encode())
+
+    def list_records(self, scenario: str, *, after: str | None = None, limit: int = 50) -> list[dict[str, Any]]:
+        """Records of one scenario in receipt order, strictly after `after`, each with its reports."""
+        prefix = _scenario_key(scenario) + b"\0"
+        start = prefix + (after or "").encode("utf-8", "surrogatepass")
+        if len(start) > 400:
+            raise ValueError("`after` is too long to be a receipt")
+        found: list[dict[str, Any]] = []
+        with self._reading() as txn, txn.cursor(db=self._dbs["by_scenario"]) as cursor:
+            for key in cursor.iternext(values=False) if cursor.set_range(start) else ():  # from `start` on
+                if len(found) >= limit or not key.startswith(prefix):
+                    break
+                if key != start and (record := self._load_record(txn, key[len(prefix):])) is not None:
+                    found.append(record)
+        return found
+
+    def get_report(self, report_id: str) -> dict[str, Any] | None:
+        """The stored report, or None."""
+        if not isinstance(report_id, str) or not report_id:
+            return None
+        with self._reading() as txn:
+            raw = txn.get(_report_key(report_id), db=self._dbs["reports"])
+            return None if raw is None else _unpack(raw)
+
+    def counts(self) -> dict[str, dict[str, int]]:
+        """{scenario: {"records": n, "reports": m}}, kept by the write transactions (no scan of records)."""
+        with self._reading() as txn:
+            return {key.decode(): dict(zip(("records", "reports"), _COUNTS.unpack(raw), strict=True))
+                    for key, raw in txn.cursor(db=self._dbs["counts"])}
+
+    def _load_record(self, txn: lmdb.Transaction[bytes], receipt: bytes) -> dict[str, Any] | None:
+        raw = txn.get(receipt, db=self._dbs["records"])
+        if raw is None:
+            return None
+        record: dict[str, Any] = _unpack(raw)
+        reports = []
+        with txn.cursor(db=self._dbs["report_index"]) as cursor:
+            for key, report_key in cursor if cursor.set_range(receipt) else ():  # receipt + seq -> report
+                if not key.startswith(receipt):
+                    break
+                if (stored := txn.get(report_key, db=self._dbs["reports"])) is not None:
+                    reports.append(_unpack(stored))
+        record["reports"] = reports
+        return record
+
+
+def _settle(futures: list[asyncio.Future[Any]], outcomes: list[Outcome]) -> None:
+    """Runs on the event loop: wake every caller of a committed (or failed) batch."""
+    for future, (ok, value) in zip(futures, outcomes, strict=True):
+        if future.done():  # the caller was cancelled; its write stands
+            continue
+        if ok:
+            future.set_result(value)
+        else:
+            future.set_exception(value)
