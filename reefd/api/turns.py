@@ -143,7 +143,7 @@ async def _stream(request: web.Request, store: RecordStore, wire: Wire,
         finish_record(record, completion, answer, started, ttft)
         await store.put_record(record)
         await resp.write(wire.stream_terminal())
-    except (ConnectionResetError, ConnectionError):
+    except ConnectionError:
         log.info("client went away during stream %s", record["id"])
         return resp
     except (EngineUnavailable, EngineError, StorageError, ApiError) as exc:

@@ -32,7 +32,13 @@ def _die_with_parent() -> None:
 
 
 class Supervisor:
-    """State: starting → ready → (restarting → ready)* → stopped, or failed after the deadline."""
+    """State: starting → ready → (restarting → ready)* → stopped.
+
+    While ready, the process is asked to generate every HEALTH_INTERVAL_S; three failures in a
+    row count as a crash. Restarts back off exponentially (1 s doubling to 30 s).
+    """
+
+    HEALTH_INTERVAL_S = 15.0
 
     def __init__(self, name: str, argv: Callable[[int], list[str]],
                  healthy: Callable[[str], Awaitable[bool]], *, startup_timeout_s: float,
@@ -59,20 +65,36 @@ class Supervisor:
         while not self._stopping:
             started = time.monotonic()
             if await self._launch_once():
-                backoff = 1.0
-                assert self._proc is not None
-                code = await self._proc.wait()
-                if self._stopping:
-                    break
-                self.last_error = f"engine process exited with code {code}"
+                await self._watch()
             if self._stopping:
                 break
+            if time.monotonic() - started > 60:  # it ran a good while: not a crash loop
+                backoff = 1.0
             log.warning("%s: %s; restarting in %.0f s", self.name, self.last_error, backoff)
             self.state = "restarting"
             self.restarts += 1
             await asyncio.sleep(backoff)
-            if time.monotonic() - started < 60:
-                backoff = min(backoff * 2, 30.0)
+            backoff = min(backoff * 2, 30.0)
+
+    async def _watch(self) -> None:
+        """Until the process exits, or stops generating (then it is killed and restarted)."""
+        proc = self._proc
+        assert proc is not None
+        failures = 0
+        while not self._stopping:
+            try:
+                code = await asyncio.wait_for(proc.wait(), self.HEALTH_INTERVAL_S)
+            except TimeoutError:
+                failures = 0 if await self._healthy(self.url) else failures + 1
+                if failures >= 3:
+                    self.last_error = "engine stopped generating (3 failed health checks)"
+                    proc.kill()
+                    await proc.wait()
+                    return
+                continue
+            if not self._stopping:
+                self.last_error = f"engine process exited with code {code}"
+            return
 
     async def _launch_once(self) -> bool:
         port = free_port(self._host)

@@ -25,7 +25,8 @@ def record(d: Daemon, receipt: str) -> dict:
 
 def test_non_streaming_answer_carries_receipt_and_durable_record(daemon: Daemon) -> None:
     raw = client(daemon).chat.completions.with_raw_response.create(
-        model="tiny", messages=[{"role": "user", "content": "Say hi"}], max_tokens=5, seed=3)
+        model="tiny", messages=[{"role": "user", "content": "Say hi"}], max_tokens=5, seed=3,
+        extra_headers={"x-reef-session": "sess-1", "x-reef-tag-Team": "blue"})
     receipt = raw.headers["x-reef-agent-record-id"]
     assert raw.headers["x-reef-release-id"] == "base"
     answer = raw.parse()
@@ -41,6 +42,8 @@ def test_non_streaming_answer_carries_receipt_and_durable_record(daemon: Daemon)
     assert all(lp <= 0 for lp in rec["completion_logprobs"])
     assert len(rec["prompt_token_ids"]) == answer.usage.prompt_tokens
     assert rec["messages"][-1]["role"] == "assistant"
+    assert rec["session"] == "sess-1" and rec["tags"] == {"team": "blue"}
+    assert rec["latency_s"] > 0 and rec["created_at"] <= rec["finished_at"]
 
 
 def test_seed_and_max_completion_tokens_are_honoured(daemon: Daemon) -> None:
