@@ -81,6 +81,15 @@ class ServeConfig:
     request_timeout_s: float = field(
         default=600.0, metadata={"exclusiveMinimum": 0, "description": "Engine call deadline."}
     )
+    temperature: float | None = field(
+        default=None, metadata={"minimum": 0, "maximum": 2,
+                                "description": "Used when a request sets no temperature "
+                                               "(unset: the API's default, 1.0)."}
+    )
+    top_p: float | None = field(
+        default=None, metadata={"exclusiveMinimum": 0, "maximum": 1,
+                                "description": "Used when a request sets no top_p."}
+    )
 
 
 @dataclass

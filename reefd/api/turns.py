@@ -88,6 +88,11 @@ def finish_record(record: dict[str, Any], c: Completion, answer: dict[str, Any],
 async def serve_turn(request: web.Request, scenario: Scenario, store: RecordStore,
                      wire_for: Callable[[str], Wire], body: dict[str, Any],
                      chat: ChatRequest, stream: bool) -> web.StreamResponse:
+    serve = scenario.cfg.serve  # the scenario's sampling defaults fill what the request left unset
+    if chat.temperature is None:
+        chat.temperature = serve.temperature
+    if chat.top_p is None:
+        chat.top_p = serve.top_p
     receipt = new_receipt()
     wire = wire_for(receipt)
     record = new_record(request, scenario, receipt, wire.api, body, chat, stream)

@@ -155,7 +155,7 @@ class SGLangEngine:
         out = self.state_dir / "models" / source
         proc = await asyncio.create_subprocess_exec(
             sys.executable, "-m", "reefd.worker.prepare", source, "--out", str(out),
-            stdin=asyncio.subprocess.DEVNULL)
+            stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.DEVNULL)
         if await proc.wait() != 0:
             raise RuntimeError(f"preparing model {source!r} failed (exit {proc.returncode})")
         return out

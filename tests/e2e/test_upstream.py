@@ -46,7 +46,8 @@ def proxy(upstream: tuple[str, web.Application], tmp_path_factory: pytest.TempPa
           ) -> Iterator[Daemon]:
     base = tmp_path_factory.mktemp("up")
     yaml = ("defaults:\n  - model: upstream\n  - _self_\nmodel:\n"
-            f"  url: {upstream[0]}\n  api_key_env: UP_KEY\n  upstream_model: up-model\n")
+            f"  url: {upstream[0]}\n  api_key_env: UP_KEY\n  upstream_model: up-model\n"
+            "serve:\n  temperature: 0.3\n")
     d = Daemon(scenarios=make_scenarios(base / "s", names=(), extra={"up": yaml}),
                state=base / "state", log_path=base / "reefd.log", env={"UP_KEY": "up-key"})
     d.start()
@@ -65,6 +66,10 @@ def test_openai_passthrough_is_recorded_without_token_ids(proxy: Daemon,
     assert answer.choices[0].message.content == "Hello from upstream."
     sent = upstream[1][SEEN][-1]
     assert sent["body"]["model"] == "up-model" and sent["body"]["max_tokens"] == 9
+    assert sent["body"]["temperature"] == 0.3  # the scenario's default fills the gap
+    c.chat.completions.create(model="up", messages=[{"role": "user", "content": "hi"}],
+                              temperature=0.9)
+    assert upstream[1][SEEN][-1]["body"]["temperature"] == 0.9  # and never overrides a request
     rec = json.loads(proxy.get(f"/reef/records/{raw.headers['x-reef-agent-record-id']}")[1])
     assert rec["engine"] == "upstream" and rec["completion_token_ids"] is None
     assert rec["usage"] == {"prompt_tokens": 7, "completion_tokens": 4}
