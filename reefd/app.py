@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import aiohttp
+import orjson
 from aiohttp import web
 
 from reefd.api import admin, anthropic, openai, reports
@@ -50,7 +51,8 @@ def build_app(settings: Settings) -> web.Application:
 
     async def http_client(app: web.Application) -> AsyncIterator[None]:
         connector = aiohttp.TCPConnector(limit=0, limit_per_host=0)
-        app[HTTP] = aiohttp.ClientSession(connector=connector, trust_env=False)
+        app[HTTP] = aiohttp.ClientSession(connector=connector, trust_env=False,
+                                          json_serialize=lambda o: orjson.dumps(o).decode())
         yield
         await app[HTTP].close()
 

@@ -10,21 +10,21 @@ import time
 from aiohttp import web
 
 from reefd import __version__
-from reefd.api.errors import ApiError
+from reefd.api.errors import ApiError, json_response
 from reefd.api.keys import REGISTRY, STARTED_AT, STORE
 
 MAX_LIMIT = 1000
 
 
 async def healthz(request: web.Request) -> web.Response:
-    return web.json_response({"status": "ok"})
+    return json_response({"status": "ok"})
 
 
 async def readyz(request: web.Request) -> web.Response:
     registry = request.app[REGISTRY]
     engines = {name: s.engine.describe()["state"] for name, s in registry.scenarios.items()}
     ready = registry.ready
-    return web.json_response({"ready": ready, "scenarios": engines},
+    return json_response({"ready": ready, "scenarios": engines},
                              status=200 if ready else 503)
 
 
@@ -37,7 +37,7 @@ async def status(request: web.Request) -> web.Response:
         scenarios.append({"name": name, "model": s.cfg.model.name,
                           "engine": s.engine.describe(), "release": s.release,
                           "records": c.get("records", 0), "reports": c.get("reports", 0)})
-    return web.json_response({"version": __version__, "ready": registry.ready,
+    return json_response({"version": __version__, "ready": registry.ready,
                               "uptime_s": round(time.time() - request.app[STARTED_AT], 3),
                               "scenarios": scenarios})
 
@@ -47,7 +47,7 @@ async def get_record(request: web.Request) -> web.Response:
     record = request.app[STORE].get_record(receipt)
     if record is None:
         raise ApiError(404, f"no record with receipt {receipt!r}", code="record_not_found")
-    return web.json_response(record)
+    return json_response(record)
 
 
 def _limit(raw: str | None) -> int:
@@ -68,5 +68,5 @@ async def list_records(request: web.Request) -> web.Response:
     after = request.query.get("after") or None
     rows = request.app[STORE].list_records(scenario.name, after=after, limit=limit + 1)
     data = rows[:limit]
-    return web.json_response({"object": "list", "data": data, "has_more": len(rows) > limit,
+    return json_response({"object": "list", "data": data, "has_more": len(rows) > limit,
                               "last_id": data[-1]["id"] if data else None})

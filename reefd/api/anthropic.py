@@ -10,9 +10,10 @@ import json
 from typing import Any
 
 import jsonschema
+import orjson
 from aiohttp import web
 
-from reefd.api.errors import ApiError, anthropic_body, check, read_json
+from reefd.api.errors import ApiError, anthropic_body, check, json_response, read_json
 from reefd.api.keys import REGISTRY, STORE
 from reefd.api.turns import serve_turn
 from reefd.chat import ChatRequest, Completion
@@ -132,7 +133,7 @@ def to_chat_request(body: dict[str, Any], max_tokens: int = 1) -> ChatRequest:
 
 
 def _event(kind: str, data: dict[str, Any]) -> bytes:
-    return f"event: {kind}\ndata: {json.dumps(data, ensure_ascii=False)}\n\n".encode()
+    return b"event: " + kind.encode() + b"\ndata: " + orjson.dumps(data) + b"\n\n"
 
 
 def _tool_id(call_id: str) -> str:
@@ -238,4 +239,4 @@ async def count_tokens(request: web.Request) -> web.Response:
         raise ApiError(503, str(exc), headers={"Retry-After": str(exc.retry_after)}) from exc
     except EngineError as exc:
         raise ApiError(exc.status, str(exc)) from exc
-    return web.json_response({"input_tokens": n})
+    return json_response({"input_tokens": n})

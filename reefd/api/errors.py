@@ -12,6 +12,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 import jsonschema
+import orjson
 from aiohttp import web
 
 log = logging.getLogger("reefd.api")
@@ -58,10 +59,16 @@ def anthropic_body(err: ApiError) -> dict[str, Any]:
     return {"type": "error", "error": {"type": etype, "message": err.message}}
 
 
+def json_response(body: Any, *, status: int = 200,
+                  headers: dict[str, str] | None = None) -> web.Response:
+    """A JSON answer serialized by orjson (UTF-8, no ASCII escaping), off the hot path's budget."""
+    return web.Response(body=orjson.dumps(body), status=status, headers=headers,
+                        content_type="application/json")
+
+
 def render(request: web.Request, err: ApiError) -> web.Response:
     body = anthropic_body(err) if is_anthropic(request) else openai_body(err)
-    return web.json_response(body, status=err.status, headers=err.headers,
-                             dumps=lambda o: json.dumps(o, ensure_ascii=False))
+    return json_response(body, status=err.status, headers=err.headers)
 
 
 @web.middleware
@@ -94,12 +101,19 @@ async def read_json(request: web.Request) -> dict[str, Any]:
     if not raw:
         raise ApiError(400, "the request body is empty; expected a JSON object")
     try:
-        body = json.loads(raw, parse_constant=_NonFinite)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise ApiError(400, f"the request body is not valid JSON: {exc}") from exc
+        body = orjson.loads(raw)
+    except orjson.JSONDecodeError:
+        body = _slow_json(raw)  # the stdlib parser explains what is wrong, NaN included
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object")
     return body
+
+
+def _slow_json(raw: bytes) -> Any:
+    try:
+        return json.loads(raw, parse_constant=_NonFinite)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ApiError(400, f"the request body is not valid JSON: {exc}") from exc
 
 
 def check(validator: jsonschema.protocols.Validator, body: Any, root: str = "") -> None:

@@ -6,14 +6,14 @@ shapes live here and nowhere else.
 
 from __future__ import annotations
 
-import json
 import time
 from typing import Any
 
 import jsonschema
+import orjson
 from aiohttp import web
 
-from reefd.api.errors import ApiError, check, openai_body, read_json
+from reefd.api.errors import ApiError, check, json_response, openai_body, read_json
 from reefd.api.keys import REGISTRY, STARTED_AT, STORE
 from reefd.api.turns import serve_turn
 from reefd.chat import ChatRequest, Completion
@@ -135,7 +135,7 @@ class OpenAIWire:
                                 "system_fingerprint": None, "choices": choices}
         if self.include_usage:
             data["usage"] = usage
-        return b"data: " + json.dumps(data, ensure_ascii=False).encode() + b"\n\n"
+        return b"data: " + orjson.dumps(data) + b"\n\n"
 
     def stream_head(self, prompt_tokens: int) -> bytes:
         return self._chunk([{"index": 0, "delta": {"role": "assistant", "content": ""},
@@ -162,7 +162,7 @@ class OpenAIWire:
         return b"data: [DONE]\n\n"
 
     def stream_error(self, err: ApiError) -> bytes:
-        return b"data: " + json.dumps(openai_body(err)).encode() + b"\n\n"
+        return b"data: " + orjson.dumps(openai_body(err)) + b"\n\n"
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
@@ -183,8 +183,8 @@ async def list_models(request: web.Request) -> web.Response:
         data = [{"type": "model", "id": n, "display_name": n,
                  "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(created))}
                 for n in names]
-        return web.json_response({"data": data, "has_more": False,
+        return json_response({"data": data, "has_more": False,
                                   "first_id": names[0] if names else None,
                                   "last_id": names[-1] if names else None})
-    return web.json_response({"object": "list", "data": [
+    return json_response({"object": "list", "data": [
         {"id": n, "object": "model", "created": created, "owned_by": "reef"} for n in names]})

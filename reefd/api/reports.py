@@ -10,7 +10,7 @@ from typing import Any
 import jsonschema
 from aiohttp import web
 
-from reefd.api.errors import ApiError, check, read_json
+from reefd.api.errors import ApiError, check, json_response, read_json
 from reefd.api.keys import REGISTRY, STORE
 from reefd.records import ReportConflict, StorageError, UnknownReceipt
 
@@ -44,4 +44,4 @@ async def report(request: web.Request) -> web.Response:
     except StorageError as exc:
         raise ApiError(503, f"the report could not be stored durably: {exc}",
                        headers={"Retry-After": "5"}) from exc
-    return web.json_response({"object": "reef.report", **stored})
+    return json_response({"object": "reef.report", **stored})

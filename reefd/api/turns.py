@@ -14,7 +14,7 @@ from typing import Any, Protocol
 
 from aiohttp import web
 
-from reefd.api.errors import ApiError
+from reefd.api.errors import ApiError, json_response
 from reefd.chat import ChatRequest, Completion
 from reefd.engines import EngineError, EngineUnavailable, Prompt
 from reefd.records import RecordStore, StorageError, new_receipt
@@ -112,7 +112,7 @@ async def serve_turn(request: web.Request, scenario: Scenario, store: RecordStor
             await store.put_record(record)
         except (EngineUnavailable, EngineError, StorageError) as exc:
             raise engine_failure(exc) from exc
-        return web.json_response(answer, headers=headers)
+        return json_response(answer, headers=headers)
     return await _stream(request, store, wire, record, headers, first, events, started)
 
 

@@ -9,7 +9,6 @@ provider wire formats.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import sys
 import uuid
@@ -18,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+import orjson
 
 from reefd.chat import ChatRequest, ChatTemplate, Completion, TemplateError, parse_tool_calls
 from reefd.config import ModelConfig
@@ -46,7 +46,7 @@ class SGLangClient:
     async def model_info(self) -> dict[str, Any]:
         async with self.session.get(f"{self.base_url}/get_model_info") as r:
             r.raise_for_status()
-            return dict(await r.json())
+            return dict(orjson.loads(await r.read()))
 
     async def generate(self, payload: dict[str, Any], timeout_s: float
                        ) -> AsyncIterator[dict[str, Any]]:
@@ -61,7 +61,7 @@ class SGLangClient:
                     raise EngineError(f"engine answered {r.status}: {(await r.text())[:500]}",
                                       status=502 if r.status >= 500 else 400)
                 if not payload.get("stream"):
-                    yield dict(await r.json())
+                    yield dict(orjson.loads(await r.read()))
                     return
                 async for raw in r.content:
                     line = raw.strip()
@@ -70,7 +70,7 @@ class SGLangClient:
                     data = line[5:].strip()
                     if data == b"[DONE]":
                         return
-                    chunk = json.loads(data)
+                    chunk = orjson.loads(data)
                     if "error" in chunk:
                         raise EngineError(f"engine error: {chunk['error']}")
                     yield chunk

@@ -12,6 +12,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import aiohttp
+import orjson
 
 from reefd.chat import ChatRequest, Completion
 from reefd.config import ModelConfig
@@ -89,7 +90,7 @@ class UpstreamEngine:
                 if r.status >= 400:
                     await self._raise(r)
                 if not stream:
-                    yield self._completion(await r.json())
+                    yield self._completion(orjson.loads(await r.read()))
                     return
                 async for item in self._stream(r):
                     yield item
@@ -133,7 +134,7 @@ class UpstreamEngine:
             data = line[5:].strip()
             if data == b"[DONE]":
                 break
-            chunk = json.loads(data)
+            chunk = orjson.loads(data)
             usage = chunk.get("usage") or usage
             for choice in chunk.get("choices") or []:  # vLLM may send null here
                 delta = choice.get("delta") or {}
