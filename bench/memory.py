@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -62,9 +63,10 @@ def reefd_memory() -> dict[str, float]:
 
 
 def worker_memory() -> float:
-    model = scratch_dir().parent / "smollm2"
+    state = Path(os.environ.get("REEF_STATE") or Path.home() / ".local" / "state" / "reefd")
+    model = state / "models" / "smollm2"  # the copy `make run` prepares, converted once
     subprocess.run([sys.executable, "-m", "reefd.worker.prepare", "smollm2", "--out", str(model)],
-                   check=True)
+                   check=True, stdout=subprocess.DEVNULL)
     port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "reefd.worker", "--model", str(model),
                              "--port", str(port)])
