@@ -6,25 +6,24 @@ provider formats, engines or recipes: a record is an opaque JSON object with "id
 
 from __future__ import annotations
 
-import array
 import asyncio
-import base64
 import contextlib
 import hashlib
 import json
 import os
 import queue
-import re
-import secrets
 import struct
 import threading
 import time
-import zlib
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import lmdb
-import orjson
+
+from reefd.receipts import is_receipt as _is_receipt
+from reefd.receipts import new_receipt
+from reefd.recordcodec import pack as _pack
+from reefd.recordcodec import unpack as _unpack
 
 __all__ = ["RecordStore", "ReportConflict", "StorageError", "StoreClosed", "UnknownReceipt", "new_receipt"]
 
@@ -51,91 +50,6 @@ class ReportConflict(Exception):
     def __init__(self, report_id: str) -> None:
         super().__init__(f"report {report_id!r} already exists with a different body")
         self.report_id = report_id
-
-
-# --- receipts: ULIDs, strictly increasing within the process -------------------------------
-
-_B32_TO_CROCKFORD = bytes.maketrans(b"ABCDEFGHIJKLMNOPQRSTUVWXYZ234567", b"0123456789ABCDEFGHJKMNPQRSTVWXYZ")
-_RECEIPT = re.compile(r"[0-7][0-9A-HJKMNP-TV-Z]{25}")
-_ulid_lock = threading.Lock()
-_ulid_last = (0, 0)
-
-
-def new_receipt() -> str:
-    """A ULID: 48-bit ms timestamp + 80 random bits; later calls sort after earlier ones."""
-    global _ulid_last
-    with _ulid_lock:
-        ms = time.time_ns() // 1_000_000
-        last_ms, last_rand = _ulid_last
-        if ms > last_ms:
-            rand = secrets.randbits(80)
-        else:  # same millisecond (or the clock stepped back): count up from the last one
-            ms, rand = last_ms, last_rand + 1
-            if rand >> 80:
-                ms, rand = ms + 1, secrets.randbits(79)
-        _ulid_last = (ms, rand)
-    # 130 bits (2 leading zeros + 128) are the top of 17 bytes; RFC 4648 base32, then Crockford letters.
-    raw = ((ms << 80 | rand) << 6).to_bytes(17, "big")
-    return base64.b32encode(raw)[:26].translate(_B32_TO_CROCKFORD).decode()
-
-
-def _is_receipt(value: object) -> bool:
-    return isinstance(value, str) and _RECEIPT.fullmatch(value) is not None
-
-
-# --- values: compact JSON, deflated; token ids and logprobs as raw arrays beside it ---
-# Token arrays are most of a record's JSON and compress poorly, so they are stored as int32 /
-# float64 arrays (exact, and non-finite logprobs survive) after the deflated JSON of the rest.
-
-_ARRAYS = (("prompt_token_ids", "i"), ("completion_token_ids", "i"), ("completion_logprobs", "d"))
-_HEAD = struct.Struct("<I")
-
-
-def _as_array(values: Any, code: str) -> array.array[Any] | None:
-    """The list as a typed array, or None when it does not fit one (then it stays in the JSON)."""
-    if not isinstance(values, list):
-        return None
-    try:
-        return array.array(code, values)
-    except (TypeError, OverflowError):
-        return None
-
-
-def _pack(obj: Any) -> bytes:
-    arrays = []
-    if isinstance(obj, dict):
-        for name, code in _ARRAYS:
-            arr = _as_array(obj.get(name), code)
-            if arr is not None:
-                arrays.append((name, arr))
-        if arrays:
-            obj = {k: v for k, v in obj.items() if k not in dict(arrays)}
-    # orjson: ~15x faster than json here; non-finite floats elsewhere in a record become null
-    text = zlib.compress(orjson.dumps(obj, option=orjson.OPT_NON_STR_KEYS), 1)
-    parts = [b"a", _HEAD.pack(len(text)), text]
-    for name, arr in arrays:
-        parts += [bytes([_ARRAY_INDEX[name]]), _HEAD.pack(len(arr)), arr.tobytes()]
-    return b"".join(parts)
-
-
-_ARRAY_INDEX = {name: i for i, (name, _) in enumerate(_ARRAYS)}
-
-
-def _unpack(value: bytes) -> Any:
-    if value[:1] != b"a":  # values written before arrays were split out
-        return orjson.loads(zlib.decompress(value[1:]) if value[:1] == b"z" else value[1:])
-    (size,) = _HEAD.unpack_from(value, 1)
-    at = 1 + _HEAD.size + size
-    obj = orjson.loads(zlib.decompress(value[1 + _HEAD.size:at]))
-    while at < len(value):
-        name, code = _ARRAYS[value[at]]
-        (count,) = _HEAD.unpack_from(value, at + 1)
-        at += 1 + _HEAD.size
-        arr = array.array(code)
-        arr.frombytes(value[at:at + count * arr.itemsize])
-        at += count * arr.itemsize
-        obj[name] = arr.tolist()
-    return obj
 
 
 def _scenario_key(scenario: object) -> bytes:

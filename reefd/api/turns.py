@@ -17,7 +17,8 @@ from aiohttp import web
 from reefd.api.errors import ApiError, json_response
 from reefd.chat import ChatRequest, Completion
 from reefd.engines import EngineError, EngineUnavailable, Prompt
-from reefd.records import RecordStore, StorageError, new_receipt
+from reefd.receipts import new_receipt
+from reefd.records import RecordStore, StorageError
 from reefd.scenarios import Scenario
 
 log = logging.getLogger("reefd.api")
