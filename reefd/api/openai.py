@@ -88,6 +88,9 @@ def _text(content: Any, where: str) -> str | None:
 
 def to_chat_request(body: dict[str, Any], cfg: ScenarioConfig) -> ChatRequest:
     check(_VALIDATOR, body)
+    if body.get("logprobs") or body.get("top_logprobs"):
+        raise ApiError(400, "logprobs: per-token logprobs in answers are not supported yet; "
+                       "every record keeps them (GET /reef/records/{receipt})", param="logprobs")
     messages = []
     for i, m in enumerate(body["messages"]):
         msg: dict[str, Any] = {"role": "system" if m["role"] == "developer" else m["role"],

@@ -117,3 +117,16 @@ def test_errors_use_the_anthropic_shape(daemon: Daemon) -> None:
         client(daemon, **{"x-reef-scenario": "ghost"}).messages.create(
             model="tiny", max_tokens=1, messages=[{"role": "user", "content": "x"}])
     assert isinstance(nf.value.body, dict) and nf.value.body["error"]["type"] == "not_found_error"
+
+
+def test_path_form_and_anthropic_shaped_errors_on_it(daemon: Daemon) -> None:
+    c = sdk(anthropic.Anthropic(base_url=daemon.url + "/scenarios/tiny", api_key=daemon.token,
+                                max_retries=0))
+    raw = c.messages.with_raw_response.create(model="tiny", max_tokens=2,
+                                              messages=[{"role": "user", "content": "by path"}])
+    assert record(daemon, raw.headers["x-reef-agent-record-id"])["api"] == "anthropic.messages"
+    ghost = sdk(anthropic.Anthropic(base_url=daemon.url + "/scenarios/ghost", api_key=daemon.token,
+                                    max_retries=0))
+    with pytest.raises(anthropic.NotFoundError) as exc:
+        ghost.messages.create(model="x", max_tokens=1, messages=[{"role": "user", "content": "x"}])
+    assert isinstance(exc.value.body, dict) and exc.value.body["type"] == "error"

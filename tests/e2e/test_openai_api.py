@@ -161,3 +161,25 @@ def test_wrong_types_name_the_field(daemon: Daemon) -> None:
         client(daemon).chat.completions.create(
             model="tiny", messages=[{"role": "user", "content": "x"}], max_tokens="many")  # type: ignore[arg-type]
     assert isinstance(exc.value.body, dict) and exc.value.body["param"] == "max_tokens"
+
+
+def test_path_form_names_the_scenario_without_a_header(daemon: Daemon) -> None:
+    c = sdk(openai.OpenAI(base_url=daemon.url + "/scenarios/tiny/v1", api_key=daemon.token,
+                          max_retries=0))
+    raw = c.chat.completions.with_raw_response.create(
+        model="tiny", messages=[{"role": "user", "content": "by path"}], max_tokens=2)
+    assert record(daemon, raw.headers["x-reef-agent-record-id"])["scenario"] == "tiny"
+    ghost = sdk(openai.OpenAI(base_url=daemon.url + "/scenarios/ghost/v1", api_key=daemon.token,
+                              max_retries=0))
+    with pytest.raises(openai.NotFoundError):
+        ghost.chat.completions.create(model="x", messages=[{"role": "user", "content": "x"}])
+
+
+def test_logprobs_in_answers_are_refused_clearly(daemon: Daemon) -> None:
+    with pytest.raises(openai.BadRequestError) as exc:
+        client(daemon).chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": "x"}], logprobs=True)
+    assert isinstance(exc.value.body, dict) and exc.value.body["param"] == "logprobs"
+    ok = client(daemon).chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "x"}], logprobs=False, max_tokens=1)
+    assert ok.choices[0].logprobs is None
