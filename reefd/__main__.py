@@ -101,20 +101,31 @@ async def _reload(app: web.Application, scenarios_dir: Path) -> None:
     """SIGHUP (`systemctl reload reefd`): re-read the folder and apply the difference."""
     systemd.notify("RELOADING=1", f"MONOTONIC_USEC={time.clock_gettime_ns(time.CLOCK_MONOTONIC) // 1000}")
     try:
-        scenarios = config.load_all(scenarios_dir)
-    except config.ConfigError as exc:
-        log.error("reload refused, still serving the previous scenarios: %s", exc)
-    else:
+        scenarios = await asyncio.to_thread(config.load_all, scenarios_dir)  # off the event loop
         await app[REGISTRY].reload(scenarios)
         log.info("reloaded scenarios: %s", ", ".join(sorted(scenarios)))
-    systemd.notify("READY=1", "STATUS=serving")
+    except config.ConfigError as exc:
+        log.error("reload refused, still serving the previous scenarios: %s", exc)
+    except Exception:
+        log.exception("reload failed, still serving the previous scenarios")
+    finally:
+        systemd.notify("READY=1", "STATUS=serving")
 
 
 async def _announce_ready(app: web.Application) -> None:
+    """READY=1 once every engine generates; or, past the start-up deadline, with a STATUS=
+    naming the engines that do not (so `systemctl start` never hangs on a broken model)."""
     registry = app[REGISTRY]
-    while not registry.ready:
+    deadline = time.monotonic() + max(
+        (s.cfg.model.startup_timeout_s for s in registry.scenarios.values()), default=0)
+    while not registry.ready and time.monotonic() < deadline:
         systemd.notify("STATUS=starting engines", "EXTEND_TIMEOUT_USEC=30000000")
         await asyncio.sleep(1)
+    down = sorted(n for n, s in registry.scenarios.items() if not s.engine.ready)
+    if down:
+        log.error("engines not ready after the start-up deadline: %s", ", ".join(down))
+        systemd.notify("READY=1", f"STATUS=serving; not ready: {', '.join(down)}")
+        return
     log.info("ready: every scenario's engine answers")
     systemd.notify("READY=1", "STATUS=serving")
 
@@ -136,7 +147,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{name}: ok (model {cfg.model.name}, engine {cfg.model.engine})")
         return 0
     host, port = args.listen
-    args.state.mkdir(parents=True, exist_ok=True)
+    args.state.mkdir(mode=0o700, parents=True, exist_ok=True)  # records and the token live here
     settings = Settings(state_dir=args.state, tokens=load_tokens(args.state),
                         scenarios=scenarios)
     with asyncio.Runner(loop_factory=_loop_factory()) as runner:

@@ -61,7 +61,7 @@ def presented_token(request: web.Request) -> str | None:
 
 def matches(presented: str | None, tokens: list[str]) -> bool:
     """Constant-time comparison against every accepted token (no early exit)."""
-    given = (presented or "").encode()
+    given = (presented or "").encode("utf-8", "surrogateescape")  # any header bytes compare
     ok = False
     for token in tokens:
         ok |= hmac.compare_digest(given, token.encode())

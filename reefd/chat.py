@@ -49,7 +49,7 @@ class Completion:
     raw_text: str = ""
     prompt_token_ids: list[int] | None = None
     completion_token_ids: list[int] | None = None
-    completion_logprobs: list[float] | None = None
+    completion_logprobs: list[float | None] | None = None
 
 
 # ---------------------------------------------------------------- chat templates
@@ -210,9 +210,13 @@ def parse_tool_calls(text: str) -> tuple[str | None, list[dict[str, Any]]]:
             if not isinstance(item, dict) or not isinstance(item.get("name"), str):
                 return text, []
             args = item.get("arguments", item.get("parameters", {}))
+            if isinstance(args, str):  # some models write the arguments as a JSON string
+                with contextlib.suppress(json.JSONDecodeError):
+                    args = json.loads(args)
+            if not isinstance(args, dict):  # arguments are an object in every tool API
+                return text, []
             calls.append({"id": new_tool_call_id(), "type": "function",
                           "function": {"name": item["name"],
-                                       "arguments": args if isinstance(args, str)
-                                       else json.dumps(args, ensure_ascii=False)}})
+                                       "arguments": json.dumps(args, ensure_ascii=False)}})
     content = text[:start].strip()
     return (content or None), calls

@@ -11,8 +11,6 @@ import secrets
 import threading
 import time
 
-# --- receipts: ULIDs, strictly increasing within the process -------------------------------
-
 _B32_TO_CROCKFORD = bytes.maketrans(b"ABCDEFGHIJKLMNOPQRSTUVWXYZ234567", b"0123456789ABCDEFGHJKMNPQRSTVWXYZ")
 _RECEIPT = re.compile(r"[0-7][0-9A-HJKMNP-TV-Z]{25}")
 _ulid_lock = threading.Lock()

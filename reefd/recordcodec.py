@@ -17,6 +17,7 @@ import orjson
 # float64 arrays (exact, and non-finite logprobs survive) after the deflated JSON of the rest.
 
 _ARRAYS = (("prompt_token_ids", "i"), ("completion_token_ids", "i"), ("completion_logprobs", "d"))
+_ARRAY_INDEX = {name: i for i, (name, _) in enumerate(_ARRAYS)}
 _HEAD = struct.Struct("<I")
 
 
@@ -46,8 +47,6 @@ def pack(obj: Any) -> bytes:
         parts += [bytes([_ARRAY_INDEX[name]]), _HEAD.pack(len(arr)), arr.tobytes()]
     return b"".join(parts)
 
-
-_ARRAY_INDEX = {name: i for i, (name, _) in enumerate(_ARRAYS)}
 
 
 def unpack(value: bytes) -> Any:

@@ -1,6 +1,6 @@
 """The durable record store: records and reports in LMDB, written by one group-commit thread.
 
-Owns keys, value encoding, indexes, counters and durability. Knows nothing of HTTP,
+Owns keys, indexes, counters and durability (values are encoded by recordcodec). Knows nothing of HTTP,
 provider formats, engines or recipes: a record is an opaque JSON object with "id" and "scenario".
 """
 

@@ -8,8 +8,13 @@ Knows nothing about wire formats or records.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import functools
 import json
 import logging
+import time
+from collections import Counter
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -41,6 +46,12 @@ def _model_key(cfg: ScenarioConfig) -> str:
     return json.dumps(to_dict(cfg)["model"], sort_keys=True)
 
 
+async def _until(condition: Callable[[], bool], timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition() and time.monotonic() < deadline:
+        await asyncio.sleep(0.25)
+
+
 class Registry:
     def __init__(self, configs: dict[str, ScenarioConfig], state_dir: Path,
                  session: aiohttp.ClientSession):
@@ -48,49 +59,71 @@ class Registry:
         self.session = session
         self.engines: dict[str, Engine] = {}
         self.scenarios: dict[str, Scenario] = {}
-        self._next: dict[str, Scenario] = {}
-        self._bind(configs)
+        self.scenarios, _ = self._bind(configs)
+        self._inflight: Counter[int] = Counter()  # requests per engine (by id), for draining
+        self._reloading = asyncio.Lock()
 
-    def _bind(self, configs: dict[str, ScenarioConfig]) -> list[Engine]:
-        """Point scenarios at engines, building engines for new models; returns the new ones."""
-        new: list[Engine] = []
+    def _bind(self, configs: dict[str, ScenarioConfig]) -> tuple[dict[str, Scenario], list[str]]:
+        """Scenarios bound to engines (building engines for new models), and the new engines' keys."""
+        fresh: list[str] = []
         scenarios = {}
         for name, cfg in sorted(configs.items()):
             key = _model_key(cfg)
             if key not in self.engines:
                 self.engines[key] = build_engine(cfg.model, self.state_dir, self.session)
-                new.append(self.engines[key])
+                fresh.append(key)
             old = self.scenarios.get(name)
             scenarios[name] = Scenario(cfg, self.engines[key],
                                        old.release if old else BASE_RELEASE)
-        self._next = scenarios
-        return new
+        return scenarios, fresh
 
     async def start(self) -> None:
-        self.scenarios = self._next
         for engine in self.engines.values():
             await engine.start()
+
+    @contextlib.contextmanager
+    def serving(self, scenario: Scenario) -> Iterator[None]:
+        """Count a request in flight on its engine, so a reload never stops it mid-answer."""
+        self._inflight[id(scenario.engine)] += 1
+        try:
+            yield
+        finally:
+            self._inflight[id(scenario.engine)] -= 1
 
     async def reload(self, configs: dict[str, ScenarioConfig]) -> None:
         """Apply a re-read scenario folder without dropping requests.
 
         New engines start and get until their start-up deadline to generate before any route
-        moves to them; requests in flight keep the Scenario (and engine) they resolved; an
-        engine that no scenario uses any more is stopped after the swap.
+        moves to them; a scenario whose new engine fails keeps its old binding. Requests in
+        flight keep the engine they resolved, and an engine no scenario uses any more is
+        stopped only once its requests have finished.
         """
-        fresh = self._bind(configs)
-        for engine in fresh:
-            await engine.start()
-        deadline = max((s.cfg.model.startup_timeout_s for s in self._next.values()), default=0)
-        waited = 0.0
-        while any(not e.ready and e.describe()["state"] != "failed" for e in fresh) \
-                and waited < deadline:
-            await asyncio.sleep(0.25)
-            waited += 0.25
-        self.scenarios = self._next
-        used = {_model_key(s.cfg) for s in self.scenarios.values()}
-        for key in [k for k in self.engines if k not in used]:
-            await self.engines.pop(key).stop()
+        async with self._reloading:
+            scenarios, fresh = self._bind(configs)
+            for key in fresh:
+                await self.engines[key].start()
+            deadline = max((s.cfg.model.startup_timeout_s for s in scenarios.values()), default=0)
+            await _until(lambda: all(self.engines[k].ready or
+                                     self.engines[k].describe()["state"] == "failed"
+                                     for k in fresh), deadline)
+            for name, scenario in scenarios.items():
+                old = self.scenarios.get(name)
+                if old is not None and not scenario.engine.ready and old.engine.ready:
+                    log.error("reload: scenario %s keeps its previous model; the new one is %s",
+                              name, scenario.engine.describe()["state"])
+                    scenarios[name] = old
+            self.scenarios = scenarios
+            used = {id(s.engine) for s in scenarios.values()}
+            for key, engine in list(self.engines.items()):
+                if id(engine) not in used:
+                    del self.engines[key]
+                    drain = max((s.cfg.serve.request_timeout_s for s in scenarios.values()),
+                                default=600.0)
+                    await _until(functools.partial(self._idle, engine), drain)
+                    await engine.stop()
+
+    def _idle(self, engine: Engine) -> bool:
+        return self._inflight[id(engine)] == 0
 
     async def stop(self) -> None:
         for engine in self.engines.values():
@@ -98,7 +131,7 @@ class Registry:
 
     @property
     def ready(self) -> bool:
-        return all(engine.ready for engine in self.engines.values())
+        return all(s.engine.ready for s in self.scenarios.values())
 
     def get(self, name: str) -> Scenario:
         try:

@@ -62,13 +62,19 @@ def test_parse_hermes_tool_calls() -> None:
     assert all(c["id"].startswith("call_") and c["type"] == "function" for c in calls)
 
 
+def test_arguments_written_as_a_json_string_are_accepted() -> None:
+    _, calls = parse_tool_calls('<tool_call>{"name": "f", "arguments": "{\\"a\\": 1}"}</tool_call>')
+    assert json.loads(calls[0]["function"]["arguments"]) == {"a": 1}
+
+
 def test_unterminated_call_at_the_end_still_parses() -> None:
     _, calls = parse_tool_calls('<tool_call>{"name": "get", "arguments": {"a": "b"}}')
     assert calls[0]["function"]["name"] == "get"
 
 
 @pytest.mark.parametrize("text", ["plain text", "<tool_call>not json</tool_call>",
-                                  '<tool_call>{"arguments": {}}</tool_call>'])
+                                  '<tool_call>{"arguments": {}}</tool_call>',
+                                  '<tool_call>{"name": "f", "arguments": [1]}</tool_call>'])
 def test_malformed_markup_stays_text(text: str) -> None:
     assert parse_tool_calls(text) == (text, [])
 

@@ -15,7 +15,7 @@ from aiohttp import web
 
 from reefd.api.errors import ApiError, anthropic_body, check, json_response, read_json
 from reefd.api.keys import REGISTRY, STORE
-from reefd.api.turns import serve_turn
+from reefd.api.turns import engine_failure, serve_turn
 from reefd.chat import ChatRequest, Completion
 from reefd.engines import EngineError, EngineUnavailable
 
@@ -155,6 +155,8 @@ class AnthropicWire:
             try:
                 args = json.loads(call["function"]["arguments"] or "{}")
             except json.JSONDecodeError:
+                args = None
+            if not isinstance(args, dict):  # tool_use.input must be an object
                 args = {"_raw": call["function"]["arguments"]}
             blocks.append({"type": "tool_use", "id": _tool_id(call["id"]),
                            "name": call["function"]["name"], "input": args})
@@ -193,6 +195,8 @@ class AnthropicWire:
     def stream_tail(self, c: Completion) -> bytes:
         out = b""
         index = 0
+        if not self._text_open and c.text:  # an engine that did not stream its text
+            out += self.stream_delta(c.text)
         if self._text_open:
             out += _event("content_block_stop", {"type": "content_block_stop", "index": 0})
             index = 1
@@ -220,13 +224,15 @@ class AnthropicWire:
 
 
 async def messages(request: web.Request) -> web.StreamResponse:
-    scenario = request.app[REGISTRY].resolve(request)
+    registry = request.app[REGISTRY]
+    scenario = registry.resolve(request)
     body = await read_json(request)
     check(_VALIDATOR, body)
     chat = to_chat_request(body)
-    return await serve_turn(request, scenario, request.app[STORE],
-                            lambda receipt: AnthropicWire(receipt, body["model"]),
-                            body, chat, bool(body.get("stream")))
+    with registry.serving(scenario):
+        return await serve_turn(request, scenario, request.app[STORE],
+                                lambda receipt: AnthropicWire(receipt, body["model"]),
+                                body, chat, bool(body.get("stream")))
 
 
 async def count_tokens(request: web.Request) -> web.Response:
@@ -235,8 +241,6 @@ async def count_tokens(request: web.Request) -> web.Response:
     check(_COUNT_VALIDATOR, body)
     try:
         n = scenario.engine.count_tokens(to_chat_request(body))
-    except EngineUnavailable as exc:
-        raise ApiError(503, str(exc), headers={"Retry-After": str(exc.retry_after)}) from exc
-    except EngineError as exc:
-        raise ApiError(exc.status, str(exc)) from exc
+    except (EngineUnavailable, EngineError) as exc:
+        raise engine_failure(exc) from exc
     return json_response({"input_tokens": n})

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -91,8 +92,30 @@ async def error_middleware(request: web.Request,
         return render(request, ApiError(500, "internal server error"))
 
 
-class _NonFinite(str):
-    """NaN/Infinity in a body: not JSON numbers, so schemas reject them by field path."""
+class _Unrepresentable(str):
+    """A number JSON cannot carry exactly: NaN, ±Infinity, 1e400, or an integer beyond 64 bits."""
+
+
+def _float(text: str) -> float | _Unrepresentable:
+    value = float(text)
+    return value if math.isfinite(value) else _Unrepresentable(text)
+
+
+def _int(text: str) -> int | _Unrepresentable:
+    value = int(text)
+    return value if -(2**63) <= value < 2**64 else _Unrepresentable(text)
+
+
+def _first_unrepresentable(value: Any, path: str = "") -> tuple[str, str] | None:
+    if isinstance(value, _Unrepresentable):
+        return path, str(value)
+    items = value.items() if isinstance(value, dict) else enumerate(value) \
+        if isinstance(value, list) else ()
+    for key, item in items:
+        found = _first_unrepresentable(item, f"{path}.{key}" if path else str(key))
+        if found:
+            return found
+    return None
 
 
 async def read_json(request: web.Request) -> dict[str, Any]:
@@ -111,9 +134,16 @@ async def read_json(request: web.Request) -> dict[str, Any]:
 
 def _slow_json(raw: bytes) -> Any:
     try:
-        return json.loads(raw, parse_constant=_NonFinite)
+        body = json.loads(raw, parse_constant=_Unrepresentable, parse_float=_float,
+                          parse_int=_int)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise ApiError(400, f"the request body is not valid JSON: {exc}") from exc
+    found = _first_unrepresentable(body)
+    if found:
+        path, text = found
+        raise ApiError(400, f"{path}: {text} is not a finite number within 64 bits",
+                       param=path or None)
+    return body
 
 
 def check(validator: jsonschema.protocols.Validator, body: Any, root: str = "") -> None:

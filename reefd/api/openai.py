@@ -169,14 +169,16 @@ class OpenAIWire:
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
-    scenario = request.app[REGISTRY].resolve(request)
+    registry = request.app[REGISTRY]
+    scenario = registry.resolve(request)
     body = await read_json(request)
     chat = to_chat_request(body, scenario.cfg)
     stream = bool(body.get("stream"))
     include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
-    return await serve_turn(request, scenario, request.app[STORE],
-                            lambda receipt: OpenAIWire(receipt, body["model"], include_usage),
-                            body, chat, stream)
+    with registry.serving(scenario):
+        return await serve_turn(request, scenario, request.app[STORE],
+                                lambda receipt: OpenAIWire(receipt, body["model"], include_usage),
+                                body, chat, stream)
 
 
 async def list_models(request: web.Request) -> web.Response:

@@ -7,6 +7,7 @@ leaves only after its record is fsynced.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
@@ -45,16 +46,18 @@ class Wire(Protocol):
     def stream_error(self, err: ApiError) -> bytes: ...
 
 
-def engine_failure(exc: Exception) -> ApiError:
+FAILURES = (EngineUnavailable, EngineError, StorageError)
+
+
+def engine_failure(exc: EngineUnavailable | EngineError | StorageError) -> ApiError:
+    """The status a caller gets when the engine or the record store cannot serve the turn."""
     if isinstance(exc, EngineUnavailable):
         return ApiError(503, str(exc), code="engine_unavailable",
                         headers={"Retry-After": str(exc.retry_after)})
     if isinstance(exc, EngineError):
         return ApiError(exc.status, str(exc), code="engine_error")
-    if isinstance(exc, StorageError):
-        return ApiError(503, f"the record could not be stored durably: {exc}",
-                        code="storage_unavailable", headers={"Retry-After": "5"})
-    raise exc
+    return ApiError(503, f"the record could not be stored durably: {exc}",
+                    code="storage_unavailable", headers={"Retry-After": "5"})
 
 
 def new_record(request: web.Request, scenario: Scenario, receipt: str, api: str,
@@ -103,18 +106,22 @@ async def serve_turn(request: web.Request, scenario: Scenario, store: RecordStor
                                       timeout_s=scenario.cfg.serve.request_timeout_s)
     try:
         first = await anext(events)  # engine refusals become proper statuses, not broken streams
-    except (EngineUnavailable, EngineError) as exc:
+    except StopAsyncIteration:
+        raise ApiError(502, "the engine ended without a completion") from None
+    except FAILURES as exc:
         raise engine_failure(exc) from exc
-    if not stream:
-        try:
-            completion = first if isinstance(first, Completion) else await _last(events)
-            answer = wire.response(completion)
-            finish_record(record, completion, answer, started, None)
-            await store.put_record(record)
-        except (EngineUnavailable, EngineError, StorageError) as exc:
-            raise engine_failure(exc) from exc
-        return json_response(answer, headers=headers)
-    return await _stream(request, store, wire, record, headers, first, events, started)
+    if stream:
+        return await _stream(request, store, wire, record, headers, first, events, started)
+    try:
+        completion = first if isinstance(first, Completion) else await _last(events)
+        answer = wire.response(completion)
+        finish_record(record, completion, answer, started, None)
+        await store.put_record(record)
+    except FAILURES as exc:
+        raise engine_failure(exc) from exc
+    finally:
+        await events.aclose()  # type: ignore[attr-defined]
+    return json_response(answer, headers=headers)
 
 
 async def _last(events: AsyncIterator[Any]) -> Completion:
@@ -130,13 +137,14 @@ async def _stream(request: web.Request, store: RecordStore, wire: Wire,
     resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
                                        "Cache-Control": "no-cache", **headers})
     await resp.prepare(request)
-    prompt_tokens = first.tokens if isinstance(first, Prompt) else 0
-    await resp.write(wire.stream_head(prompt_tokens))
     ttft: float | None = None
-    completion: Completion | None = None
     try:
-        pending = [] if isinstance(first, Prompt) else [first]
-        async for event in _chain(pending, events):
+        await resp.write(wire.stream_head(first.tokens if isinstance(first, Prompt) else 0))
+        completion = first if isinstance(first, Completion) else None
+        if isinstance(first, str):
+            ttft = time.monotonic()
+            await resp.write(wire.stream_delta(first))
+        async for event in events:
             if isinstance(event, Completion):
                 completion = event
             elif isinstance(event, str):
@@ -147,23 +155,24 @@ async def _stream(request: web.Request, store: RecordStore, wire: Wire,
         await resp.write(wire.stream_tail(completion))
         answer = wire.response(completion)
         finish_record(record, completion, answer, started, ttft)
-        await store.put_record(record)
+        await store.put_record(record)  # durable before the terminal event, always
         await resp.write(wire.stream_terminal())
     except ConnectionError:
         log.info("client went away during stream %s", record["id"])
         return resp
-    except (EngineUnavailable, EngineError, StorageError, ApiError) as exc:
-        err = exc if isinstance(exc, ApiError) else engine_failure(exc)
+    except Exception as exc:  # past the headers, every failure must end the stream in-band
+        if isinstance(exc, ApiError):
+            err = exc
+        elif isinstance(exc, FAILURES):
+            err = engine_failure(exc)
+        else:
+            log.exception("stream %s failed", record["id"])
+            err = ApiError(500, "internal server error")
         log.warning("stream %s failed: %s", record["id"], err.message)
-        await resp.write(wire.stream_error(err))
+        with contextlib.suppress(ConnectionError):
+            await resp.write(wire.stream_error(err))
     finally:
         await events.aclose()  # type: ignore[attr-defined]
-    await resp.write_eof()
+    with contextlib.suppress(ConnectionError):
+        await resp.write_eof()
     return resp
-
-
-async def _chain(pending: list[Any], events: AsyncIterator[Any]) -> AsyncIterator[Any]:
-    for event in pending:
-        yield event
-    async for event in events:
-        yield event

@@ -32,6 +32,14 @@ class EngineUnavailable(Exception):
         self.retry_after = retry_after
 
 
+def retry_after(value: str | None, default: int = 5) -> int:
+    """A Retry-After header in whole seconds (it may be a number or an HTTP date)."""
+    try:
+        return max(1, round(float(value or default)))
+    except ValueError:
+        return default
+
+
 class EngineError(Exception):
     """The engine failed this request. `status` is the HTTP status to answer with."""
 

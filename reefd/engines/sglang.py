@@ -9,6 +9,7 @@ provider wire formats.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import sys
 import uuid
@@ -21,9 +22,9 @@ import orjson
 
 from reefd.chat import ChatRequest, ChatTemplate, Completion, TemplateError, parse_tool_calls
 from reefd.config import ModelConfig
-from reefd.engines import EngineError, EngineUnavailable, Prompt
+from reefd.engines import EngineError, EngineUnavailable, Prompt, retry_after
 from reefd.engines.stream import StreamGuard
-from reefd.engines.supervisor import Supervisor
+from reefd.engines.supervisor import Supervisor, die_with_parent
 
 log = logging.getLogger("reefd.engine")
 
@@ -34,6 +35,15 @@ class SGLangClient:
     def __init__(self, session: aiohttp.ClientSession, base_url: str):
         self.session = session
         self.base_url = base_url.rstrip("/")
+
+    async def alive(self, timeout_s: float = 10.0) -> bool:
+        """The server answers at all (`/health`), even while every batch slot is busy."""
+        try:
+            async with self.session.get(f"{self.base_url}/health",
+                                        timeout=aiohttp.ClientTimeout(total=timeout_s)) as r:
+                return r.status == 200
+        except (aiohttp.ClientError, TimeoutError):
+            return False
 
     async def healthy(self, timeout_s: float = 30.0) -> bool:
         try:
@@ -57,6 +67,10 @@ class SGLangClient:
             async with self.session.post(f"{self.base_url}/generate", json=payload,
                                          timeout=timeout) as r:
                 answered = True
+                if r.status in (429, 503):  # busy or draining: the caller may retry
+                    raise EngineUnavailable(f"engine answered {r.status}: "
+                                            f"{(await r.text())[:500]}",
+                                            retry_after=retry_after(r.headers.get("Retry-After")))
                 if r.status != 200:
                     raise EngineError(f"engine answered {r.status}: {(await r.text())[:500]}",
                                       status=502 if r.status >= 500 else 400)
@@ -133,8 +147,9 @@ class SGLangEngine:
                 assert self.cfg.source is not None
                 self.model_dir = await self._prepare(self.cfg.source)
             self.template = ChatTemplate(self.model_dir)
-            self.supervisor = Supervisor(self.cfg.name, self._argv, self._healthy,
-                                         startup_timeout_s=self.cfg.startup_timeout_s)
+            self.supervisor = Supervisor(
+                self.cfg.name, self._argv, self._healthy, alive=self._alive,
+                startup_timeout_s=self.cfg.startup_timeout_s)
             self.supervisor.start()
         except Exception as exc:  # keep reefd up; the scenario reports the failure
             log.error("%s: engine failed to start: %s", self.cfg.name, exc)
@@ -155,9 +170,16 @@ class SGLangEngine:
         out = self.state_dir / "models" / source
         proc = await asyncio.create_subprocess_exec(
             sys.executable, "-m", "reefd.worker.prepare", source, "--out", str(out),
-            stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.DEVNULL)
-        if await proc.wait() != 0:
-            raise RuntimeError(f"preparing model {source!r} failed (exit {proc.returncode})")
+            stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.DEVNULL,
+            preexec_fn=die_with_parent)
+        try:
+            code = await proc.wait()
+        finally:
+            if proc.returncode is None:  # reefd is stopping: the preparation stops with it
+                proc.terminate()
+                await proc.wait()
+        if code != 0:
+            raise RuntimeError(f"preparing model {source!r} failed (exit {code})")
         return out
 
     def _argv(self, port: int) -> list[str]:
@@ -173,9 +195,14 @@ class SGLangEngine:
     async def _healthy(self, url: str) -> bool:
         return await SGLangClient(self.session, url).healthy()
 
+    async def _alive(self, url: str) -> bool:
+        return await SGLangClient(self.session, url).alive()
+
     async def stop(self) -> None:
         if self._task is not None and not self._task.done():
             self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
         if self.supervisor is not None:
             await self.supervisor.stop()
         self._state = "stopped"
@@ -221,12 +248,13 @@ class SGLangEngine:
         guard = StreamGuard(req.stop, hold_tool_markup=tools_on)
         text = ""
         ids: list[int] = []
-        logprobs: list[float] = []
+        logprobs: list[float | None] = []
         meta: dict[str, Any] = {}
-        chunks = client.generate(payload, timeout_s)
-        first = await anext(chunks)  # fail before yielding anything: callers map it to a status
-        yield Prompt(len(prompt_ids))
-        async for chunk in _chain(first, chunks):
+        started = False
+        async for chunk in client.generate(payload, timeout_s):
+            if not started:  # failures before the first chunk raise before anything is yielded
+                started = True
+                yield Prompt(len(prompt_ids))
             meta = chunk.get("meta_info") or {}
             new_ids = chunk.get("output_ids") or []
             new_lps = meta.get("output_token_logprobs") or []
@@ -240,11 +268,13 @@ class SGLangEngine:
                 delta = chunk_text
                 text += chunk_text
             ids.extend(new_ids)
-            logprobs.extend(float(lp[0]) if lp[0] is not None else 0.0 for lp in new_lps)
+            logprobs.extend(None if lp[0] is None else float(lp[0]) for lp in new_lps)
             if delta and stream:
                 out = guard.feed(delta)
                 if out:
                     yield out
+        if not started:
+            raise EngineError("the engine answered without any output")
         completion = self._finish(text, ids, logprobs, meta, prompt_ids, req, tools_on)
         if stream:
             tail = guard.tail(completion.text or "")
@@ -252,7 +282,7 @@ class SGLangEngine:
                 yield tail
         yield completion
 
-    def _finish(self, text: str, ids: list[int], logprobs: list[float], meta: dict[str, Any],
+    def _finish(self, text: str, ids: list[int], logprobs: list[float | None], meta: dict[str, Any],
                 prompt_ids: list[int], req: ChatRequest, tools_on: bool) -> Completion:
         reason = meta.get("finish_reason") or {}
         rtype = reason.get("type")
@@ -269,9 +299,3 @@ class SGLangEngine:
             raw_text=text, prompt_token_ids=prompt_ids, completion_token_ids=ids,
             completion_logprobs=logprobs if len(logprobs) == len(ids) else None)
 
-
-async def _chain(first: dict[str, Any], rest: AsyncIterator[dict[str, Any]]
-                 ) -> AsyncIterator[dict[str, Any]]:
-    yield first
-    async for chunk in rest:
-        yield chunk

@@ -1,6 +1,7 @@
 """Keeps one engine process alive: launch, wait until it generates, watch, restart with backoff.
 
-Knows nothing about the contract spoken to the process beyond a health callback.
+Knows nothing about the contract spoken to the process beyond two callbacks: `ready` (it
+generates) and `alive` (it answers at all, even while busy with a full batch).
 """
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ import asyncio
 import contextlib
 import ctypes
 import logging
+import re
 import signal
 import socket
 import time
@@ -25,27 +27,58 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(s.getsockname()[1])
 
 
-def _die_with_parent() -> None:
+def _load_prctl() -> Callable[..., int] | None:
+    try:
+        prctl: Callable[..., int] = ctypes.CDLL("libc.so.6", use_errno=True).prctl
+        return prctl
+    except (OSError, AttributeError):  # not glibc Linux: children are still stopped on clean exits
+        return None
+
+
+_prctl = _load_prctl()  # loaded now: after fork, a threaded parent's child must not load libraries
+
+
+def die_with_parent() -> None:
     """Runs in the child before exec: take SIGTERM when reefd dies, even by SIGKILL."""
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+    if _prctl is not None:
+        _prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+_SECRET = re.compile(r"key|token|secret|password", re.IGNORECASE)
+
+
+def masked(argv: list[str]) -> list[str]:
+    """The command line fit for a log: values of secret-looking flags become ***."""
+    out: list[str] = []
+    for arg in argv:
+        if out and out[-1].startswith("-") and _SECRET.search(out[-1]) and "=" not in out[-1]:
+            out.append("***")
+        elif arg.startswith("-") and "=" in arg and _SECRET.search(arg.split("=", 1)[0]):
+            out.append(arg.split("=", 1)[0] + "=***")
+        else:
+            out.append(arg)
+    return out
 
 
 class Supervisor:
     """State: starting → ready → (restarting → ready)* → stopped.
 
-    While ready, the process is asked to generate every HEALTH_INTERVAL_S; three failures in a
-    row count as a crash. Restarts back off exponentially (1 s doubling to 30 s).
+    It is ready once `ready(url)` succeeds. While ready, `alive(url)` is asked every
+    HEALTH_INTERVAL_S; three failures in a row count as a crash. (Liveness, not generation: a
+    worker busy with long generations must not be killed for a slow probe.) Restarts back off
+    exponentially (1 s doubling to 30 s).
     """
 
     HEALTH_INTERVAL_S = 15.0
 
     def __init__(self, name: str, argv: Callable[[int], list[str]],
-                 healthy: Callable[[str], Awaitable[bool]], *, startup_timeout_s: float,
+                 ready: Callable[[str], Awaitable[bool]], *, startup_timeout_s: float,
+                 alive: Callable[[str], Awaitable[bool]] | None = None,
                  host: str = "127.0.0.1"):
         self.name = name
         self._argv = argv
-        self._healthy = healthy
+        self._ready = ready
+        self._alive = alive or ready
         self._timeout = startup_timeout_s
         self._host = host
         self.state = "starting"
@@ -85,7 +118,7 @@ class Supervisor:
             try:
                 code = await asyncio.wait_for(proc.wait(), self.HEALTH_INTERVAL_S)
             except TimeoutError:
-                failures = 0 if await self._healthy(self.url) else failures + 1
+                failures = 0 if await self._alive(self.url) else failures + 1
                 if failures >= 3:
                     self.last_error = "engine stopped generating (3 failed health checks)"
                     proc.kill()
@@ -100,16 +133,16 @@ class Supervisor:
         port = free_port(self._host)
         url = f"http://{self._host}:{port}"
         argv = self._argv(port)
-        log.info("%s: launching %s", self.name, " ".join(argv))
+        log.info("%s: launching %s", self.name, " ".join(masked(argv)))
         self._proc = await asyncio.create_subprocess_exec(
-            *argv, stdin=asyncio.subprocess.DEVNULL, preexec_fn=_die_with_parent)
+            *argv, stdin=asyncio.subprocess.DEVNULL, preexec_fn=die_with_parent)
         self.pid = self._proc.pid
         deadline = time.monotonic() + self._timeout
         while time.monotonic() < deadline and not self._stopping:
             if self._proc.returncode is not None:
                 self.last_error = f"engine process exited with code {self._proc.returncode}"
                 return False
-            if await self._healthy(url):
+            if await self._ready(url):
                 self.url = url
                 self.state = "ready"
                 log.info("%s: ready at %s (pid %s)", self.name, url, self.pid)
@@ -141,3 +174,4 @@ class Supervisor:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
+        await self._terminate()  # a child launched while we were cancelling

@@ -16,7 +16,7 @@ import orjson
 
 from reefd.chat import ChatRequest, Completion
 from reefd.config import ModelConfig
-from reefd.engines import EngineError, EngineUnavailable
+from reefd.engines import EngineError, EngineUnavailable, retry_after
 
 
 def upstream_body(req: ChatRequest, model: str, stream: bool) -> dict[str, Any]:
@@ -84,9 +84,11 @@ class UpstreamEngine:
                        timeout_s: float = 600.0) -> AsyncIterator[str | Completion]:
         body = upstream_body(req, self.model, stream)
         timeout = aiohttp.ClientTimeout(total=timeout_s)
+        answered = False
         try:
             async with self.session.post(self.url, json=body, headers=self._headers(),
                                          timeout=timeout) as r:
+                answered = True
                 if r.status >= 400:
                     await self._raise(r)
                 if not stream:
@@ -95,6 +97,8 @@ class UpstreamEngine:
                 async for item in self._stream(r):
                     yield item
         except aiohttp.ClientError as exc:
+            if answered:
+                raise EngineError(f"upstream connection lost: {exc}") from exc
             raise EngineUnavailable(f"upstream {self.cfg.url} unreachable: {exc}") from exc
         except TimeoutError as exc:
             raise EngineError(f"upstream did not answer within {timeout_s:.0f} s", status=504) from exc
@@ -107,7 +111,7 @@ class UpstreamEngine:
             message = text[:500]
         if r.status in (429, 503):
             raise EngineUnavailable(f"upstream: {message}",
-                                    retry_after=int(r.headers.get("Retry-After", "5") or 5))
+                                    retry_after=retry_after(r.headers.get("Retry-After")))
         # the client's own request was refused: pass the status on; a refusal of reefd's
         # credentials or a provider failure is a bad gateway, not the client's fault
         status = r.status if r.status in (400, 404, 413, 422) else 502
@@ -135,6 +139,8 @@ class UpstreamEngine:
             if data == b"[DONE]":
                 break
             chunk = orjson.loads(data)
+            if chunk.get("error"):  # a provider failing mid-stream: never record it as complete
+                raise EngineError(f"upstream error mid-stream: {chunk['error']}")
             usage = chunk.get("usage") or usage
             for choice in chunk.get("choices") or []:  # vLLM may send null here
                 delta = choice.get("delta") or {}

@@ -6,48 +6,21 @@ parsing. Knows nothing about torch; generation goes through the same scheduler a
 
 from __future__ import annotations
 
-import json
-import re
 import time
-import uuid
 from contextlib import aclosing
 from typing import Any
 
 from aiohttp import web
 
+from reefd.chat import parse_tool_calls  # the same parser reefd uses (torch-free)
 from reefd.worker.batcher import Job
 from reefd.worker.detok import held_back
 from reefd.worker.params import BadRequest, GenerateRequest, parse_sampling
 from reefd.worker.wire import STATE, WorkerState, close_sse, error_response, open_sse, read_json, send_sse, updates
 
-TOOL_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
-_FINISH = {"length": "length", "stop": "stop", "abort": "stop"}
+_FINISH = {"length": "length", "stop": "stop"}
 # Other OpenAI fields (model, user, metadata, parallel_tool_calls, ...) are accepted and ignored.
 _NEUTRAL = {"n": 1, "frequency_penalty": 0, "presence_penalty": 0, "top_logprobs": 0}
-
-
-def parse_tool_calls(text: str) -> tuple[str | None, list[dict[str, Any]]]:
-    """Split Hermes-style output into (content before the first call, OpenAI tool_calls)."""
-    calls = []
-    for match in TOOL_CALL.finditer(text):
-        try:
-            call = json.loads(match.group(1))
-        except ValueError:
-            continue
-        if not isinstance(call, dict) or not isinstance(call.get("name"), str):
-            continue
-        args = call.get("arguments", {})
-        calls.append(
-            {
-                "id": f"call_{uuid.uuid4().hex[:24]}",
-                "type": "function",
-                "function": {"name": call["name"], "arguments": args if isinstance(args, str) else json.dumps(args)},
-            }
-        )
-    if not calls:
-        return text, []
-    content = text[: text.index("<tool_call>")].strip()
-    return content or None, calls
 
 
 def _request(state: WorkerState, body: Any) -> tuple[GenerateRequest, dict[str, Any]]:
@@ -190,6 +163,9 @@ async def _stream(request: web.Request, state: WorkerState, job: Job, options: d
             if len(safe) > shown or lp:
                 await chunk({"content": safe[shown:]}, logprobs=lp)
                 shown = max(shown, len(safe))
+    if finish and finish.get("type") == "abort":  # shutdown cut it: say so, never a clean finish
+        await send_sse(response, {"error": {"message": str(finish.get("message")), "type": "server_error"}})
+        return await close_sse(response)
     _, calls = parse_tool_calls(text) if options["tools"] else (text, [])
     if calls:
         await chunk({"tool_calls": [{"index": i, **call} for i, call in enumerate(calls)]})

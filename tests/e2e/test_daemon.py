@@ -161,3 +161,63 @@ def test_sighup_applies_new_scenarios_and_refuses_bad_ones(fresh_daemon: Daemon)
         time.sleep(0.2)
     assert "broken.yaml: model.engine: 'wrker' is not one of" in fresh_daemon.logs()
     assert fresh_daemon.get("/readyz")[0] == 200
+
+
+def _stream_lines(d: Daemon, scenario: str, lines: list[str], started: threading.Event,
+                  max_tokens: int = 600) -> None:
+    c = sdk(openai.OpenAI(base_url=d.url + "/v1", api_key=d.token, max_retries=0,
+                          default_headers={"x-reef-scenario": scenario}))
+    with c.chat.completions.with_streaming_response.create(
+            model=scenario, messages=[{"role": "user", "content": "long"}], stream=True,
+            max_tokens=max_tokens, extra_body={"ignore_eos": True}) as resp:
+        for line in resp.iter_lines():
+            if line:
+                lines.append(line)
+                started.set()
+
+
+def test_engine_death_mid_stream_ends_it_in_band(fresh_daemon: Daemon) -> None:
+    fresh_daemon.start()
+    pid = json.loads(fresh_daemon.get("/reef/status")[1])["scenarios"][0]["engine"]["pid"]
+    lines: list[str] = []
+    started = threading.Event()
+    t = threading.Thread(target=_stream_lines, args=(fresh_daemon, "tiny", lines, started, 4000))
+    t.start()
+    assert started.wait(60)
+    os.kill(pid, signal.SIGKILL)
+    t.join(60)
+    assert not t.is_alive()
+    assert "data: [DONE]" not in lines
+    error = json.loads(lines[-1][len("data: "):])["error"]
+    assert error["code"] == "engine_error" and error["type"] == "server_error"
+    fresh_daemon.wait_ready()  # restarted, and the daemon itself never stopped serving
+
+
+def test_reload_drains_requests_on_an_engine_it_removes(fresh_daemon: Daemon) -> None:
+    other = fresh_daemon.scenarios / "other.yaml"
+    other.write_text("defaults:\n  - model: tiny\n  - _self_\nmodel:\n  max_batch: 4\n")
+    fresh_daemon.start()
+    engines = {s["name"]: s["engine"]["pid"]
+               for s in json.loads(fresh_daemon.get("/reef/status")[1])["scenarios"]}
+    assert engines["other"] != engines["tiny"]  # a different model config: its own worker
+    lines: list[str] = []
+    started = threading.Event()
+    t = threading.Thread(target=_stream_lines, args=(fresh_daemon, "other", lines, started, 1500))
+    t.start()
+    assert started.wait(60)
+    other.unlink()
+    assert fresh_daemon.proc is not None
+    fresh_daemon.proc.send_signal(signal.SIGHUP)
+    t.join(120)
+    assert lines[-1] == "data: [DONE]"  # the removed scenario's last answer completed
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        try:
+            os.kill(engines["other"], 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.2)
+    else:
+        raise AssertionError("the unused worker was not stopped after it drained")
+    names = [m["id"] for m in json.loads(fresh_daemon.get("/v1/models")[1])["data"]]
+    assert names == ["tiny"]

@@ -120,3 +120,28 @@ def test_records_listing_pages_in_receipt_order(daemon: Daemon, receipt: str) ->
     assert ids == sorted(ids) and receipt in ids
     assert daemon.get("/reef/scenarios/tiny/records?limit=zero")[0] == 400
     assert daemon.get("/reef/scenarios/ghost/records")[0] == 404
+
+
+def test_numbers_json_cannot_carry_are_400_with_their_path(daemon: Daemon, receipt: str) -> None:
+    raw = f'{{"score": 1e400, "references": ["{receipt}"]}}'.encode()
+    status, answer, _ = post(daemon, "/reef/report", raw)
+    assert status == 400 and answer["error"]["param"] == "score"
+    raw = b'{"model": "tiny", "messages": [{"role": "user", "content": "x"}], "temperature": 1e999}'
+    status, answer, _ = post(daemon, "/v1/chat/completions", raw)
+    assert status == 400 and answer["error"]["param"] == "temperature"
+
+
+def test_undecodable_token_bytes_are_401_not_500(daemon: Daemon) -> None:
+    import http.client
+
+    conn = http.client.HTTPConnection("127.0.0.1", daemon.port, timeout=10)
+    conn.putrequest("GET", "/reef/status")
+    conn.putheader("Authorization", b"Bearer \xff\xfe\xfd")
+    conn.endheaders()
+    resp = conn.getresponse()
+    assert resp.status == 401
+    conn.close()
+
+
+def test_an_after_cursor_that_is_no_receipt_is_400(daemon: Daemon) -> None:
+    assert daemon.get("/reef/scenarios/tiny/records?after=" + "Z" * 500)[0] == 400

@@ -72,3 +72,12 @@ def test_restarts_after_exit_and_after_failed_health(tmp_path: Path,
             os.kill(last, 0)
 
     asyncio.run(go())
+
+
+def test_secrets_are_masked_in_logged_command_lines() -> None:
+    from reefd.engines.supervisor import masked
+
+    argv = ["python", "-m", "sglang.launch_server", "--api-key", "s3cret", "--port", "1",
+            "--hf-token=abc", "--model-path", "/m"]
+    assert masked(argv) == ["python", "-m", "sglang.launch_server", "--api-key", "***",
+                            "--port", "1", "--hf-token=***", "--model-path", "/m"]
