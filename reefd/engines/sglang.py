@@ -165,6 +165,14 @@ class SGLangEngine:
             self.model_dir = Path(info.get("tokenizer_path") or info["model_path"])
         self.template = ChatTemplate(self.model_dir)
         self._state = "ready"
+        failures = 0  # reefd did not launch it, so it cannot restart it: it only reports it
+        while True:
+            await asyncio.sleep(Supervisor.HEALTH_INTERVAL_S)
+            failures = 0 if await self.client.alive() else failures + 1
+            state = "unreachable" if failures >= 3 else "ready"
+            if state != self._state:
+                log.warning("%s: attached engine at %s is %s", self.cfg.name, url, state)
+                self._state = state
 
     async def _prepare(self, source: str) -> Path:
         out = self.state_dir / "models" / source

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -122,17 +123,48 @@ def test_acknowledged_receipts_survive_kill_9(fresh_daemon: Daemon) -> None:
         receipts.append(receipt)
         status, report, _ = fresh_daemon.post("/reef/report", {"score": i, "references": [receipt]})
         assert status == 200 and report["references"] == [receipt]
+    # then traffic in flight, streamed and not, when the kill lands
+    acked: list[str] = []
+    stop = threading.Event()
+
+    def traffic(k: int) -> None:
+        with contextlib.suppress(Exception):  # the kill breaks these connections
+            while not stop.is_set():
+                if k % 2:
+                    with c.chat.completions.with_streaming_response.create(
+                            model="tiny", messages=[{"role": "user", "content": "s"}],
+                            max_tokens=3, stream=True) as resp:
+                        receipt = resp.headers["x-reef-agent-record-id"]
+                        if "data: [DONE]" in list(resp.iter_lines()):  # acknowledged
+                            acked.append(receipt)
+                else:
+                    raw = c.chat.completions.with_raw_response.create(
+                        model="tiny", messages=[{"role": "user", "content": "n"}], max_tokens=3)
+                    acked.append(raw.headers["x-reef-agent-record-id"])
+
+    threads = [threading.Thread(target=traffic, args=(k,)) for k in range(4)]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + 120
+    while len(acked) < 24 and time.monotonic() < deadline:
+        time.sleep(0.05)
     assert fresh_daemon.proc is not None
     fresh_daemon.proc.send_signal(signal.SIGKILL)
     fresh_daemon.proc.wait(30)
+    stop.set()
+    for t in threads:
+        t.join(60)
+    assert len(acked) >= 24
     fresh_daemon.start()
     for i, receipt in enumerate(receipts):
         status, body = fresh_daemon.get(f"/reef/records/{receipt}")
         assert status == 200, receipt
         rec = json.loads(body)
         assert [r["score"] for r in rec["reports"]] == [i]
+    for receipt in list(acked):
+        assert fresh_daemon.get(f"/reef/records/{receipt}")[0] == 200, receipt
     counts = json.loads(fresh_daemon.get("/reef/status")[1])["scenarios"][0]
-    assert counts["records"] == 12 and counts["reports"] == 12
+    assert counts["records"] >= 12 + len(acked) and counts["reports"] == 12
 
 
 def test_sighup_applies_new_scenarios_and_refuses_bad_ones(fresh_daemon: Daemon) -> None:

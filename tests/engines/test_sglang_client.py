@@ -66,6 +66,7 @@ async def serve(script: list[dict[str, Any]]) -> tuple[web.AppRunner, str, list[
     app = web.Application()
     app.router.add_post("/generate", generate)
     app.router.add_get("/health_generate", health)
+    app.router.add_get("/health", health)
     runner = web.AppRunner(app, access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)
@@ -146,5 +147,33 @@ def test_unready_engine_refuses_before_any_event(tmp_path: Path) -> None:
                                   tmp_path, session)
             with pytest.raises(EngineUnavailable):
                 await anext(engine.generate(ChatRequest(messages=[], max_tokens=1)))
+
+    asyncio.run(go())
+
+
+def test_an_attached_server_that_goes_away_is_reported(tiny: Path,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    from reefd.engines.supervisor import Supervisor
+
+    monkeypatch.setattr(Supervisor, "HEALTH_INTERVAL_S", 0.05)
+
+    async def go() -> None:
+        runner, url, _ = await serve([])
+        async with aiohttp.ClientSession() as session:
+            engine = SGLangEngine(ModelConfig(name="t", engine="sglang", url=url, path=str(tiny)),
+                                  tiny, session)
+            await engine.start()
+            for _ in range(200):
+                if engine.ready:
+                    break
+                await asyncio.sleep(0.02)
+            assert engine.ready
+            await runner.cleanup()  # the server we attached to is gone
+            for _ in range(200):
+                if engine.state == "unreachable":
+                    break
+                await asyncio.sleep(0.02)
+            assert engine.state == "unreachable" and not engine.ready
+            await engine.stop()
 
     asyncio.run(go())
