@@ -62,12 +62,13 @@ def engine_failure(exc: EngineUnavailable | EngineError | StorageError) -> ApiEr
 
 def new_record(request: web.Request, scenario: Scenario, receipt: str, api: str,
                body: dict[str, Any], chat: ChatRequest, stream: bool) -> dict[str, Any]:
-    tags = {k[len("x-reef-tag-"):]: v for k, v in request.headers.items()
-            if k.lower().startswith("x-reef-tag-")}
+    prefix = "x-reef-tag-"
+    tags = {k[len(prefix):].lower(): v for k, v in request.headers.items()
+            if k.lower().startswith(prefix)}
     return {"id": receipt, "scenario": scenario.name, "release": scenario.release,
             "engine": scenario.engine.kind, "model": scenario.cfg.model.name, "api": api,
             "created_at": time.time(), "session": request.headers.get("x-reef-session"),
-            "tags": {k.lower(): v for k, v in tags.items()}, "stream": stream,
+            "tags": tags, "stream": stream,
             "request": body, "messages": chat.messages, "tools": chat.tools}
 
 
