@@ -16,96 +16,11 @@ import urllib.error
 import urllib.parse
 import urllib.request
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from pathlib import Path
 from typing import Any
 
-DEFAULT_URL = "http://127.0.0.1:8900"
-TIMEOUT_S = 30.0
+from reefd.adminclient import DEFAULT_URL, Client, CliError, Unreachable, resolve_connection
+
 PREVIEW = 60  # characters of completion shown in the records table (twice that with -o wide)
-
-
-class CliError(Exception):
-    """A failure worth one line on stderr; `code` is the exit status."""
-    code = 1
-
-
-class Unreachable(CliError):
-    """The daemon did not answer at all (refused, reset, timed out)."""
-
-
-def _token_file(env: Mapping[str, str]) -> str | None:
-    """First line of STATE/token. STATE: $REEF_STATE, else $STATE_DIRECTORY (systemd's, first of a
-    colon list), else ~/.local/state/reefd."""
-    systemd = env.get("STATE_DIRECTORY", "").split(":")[0]
-    path = Path(env.get("REEF_STATE") or systemd or Path.home() / ".local/state/reefd") / "token"
-    try:
-        text = path.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        return None
-    except OSError as exc:
-        print(f"reefctl: warning: cannot read {path}: {exc.strerror or exc}", file=sys.stderr)
-        return None
-    return next((line for line in text.splitlines() if line.strip()), None)
-
-
-def resolve_connection(args: argparse.Namespace, env: Mapping[str, str]) -> tuple[str, str | None]:
-    """(url, token): explicit flags override the environment, which overrides the state dir's token file."""
-    url = getattr(args, "url", None) or env.get("REEF_URL") or DEFAULT_URL
-    token = getattr(args, "token", None) or env.get("REEF_TOKEN") or _token_file(env) or ""
-    return url.rstrip("/"), token.split(",")[0].strip() or None  # a rotation list "new,old": send the first
-
-
-class Client:
-    """JSON over HTTP to reefd; every failure becomes a CliError with a readable message."""
-
-    def __init__(self, url: str, token: str | None, timeout: float = TIMEOUT_S) -> None:
-        try:
-            parts = urllib.parse.urlsplit(url)
-            valid = parts.scheme in ("http", "https") and bool(parts.hostname) and parts.port != 0
-        except ValueError:  # a port that is not a number, or out of range
-            valid = False
-        if not valid:
-            raise CliError(f"bad reefd URL {url!r}: expected http://HOST:PORT")
-        self.url, self.token, self.timeout = url, token, timeout
-
-    def call(self, method: str, path: str, *, query: Mapping[str, Any] | None = None,
-             body: Any = None, headers: Mapping[str, str] | None = None) -> Any:
-        target = self.url + path
-        if query:
-            target += "?" + urllib.parse.urlencode(query)
-        data = None if body is None else json.dumps(body).encode()
-        sent = {"Accept": "application/json", **(headers or {})}
-        if data is not None:
-            sent["Content-Type"] = "application/json"
-        if self.token:
-            sent["Authorization"] = f"Bearer {self.token}"
-        req = urllib.request.Request(target, data=data, method=method, headers=sent)
-        try:
-            with urllib.request.urlopen(req, timeout=self.timeout) as resp:
-                raw = resp.read()
-        except urllib.error.HTTPError as exc:
-            with exc:
-                raise CliError(_http_error(exc.code, exc.reason, exc.read())) from None
-        except OSError as exc:  # URLError wraps refused/unresolvable; resets and timeouts come bare
-            reason = exc.reason if isinstance(exc, urllib.error.URLError) else exc
-            text = getattr(reason, "strerror", None) or str(reason) or type(reason).__name__
-            raise Unreachable(f"cannot reach reefd at {self.url}: {text}") from None
-        try:
-            return json.loads(raw)
-        except ValueError:
-            raise CliError(f"{method} {path}: reefd answered with something other than JSON") from None
-
-
-def _http_error(status: int, reason: str, raw: bytes) -> str:
-    """The message of an OpenAI- or Anthropic-shaped error body ({"error": {"message"}}), else the text."""
-    try:
-        err = json.loads(raw).get("error")
-    except (ValueError, AttributeError):
-        err = None
-    message = err.get("message") if isinstance(err, dict) else err
-    if not (message and isinstance(message, str)):
-        message = raw.decode("utf-8", "replace").strip()[:300] or reason
-    return f"HTTP {status}: {message}"
 
 
 def _print_json(obj: Any, *, lines: bool = False) -> None:

@@ -5,11 +5,8 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import signal
-import socket
 import subprocess
 import sys
-import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -19,18 +16,13 @@ from typing import Any
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+from tests.served import ROOT, Served, free_port
+
 TOKEN = "test-token-" + "x" * 16
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @dataclass
-class Daemon:
+class Daemon(Served):
     """A running reefd: its URL, token, folders and process, with restart/kill helpers."""
 
     scenarios: Path
@@ -41,29 +33,16 @@ class Daemon:
     env: dict[str, str] = field(default_factory=dict)
     proc: subprocess.Popen[bytes] | None = None
 
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
     def start(self, wait_ready: bool = True) -> None:
         env = {**os.environ, "REEF_TOKEN": self.token, "REEF_LOG_LEVEL": "INFO", **self.env}
         env.pop("REEF_URL", None)
-        with self.log_path.open("ab") as log:
-            self.proc = subprocess.Popen(
-                [sys.executable, "-m", "reefd", "--scenarios", str(self.scenarios),
-                 "--state", str(self.state), "--listen", f"127.0.0.1:{self.port}"],
-                stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
+        self.launch([sys.executable, "-m", "reefd", "--scenarios", str(self.scenarios),
+                     "--state", str(self.state), "--listen", f"127.0.0.1:{self.port}"], env)
         if wait_ready:
             self.wait_ready()
 
-    def get(self, path: str, token: str | None = None) -> tuple[int, bytes]:
-        req = urllib.request.Request(self.url + path, headers={
-            "Authorization": f"Bearer {token or self.token}"})
-        try:
-            with urllib.request.urlopen(req, timeout=10) as r:
-                return r.status, r.read()
-        except urllib.error.HTTPError as e:
-            return e.code, e.read()
+    def headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.token}"}
 
     def post(self, path: str, body: bytes | dict[str, Any], headers: dict[str, str] | None = None,
              token: str | None = None) -> tuple[int, dict[str, Any], dict[str, str]]:
@@ -78,28 +57,7 @@ class Daemon:
             return e.code, json.loads(e.read()), dict(e.headers)
 
     def wait_ready(self, timeout_s: float = 180.0) -> None:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            assert self.proc is not None
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"reefd exited with {self.proc.returncode}:\n{self.logs()}")
-            try:
-                if self.get("/readyz")[0] == 200:
-                    return
-            except OSError:
-                pass
-            time.sleep(0.2)
-        raise RuntimeError(f"reefd not ready in {timeout_s} s:\n{self.logs()}")
-
-    def logs(self) -> str:
-        return self.log_path.read_text(errors="replace")[-6000:]
-
-    def stop(self, sig: int = signal.SIGTERM, timeout_s: float = 60.0) -> int:
-        assert self.proc is not None
-        if self.proc.poll() is None:
-            self.proc.send_signal(sig)
-            self.proc.wait(timeout_s)
-        return int(self.proc.returncode)
+        self.wait_for("/readyz", timeout_s)
 
 
 def make_scenarios(dst: Path, names: tuple[str, ...] = ("tiny",), extra: dict[str, str] | None = None

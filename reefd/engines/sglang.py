@@ -38,16 +38,15 @@ class SGLangClient:
 
     async def alive(self, timeout_s: float = 10.0) -> bool:
         """The server answers at all (`/health`), even while every batch slot is busy."""
-        try:
-            async with self.session.get(f"{self.base_url}/health",
-                                        timeout=aiohttp.ClientTimeout(total=timeout_s)) as r:
-                return r.status == 200
-        except (aiohttp.ClientError, TimeoutError):
-            return False
+        return await self._ok("/health", timeout_s)
 
     async def healthy(self, timeout_s: float = 30.0) -> bool:
+        """The server generates a token (`/health_generate`)."""
+        return await self._ok("/health_generate", timeout_s)
+
+    async def _ok(self, path: str, timeout_s: float) -> bool:
         try:
-            async with self.session.get(f"{self.base_url}/health_generate",
+            async with self.session.get(f"{self.base_url}{path}",
                                         timeout=aiohttp.ClientTimeout(total=timeout_s)) as r:
                 return r.status == 200
         except (aiohttp.ClientError, TimeoutError):

@@ -3,11 +3,8 @@
 from __future__ import annotations
 
 import json
-import signal
-import socket
 import subprocess
 import sys
-import time
 import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
@@ -16,17 +13,11 @@ from typing import Any
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[2]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+from tests.served import Served, free_port
 
 
 @dataclass
-class Worker:
+class Worker(Served):
     """A `python -m reefd.worker` subprocess on a free loopback port, with small HTTP helpers."""
 
     model: Path
@@ -35,42 +26,11 @@ class Worker:
     port: int = field(default_factory=free_port)
     proc: subprocess.Popen[bytes] | None = None
 
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
     def start(self, timeout_s: float = 120.0) -> Worker:
-        cmd = [sys.executable, "-m", "reefd.worker", "--model", str(self.model), "--port", str(self.port)]
-        with self.log_path.open("ab") as log:
-            self.proc = subprocess.Popen([*cmd, *self.extra], stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"worker exited with {self.proc.returncode}:\n{self.logs()}")
-            try:
-                if self.get("/health")[0] == 200:
-                    return self
-            except OSError:
-                pass
-            time.sleep(0.1)
-        raise RuntimeError(f"worker not ready in {timeout_s} s:\n{self.logs()}")
-
-    def logs(self) -> str:
-        return self.log_path.read_text(errors="replace")[-6000:]
-
-    def stop(self, sig: int = signal.SIGTERM, timeout_s: float = 60.0) -> int:
-        assert self.proc is not None
-        if self.proc.poll() is None:
-            self.proc.send_signal(sig)
-            self.proc.wait(timeout_s)
-        return int(self.proc.returncode)
-
-    def get(self, path: str) -> tuple[int, bytes]:
-        try:
-            with urllib.request.urlopen(self.url + path, timeout=60) as r:
-                return r.status, r.read()
-        except urllib.error.HTTPError as e:
-            return e.code, e.read()
+        self.launch([sys.executable, "-m", "reefd.worker", "--model", str(self.model),
+                     "--port", str(self.port), *self.extra])
+        self.wait_for("/health", timeout_s)
+        return self
 
     def post(self, path: str, body: bytes | dict[str, Any]) -> tuple[int, Any]:
         data = body if isinstance(body, bytes) else json.dumps(body).encode()

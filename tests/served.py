@@ -1,0 +1,77 @@
+"""A server subprocess on a free loopback port: launch, wait for a ready path, logs, stop.
+
+Shared by the reefd fixtures (tests/conftest.py) and the worker's (tests/worker/support.py).
+"""
+
+from __future__ import annotations
+
+import signal
+import socket
+import subprocess
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class Served:
+    """Subclasses set `port`, `log_path` and `proc` (dataclass fields) and call `launch`."""
+
+    port: int
+    log_path: Path
+    proc: subprocess.Popen[bytes] | None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def launch(self, argv: list[str], env: dict[str, str] | None = None) -> None:
+        with self.log_path.open("ab") as log:
+            self.proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env,
+                                         cwd=ROOT)
+
+    def headers(self) -> dict[str, str]:
+        return {}
+
+    def get(self, path: str, token: str | None = None) -> tuple[int, bytes]:
+        headers = self.headers() if token is None else {"Authorization": f"Bearer {token}"}
+        req = urllib.request.Request(self.url + path, headers=headers)
+        try:
+            with urllib.request.urlopen(req, timeout=60) as r:
+                return r.status, r.read()
+        except urllib.error.HTTPError as e:
+            return e.code, e.read()
+
+    def wait_for(self, path: str, timeout_s: float) -> None:
+        """Until GET path answers 200; a process that exits first fails with its log."""
+        name = type(self).__name__
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            assert self.proc is not None
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{name} exited with {self.proc.returncode}:\n{self.logs()}")
+            try:
+                if self.get(path)[0] == 200:
+                    return
+            except OSError:
+                pass
+            time.sleep(0.1)
+        raise RuntimeError(f"{name} not ready in {timeout_s} s:\n{self.logs()}")
+
+    def logs(self) -> str:
+        return self.log_path.read_text(errors="replace")[-6000:]
+
+    def stop(self, sig: int = signal.SIGTERM, timeout_s: float = 60.0) -> int:
+        assert self.proc is not None
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            self.proc.wait(timeout_s)
+        return int(self.proc.returncode)
