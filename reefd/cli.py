@@ -203,13 +203,16 @@ def _record_printer(output: str | None) -> Emit:
     return emit
 
 
-def _pages(client: Client, scenario: str, after: str | None, limit: int | None) -> Iterator[list[dict[str, Any]]]:
+def _pages(client: Client, scenario: str, after: str | None, limit: int | None,
+           session: str | None = None) -> Iterator[list[dict[str, Any]]]:
     """Yield pages of records after `after`: one page of `limit`, or every page while has_more."""
     path = f"/reef/scenarios/{urllib.parse.quote(scenario, safe='')}/records"
     while True:
         query: dict[str, Any] = {"after": after} if after else {}
         if limit:
             query["limit"] = limit
+        if session:
+            query["session"] = session
         page = client.call("GET", path, query=query)
         data = page.get("data") or []
         yield data
@@ -222,6 +225,7 @@ def _pages(client: Client, scenario: str, after: str | None, limit: int | None) 
 def _records_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("name", metavar="SCENARIO")
     p.add_argument("--after", metavar="RECEIPT", type=_receipt, help="start after this receipt")
+    p.add_argument("--session", metavar="S", help="only this conversation's turns, in order")
     p.add_argument("--limit", metavar="N", type=_number(int, positive=True),
                    help="show one page of at most N records (default: every page)")
     p.add_argument("-f", "--follow", action="store_true", help="keep printing new records until Ctrl-C")
@@ -235,7 +239,7 @@ def cmd_records(client: Client, args: argparse.Namespace) -> int:
     emit = _record_printer(args.output)
     cursor = args.after
     try:
-        pages = _pages(client, args.name, cursor, args.limit)
+        pages = _pages(client, args.name, cursor, args.limit, args.session)
         if args.output in (None, "wide"):  # a table is aligned over the whole listing
             pages = iter([[r for page in pages for r in page]])
         for batch in pages:
@@ -257,7 +261,7 @@ def _follow(client: Client, args: argparse.Namespace, emit: Emit, cursor: str | 
     while True:
         time.sleep(args.interval)
         try:
-            for batch in _pages(client, args.name, cursor, None):
+            for batch in _pages(client, args.name, cursor, None, args.session):
                 emit(batch)
                 cursor = batch[-1]["id"] if batch else cursor
             down = False

@@ -52,6 +52,12 @@ class ReportConflict(Exception):
         self.report_id = report_id
 
 
+def _session_prefix(scenario: bytes, session: str) -> bytes:
+    """scenario NUL digest: sessions are free-form strings, index keys must stay short."""
+    digest = hashlib.blake2b(session.encode("utf-8", "surrogatepass"), digest_size=16).digest()
+    return scenario + b"\0" + digest
+
+
 def _scenario_key(scenario: object) -> bytes:
     key = scenario.encode() if isinstance(scenario, str) else b""
     if not key or b"\0" in key or len(key) > 256:
@@ -137,7 +143,7 @@ class RecordStore:
         env = lmdb.open(self.path, map_size=self._map_size, subdir=True, max_dbs=8,
                         sync=True, metasync=True, writemap=False)
         with env.begin(write=True) as txn:
-            for name in ("records", "by_scenario", "reports", "report_index", "counts", "meta"):
+            for name in ("records", "by_scenario", "by_session", "reports", "report_index", "counts", "meta"):
                 self._dbs[name] = env.open_db(name.encode(), txn=txn)
         self._env, self._loop = env, asyncio.get_running_loop()
         self._stopped = self._loop.create_future()
@@ -203,6 +209,8 @@ class RecordStore:
         if not txn.put(receipt, _pack(record), overwrite=False, db=self._dbs["records"]):
             raise ValueError(f"receipt {receipt.decode()} is already stored")
         txn.put(scenario + b"\0" + receipt, b"", db=self._dbs["by_scenario"])
+        if isinstance(record.get("session"), str):
+            txn.put(_session_prefix(scenario, record["session"]) + receipt, b"", db=self._dbs["by_session"])
         deltas.setdefault(scenario, [0, 0])[0] += 1
 
     def _apply_report(self, txn: lmdb.Transaction[bytes], deltas: dict[bytes, list[int]],
@@ -326,14 +334,19 @@ class RecordStore:
         with self._reading() as txn:
             return self._load_record(txn, receipt.encode())
 
-    def list_records(self, scenario: str, *, after: str | None = None, limit: int = 50) -> list[dict[str, Any]]:
-        """Records of one scenario in receipt order, strictly after `after`, each with its reports."""
-        prefix = _scenario_key(scenario) + b"\0"
+    def list_records(self, scenario: str, *, after: str | None = None, limit: int = 50,
+                     session: str | None = None) -> list[dict[str, Any]]:
+        """Records of one scenario (or of one session in it) in receipt order, strictly after
+        `after`, each with its reports."""
+        if session is None:
+            prefix, db = _scenario_key(scenario) + b"\0", self._dbs["by_scenario"]
+        else:
+            prefix, db = _session_prefix(_scenario_key(scenario), session), self._dbs["by_session"]
         start = prefix + (after or "").encode("utf-8", "surrogatepass")
         if len(start) > 400:
             raise ValueError("`after` is too long to be a receipt")
         found: list[dict[str, Any]] = []
-        with self._reading() as txn, txn.cursor(db=self._dbs["by_scenario"]) as cursor:
+        with self._reading() as txn, txn.cursor(db=db) as cursor:
             for key in cursor.iternext(values=False) if cursor.set_range(start) else ():  # from `start` on
                 if len(found) >= limit or not key.startswith(prefix):
                     break

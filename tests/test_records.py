@@ -118,6 +118,23 @@ def test_put_get_round_trip_and_reopen(tmp_path: Path) -> None:
     with_store(tmp_path / "db", read)
 
 
+def test_list_records_of_one_session(tmp_path: Path) -> None:
+    async def body(store: RecordStore) -> None:
+        mine, theirs = [], []
+        for i in range(6):
+            rec = record("s1", session="x" * 600 if i % 2 else "conv", i=i)  # long ids are fine
+            await store.put_record(rec)
+            (theirs if i % 2 else mine).append(rec["id"])
+        await store.put_record(record("s2", session="conv"))  # same session id, other scenario
+        await store.put_record(record("s1"))  # no session at all
+        assert [r["id"] for r in store.list_records("s1", session="conv")] == mine
+        assert [r["id"] for r in store.list_records("s1", session="x" * 600)] == theirs
+        assert [r["id"] for r in store.list_records("s1", session="conv", after=mine[0], limit=1)] == mine[1:2]
+        assert store.list_records("s1", session="nobody") == []
+
+    with_store(tmp_path / "db", body)
+
+
 def test_list_records_pages_one_scenario_in_receipt_order(tmp_path: Path) -> None:
     async def body(store: RecordStore) -> None:
         written: dict[str, list[str]] = {"a": [], "ab": [], "b": []}

@@ -71,7 +71,7 @@ async def list_records(request: web.Request) -> web.Response:
         raise ApiError(400, "after: not a receipt", param="after")
     # unpacking up to a thousand records is off the event loop, so streams keep flowing
     rows = await asyncio.to_thread(request.app[STORE].list_records, scenario.name, after=after,
-                                   limit=limit + 1)
+                                   limit=limit + 1, session=request.query.get("session") or None)
     data = rows[:limit]
     return json_response({"object": "list", "data": data, "has_more": len(rows) > limit,
                               "last_id": data[-1]["id"] if data else None})

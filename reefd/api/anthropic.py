@@ -41,7 +41,7 @@ _BASE_PROPS = {
     "system": {"anyOf": [{"type": "string"}, {"type": "array", "items": _TEXT_BLOCK}]},
     "messages": {"type": "array", "minItems": 1, "items": {
         "type": "object", "required": ["role", "content"],
-        "properties": {"role": {"enum": ["user", "assistant"]},
+        "properties": {"role": {"enum": ["user", "assistant", "system"]},
                        "content": {"anyOf": [{"type": "string"},
                                              {"type": "array", "items": _BLOCK}]}}}},
     "tools": {"type": "array", "items": {
@@ -109,14 +109,24 @@ def _convert_message(i: int, m: dict[str, Any]) -> list[dict[str, Any]]:
     return out
 
 
+def _text_of(content: Any) -> str:
+    if isinstance(content, str):
+        return content
+    return "\n\n".join(b["text"] for b in content or [] if b.get("type") == "text")
+
+
 def to_chat_request(body: dict[str, Any], max_tokens: int = 1) -> ChatRequest:
+    """Claude Code also puts `role: "system"` entries inside `messages`: they are folded, in
+    order, into the one system prompt after the top-level `system`."""
     messages: list[dict[str, Any]] = []
-    system = body.get("system")
-    if system:
-        text = system if isinstance(system, str) else "".join(b["text"] for b in system)
-        messages.append({"role": "system", "content": text})
+    system = [_text_of(body["system"])] if body.get("system") else []
     for i, m in enumerate(body["messages"]):
-        messages.extend(_convert_message(i, m))
+        if m["role"] == "system":
+            system.append(_text_of(m["content"]))
+        else:
+            messages.extend(_convert_message(i, m))
+    if system:
+        messages.insert(0, {"role": "system", "content": "\n\n".join(system)})
     tools = [{"type": "function", "function": {"name": t["name"],
                                                "description": t.get("description", ""),
                                                "parameters": t.get("input_schema", {})}}
@@ -231,7 +241,7 @@ async def messages(request: web.Request) -> web.StreamResponse:
     chat = to_chat_request(body)
     with registry.serving(scenario):
         return await serve_turn(request, scenario, request.app[STORE],
-                                lambda receipt: AnthropicWire(receipt, body["model"]),
+                                lambda receipt: AnthropicWire(receipt, scenario.name),
                                 body, chat, bool(body.get("stream")))
 
 

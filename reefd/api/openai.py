@@ -177,7 +177,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
     with registry.serving(scenario):
         return await serve_turn(request, scenario, request.app[STORE],
-                                lambda receipt: OpenAIWire(receipt, body["model"], include_usage),
+                                lambda receipt: OpenAIWire(receipt, scenario.name, include_usage),
                                 body, chat, stream)
 
 

@@ -60,6 +60,20 @@ def engine_failure(exc: EngineUnavailable | EngineError | StorageError) -> ApiEr
                     code="storage_unavailable", headers={"Retry-After": "5"})
 
 
+SESSION_HEADERS = ("x-reef-session",  # Reef's own, then what agents send of themselves:
+                   "x-claude-code-session-id", "session-id", "x-session-id")
+
+
+def session_of(request: web.Request, body: dict[str, Any]) -> str | None:
+    """The conversation a turn belongs to: a session header, else Anthropic's metadata.user_id."""
+    for name in SESSION_HEADERS:
+        if request.headers.get(name):
+            return request.headers[name]
+    user = (body.get("metadata") or {}).get("user_id") if isinstance(body.get("metadata"),
+                                                                      dict) else None
+    return user if isinstance(user, str) and user else None
+
+
 def new_record(request: web.Request, scenario: Scenario, receipt: str, api: str,
                body: dict[str, Any], chat: ChatRequest, stream: bool) -> dict[str, Any]:
     prefix = "x-reef-tag-"
@@ -67,7 +81,8 @@ def new_record(request: web.Request, scenario: Scenario, receipt: str, api: str,
             if k.lower().startswith(prefix)}
     return {"id": receipt, "scenario": scenario.name, "release": scenario.release,
             "engine": scenario.engine.kind, "model": scenario.cfg.model.name, "api": api,
-            "created_at": time.time(), "session": request.headers.get("x-reef-session"),
+            "requested_model": body.get("model"),
+            "created_at": time.time(), "session": session_of(request, body),
             "tags": tags, "stream": stream,
             "request": body, "messages": chat.messages, "tools": chat.tools}
 

@@ -130,3 +130,42 @@ def test_path_form_and_anthropic_shaped_errors_on_it(daemon: Daemon) -> None:
     with pytest.raises(anthropic.NotFoundError) as exc:
         ghost.messages.create(model="x", max_tokens=1, messages=[{"role": "user", "content": "x"}])
     assert isinstance(exc.value.body, dict) and exc.value.body["type"] == "error"
+
+
+def test_claude_code_shaped_fields_are_accepted(daemon: Daemon) -> None:
+    c = client(daemon)
+    raw = c.messages.with_raw_response.create(
+        model="claude-agent-model-x", max_tokens=3,
+        system=[{"type": "text", "text": "You are Claude Code.", "cache_control": {"type": "ephemeral"}},
+                {"type": "text", "text": "Be careful."}],
+        messages=[{"role": "user", "content": [{"type": "text", "text": "hi",
+                                                 "cache_control": {"type": "ephemeral"}}]},
+                  {"role": "system", "content": "Mid-conversation reminder."},  # type: ignore[list-item]
+                  {"role": "user", "content": "go on"}],
+        metadata={"user_id": '{"device_id": "d1", "session_id": "s-42"}'},
+        extra_body={"thinking": {"type": "adaptive"}, "context_management": {"edits": []},
+                    "output_config": {"effort": "low"}},
+        extra_query={"beta": "true"},
+        extra_headers={"anthropic-beta": "claude-code-20250219,interleaved-thinking-2025-05-14"})
+    msg = raw.parse()
+    assert msg.model == "tiny"  # served under the scenario's own name
+    rec = record(daemon, raw.headers["x-reef-agent-record-id"])
+    assert rec["requested_model"] == "claude-agent-model-x"
+    assert rec["messages"][0] == {
+        "role": "system",
+        "content": "You are Claude Code.\n\nBe careful.\n\nMid-conversation reminder."}
+    assert [m["role"] for m in rec["messages"]] == ["system", "user", "user", "assistant"]
+    assert rec["session"] == '{"device_id": "d1", "session_id": "s-42"}'
+
+
+def test_agent_session_headers_become_the_session(daemon: Daemon) -> None:
+    c = client(daemon)
+    for header in ("X-Claude-Code-Session-Id", "session-id", "x-session-id"):
+        raw = c.messages.with_raw_response.create(
+            model="tiny", max_tokens=1, messages=[{"role": "user", "content": "s"}],
+            extra_headers={header: f"sess-{header}"})
+        assert record(daemon, raw.headers["x-reef-agent-record-id"])["session"] == f"sess-{header}"
+    raw = c.messages.with_raw_response.create(
+        model="tiny", max_tokens=1, messages=[{"role": "user", "content": "s"}],
+        extra_headers={"x-reef-session": "mine", "x-session-id": "theirs"})
+    assert record(daemon, raw.headers["x-reef-agent-record-id"])["session"] == "mine"

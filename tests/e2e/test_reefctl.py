@@ -72,3 +72,18 @@ def test_token_file_in_the_state_dir_is_found(daemon: Daemon) -> None:
     (state / "token").write_text(daemon.token + "\n")
     out = reefctl(daemon, "status", "-o", "json", env={"REEF_TOKEN": "", "HOME": str(home)})
     assert out.returncode == 0, out.stderr
+
+
+def test_records_of_one_session_in_order(daemon: Daemon) -> None:
+    c = sdk(openai.OpenAI(base_url=daemon.url + "/v1", api_key=daemon.token, max_retries=0,
+                          default_headers={"x-reef-scenario": "tiny"}))
+    turns = []
+    for i in range(3):
+        raw = c.chat.completions.with_raw_response.create(
+            model="tiny", messages=[{"role": "user", "content": f"turn {i}"}], max_tokens=1,
+            extra_headers={"x-reef-session": "conv-7"})
+        turns.append(raw.headers["x-reef-agent-record-id"])
+    ask(daemon)  # another conversation's turn in between
+    out = reefctl(daemon, "records", "tiny", "--session", "conv-7", "-o", "name")
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == [f"record/{r}" for r in turns]
