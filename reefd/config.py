@@ -61,6 +61,16 @@ class ModelConfig:
     max_batch: int = field(
         default=8, metadata={"minimum": 1, "description": "Engine batch size (worker)."}
     )
+    max_new_tokens: int | None = field(
+        default=None, metadata={"minimum": 1,
+                                "description": "Caps generation whatever max_tokens a client asks "
+                                               "for; the answer then ends with a length stop."}
+    )
+    context_length: int | None = field(
+        default=None, metadata={"minimum": 1,
+                                "description": "Prompt plus answer, in tokens (default: the model "
+                                               "folder's max_position_embeddings)."}
+    )
     launch_args: list[str] = field(
         default_factory=list,
         metadata={"description": "Extra command-line arguments for a launched engine."},

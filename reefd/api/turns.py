@@ -55,7 +55,7 @@ def engine_failure(exc: EngineUnavailable | EngineError | StorageError) -> ApiEr
         return ApiError(503, str(exc), code="engine_unavailable",
                         headers={"Retry-After": str(exc.retry_after)})
     if isinstance(exc, EngineError):
-        return ApiError(exc.status, str(exc), code="engine_error")
+        return ApiError(exc.status, str(exc), code=exc.code, param=exc.param)
     return ApiError(503, f"the record could not be stored durably: {exc}",
                     code="storage_unavailable", headers={"Retry-After": "5"})
 
@@ -113,6 +113,9 @@ async def serve_turn(request: web.Request, scenario: Scenario, store: RecordStor
         chat.temperature = serve.temperature
     if chat.top_p is None:
         chat.top_p = serve.top_p
+    cap = scenario.cfg.model.max_new_tokens  # whatever the client asked for (Claude Code: 32000)
+    if cap is not None:
+        chat.max_tokens = min(chat.max_tokens, cap)
     receipt = new_receipt()
     wire = wire_for(receipt)
     record = new_record(request, scenario, receipt, wire.api, body, chat, stream)

@@ -43,9 +43,23 @@ def retry_after(value: str | None, default: int = 5) -> int:
 class EngineError(Exception):
     """The engine failed this request. `status` is the HTTP status to answer with."""
 
+    code = "engine_error"
+    param: str | None = None
+
     def __init__(self, message: str, status: int = 502):
         super().__init__(message)
         self.status = status
+
+
+class ContextLengthExceeded(EngineError):
+    """The prompt alone does not fit the model's context: the client must shorten it."""
+
+    code = "context_length_exceeded"
+    param = "messages"
+
+    def __init__(self, prompt_tokens: int, limit: int):
+        super().__init__(f"prompt is too long: {prompt_tokens} tokens > {limit} maximum (this "
+                         f"model's maximum context length is {limit} tokens)", status=400)
 
 
 class Engine(Protocol):

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import sys
 import uuid
@@ -22,7 +23,7 @@ import orjson
 
 from reefd.chat import ChatRequest, ChatTemplate, Completion, TemplateError, parse_tool_calls
 from reefd.config import ModelConfig
-from reefd.engines import EngineError, EngineUnavailable, Prompt, retry_after
+from reefd.engines import ContextLengthExceeded, EngineError, EngineUnavailable, Prompt, retry_after
 from reefd.engines.stream import StreamGuard
 from reefd.engines.supervisor import Supervisor, die_with_parent
 
@@ -118,6 +119,7 @@ class SGLangEngine:
         self.state_dir = state_dir
         self.session = session
         self.template: ChatTemplate | None = None
+        self.context_length: int | None = cfg.context_length
         self.model_dir: Path | None = Path(cfg.path) if cfg.path else None
         self.supervisor: Supervisor | None = None
         self.client: SGLangClient | None = None
@@ -145,7 +147,7 @@ class SGLangEngine:
             if self.model_dir is None:
                 assert self.cfg.source is not None
                 self.model_dir = await self._prepare(self.cfg.source)
-            self.template = ChatTemplate(self.model_dir)
+            self._load_template(self.model_dir)
             self.supervisor = Supervisor(
                 self.cfg.name, self._argv, self._healthy, alive=self._alive,
                 startup_timeout_s=self.cfg.startup_timeout_s)
@@ -162,7 +164,7 @@ class SGLangEngine:
         if self.model_dir is None:
             info = await self.client.model_info()
             self.model_dir = Path(info.get("tokenizer_path") or info["model_path"])
-        self.template = ChatTemplate(self.model_dir)
+        self._load_template(self.model_dir)
         self._state = "ready"
         failures = 0  # reefd did not launch it, so it cannot restart it: it only reports it
         while True:
@@ -172,6 +174,14 @@ class SGLangEngine:
             if state != self._state:
                 log.warning("%s: attached engine at %s is %s", self.cfg.name, url, state)
                 self._state = state
+
+    def _load_template(self, model_dir: Path) -> None:
+        """The tokenizer and chat template, and the context length the prompts must fit."""
+        self.template = ChatTemplate(model_dir)
+        if self.cfg.context_length is None:
+            with contextlib.suppress(OSError, ValueError):
+                config = json.loads((model_dir / "config.json").read_text())
+                self.context_length = config.get("max_position_embeddings")
 
     async def _prepare(self, source: str) -> Path:
         out = self.state_dir / "models" / source
@@ -220,6 +230,7 @@ class SGLangEngine:
                 "url": sup.url if sup else (self.cfg.url or ""),
                 "restarts": sup.restarts if sup else 0, "pid": sup.pid if sup else None,
                 "model_dir": str(self.model_dir) if self.model_dir else None,
+                "context_length": self.context_length,
                 "last_error": sup.last_error if sup else None}
 
     # ------------------------------------------------------------ generation
@@ -249,7 +260,14 @@ class SGLangEngine:
             prompt_ids = self.template.prompt_ids(req)
         except TemplateError as exc:
             raise EngineError(str(exc), status=400) from exc
-        payload = {"input_ids": prompt_ids, "sampling_params": sampling_params(req),
+        limit = self.context_length
+        params = sampling_params(req)
+        if limit is not None:
+            if len(prompt_ids) >= limit:
+                raise ContextLengthExceeded(len(prompt_ids), limit)
+            # the answer may use what the prompt leaves; it then ends with a length stop
+            params["max_new_tokens"] = min(params["max_new_tokens"], limit - len(prompt_ids))
+        payload = {"input_ids": prompt_ids, "sampling_params": params,
                    "return_logprob": True, "stream": stream, "rid": uuid.uuid4().hex}
         tools_on = bool(req.tools) and req.tool_choice != "none"
         guard = StreamGuard(req.stop, hold_tool_markup=tools_on)
