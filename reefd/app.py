@@ -15,7 +15,7 @@ import aiohttp
 import orjson
 from aiohttp import web
 
-from reefd.api import admin, anthropic, openai, reports
+from reefd.api import admin, anthropic, openai, reports, responses
 from reefd.api.errors import error_middleware
 from reefd.api.keys import REGISTRY, STARTED_AT, STORE
 from reefd.auth import auth_middleware
@@ -69,6 +69,9 @@ def build_app(settings: Settings) -> web.Application:
         app.router.add_post(prefix + "/v1/chat/completions", openai.chat_completions)
         app.router.add_post(prefix + "/v1/messages", anthropic.messages)
         app.router.add_post(prefix + "/v1/messages/count_tokens", anthropic.count_tokens)
+        app.router.add_post(prefix + "/v1/responses", responses.create)
+        app.router.add_get(prefix + "/v1/responses", responses.refuse_get)  # WebSocket: 426
+        app.router.add_get(prefix + "/v1/responses/{response_id}", responses.retrieve)
     app.router.add_get("/v1/models", openai.list_models)
     # Observe: feedback on receipts, and reads for operators.
     app.router.add_post("/reef/report", reports.report)
