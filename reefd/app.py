@@ -79,5 +79,6 @@ def build_app(settings: Settings) -> web.Application:
     app.router.add_get("/reef/scenarios/{name}/records", admin.list_records)
     app.router.add_get("/reef/status", admin.status)
     app.router.add_get("/healthz", admin.healthz)
+    app.router.add_get("/", admin.healthz)  # HEAD / is Claude Code's connectivity probe
     app.router.add_get("/readyz", admin.readyz)
     return app

@@ -20,7 +20,7 @@ from reefd.api.errors import ApiError, render
 
 log = logging.getLogger("reefd.auth")
 
-OPEN_PATHS = frozenset({"/healthz"})
+OPEN_PATHS = frozenset({"/", "/healthz"})  # "/" answers agents' connectivity probes (HEAD /)
 
 
 def _split(value: str) -> list[str]:

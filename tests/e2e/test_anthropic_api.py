@@ -169,3 +169,11 @@ def test_agent_session_headers_become_the_session(daemon: Daemon) -> None:
         model="tiny", max_tokens=1, messages=[{"role": "user", "content": "s"}],
         extra_headers={"x-reef-session": "mine", "x-session-id": "theirs"})
     assert record(daemon, raw.headers["x-reef-agent-record-id"])["session"] == "mine"
+
+
+def test_head_probe_on_the_root_answers(daemon: Daemon) -> None:
+    import urllib.request
+
+    req = urllib.request.Request(daemon.url + "/", method="HEAD")
+    with urllib.request.urlopen(req, timeout=10) as r:
+        assert r.status == 200
