@@ -30,6 +30,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: loopback only)")
     p.add_argument("--max-batch", type=int, default=8, help="most requests generated together")
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (default: all cores)")
+    p.add_argument(
+        "--context-length", type=int, default=None, help="longest prompt + completion (default: the model's own)"
+    )
     p.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
     p.add_argument("--served-model-name", default=None, help="model name in OpenAI answers (default: folder name)")
     p.add_argument("--drain-timeout", type=float, default=2.0, help="seconds in-flight requests get on SIGTERM")
@@ -57,7 +60,7 @@ async def serve(args: argparse.Namespace) -> int:
     threads = args.threads or os.cpu_count() or 1
     torch.set_num_threads(threads)
     start = time.monotonic()
-    engine = await asyncio.to_thread(Engine, args.model, args.device)
+    engine = await asyncio.to_thread(Engine, args.model, args.device, args.context_length)
     scheduler = Scheduler(engine, args.max_batch, threads=threads)
     scheduler.start()
     state = WorkerState(
@@ -73,10 +76,11 @@ async def serve(args: argparse.Namespace) -> int:
     await site.start()
     port = runner.addresses[0][1] if runner.addresses else args.port
     log.info(
-        "listening on http://%s:%d (model %s, max batch %d, %d threads, ready in %.1f s)",
+        "listening on http://%s:%d (model %s, context %d, max batch %d, %d threads, ready in %.1f s)",
         args.host,
         port,
         args.model,
+        engine.context_length,
         args.max_batch,
         threads,
         time.monotonic() - start,
@@ -120,6 +124,9 @@ def main(argv: list[str] | None = None) -> int:
     except OSError as exc:
         log.error("cannot start: %s", exc)
         return 1
+    except ValueError as exc:  # a flag that does not fit the model (e.g. --context-length)
+        log.error("cannot start: %s", exc)
+        return 2
 
 
 if __name__ == "__main__":

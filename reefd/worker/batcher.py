@@ -27,6 +27,8 @@ from reefd.worker.sampling import draw_uniforms, sample
 
 log = logging.getLogger("reefd.worker")
 Finish = dict[str, Any]
+SHARED_PREFILL_MAX = 1024  # longer prompts are prefilled alone (see Scheduler._admit)
+LOGPROB_CHUNK = 4096  # prompt positions whose log-softmax is computed at once
 
 
 @dataclass
@@ -109,8 +111,11 @@ class Scheduler:
         """Queue a request (call on the event loop). Raises BadRequest for impossible prompts."""
         if not prompt:
             raise BadRequest("the prompt is empty")
-        if len(prompt) >= self.engine.context_length:
-            raise BadRequest(f"the prompt has {len(prompt)} tokens; the context length is {self.engine.context_length}")
+        if len(prompt) >= self.engine.context_length:  # as SGLang: no room left for one new token
+            raise BadRequest(
+                f"the prompt has {len(prompt)} tokens but the model's context length is "
+                f"{self.engine.context_length} tokens: a prompt must leave room for at least one new token"
+            )
         bad = [t for t in prompt if not 0 <= t < self.engine.vocab_size]
         if bad:
             raise BadRequest(f"token id {bad[0]} is outside the vocabulary (size {self.engine.vocab_size})")
@@ -171,6 +176,7 @@ class Scheduler:
             return taken
 
     def _new_row(self, job: Job) -> Row:
+        """max_new_tokens past the context length is capped there (finish reason `length`)."""
         sp = job.req.sampling
         seed = sp.seed if sp.seed is not None else self._seeds.getrandbits(63)
         return Row(
@@ -184,23 +190,26 @@ class Scheduler:
     def _admit(self, jobs: list[Job]) -> None:
         """Prefill new jobs, sample their first token, merge them into the running batch.
 
-        Jobs asking for prompt logprobs need the full (columns x vocab) logits, so each is
-        prefilled alone; all the others are prefilled together in one left-padded pass.
+        Short prompts are prefilled together in one left-padded pass, first (so they get their
+        first token soonest). A prompt longer than `SHARED_PREFILL_MAX` tokens, or one asking for
+        prompt logprobs, is prefilled alone: no padding means no (rows, 1, q, k) attention mask,
+        which at 40k tokens would take gigabytes, and no compute spent on padding.
         """
         rows = [self._new_row(job) for job in jobs]
-        scoring = [r for r in rows if r.job.req.return_logprob and r.job.req.logprob_start_len >= 0]
-        plain = [r for r in rows if r not in scoring]
-        for group in [*([r] for r in scoring), plain]:
+        alone = [r for r in rows if len(r.job.prompt) > SHARED_PREFILL_MAX or _first_scored(r) is not None]
+        shared = [r for r in rows if r not in alone]
+        for group in [shared, *([r] for r in alone)]:
             if group:
-                self._prefill(group, full_logits=group is not plain)
+                self._prefill(group)
         self._publish()
 
-    def _prefill(self, rows: list[Row], full_logits: bool) -> None:
-        pre = self.engine.prefill([r.job.prompt for r in rows], full_logits=full_logits)
+    def _prefill(self, rows: list[Row]) -> None:
+        first = _first_scored(rows[0]) if len(rows) == 1 else None  # a scoring row is always alone
+        keep = len(rows[0].job.prompt) - first + 1 if first is not None else 1
+        pre = self.engine.prefill([r.job.prompt for r in rows], keep=keep)
         self.stats.prefills += 1
-        if pre.all_logits is not None:
-            for i, row in enumerate(rows):
-                row.input_logprobs = self._input_logprobs(row, pre.all_logits[i], pre.mask.shape[1])
+        if first is not None:
+            rows[0].input_logprobs = self._input_logprobs(rows[0], first, pre.all_logits)
         uniforms = draw_uniforms([r.generator for r in rows])
         tokens, logprobs = sample(pre.last_logits, [r.sampling for r in rows], uniforms)
         for row, token, logprob in zip(rows, tokens.tolist(), logprobs.tolist(), strict=True):
@@ -219,20 +228,22 @@ class Scheduler:
         self.rows += rows
         self._cache, self._mask, self._positions, self._next = self.engine.cache_from(kv), mask, positions, tokens
 
-    def _input_logprobs(self, row: Row, logits: torch.Tensor, width: int) -> list[list[Any]]:
-        """[[logprob, token, None], ...] for the prompt from logprob_start_len (position 0: None)."""
+    @staticmethod
+    def _input_logprobs(row: Row, first: int, logits: torch.Tensor | None) -> list[list[Any]]:
+        """[[logprob, token, None], ...] for the prompt from logprob_start_len (position 0: None).
+
+        `logits` are the prefill's last columns, from the one that predicts token `first` on.
+        """
         prompt = row.job.prompt
-        offset = width - len(prompt)
-        start = min(row.job.req.logprob_start_len, len(prompt))
-        out: list[list[Any]] = []
-        if start == 0:
-            out.append([None, prompt[0], None])
-            start = 1
-        if start < len(prompt):
-            lp = logits[offset + start - 1 : offset + len(prompt) - 1].float().log_softmax(dim=-1)
-            targets = torch.tensor(prompt[start:], device=lp.device)[:, None]
-            for token, value in zip(prompt[start:], lp.gather(1, targets)[:, 0].tolist(), strict=True):
-                out.append([value, token, None])
+        out: list[list[Any]] = [[None, prompt[0], None]] if row.job.req.logprob_start_len == 0 else []
+        if logits is None or first >= len(prompt):
+            return out
+        for start in range(first, len(prompt), LOGPROB_CHUNK):  # bounded memory for long prompts
+            tokens = prompt[start : start + LOGPROB_CHUNK]
+            chunk = logits[0, start - first : start - first + len(tokens)].float()
+            targets = torch.tensor(tokens, device=chunk.device)[:, None]
+            values = chunk.gather(1, targets)[:, 0] - chunk.logsumexp(dim=-1)
+            out += [[value, token, None] for value, token in zip(values.tolist(), tokens, strict=True)]
         return out
 
     def _decode(self) -> None:
@@ -318,6 +329,14 @@ class Scheduler:
             waiting = list(self._waiting)
             self._waiting.clear()
         self._fail_all(waiting, message)
+
+
+def _first_scored(row: Row) -> int | None:
+    """The first prompt index whose logprob the request wants (None: no prompt logprobs)."""
+    req = row.job.req
+    if not req.return_logprob or req.logprob_start_len < 0:
+        return None
+    return max(1, min(req.logprob_start_len, len(row.job.prompt)))
 
 
 def _deliver(updates: list[tuple[Job, Update]]) -> None:

@@ -29,24 +29,32 @@ class Prefill:
     kv: kvcache.KV
     mask: torch.Tensor  # (rows, columns) 1 for real tokens
     last_logits: torch.Tensor  # (rows, vocab)
-    all_logits: torch.Tensor | None  # (rows, columns, vocab) when input logprobs were asked
+    all_logits: torch.Tensor | None  # (rows, last `keep` columns, vocab) when input logprobs were asked
 
 
 class Engine:
-    """A causal LM and its tokenizer, in float32 on CUDA when present, else CPU."""
+    """A causal LM and its tokenizer, in float32 on CUDA when present, else CPU.
 
-    def __init__(self, path: Path, device: str | None = None) -> None:
+    Attention is PyTorch SDPA: a prompt without padding runs causal attention with no mask
+    tensor at all, so a 40k-token prefill needs memory linear in its length.
+    """
+
+    def __init__(self, path: Path, device: str | None = None, context_length: int | None = None) -> None:
         hf_logging.disable_progress_bar()
         self.path = Path(path)
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.tokenizer: Any = AutoTokenizer.from_pretrained(self.path, local_files_only=True)
-        model = AutoModelForCausalLM.from_pretrained(self.path, local_files_only=True)
+        model = AutoModelForCausalLM.from_pretrained(self.path, local_files_only=True, attn_implementation="sdpa")
         self.model: Any = model.float().to(self.device).eval()
         self.config = self.model.config
         if self.device.type == "cpu":
             _use_weight_major_linears(self.model)
         self.vocab_size = int(self.model.get_output_embeddings().weight.shape[0])
-        self.context_length = int(getattr(self.config, "max_position_embeddings", 0) or 4096)
+        # The model's own length, unless the operator sets a shorter one (SGLang's --context-length).
+        model_length = int(getattr(self.config, "max_position_embeddings", 0) or 4096)
+        if context_length is not None and not 2 <= context_length <= model_length:
+            raise ValueError(f"context length {context_length} is outside [2, {model_length}] for {self.path}")
+        self.context_length = context_length or model_length
         self.eos_ids = self._eos_ids()
         # transformers 5 renamed `past_key_values` to `cache` (the old name warns there).
         forward_params = inspect.signature(self.model.forward).parameters
@@ -54,11 +62,12 @@ class Engine:
         pad = self.tokenizer.pad_token_id
         self.pad_id = int(pad if pad is not None else min(self.eos_ids, default=0))
         log.info(
-            "loaded %s on %s (vocab %d, context %d, eos %s)",
+            "loaded %s on %s (vocab %d, context %d, attention %s, eos %s)",
             self.path,
             self.device,
             self.vocab_size,
             self.context_length,
+            self.config._attn_implementation,
             sorted(self.eos_ids),
         )
 
@@ -84,8 +93,13 @@ class Engine:
     def token_text(self, token_id: int) -> str:
         return str(self.tokenizer.decode([token_id], skip_special_tokens=False))
 
-    def prefill(self, prompts: Sequence[Sequence[int]], full_logits: bool = False) -> Prefill:
-        """Run left-padded prompts through the model (position ids = cumsum(mask) - 1)."""
+    def prefill(self, prompts: Sequence[Sequence[int]], keep: int = 1) -> Prefill:
+        """Run left-padded prompts through the model (position ids = cumsum(mask) - 1).
+
+        `keep` > 1 also returns the logits of the last `keep` columns (for prompt logprobs).
+        Without padding no attention mask is passed: SDPA's causal kernel then materialises
+        nothing quadratic in the prompt length (a padded batch costs a (rows, 1, q, k) mask).
+        """
         width = max(len(p) for p in prompts)
         ids = torch.full((len(prompts), width), self.pad_id, dtype=torch.long)
         mask = torch.zeros((len(prompts), width), dtype=torch.long)
@@ -94,16 +108,17 @@ class Engine:
             mask[row, width - len(prompt) :] = 1
         ids, mask = ids.to(self.device), mask.to(self.device)
         positions = (mask.cumsum(dim=1) - 1).clamp(min=0)
+        padded = any(len(p) < width for p in prompts)
         out = self.model(
             input_ids=ids,
-            attention_mask=mask,
+            attention_mask=mask if padded else None,
             position_ids=positions,
             use_cache=True,
-            logits_to_keep=0 if full_logits else 1,
+            logits_to_keep=max(1, keep),
             **self._cache_kwarg(self._new_cache()),
         )
         logits = out.logits
-        return Prefill(kvcache.tensors(self._out_cache(out)), mask, logits[:, -1], logits if full_logits else None)
+        return Prefill(kvcache.tensors(self._out_cache(out)), mask, logits[:, -1], logits if keep > 1 else None)
 
     def decode_step(
         self, cache: DynamicCache, mask: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor

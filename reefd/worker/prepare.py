@@ -1,7 +1,7 @@
 """Model preparation: build or convert a built-in model source into an HF folder.
 
-Owns the `tiny` test model (random Llama + trained byte-level BPE) and the `smollm2`
-GGUF conversion. Knows nothing about serving; the folder it writes is the only output.
+Owns the `tiny` test model (random Llama, 64k context, BPE trained on `tiny_corpus`) and the
+`smollm2` GGUF conversion. Knows nothing about serving; the folder it writes is the only output.
 """
 
 from __future__ import annotations
@@ -27,29 +27,37 @@ SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 # The files whose presence marks a folder as a complete model (written last: the marker).
 REQUIRED_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json")
 
-_TINY_CORPUS = """\
-The reef grows one polyp at a time, and every polyp remembers the water it saw.
-An agent asks, the engine answers, the record keeps the tokens, the recipe learns.
-Hello! How are you today? I am fine, thank you. What is the capital of France? Paris.
-What is 2 + 2? It is 4. What is 3 + 5? It is 8. Count: one, two, three, four, five.
-def add(a, b):\n    return a + b\n\nprint(add(2, 3))\n{"name": "get_weather", "arguments": {"city": "Oslo"}}
-<tool_call> </tool_call> <tools> </tools> <tool_response> </tool_response> system user assistant
-You are a helpful assistant. Answer in one word. Reply exactly with the country name.
-The quick brown fox jumps over the lazy dog. Pack my box with five dozen liquor jugs.
-Continual learning: serve, observe, grow, commit. Scores, feedback and references.
-Numbers 0 1 2 3 4 5 6 7 8 9 10 11 12 100 1000, punctuation . , ; : ! ? ( ) [ ] { } " ' - _ / \\ @ # $ % & *
-Ünïcödé: café, naïve, Zürich, 東京, Привет, 🙂 — all bytes are tokens, nothing is unknown.
-"""
+# The tiny model's shape. A prepared folder whose config.json differs is rebuilt (an older build).
+TINY_VOCAB = 4096
+TINY_CONFIG: dict[str, Any] = {
+    "hidden_size": 128,
+    "intermediate_size": 256,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 4,
+    "max_position_embeddings": 65536,  # a coding agent's first turn is ~20-30k tokens
+    "tie_word_embeddings": True,
+}
 
 
 def log(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 
 
-def is_complete(folder: Path) -> bool:
-    """True when `folder` already holds every file a served model needs."""
+def is_complete(folder: Path, source: str | None = None) -> bool:
+    """True when `folder` holds every file a served model needs (for `tiny`: of the current shape)."""
     has_template = (folder / "chat_template.jinja").is_file()
-    return all((folder / name).is_file() for name in REQUIRED_FILES) and has_template
+    if not (has_template and all((folder / name).is_file() for name in REQUIRED_FILES)):
+        return False
+    return source != "tiny" or _has_tiny_shape(folder)
+
+
+def _has_tiny_shape(folder: Path) -> bool:
+    try:
+        config = json.loads((folder / "config.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return config.get("vocab_size") == TINY_VOCAB and all(config.get(k) == v for k, v in TINY_CONFIG.items())
 
 
 def prepare(source: str, out: Path) -> Path:
@@ -61,7 +69,7 @@ def prepare(source: str, out: Path) -> Path:
     if source not in SOURCES:
         raise ValueError(f"unknown model source {source!r}; expected one of {', '.join(SOURCES)}")
     out = Path(out)
-    if is_complete(out):
+    if is_complete(out, source):
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
     _remove_stale_partials(out)
@@ -72,23 +80,23 @@ def prepare(source: str, out: Path) -> Path:
         else:
             convert_smollm2(tmp)
         _make_readable(tmp)
-        _install(tmp, out)
+        _install(tmp, out, source)
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
     return out
 
 
-def _install(tmp: Path, out: Path) -> None:
+def _install(tmp: Path, out: Path, source: str | None = None) -> None:
     """Rename `tmp` to `out`; a complete `out` that appeared meanwhile (a concurrent run) wins."""
-    if is_complete(out):
+    if is_complete(out, source):
         return
-    if out.exists():  # an incomplete folder (e.g. files deleted by hand): replace it
+    if out.exists():  # an incomplete or outdated folder (e.g. files deleted by hand): replace it
         shutil.rmtree(out)
     try:
         os.replace(tmp, out)
     except OSError:
-        if not is_complete(out):
+        if not is_complete(out, source):
             raise
 
 
@@ -107,19 +115,21 @@ def _make_readable(folder: Path) -> None:
 
 
 def train_tiny_tokenizer() -> Tokenizer:
-    """A byte-level BPE (vocab 512) trained on the embedded corpus; deterministic."""
+    """A byte-level BPE (vocab 4096) trained on `tiny_corpus`; deterministic, ~50 ms."""
     from tokenizers import decoders, models, pre_tokenizers, trainers
+
+    from reefd.worker.tiny_corpus import corpus
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=512,
+        vocab_size=TINY_VOCAB,
         special_tokens=SPECIAL_TOKENS,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tok.train_from_iterator(_TINY_CORPUS.splitlines() * 4, trainer=trainer)
+    tok.train_from_iterator(corpus(), trainer=trainer)
     return tok
 
 
@@ -132,18 +142,16 @@ def build_tiny(out: Path) -> None:
         LlamaForCausalLM,
         PreTrainedTokenizerFast,
     )
+    from transformers.utils import logging as hf_logging
 
+    hf_logging.disable_progress_bar()
     tok = train_tiny_tokenizer()
+    if tok.get_vocab_size() != TINY_VOCAB:
+        raise RuntimeError(f"the tiny tokenizer has {tok.get_vocab_size()} tokens, expected {TINY_VOCAB}")
     ids = {t: tok.token_to_id(t) for t in SPECIAL_TOKENS}
     config = LlamaConfig(
-        vocab_size=tok.get_vocab_size(),
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=4,
-        max_position_embeddings=2048,
-        tie_word_embeddings=True,
+        vocab_size=TINY_VOCAB,
+        **TINY_CONFIG,
         bos_token_id=ids["<|endoftext|>"],
         eos_token_id=ids["<|im_end|>"],
         pad_token_id=ids["<|endoftext|>"],
@@ -155,7 +163,11 @@ def build_tiny(out: Path) -> None:
     )
     model.save_pretrained(out, safe_serialization=True)
     hf_tok = PreTrainedTokenizerFast(
-        tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>", bos_token="<|endoftext|>"
+        tokenizer_object=tok,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        bos_token="<|endoftext|>",
+        model_max_length=config.max_position_embeddings,
     )
     hf_tok.save_pretrained(out)
     write_chat_template(out, TEMPLATE_PATH.read_text())

@@ -147,6 +147,7 @@ async def model_info(request: web.Request) -> web.Response:
             "tokenizer_path": state.model_path,
             "is_generation": True,
             "served_model_name": state.served_model_name,
+            "context_length": state.scheduler.engine.context_length,  # not in SGLang's; see /server_info
         }
     )
 

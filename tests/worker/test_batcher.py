@@ -8,7 +8,8 @@ from typing import Any
 import pytest
 import torch
 
-from reefd.worker.batcher import Job, Scheduler
+from reefd.worker import batcher
+from reefd.worker.batcher import SHARED_PREFILL_MAX, Job, Scheduler
 from reefd.worker.params import GenerateRequest, SamplingParams, parse_sampling
 from tests.worker.support import reference_greedy
 
@@ -133,6 +134,57 @@ def test_prompt_logprobs_without_generation(engine: Any) -> None:
     assert result["input_logprobs"][0][0] is None
     assert [lp for lp, _, _ in result["input_logprobs"][1:]] == pytest.approx(expected[1:], abs=1e-4)
     assert partner["ids"] == reference_greedy(engine, PROMPTS[0], 4)[0]
+
+
+@pytest.mark.parametrize("start", [0, 1, 4, 9, 50])
+def test_prompt_logprobs_are_computed_in_chunks(engine: Any, monkeypatch: pytest.MonkeyPatch, start: int) -> None:
+    monkeypatch.setattr(batcher, "LOGPROB_CHUNK", 2)
+    prompt = PROMPTS[1]
+    req = GenerateRequest(
+        input_ids=prompt,
+        text=None,
+        sampling=SamplingParams(max_new_tokens=1),
+        return_logprob=True,
+        logprob_start_len=start,
+    )
+    (result,), _ = run(engine, [(req, prompt)])
+    with torch.inference_mode():
+        ref = engine.model(input_ids=torch.tensor([prompt])).logits[0].log_softmax(-1)
+    expected = [[None, prompt[0], None]] if start == 0 else []
+    expected += [[float(ref[i - 1, prompt[i]]), prompt[i], None] for i in range(max(start, 1), len(prompt))]
+    assert [t for _, t, _ in result["input_logprobs"]] == [t for _, t, _ in expected]
+    got = [lp for lp, _, _ in result["input_logprobs"] if lp is not None]
+    assert got == pytest.approx([lp for lp, _, _ in expected if lp is not None], abs=1e-4)
+
+
+def test_long_prompts_are_prefilled_alone_and_batched_with_short_ones(engine: Any) -> None:
+    """A prompt over SHARED_PREFILL_MAX gets its own (unpadded) prefill, then decodes with the rest."""
+    long = [(i * 37) % 4000 + 3 for i in range(3 * SHARED_PREFILL_MAX)]
+    prompts = [PROMPTS[0], long, PROMPTS[1], long[: SHARED_PREFILL_MAX + 5]]
+    results, scheduler = run(engine, [request(p, temperature=0.0, max_new_tokens=6, ignore_eos=True) for p in prompts])
+    for prompt, result in zip(prompts, results, strict=True):
+        ids, logprobs = reference_greedy(engine, prompt, 6)
+        assert result["ids"] == ids
+        assert result["logprobs"] == pytest.approx(logprobs, abs=1e-4)
+    assert scheduler.stats.prefills == 3  # the two short prompts together, each long one alone
+    assert scheduler.stats.max_running == 4
+
+
+def test_a_prefill_without_padding_passes_no_attention_mask(engine: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """No mask lets SDPA run its causal kernel: nothing of size prompt x prompt is built."""
+    masks: list[Any] = []
+    forward = engine.model.forward
+
+    def spy(*args: Any, **kwargs: Any) -> Any:
+        masks.append(kwargs.get("attention_mask"))
+        return forward(*args, **kwargs)
+
+    monkeypatch.setattr(engine.model, "forward", spy)
+    with torch.inference_mode():
+        engine.prefill([[1, 2, 3], [4, 5, 6]])
+        engine.prefill([[1, 2, 3], [4, 5]])
+    assert masks[0] is None
+    assert masks[1] is not None and masks[1].tolist() == [[1, 1, 1], [0, 1, 1]]
 
 
 def test_streaming_rows_get_every_step_and_others_one_final_update(engine: Any) -> None:

@@ -15,6 +15,7 @@ import pytest
 from transformers import AutoConfig, AutoTokenizer
 
 from reefd.worker import prepare as prep
+from tests.worker.agent_turn import first_turn
 
 MESSAGES = [
     {"role": "system", "content": "Be brief."},
@@ -48,6 +49,7 @@ def test_tiny_folder_is_a_complete_model(tiny_model: Path) -> None:
         assert (tiny_model / name).is_file(), name
     config = AutoConfig.from_pretrained(tiny_model)
     assert (config.num_hidden_layers, config.hidden_size, config.num_attention_heads) == (2, 128, 4)
+    assert config.max_position_embeddings >= 65536
     tok_config = json.loads((tiny_model / "tokenizer_config.json").read_text())
     assert tok_config["eos_token"] == "<|im_end|>"
     assert tok_config["pad_token"] == "<|endoftext|>"
@@ -56,14 +58,31 @@ def test_tiny_folder_is_a_complete_model(tiny_model: Path) -> None:
     assert (tiny_model / "chat_template.jinja").read_text() == template
     tok = AutoTokenizer.from_pretrained(tiny_model)
     assert tok.eos_token_id == config.eos_token_id
-    assert 400 <= len(tok) <= 512
+    assert len(tok) == prep.TINY_VOCAB == config.vocab_size
     assert tok.decode(tok.encode("héllo 🙂 東京")) == "héllo 🙂 東京"  # byte-level: nothing is unknown
 
 
-def test_tiny_model_has_about_400k_parameters(engine: object) -> None:
+def test_tiny_model_has_about_850k_parameters(engine: object) -> None:
     model = engine.model
     n = sum(p.numel() for p in model.parameters())
-    assert 300_000 < n < 500_000
+    assert 700_000 < n < 1_100_000
+
+
+def test_tiny_engine_uses_sdpa_and_the_full_context(engine: object) -> None:
+    assert engine.model.config._attn_implementation == "sdpa"
+    assert engine.context_length == prep.TINY_CONFIG["max_position_embeddings"]
+
+
+def test_a_coding_agents_first_turn_fits_the_context(tiny_model: Path) -> None:
+    """~76 KB of system prompt and tool schemas (as Claude Code sends) is ~20-30k tokens."""
+    tok = AutoTokenizer.from_pretrained(tiny_model)
+    messages, tools = first_turn(76_000)
+    text = tok.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True)
+    assert 75_000 < len(text.encode()) < 80_000
+    n = len(tok.encode(text, add_special_tokens=False))
+    assert 15_000 < n < 40_000, n
+    assert tok.model_max_length == prep.TINY_CONFIG["max_position_embeddings"]
+    assert tok.decode(tok.encode(text, add_special_tokens=False)) == text
 
 
 def test_chat_template_without_tools(tiny_model: Path) -> None:
@@ -100,6 +119,14 @@ def test_chat_template_with_tools_and_tool_turns(tiny_model: Path) -> None:
     assert text.endswith("<|im_start|>assistant\n")
     enc = tok.apply_chat_template(messages, tools=TOOLS, add_generation_prompt=True, tokenize=True, return_dict=True)
     assert tok.decode(enc["input_ids"]) == text
+
+
+def test_an_outdated_tiny_folder_is_rebuilt(tmp_path: Path) -> None:
+    out = prep.prepare("tiny", tmp_path / "m")
+    config = json.loads((out / "config.json").read_text())
+    (out / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 2048}))  # an older build
+    prep.prepare("tiny", out)
+    assert json.loads((out / "config.json").read_text())["max_position_embeddings"] == 65536
 
 
 def test_prepare_is_idempotent(tiny_model: Path) -> None:

@@ -6,15 +6,22 @@ import itertools
 import json
 import math
 import signal
+import subprocess
+import sys
 import threading
 import time
 import urllib.request
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Any
 
 import pytest
 
+from tests.worker.agent_turn import first_turn
 from tests.worker.support import Worker, reference_greedy
+
+CONTEXT = 65536  # the tiny model's context length
 
 
 def generate(worker: Worker, **body: Any) -> dict[str, Any]:
@@ -168,7 +175,6 @@ def test_bad_requests_are_400_in_openai_shape(worker: Worker) -> None:
         {"input_ids": [1, 2], "sampling_params": {"temperature": -1}},
         {"input_ids": [1, 10_000_000]},
         {"input_ids": [1], "sampling_params": {"beam_width": 4}},
-        {"input_ids": list(range(1, 400)) * 6},
     ]
     for body in cases:
         status, answer = worker.post("/generate", body)
@@ -186,6 +192,7 @@ def test_health_and_info_routes(worker: Worker, tiny_model: Any) -> None:
         assert status == 200
         assert info["model_path"] == str(tiny_model) == info["tokenizer_path"]
         assert info["max_batch"] == 8 and info["version"]
+        assert info["context_length"] == CONTEXT
         assert info["stats"]["tokens_generated"] >= 1
     status, body = worker.get("/get_model_info")
     assert status == 200
@@ -194,7 +201,87 @@ def test_health_and_info_routes(worker: Worker, tiny_model: Any) -> None:
         "tokenizer_path": str(tiny_model),
         "is_generation": True,
         "served_model_name": "tiny",
+        "context_length": CONTEXT,
     }
+
+
+def test_a_40k_token_agent_prompt_is_answered_beside_short_ones(worker: Worker, engine: Any) -> None:
+    """A coding agent's first turn at ~40k tokens: prefilled alone, decoded with the short rows."""
+    messages, tools = first_turn(150_000)
+    text = engine.tokenizer.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True)
+    prompt = engine.tokenizer.encode(text, add_special_tokens=False)
+    assert 35_000 <= len(prompt) <= 45_000
+    params = {"temperature": 0, "ignore_eos": True}
+    short = [[5, 17, 99], [300, 2, 41, 41, 7]]
+    bodies = [
+        {"input_ids": prompt, "sampling_params": {**params, "max_new_tokens": 4}},
+        *({"input_ids": p, "sampling_params": {**params, "max_new_tokens": 12}} for p in short),
+    ]
+    with ThreadPoolExecutor(len(bodies)) as pool:
+        long, *others = pool.map(lambda b: generate(worker, **b), bodies)
+    assert long["meta_info"]["prompt_tokens"] == len(prompt)
+    assert long["meta_info"]["finish_reason"] == {"type": "length", "length": 4}
+    assert len(long["output_ids"]) == 4
+    for p, answer in zip(short, others, strict=True):
+        assert answer["output_ids"] == reference_greedy(engine, p, 12)[0]
+
+
+def test_a_prompt_over_the_context_length_is_a_400(worker: Worker) -> None:
+    words = "hello " * (CONTEXT + 100)
+    for path, body in [
+        ("/generate", {"input_ids": [5] * CONTEXT}),
+        ("/generate", {"text": words}),
+        ("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": words}]}),
+    ]:
+        status, answer = worker.post(path, body)
+        assert status == 400, (path, answer)
+        assert answer["error"]["type"] == "invalid_request_error"
+        assert f"context length is {CONTEXT} tokens" in answer["error"]["message"]
+    assert generate(worker, input_ids=[5] * 3, sampling_params={"max_new_tokens": 1})["output_ids"]  # still serving
+
+
+@pytest.fixture(scope="module")
+def short_worker(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Worker]:
+    """A worker whose context length is cut to 64 tokens (SGLang's --context-length)."""
+    w = Worker(tiny_model, tmp_path_factory.mktemp("short") / "worker.log", ["--context-length", "64"])
+    w.start()
+    yield w
+    assert w.stop() == 0, w.logs()
+
+
+def test_max_new_tokens_past_the_context_is_capped(short_worker: Worker) -> None:
+    params = {"max_new_tokens": 50, "ignore_eos": True, "sampling_seed": 1}
+    answer = generate(short_worker, input_ids=list(range(10, 70)), sampling_params=params)
+    assert answer["meta_info"]["finish_reason"] == {"type": "length", "length": 4}  # 60 + 4 = 64
+    assert answer["meta_info"]["completion_tokens"] == 4 == len(answer["output_ids"])
+    body = {"input_ids": list(range(10, 73)), "stream": True, "sampling_params": params}
+    last = short_worker.stream("/generate", body)
+    assert last[-2]["meta_info"]["finish_reason"] == {"type": "length", "length": 1}
+    status, error = short_worker.post("/generate", {"input_ids": list(range(10, 74))})
+    assert status == 400 and "context length is 64 tokens" in error["error"]["message"]
+    for path in ("/server_info", "/get_model_info"):
+        assert json.loads(short_worker.get(path)[1])["context_length"] == 64
+
+
+def test_a_context_length_longer_than_the_models_is_refused(tiny_model: Path) -> None:
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "reefd.worker",
+            "--model",
+            str(tiny_model),
+            "--port",
+            "0",
+            "--context-length",
+            str(CONTEXT + 1),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 2
+    assert f"context length {CONTEXT + 1} is outside" in done.stderr
 
 
 def test_sigterm_aborts_in_flight_requests_and_exits_zero(fresh_worker: Worker) -> None:
