@@ -61,7 +61,7 @@ def engine_failure(exc: EngineUnavailable | EngineError | StorageError) -> ApiEr
 
 
 SESSION_HEADERS = ("x-reef-session",  # Reef's own, then what agents send of themselves:
-                   "x-claude-code-session-id", "session-id", "x-session-id")
+                   "x-claude-code-session-id", "session_id", "session-id", "x-session-id")
 
 
 def session_of(request: web.Request, body: dict[str, Any]) -> str | None:

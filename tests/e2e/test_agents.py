@@ -80,3 +80,24 @@ def test_claude_code_tool_round_trip(agentd: Daemon) -> None:
     assert roles[-3:] == ["assistant", "tool", "assistant"]
     assert rec["messages"][-3]["tool_calls"][0]["function"]["name"] == tool
     assert rec["messages"][-2] == {"role": "tool", "tool_call_id": "toolu_01", "content": "app.py"}
+
+
+CODEX = json.loads((ROOT / "tests/fixtures/codex_0.171.0_first_turn.json").read_text())
+
+
+def test_codex_first_turn_is_served_and_recorded(agentd: Daemon) -> None:
+    headers = {**CODEX["headers"], "Authorization": f"Bearer {agentd.token}"}
+    req = urllib.request.Request(agentd.url + CODEX["path"], method=CODEX["method"],
+                                 data=json.dumps(CODEX["body"]).encode(), headers=headers)
+    with urllib.request.urlopen(req, timeout=120) as r:
+        receipt = r.headers["x-reef-agent-record-id"]
+        events = [json.loads(line[len(b"data: "):]) for line in r if line.startswith(b"data: ")]
+    kinds = [e["type"] for e in events]
+    assert kinds[:2] == ["response.created", "response.in_progress"]
+    assert kinds[-1] in ("response.completed", "response.incomplete")  # the cap may cut it
+    assert [e["sequence_number"] for e in events] == list(range(len(events)))
+    rec = json.loads(agentd.get(f"/reef/records/{receipt}")[1])
+    assert rec["api"] == "openai.responses" and rec["session"] == CODEX["headers"]["session_id"]
+    functions = [t for t in CODEX["body"]["tools"] if t["type"] == "function"]
+    assert 0 < len(rec["tools"]) == len(functions)  # the namespace entry is ignored, as documented
+    assert rec["messages"][0]["role"] == "system"  # Codex's developer message
