@@ -101,3 +101,21 @@ def test_codex_first_turn_is_served_and_recorded(agentd: Daemon) -> None:
     functions = [t for t in CODEX["body"]["tools"] if t["type"] == "function"]
     assert 0 < len(rec["tools"]) == len(functions)  # the namespace entry is ignored, as documented
     assert rec["messages"][0]["role"] == "system"  # Codex's developer message
+
+
+OPENCODE = json.loads((ROOT / "tests/fixtures/opencode_1.18.33_main_call.json").read_text())
+
+
+def test_opencode_main_call_is_served_and_recorded(agentd: Daemon) -> None:
+    headers = {**OPENCODE["headers"], "Authorization": f"Bearer {agentd.token}"}
+    req = urllib.request.Request(agentd.url + OPENCODE["path"], method=OPENCODE["method"],
+                                 data=json.dumps(OPENCODE["body"]).encode(), headers=headers)
+    with urllib.request.urlopen(req, timeout=120) as r:
+        receipt = r.headers["x-reef-agent-record-id"]
+        lines = [line.strip() for line in r if line.startswith(b"data: ")]
+    assert lines[-1] == b"data: [DONE]"
+    usage = json.loads(lines[-2][len(b"data: "):])["usage"]  # opencode asks for usage
+    rec = json.loads(agentd.get(f"/reef/records/{receipt}")[1])
+    assert rec["usage"]["completion_tokens"] == usage["completion_tokens"] <= 16
+    assert rec["session"] == OPENCODE["headers"]["x-session-id"]
+    assert len(rec["tools"]) == len(OPENCODE["body"]["tools"]) == 10
