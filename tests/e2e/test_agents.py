@@ -101,6 +101,10 @@ def test_codex_first_turn_is_served_and_recorded(agentd: Daemon) -> None:
     functions = [t for t in CODEX["body"]["tools"] if t["type"] == "function"]
     assert 0 < len(rec["tools"]) == len(functions)  # the namespace entry is ignored, as documented
     assert rec["messages"][0]["role"] == "system"  # Codex's developer message
+    status, report, _ = agentd.post("/reef/report", {"score": 0, "feedback": "gibberish",
+                                                     "references": [receipt]},
+                                    headers={"x-reef-scenario": "hello"})
+    assert status == 200 and report["references"] == [receipt]
 
 
 OPENCODE = json.loads((ROOT / "tests/fixtures/opencode_1.18.33_main_call.json").read_text())
@@ -119,3 +123,6 @@ def test_opencode_main_call_is_served_and_recorded(agentd: Daemon) -> None:
     assert rec["usage"]["completion_tokens"] == usage["completion_tokens"] <= 16
     assert rec["session"] == OPENCODE["headers"]["x-session-id"]
     assert len(rec["tools"]) == len(OPENCODE["body"]["tools"]) == 10
+    status, report, _ = agentd.post("/reef/report", {"score": 0.5, "references": [receipt]},
+                                    headers={"x-reef-scenario": "hello"})
+    assert status == 200 and report["references"] == [receipt]
