@@ -103,9 +103,14 @@ def test_dead_worker_is_restarted_and_503_meanwhile(fresh_daemon: Daemon) -> Non
         c.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}])
     assert exc.value.status_code == 503
     assert int(exc.value.response.headers["retry-after"]) >= 1
-    fresh_daemon.wait_ready()
-    engine = json.loads(fresh_daemon.get("/reef/status")[1])["scenarios"][0]["engine"]
-    assert engine["restarts"] >= 1 and engine["pid"] != pid
+    deadline = time.monotonic() + 120  # /readyz may still say 200 before the death is noticed
+    engine: dict = {}
+    while time.monotonic() < deadline:
+        engine = json.loads(fresh_daemon.get("/reef/status")[1])["scenarios"][0]["engine"]
+        if engine["state"] == "ready" and engine["pid"] != pid:
+            break
+        time.sleep(0.2)
+    assert engine["restarts"] >= 1 and engine["pid"] != pid and engine["state"] == "ready"
     ok = c.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}],
                                    max_tokens=2)
     assert ok.usage is not None and ok.usage.completion_tokens >= 1
