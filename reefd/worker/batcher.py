@@ -7,6 +7,7 @@ hand-off of token updates to asyncio queues. Knows nothing about HTTP or wire fo
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import logging
 import random
@@ -14,6 +15,7 @@ import threading
 import time
 import traceback
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -70,6 +72,19 @@ class Row:
     input_logprobs: list[list[Any]] | None = None
 
 
+@dataclass(eq=False)
+class Control:
+    """Work on the model itself (adapters, weights), run by the scheduler thread between steps.
+
+    `ready` is checked before each step; `exclusive` holds admission while it waits.
+    """
+
+    fn: Callable[[], Any]
+    future: concurrent.futures.Future[Any]
+    ready: Callable[[], bool] = lambda: True
+    exclusive: bool = False
+
+
 @dataclass
 class Stats:
     prefills: int = 0
@@ -102,6 +117,8 @@ class Scheduler:
         self._mask = torch.zeros((0, 0), dtype=torch.long)
         self._positions = torch.zeros(0, dtype=torch.long)
         self._next = torch.zeros(0, dtype=torch.long)
+        self._control: deque[Control] = deque()
+        self.unloading: set[str] = set()  # adapters being unloaded: new requests for them are refused
 
     # ---- asyncio side -------------------------------------------------------------
     def start(self) -> None:
@@ -123,9 +140,43 @@ class Scheduler:
         with self._cond:
             if self._stopping:
                 raise RuntimeError("the worker is shutting down")
+            adapter = req.lora_path
+            if adapter is not None and (adapter not in self.engine.adapters or adapter in self.unloading):
+                raise BadRequest(
+                    f"no LoRA adapter named {adapter!r} is loaded (loaded: {sorted(self.engine.adapters)})"
+                )
             self._waiting.append(job)
             self._cond.notify()
         return job
+
+    def control(
+        self, fn: Callable[[], Any], ready: Callable[[], bool] | None = None, exclusive: bool = False
+    ) -> asyncio.Future[Any]:
+        """Run `fn` on the scheduler thread between two steps, once `ready()` holds (call on the loop)."""
+        future: concurrent.futures.Future[Any] = concurrent.futures.Future()
+        with self._cond:
+            if self._stopping:
+                raise RuntimeError("the worker is shutting down")
+            self._control.append(Control(fn, future, ready or (lambda: True), exclusive))
+            self._cond.notify()
+        return asyncio.wrap_future(future)
+
+    def uses_adapter(self, name: str) -> bool:
+        """True while a running or waiting request uses adapter `name` (any thread; a snapshot)."""
+        with self._cond:
+            waiting = list(self._waiting)
+        return any(r.job.req.lora_path == name for r in list(self.rows)) or any(
+            j.req.lora_path == name and not j.cancelled for j in waiting
+        )
+
+    def abort_running(self, message: str) -> None:
+        """Cancel every running and waiting request (call on the loop); they finish as `abort`."""
+        with self._cond:
+            for job in self._waiting:
+                job.cancelled = True
+            for row in list(self.rows):
+                row.job.cancelled = True
+            self._cond.notify()
 
     @property
     def busy(self) -> int:
@@ -146,6 +197,7 @@ class Scheduler:
             torch.set_num_threads(self.threads)  # OpenMP settings are per thread
         with torch.inference_mode():
             while True:
+                self._run_controls()
                 admitted = self._take()
                 if admitted is None:
                     break
@@ -159,14 +211,42 @@ class Scheduler:
                     self._fail_all(admitted, f"generation failed: {exc}")
                 self._reap()
         self._abort_all("the worker is shutting down")
+        with self._cond:
+            controls = list(self._control)
+            self._control.clear()
+        for control in controls:
+            control.future.set_exception(RuntimeError("the worker is shutting down"))
+
+    def _run_controls(self) -> None:
+        """Run every queued control whose time has come (between steps: no forward is running)."""
+        with self._cond:
+            due = [c for c in self._control if c.ready()]
+            for control in due:
+                self._control.remove(control)
+        for control in due:
+            if not control.future.set_running_or_notify_cancel():
+                continue
+            try:
+                control.future.set_result(control.fn())
+            except BaseException as exc:  # the caller gets it; the scheduler keeps going
+                control.future.set_exception(exc)
 
     def _take(self) -> list[Job] | None:
         """Waiting jobs that fit in the batch; blocks while idle; None when stopping."""
         with self._cond:
-            while not self._stopping and not self._waiting and not self.rows:
+            while not self._stopping and not self._waiting and not self.rows and not self._control:
                 self._cond.wait()
             if self._stopping:
                 return None
+            if self._control and not self.rows:
+                ready = [c for c in self._control if c.ready()]
+                if ready:
+                    return []  # run them first (the loop comes straight back)
+                if not self._waiting:  # a control waits on something else: poll, never spin
+                    self._cond.wait(0.01)
+                    return []
+            if any(c.exclusive for c in self._control):
+                return []  # e.g. a weight update waits for the batch to drain: admit nobody meanwhile
             room = self.max_batch - len(self.rows)
             taken: list[Job] = []
             while self._waiting and len(taken) < room:
@@ -206,7 +286,7 @@ class Scheduler:
     def _prefill(self, rows: list[Row]) -> None:
         first = _first_scored(rows[0]) if len(rows) == 1 else None  # a scoring row is always alone
         keep = len(rows[0].job.prompt) - first + 1 if first is not None else 1
-        pre = self.engine.prefill([r.job.prompt for r in rows], keep=keep)
+        pre = self.engine.prefill([r.job.prompt for r in rows], keep=keep, adapters=_adapters(rows))
         self.stats.prefills += 1
         if first is not None:
             rows[0].input_logprobs = self._input_logprobs(rows[0], first, pre.all_logits)
@@ -249,7 +329,9 @@ class Scheduler:
     def _decode(self) -> None:
         """One decode step for every running row."""
         mask = torch.cat([self._mask, self._mask.new_ones((self._mask.shape[0], 1))], dim=1)
-        logits, self._cache = self.engine.decode_step(self._cache, mask, self._next, self._positions)
+        logits, self._cache = self.engine.decode_step(
+            self._cache, mask, self._next, self._positions, adapters=_adapters(self.rows)
+        )
         self._mask, self._positions = mask, self._positions + 1
         self.stats.decode_steps += 1
         self.stats.decode_rows += len(self.rows)
@@ -329,6 +411,12 @@ class Scheduler:
             waiting = list(self._waiting)
             self._waiting.clear()
         self._fail_all(waiting, message)
+
+
+def _adapters(rows: list[Row]) -> list[str | None] | None:
+    """Each row's LoRA adapter (None: base), or None when no row uses one."""
+    names = [r.job.req.lora_path for r in rows]
+    return names if any(names) else None
 
 
 def _first_scored(row: Row) -> int | None:

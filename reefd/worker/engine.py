@@ -7,7 +7,9 @@ sampling or scheduling; every call here runs on the scheduler thread.
 from __future__ import annotations
 
 import inspect
+import json
 import logging
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,8 +20,10 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 from transformers.utils import logging as hf_logging
 
 from reefd.worker import kvcache
+from reefd.worker.params import BadRequest
 
 log = logging.getLogger("reefd.worker")
+BASE = "__base__"  # PEFT's adapter name for "no adapter" in a mixed batch
 
 
 @dataclass
@@ -56,6 +60,9 @@ class Engine:
             raise ValueError(f"context length {context_length} is outside [2, {model_length}] for {self.path}")
         self.context_length = context_length or model_length
         self.eos_ids = self._eos_ids()
+        self.adapters: dict[str, str] = {}  # LoRA adapter name -> the folder it came from
+        self._peft: Any = None  # the PeftModel wrapping `model` while adapters are loaded
+        self.weight_version: str | None = None
         # transformers 5 renamed `past_key_values` to `cache` (the old name warns there).
         forward_params = inspect.signature(self.model.forward).parameters
         self._cache_arg = "cache" if "cache" in forward_params else "past_key_values"
@@ -93,7 +100,26 @@ class Engine:
     def token_text(self, token_id: int) -> str:
         return str(self.tokenizer.decode([token_id], skip_special_tokens=False))
 
-    def prefill(self, prompts: Sequence[Sequence[int]], keep: int = 1) -> Prefill:
+    def _forward(self, adapters: Sequence[str | None] | None, **kwargs: Any) -> Any:
+        """One model call; `adapters` names each row's LoRA adapter (None: the base model).
+
+        With adapters loaded, every call goes through PEFT's mixed-batch path
+        (`adapter_names=[...]`, "__base__" for base rows), so rows with different adapters
+        and base rows share one forward.
+        """
+        names = [a or BASE for a in adapters] if adapters is not None else []
+        if self._peft is None:
+            if any(n != BASE for n in names):
+                raise RuntimeError(f"no LoRA adapter is loaded (rows asked for {sorted(set(names) - {BASE})})")
+            return self.model(**kwargs)
+        rows = int(kwargs["input_ids"].shape[0])
+        if len(names) != rows:
+            names = [BASE] * rows
+        return self._peft(**kwargs, adapter_names=names)
+
+    def prefill(
+        self, prompts: Sequence[Sequence[int]], keep: int = 1, adapters: Sequence[str | None] | None = None
+    ) -> Prefill:
         """Run left-padded prompts through the model (position ids = cumsum(mask) - 1).
 
         `keep` > 1 also returns the logits of the last `keep` columns (for prompt logprobs).
@@ -109,7 +135,8 @@ class Engine:
         ids, mask = ids.to(self.device), mask.to(self.device)
         positions = (mask.cumsum(dim=1) - 1).clamp(min=0)
         padded = any(len(p) < width for p in prompts)
-        out = self.model(
+        out = self._forward(
+            adapters,
             input_ids=ids,
             attention_mask=mask if padded else None,
             position_ids=positions,
@@ -121,10 +148,16 @@ class Engine:
         return Prefill(kvcache.tensors(self._out_cache(out)), mask, logits[:, -1], logits if keep > 1 else None)
 
     def decode_step(
-        self, cache: DynamicCache, mask: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor
+        self,
+        cache: DynamicCache,
+        mask: torch.Tensor,
+        tokens: torch.Tensor,
+        positions: torch.Tensor,
+        adapters: Sequence[str | None] | None = None,
     ) -> tuple[torch.Tensor, DynamicCache]:
         """Feed one token per row; `mask` already includes the new column."""
-        out = self.model(
+        out = self._forward(
+            adapters,
             input_ids=tokens[:, None],
             attention_mask=mask,
             position_ids=positions[:, None],
@@ -132,6 +165,166 @@ class Engine:
             **self._cache_kwarg(cache),
         )
         return out.logits[:, -1], self._out_cache(out)
+
+    # ---- LoRA adapters and weight reload (scheduler thread, between steps) ----------------
+    def _linears(self) -> dict[str, torch.nn.Linear]:
+        """The base model's Linear layers by their plain name (PEFT's wrappers looked through)."""
+        out: dict[str, torch.nn.Linear] = {}
+        for name, module in self.model.named_modules():
+            if type(module) is torch.nn.Linear and ".lora_" not in name:
+                out[name.replace(".base_layer", "")] = module
+        return out
+
+    def check_adapter(self, path: Path) -> list[str]:
+        """Refuse (BadRequest) a folder that is not a LoRA adapter this base model can take.
+
+        Checks: adapter_config.json is a LoRA config, every target module exists in the model,
+        every lora_A/lora_B tensor sits on a Linear of the model with matching shapes and rank.
+        Returns warnings (a different `base_model_name_or_path` is only a warning).
+        """
+        from safetensors import SafetensorError
+        from safetensors.torch import load_file
+
+        path = Path(path)
+        try:
+            config = json.loads((path / "adapter_config.json").read_text())
+        except (OSError, ValueError) as exc:
+            raise BadRequest(f"cannot read {path / 'adapter_config.json'}: {exc}") from None
+        if not isinstance(config, dict) or config.get("peft_type") != "LORA":
+            raise BadRequest(f"{path} is not a LoRA adapter (peft_type {config.get('peft_type')!r})")
+        if config.get("use_dora"):
+            raise BadRequest("DoRA adapters are not supported (PEFT's mixed batches exclude them)")
+        if config.get("modules_to_save"):
+            raise BadRequest("adapters with modules_to_save are not supported")
+        rank = config.get("r")
+        warnings: list[str] = []
+        base = config.get("base_model_name_or_path")
+        if base and Path(str(base)).name != self.path.name and str(base) != str(self.path):
+            warnings.append(f"adapter was trained on {base!r}, the worker serves {str(self.path)!r}")
+        linears = self._linears()
+        targets = config.get("target_modules")
+        if isinstance(targets, str):
+            import re
+
+            if not any(re.fullmatch(targets, name) for name in linears):
+                raise BadRequest(f"target_modules {targets!r} matches no Linear layer of the model")
+        elif isinstance(targets, list):
+            short = {name.rsplit(".", 1)[-1] for name in linears}
+            missing = sorted(t for t in targets if t not in short and t not in linears)
+            if missing:
+                raise BadRequest(f"target modules {missing} are not Linear layers of the model")
+        file = path / "adapter_model.safetensors"
+        if not file.is_file():
+            raise BadRequest(f"{file} does not exist (only safetensors adapters are loaded)")
+        try:
+            tensors = load_file(str(file))
+        except (SafetensorError, OSError, ValueError, RuntimeError) as exc:
+            raise BadRequest(f"cannot read {file}: {exc}") from None
+        if not tensors:
+            raise BadRequest(f"{file} holds no tensors")
+        for key, tensor in tensors.items():
+            head, sep, tail = key.partition(".lora_")
+            if not sep or tail not in ("A.weight", "B.weight"):
+                raise BadRequest(f"{file}: unexpected tensor {key!r} (only lora_A/lora_B weights are supported)")
+            name = head.removeprefix("base_model.model.")
+            linear = linears.get(name)
+            if linear is None:
+                raise BadRequest(f"{file}: {key!r} targets {name!r}, which is not a Linear layer of the model")
+            r = rank if isinstance(rank, int) else tensor.shape[0 if tail[0] == "A" else 1]
+            want = (r, linear.in_features) if tail[0] == "A" else (linear.out_features, r)
+            if tuple(tensor.shape) != want:
+                raise BadRequest(f"{file}: {key!r} has shape {tuple(tensor.shape)}, the model needs {want}")
+            if not torch.isfinite(tensor).all():
+                raise BadRequest(f"{file}: {key!r} holds non-finite values")
+        return warnings
+
+    def load_adapter(self, name: str, path: Path) -> list[str]:
+        """Validate, then load a PEFT LoRA folder under `name`; on any failure nothing changes."""
+        if not name or name == BASE:
+            raise BadRequest(f"{name!r} is not a usable adapter name")
+        if name in self.adapters:
+            raise BadRequest(f"an adapter named {name!r} is already loaded (unload it first)")
+        notes = self.check_adapter(path)
+        from peft import PeftModel
+
+        try:
+            with warnings.catch_warnings():
+                # peft 0.21 reads transformers' deprecated `is_gradient_checkpointing`
+                warnings.filterwarnings("ignore", ".*is_gradient_checkpointing.*", FutureWarning)
+                if self._peft is None:
+                    peft_model = PeftModel.from_pretrained(self.model, str(path), adapter_name=name, is_trainable=False)
+                    self._peft = peft_model.to(self.device).eval()
+                else:
+                    self._peft.load_adapter(str(path), adapter_name=name, is_trainable=False)
+                    self._peft.to(self.device)
+        except Exception as exc:
+            self._drop_adapter(name)
+            raise BadRequest(f"cannot load adapter {name!r} from {path}: {exc}") from None
+        self.adapters[name] = str(path)
+        for note in notes:
+            log.warning("adapter %s: %s", name, note)
+        log.info("loaded LoRA adapter %s from %s", name, path)
+        return notes
+
+    def unload_adapter(self, name: str) -> None:
+        if name not in self.adapters:
+            raise BadRequest(f"no adapter named {name!r} is loaded")
+        self._drop_adapter(name)
+        del self.adapters[name]
+        log.info("unloaded LoRA adapter %s", name)
+
+    def _drop_adapter(self, name: str) -> None:
+        """Remove `name` from the PEFT wrapper; the last one gone restores the plain model."""
+        if self._peft is None:
+            return
+        if name in self._peft.peft_config:
+            with warnings.catch_warnings():  # "Adapter X was active ...": rows name their adapter anyway
+                warnings.filterwarnings("ignore", ".*was active which is now deleted.*", UserWarning)
+                self._peft.delete_adapter(name)
+        if not self._peft.peft_config:
+            self.model = self._peft.base_model.unload()  # the LoRA wrappers replaced by their base layers
+            self._peft = None
+
+    def read_weights(self, path: Path) -> dict[str, torch.Tensor]:
+        """Load an HF folder's parameters (off the scheduler thread); refuses another architecture."""
+        from transformers import AutoConfig
+
+        path = Path(path)
+        try:
+            config = AutoConfig.from_pretrained(path, local_files_only=True)
+        except (OSError, ValueError) as exc:
+            raise BadRequest(f"cannot read a model config at {path}: {exc}") from None
+        if config.model_type != self.config.model_type or getattr(config, "architectures", None) != getattr(
+            self.config, "architectures", None
+        ):
+            raise BadRequest(
+                f"{path} holds a {config.model_type} {getattr(config, 'architectures', None)}, the worker serves a "
+                f"{self.config.model_type} {getattr(self.config, 'architectures', None)}"
+            )
+        try:
+            model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True)
+        except (OSError, ValueError, RuntimeError) as exc:
+            raise BadRequest(f"cannot load weights from {path}: {exc}") from None
+        return {name: p.detach().float() for name, p in model.named_parameters()}
+
+    def apply_weights(self, weights: dict[str, torch.Tensor], path: Path, version: str | None = None) -> None:
+        """Copy read weights into the running model (scheduler thread); all checked before any copy."""
+        params: dict[str, torch.nn.Parameter] = {}
+        for name, param in self.model.named_parameters():
+            if ".lora_" not in name:
+                params[name.replace(".base_layer", "")] = param
+        if set(weights) != set(params):
+            diff = sorted(set(weights) ^ set(params))[:5]
+            raise BadRequest(f"{path}: the parameters differ from the served model's (e.g. {diff})")
+        for name, tensor in weights.items():
+            if tuple(tensor.shape) != tuple(params[name].shape):
+                raise BadRequest(f"{path}: {name} has shape {tuple(tensor.shape)}, not {tuple(params[name].shape)}")
+        with torch.no_grad():
+            for name, tensor in weights.items():
+                params[name].copy_(tensor.to(params[name].device))
+        self.path = Path(path)
+        self.weight_version = version
+        log.info("weights updated from %s (version %s)", path, version)
 
     def cache_from(self, kv: kvcache.KV) -> DynamicCache:
         return kvcache.build(kv, self.config)

@@ -67,6 +67,7 @@ def _request(state: WorkerState, body: Any) -> tuple[GenerateRequest, dict[str, 
     if not isinstance(stream_options, dict):
         raise BadRequest("stream_options must be an object")
     req = GenerateRequest(
+        lora_path=_adapter(state, body),
         input_ids=ids,
         text=None,
         sampling=sampling,
@@ -75,6 +76,25 @@ def _request(state: WorkerState, body: Any) -> tuple[GenerateRequest, dict[str, 
     )
     options = {"tools": bool(tools), "include_usage": bool(stream_options.get("include_usage"))}
     return req, options
+
+
+def _adapter(state: WorkerState, body: dict[str, Any]) -> str | None:
+    """SGLang's adapter selection: `lora_path` (a loaded name), or `model: "base:adapter"`.
+
+    A `model` with a colon selects an adapter only when the part after the first colon is a
+    loaded adapter's name; any other `model` is ignored, as before.
+    """
+    lora = body.get("lora_path")
+    if lora is not None:
+        if not isinstance(lora, str):
+            raise BadRequest("lora_path must be the name of a loaded adapter")
+        return lora or None
+    model = body.get("model")
+    if isinstance(model, str) and ":" in model:
+        adapter = model.split(":", 1)[1]
+        if adapter in state.scheduler.engine.adapters:
+            return adapter
+    return None
 
 
 def _logprobs(state: WorkerState, ids: list[int], values: list[float]) -> dict[str, Any]:

@@ -50,6 +50,7 @@ class GenerateRequest:
     return_logprob: bool = False
     logprob_start_len: int = -1
     stream: bool = False
+    lora_path: str | None = None  # a loaded LoRA adapter's name (SGLang's field); None = the base model
     rid: str = field(default_factory=lambda: uuid.uuid4().hex)
 
 
@@ -173,7 +174,11 @@ def parse_generate(body: Any) -> GenerateRequest:
     rid = body.get("rid")
     if rid is not None and not isinstance(rid, str):
         raise BadRequest("rid must be a string")
+    lora_path = body.get("lora_path")
+    if lora_path is not None and not isinstance(lora_path, str):
+        raise BadRequest("lora_path must be the name of a loaded adapter (batched lists are not supported)")
     req = GenerateRequest(
+        lora_path=lora_path or None,
         input_ids=input_ids,
         text=text,
         sampling=parse_sampling(body.get("sampling_params")),

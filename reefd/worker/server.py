@@ -9,13 +9,14 @@ from __future__ import annotations
 import asyncio
 import time
 from contextlib import aclosing
+from pathlib import Path
 from typing import Any
 
 from aiohttp import web
 
 from reefd.worker import openai_chat
 from reefd.worker.batcher import Job, Update
-from reefd.worker.params import GenerateRequest, SamplingParams, parse_generate
+from reefd.worker.params import BadRequest, GenerateRequest, SamplingParams, parse_generate
 from reefd.worker.wire import (
     STATE,
     WorkerState,
@@ -132,6 +133,9 @@ def server_info_body(state: WorkerState) -> dict[str, Any]:
         "running_requests": len(scheduler.rows),
         "waiting_requests": scheduler.busy - len(scheduler.rows),
         "stats": scheduler.stats.as_dict(),
+        "loaded_adapters": dict(engine.adapters),
+        "lora_paths": dict(engine.adapters),
+        "weight_version": engine.weight_version,
     }
 
 
@@ -152,6 +156,92 @@ async def model_info(request: web.Request) -> web.Response:
     )
 
 
+def _name(body: Any, key: str) -> str:
+    if not isinstance(body, dict):
+        raise BadRequest("the request body must be a JSON object")
+    value = body.get(key)
+    if not isinstance(value, str) or not value:
+        raise BadRequest(f"{key} must be a non-empty string")
+    return value
+
+
+def _lora_answer(state: WorkerState, error: str | None) -> web.Response:
+    """SGLang's LoRAUpdateOutput: {success, error_message, loaded_adapters}."""
+    body = {
+        "success": error is None,
+        "error_message": error,
+        "loaded_adapters": dict(state.scheduler.engine.adapters),
+    }
+    return web.json_response(body, status=200 if error is None else 400)
+
+
+async def load_lora_adapter(request: web.Request) -> web.Response:
+    """Load a PEFT LoRA folder under `lora_name`, between decode steps (running requests go on)."""
+    state = request.app[STATE]
+    scheduler = state.scheduler
+    try:
+        body = await read_json(request)
+        name, path = _name(body, "lora_name"), _name(body, "lora_path")
+        await scheduler.control(lambda: scheduler.engine.load_adapter(name, Path(path)))
+    except BadRequest as exc:
+        return _lora_answer(state, str(exc))
+    return _lora_answer(state, None)
+
+
+async def unload_lora_adapter(request: web.Request) -> web.Response:
+    """Unload `lora_name`. As SGLang: new requests for it are refused at once, and the unload
+    itself waits until the running and queued requests that use it have finished."""
+    state = request.app[STATE]
+    scheduler = state.scheduler
+    try:
+        name = _name(await read_json(request), "lora_name")
+        if name not in scheduler.engine.adapters or name in scheduler.unloading:
+            raise BadRequest(f"no adapter named {name!r} is loaded")
+        scheduler.unloading.add(name)
+        try:
+            await scheduler.control(
+                lambda: scheduler.engine.unload_adapter(name), ready=lambda: not scheduler.uses_adapter(name)
+            )
+        finally:
+            scheduler.unloading.discard(name)
+    except BadRequest as exc:
+        return _lora_answer(state, str(exc))
+    return _lora_answer(state, None)
+
+
+async def update_weights_from_disk(request: web.Request) -> web.Response:
+    """SGLang's UpdateWeightFromDiskReqInput -> {success, message, num_paused_requests}.
+
+    The folder is read off the scheduler thread; the copy waits (as SGLang's writer lock) until
+    the running requests finish, admitting no new ones meanwhile, or aborts them first with
+    `abort_all_requests`. A bad folder changes nothing.
+    """
+    state = request.app[STATE]
+    scheduler = state.scheduler
+    engine = scheduler.engine
+    try:
+        body = await read_json(request)
+        path = Path(_name(body, "model_path"))
+        load_format = body.get("load_format")
+        if load_format not in (None, "auto", "safetensors"):
+            raise BadRequest(f"load_format {load_format!r} is not supported (auto or safetensors)")
+        version = body.get("weight_version")
+        if version is not None and not isinstance(version, str):
+            raise BadRequest("weight_version must be a string")
+        weights = await asyncio.to_thread(engine.read_weights, path)
+        if body.get("abort_all_requests") is True:
+            scheduler.abort_running("aborted for a weight update")
+        await scheduler.control(
+            lambda: engine.apply_weights(weights, path, version), ready=lambda: not scheduler.rows, exclusive=True
+        )
+    except BadRequest as exc:
+        return web.json_response({"success": False, "message": str(exc), "num_paused_requests": 0}, status=400)
+    state.model_path = str(path)
+    return web.json_response(
+        {"success": True, "message": "Succeeded to update model weights.", "num_paused_requests": 0}
+    )
+
+
 def build_app(state: WorkerState) -> web.Application:
     """The worker's routes over one scheduler."""
     app = web.Application(middlewares=[errors_middleware], client_max_size=64 * 1024 * 1024)
@@ -162,6 +252,9 @@ def build_app(state: WorkerState) -> web.Application:
     app.router.add_get("/server_info", server_info)
     app.router.add_get("/get_server_info", server_info)
     app.router.add_get("/get_model_info", model_info)
+    app.router.add_post("/load_lora_adapter", load_lora_adapter)
+    app.router.add_post("/unload_lora_adapter", unload_lora_adapter)
+    app.router.add_post("/update_weights_from_disk", update_weights_from_disk)
     app.router.add_post("/v1/chat/completions", openai_chat.chat_completions)
     app.router.add_get("/v1/models", openai_chat.models)
     return app
