@@ -1,0 +1,300 @@
+"""Runtime LoRA adapters and weight reload: in-process scheduler and a real worker subprocess."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import shutil
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from reefd.worker.batcher import Scheduler
+from reefd.worker.engine import Engine
+from reefd.worker.params import BadRequest, parse_generate
+from tests.worker.support import Worker
+from tests.worker.test_batcher import collect
+
+# peft 0.21 still reads transformers' deprecated `is_gradient_checkpointing` (a FutureWarning)
+pytestmark = pytest.mark.filterwarnings("ignore:.*is_gradient_checkpointing.*:FutureWarning")
+PROMPTS = [[5, 17, 99], [300, 2, 41, 41, 7, 8, 120, 64, 11], [77, 78]]
+N = 8
+
+
+def make_adapter(base: Path, out: Path, seed: int, targets: tuple[str, ...] = ("q_proj", "v_proj")) -> Path:
+    """A real PEFT LoRA (r=4) for the tiny model, with lora_B perturbed so that outputs change."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(base, local_files_only=True)
+    peft_model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=list(targets)))
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in peft_model.named_parameters():
+            if "lora_B" in name:
+                param.copy_(torch.randn(param.shape, generator=gen) * 2.0)
+    peft_model.save_pretrained(out)
+    return out
+
+
+@pytest.fixture(scope="module")
+def adapters(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("adapters")
+    return {"a": make_adapter(tiny_model, root / "a", 1), "b": make_adapter(tiny_model, root / "b", 2)}
+
+
+@torch.inference_mode()
+def peft_greedy(base: Path, adapter: Path | None, prompt: list[int], n: int) -> list[int]:
+    """Greedy decoding by full forward passes of a fresh (Peft)Model: no cache, no batching."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    model: Any = AutoModelForCausalLM.from_pretrained(base, local_files_only=True).float().eval()
+    if adapter is not None:
+        model = PeftModel.from_pretrained(model, str(adapter)).eval()
+    ids, out = list(prompt), []
+    for _ in range(n):
+        token = int(model(input_ids=torch.tensor([ids])).logits[0, -1].argmax())
+        out.append(token)
+        ids.append(token)
+    return out
+
+
+@pytest.fixture(scope="module")
+def references(tiny_model: Path, adapters: dict[str, Path]) -> dict[str | None, list[list[int]]]:
+    out: dict[str | None, list[list[int]]] = {}
+    for name, path in [(None, None), *adapters.items()]:
+        out[name] = [peft_greedy(tiny_model, path, p, N) for p in PROMPTS]
+    return out
+
+
+def body(prompt: list[int], lora: str | None = None, n: int = N) -> dict[str, Any]:
+    b: dict[str, Any] = {
+        "input_ids": prompt,
+        "sampling_params": {"max_new_tokens": n, "temperature": 0, "ignore_eos": True},
+    }
+    if lora is not None:
+        b["lora_path"] = lora
+    return b
+
+
+def test_adapters_change_outputs(references: dict[str | None, list[list[int]]]) -> None:
+    assert references["a"] != references[None] and references["b"] != references[None]
+    assert references["a"] != references["b"]
+
+
+def test_mixed_batch_in_process(tiny_model: Path, adapters: dict[str, Path], references: Any) -> None:
+    """Base and two adapters in one batch: every row equals its own unbatched PEFT reference."""
+    engine = Engine(tiny_model, device="cpu")
+    engine.load_adapter("a", adapters["a"])
+    engine.load_adapter("b", adapters["b"])
+    reqs = [(parse_generate(body(p, lora)), p) for lora in (None, "a", "b") for p in PROMPTS]
+
+    async def main() -> tuple[list[dict[str, Any]], Scheduler]:
+        scheduler = Scheduler(engine, max_batch=16, threads=1)
+        jobs = [scheduler.submit(req, prompt) for req, prompt in reqs]
+        scheduler.start()
+        try:
+            return list(await asyncio.gather(*(collect(j) for j in jobs))), scheduler
+        finally:
+            scheduler.stop()
+
+    results, scheduler = asyncio.run(main())
+    got = [r["ids"] for r in results]
+    assert got == references[None] + references["a"] + references["b"]
+    assert scheduler.stats.max_running == len(reqs)  # really one mixed batch
+    engine.unload_adapter("a")
+    engine.unload_adapter("b")
+    assert engine.adapters == {} and engine._peft is None
+
+
+def test_engine_refuses_bad_adapters(tiny_model: Path, adapters: dict[str, Path], tmp_path: Path) -> None:
+    engine = Engine(tiny_model, device="cpu")
+    wrong_target = make_adapter(tiny_model, tmp_path / "wt", 3)
+    config = json.loads((wrong_target / "adapter_config.json").read_text())
+    config["target_modules"] = ["nope_proj"]
+    (wrong_target / "adapter_config.json").write_text(json.dumps(config))
+    with pytest.raises(BadRequest, match="nope_proj"):
+        engine.load_adapter("x", wrong_target)
+    with pytest.raises(BadRequest, match=r"does not exist|cannot read"):
+        engine.load_adapter("x", tmp_path / "missing")
+    with pytest.raises(BadRequest, match="no adapter"):
+        engine.unload_adapter("x")
+    assert engine.adapters == {} and engine._peft is None
+
+
+def bad_adapters(tiny_model: Path, good: Path, root: Path) -> dict[str, Path]:
+    from safetensors.torch import load_file, save_file
+
+    out: dict[str, Path] = {}
+    wrong = make_adapter(tiny_model, root / "wrong_module", 4, targets=("q_proj",))
+    config = json.loads((wrong / "adapter_config.json").read_text())
+    config["target_modules"] = ["nope_proj"]
+    (wrong / "adapter_config.json").write_text(json.dumps(config))
+    out["wrong_module"] = wrong
+    shape = root / "wrong_shape"
+    shutil.copytree(good, shape)
+    tensors = load_file(str(good / "adapter_model.safetensors"))
+    key = next(k for k in tensors if "lora_A" in k)
+    tensors[key] = torch.zeros(tensors[key].shape[0], tensors[key].shape[1] + 3)
+    save_file(tensors, str(shape / "adapter_model.safetensors"))
+    out["wrong_shape"] = shape
+    corrupt = root / "corrupt"
+    shutil.copytree(good, corrupt)
+    (corrupt / "adapter_model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00not a header")
+    out["corrupt"] = corrupt
+    out["missing"] = root / "does-not-exist"
+    return out
+
+
+def perturbed_copy(tiny_model: Path, out: Path) -> Path:
+    from transformers import AutoModelForCausalLM
+
+    shutil.copytree(tiny_model, out)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model, local_files_only=True)
+    gen = torch.Generator().manual_seed(7)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.add_(torch.randn(param.shape, generator=gen) * 0.05)
+    model.save_pretrained(out)
+    return out
+
+
+def test_worker_lora_and_weights(
+    tiny_model: Path,
+    adapters: dict[str, Path],
+    references: dict[str | None, list[list[int]]],
+    tmp_path: Path,
+) -> None:
+    worker = Worker(tiny_model, tmp_path / "worker.log", ["--max-batch", "8", "--threads", "1"]).start()
+    try:
+        _exercise(worker, tiny_model, adapters, references, tmp_path)
+    finally:
+        code = worker.stop()
+    assert code == 0, worker.logs()
+
+
+def _gen(worker: Worker, prompt: list[int], lora: str | None = None) -> list[int]:
+    status, answer = worker.post("/generate", body(prompt, lora))
+    assert status == 200, answer
+    return list(answer["output_ids"])
+
+
+def _exercise(worker: Worker, tiny_model: Path, adapters: dict[str, Path], references: Any, tmp_path: Path) -> None:
+    p = PROMPTS[1]
+    # an unknown adapter is a 400; the base serves as before
+    status, answer = worker.post("/generate", body(p, "a"))
+    assert status == 400, answer
+    assert _gen(worker, p) == references[None][1]
+
+    status, answer = worker.post("/load_lora_adapter", {"lora_name": "a", "lora_path": str(adapters["a"])})
+    assert status == 200, answer
+    assert answer == {"success": True, "error_message": None, "loaded_adapters": {"a": str(adapters["a"])}}
+    status, answer = worker.post("/load_lora_adapter", {"lora_name": "b", "lora_path": str(adapters["b"])})
+    assert status == 200 and set(answer["loaded_adapters"]) == {"a", "b"}, answer
+    status, info = worker.get("/server_info")
+    assert status == 200 and set(json.loads(info)["loaded_adapters"]) == {"a", "b"}
+
+    assert _gen(worker, p, "a") == references["a"][1]
+    assert _gen(worker, p) == references[None][1]
+
+    # OpenAI chat: `model: "base:adapter"` or `lora_path` picks the adapter, as SGLang
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 6, "temperature": 0}
+    answers = {}
+    for key, extra in [("base", {}), ("model", {"model": "tiny:a"}), ("lora", {"lora_path": "a"})]:
+        status, answer = worker.post("/v1/chat/completions", {**chat, **extra})
+        assert status == 200, answer
+        answers[key] = answer["choices"][0]["message"]["content"]
+    assert answers["model"] == answers["lora"]
+    status, answer = worker.post("/v1/chat/completions", {**chat, "lora_path": "zzz"})
+    assert status == 400, answer
+
+    # a mixed batch: concurrent base and adapter requests each get their lone answer
+    jobs = [(prompt, lora) for prompt in PROMPTS for lora in (None, "a", "b")]
+    before = worker.stats()["max_running"]
+    with ThreadPoolExecutor(len(jobs)) as pool:
+        got = list(pool.map(lambda j: _gen(worker, j[0], j[1]), jobs))
+    for (prompt, lora), ids in zip(jobs, got, strict=True):
+        assert ids == references[lora][PROMPTS.index(prompt)], (prompt, lora)
+    assert worker.stats()["max_running"] >= max(before, 1)
+
+    # invalid adapters: 400 in SGLang's shape, nothing changes, still serving
+    for kind, path in bad_adapters(tiny_model, adapters["a"], tmp_path / "bad").items():
+        status, answer = worker.post("/load_lora_adapter", {"lora_name": kind, "lora_path": str(path)})
+        assert status == 400, (kind, answer)
+        assert answer["success"] is False and answer["error_message"], kind
+        assert set(answer["loaded_adapters"]) == {"a", "b"}, kind
+    status, answer = worker.post("/load_lora_adapter", {"lora_name": "a", "lora_path": str(adapters["b"])})
+    assert status == 400 and "already loaded" in answer["error_message"]
+    assert _gen(worker, p, "b") == references["b"][1]
+
+    # unload: unknown name is a 400; after unloading, the name is refused and others still work
+    status, answer = worker.post("/unload_lora_adapter", {"lora_name": "zzz"})
+    assert status == 400 and answer["success"] is False
+    status, answer = worker.post("/unload_lora_adapter", {"lora_name": "a"})
+    assert status == 200 and answer["loaded_adapters"] == {"b": str(adapters["b"])}, answer
+    status, _ = worker.post("/generate", body(p, "a"))
+    assert status == 400
+    assert _gen(worker, p, "b") == references["b"][1]
+    status, answer = worker.post("/unload_lora_adapter", {"lora_name": "b"})
+    assert status == 200 and answer["loaded_adapters"] == {}
+    assert _gen(worker, p) == references[None][1]
+
+    # weight reload: a bad path is a 400 and changes nothing; a perturbed copy changes outputs
+    status, answer = worker.post("/update_weights_from_disk", {"model_path": str(tmp_path / "nothing")})
+    assert status == 400 and answer["success"] is False and answer["message"], answer
+    assert _gen(worker, p) == references[None][1]
+    other = perturbed_copy(tiny_model, tmp_path / "perturbed")
+    expected = peft_greedy(other, None, p, N)
+    assert expected != references[None][1]
+    status, answer = worker.post("/update_weights_from_disk", {"model_path": str(other), "weight_version": "v2"})
+    assert status == 200, answer
+    assert answer == {"success": True, "message": answer["message"], "num_paused_requests": 0}
+    assert _gen(worker, p) == expected
+    status, info = worker.get("/server_info")
+    assert json.loads(info)["weight_version"] == "v2"
+
+
+def test_load_and_unload_between_steps_while_requests_run(
+    tiny_model: Path, adapters: dict[str, Path], references: dict[str | None, list[list[int]]]
+) -> None:
+    """A load lands between decode steps of a running adapter request, which goes on unchanged;
+    an unload of an adapter in use waits until its request finished (SGLang's behaviour)."""
+    engine = Engine(tiny_model, device="cpu")
+    engine.load_adapter("a", adapters["a"])
+    long_n = 40
+
+    async def main() -> tuple[dict[str, Any], list[str], int]:
+        scheduler = Scheduler(engine, max_batch=8, threads=1)
+        scheduler.start()
+        try:
+            prompt = PROMPTS[1]
+            req = parse_generate({**body(prompt, "a", long_n), "stream": True})
+            job = scheduler.submit(req, prompt)
+            first = await job.queue.get()  # the request is running now
+            assert first.finish is None
+            order: list[str] = []
+            await scheduler.control(lambda: engine.load_adapter("b", adapters["b"]))
+            order.append("loaded b")
+            assert "a" in engine.adapters  # the running request's adapter is still there
+            unload = asyncio.ensure_future(
+                scheduler.control(lambda: engine.unload_adapter("a"), ready=lambda: not scheduler.uses_adapter("a"))
+            )
+            rest = await collect(job)
+            order.append("request done")
+            await unload
+            order.append("unloaded a")
+            ids = first.new_ids + rest["ids"]
+            return {"ids": ids}, order, scheduler.stats.decode_steps
+        finally:
+            scheduler.stop()
+
+    result, order, _ = asyncio.run(main())
+    assert order == ["loaded b", "request done", "unloaded a"]
+    expected = peft_greedy(tiny_model, adapters["a"], PROMPTS[1], long_n)
+    assert expected[:N] == references["a"][1]
+    assert result["ids"] == expected
+    assert set(engine.adapters) == {"b"}
