@@ -21,9 +21,11 @@ from reefd.api.keys import REGISTRY, STARTED_AT, STORE
 from reefd.auth import auth_middleware
 from reefd.config import ScenarioConfig
 from reefd.records import RecordStore
+from reefd.releases import ReleaseChain
 from reefd.scenarios import Registry
 
 HTTP = web.AppKey("http", aiohttp.ClientSession)
+CHAIN = web.AppKey("chain", ReleaseChain)
 
 
 @dataclass
@@ -56,13 +58,17 @@ def build_app(settings: Settings) -> web.Application:
         yield
         await app[HTTP].close()
 
+    async def releases(app: web.Application) -> AsyncIterator[None]:  # Commit
+        app[CHAIN] = ReleaseChain(settings.state_dir / "releases.git")
+        yield
+
     async def engines(app: web.Application) -> AsyncIterator[None]:  # Serve
-        app[REGISTRY] = Registry(settings.scenarios, settings.state_dir, app[HTTP])
+        app[REGISTRY] = Registry(settings.scenarios, settings.state_dir, app[HTTP], app[CHAIN])
         await app[REGISTRY].start()
         yield
         await app[REGISTRY].stop()
 
-    app.cleanup_ctx.extend([records, http_client, engines])
+    app.cleanup_ctx.extend([records, http_client, releases, engines])
 
     # Serve: provider-native agent APIs, by header or by path.
     for prefix in ("", "/scenarios/{scenario}"):

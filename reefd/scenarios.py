@@ -14,7 +14,7 @@ import json
 import logging
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -24,18 +24,19 @@ from aiohttp import web
 from reefd.api.errors import ApiError
 from reefd.config import ScenarioConfig, to_dict
 from reefd.engines import Engine, build_engine
+from reefd.identity import model_identity
+from reefd.releases import HeadConflict, ReleaseChain
 
 log = logging.getLogger("reefd")
 
 SCENARIO_HEADER = "x-reef-scenario"
-BASE_RELEASE = "base"  # the untouched base model; the release chain names later releases
 
 
 @dataclass
 class Scenario:
     cfg: ScenarioConfig
     engine: Engine
-    release: str = BASE_RELEASE
+    release: str | None = None  # the serving release's id, once the chain has one
 
     @property
     def name(self) -> str:
@@ -54,8 +55,10 @@ async def _until(condition: Callable[[], bool], timeout_s: float) -> None:
 
 class Registry:
     def __init__(self, configs: dict[str, ScenarioConfig], state_dir: Path,
-                 session: aiohttp.ClientSession):
+                 session: aiohttp.ClientSession, chain: ReleaseChain):
         self.state_dir = state_dir
+        self.chain = chain
+        self._tasks: set[asyncio.Task[None]] = set()
         self.session = session
         self.engines: dict[str, Engine] = {}
         self.scenarios: dict[str, Scenario] = {}
@@ -73,13 +76,38 @@ class Registry:
                 self.engines[key] = build_engine(cfg.model, self.state_dir, self.session)
                 fresh.append(key)
             old = self.scenarios.get(name)
-            scenarios[name] = Scenario(cfg, self.engines[key],
-                                       old.release if old else BASE_RELEASE)
+            scenarios[name] = Scenario(cfg, self.engines[key], old.release if old else None)
         return scenarios, fresh
 
     async def start(self) -> None:
         for engine in self.engines.values():
             await engine.start()
+        self._bind_releases(self.scenarios.values())
+
+    def _bind_releases(self, scenarios: Iterable[Scenario]) -> None:
+        for scenario in scenarios:
+            if scenario.release is None:
+                task = asyncio.create_task(self._bind_release(scenario))
+                self._tasks.add(task)
+                task.add_done_callback(self._tasks.discard)
+
+    async def _bind_release(self, scenario: Scenario) -> None:
+        """Serve the chain's head; a scenario's first start records its base release."""
+        head = await asyncio.to_thread(self.chain.head, scenario.name)
+        if head is None:
+            while (model_dir := scenario.engine.model_folder()) is None and \
+                    scenario.cfg.model.engine != "upstream":
+                await asyncio.sleep(0.25)  # a built-in model is still being prepared
+            ident = await asyncio.to_thread(model_identity, scenario.cfg.model, model_dir)
+            try:
+                head = await asyncio.to_thread(
+                    self.chain.publish, scenario.name, expected_head=None, kind="base",
+                    artifact_dir=None, meta={"source": "import", "identity": ident})
+                log.info("%s: recorded base release %s", scenario.name, head.id)
+            except HeadConflict:  # another process recorded it first: serve that
+                head = await asyncio.to_thread(self.chain.head, scenario.name)
+        assert head is not None
+        scenario.release = head.id
 
     @contextlib.contextmanager
     def serving(self, scenario: Scenario) -> Iterator[None]:
@@ -113,6 +141,7 @@ class Registry:
                               name, scenario.engine.describe()["state"])
                     scenarios[name] = old
             self.scenarios = scenarios
+            self._bind_releases(scenarios.values())
             used = {id(s.engine) for s in scenarios.values()}
             for key, engine in list(self.engines.items()):
                 if id(engine) not in used:
@@ -126,12 +155,14 @@ class Registry:
         return self._inflight[id(engine)] == 0
 
     async def stop(self) -> None:
+        for task in list(self._tasks):
+            task.cancel()
         for engine in self.engines.values():
             await engine.stop()
 
     @property
     def ready(self) -> bool:
-        return all(s.engine.ready for s in self.scenarios.values())
+        return all(s.engine.ready and s.release for s in self.scenarios.values())
 
     def get(self, name: str) -> Scenario:
         try:

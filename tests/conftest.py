@@ -119,3 +119,11 @@ def _close_sdk_clients() -> Iterator[None]:
     yield
     for client in _SDK_CLIENTS:
         client.close()
+
+
+def base_release(d: Daemon, scenario: str = "tiny") -> str:
+    """The id of the release a scenario serves (its base release, in these tests)."""
+    status = json.loads(d.get("/reef/status")[1])
+    release = next(s["release"] for s in status["scenarios"] if s["name"] == scenario)
+    assert isinstance(release, str) and release.startswith("r0-")
+    return release

@@ -108,6 +108,9 @@ def finish_record(record: dict[str, Any], c: Completion, answer: dict[str, Any],
 async def serve_turn(request: web.Request, scenario: Scenario, store: RecordStore,
                      wire_for: Callable[[str], Wire], body: dict[str, Any],
                      chat: ChatRequest, stream: bool) -> web.StreamResponse:
+    if scenario.release is None:  # the chain has not named this scenario's release yet
+        raise ApiError(503, f"scenario {scenario.name!r} is still starting; retry shortly",
+                       code="engine_unavailable", headers={"Retry-After": "2"})
     serve = scenario.cfg.serve  # the scenario's sampling defaults fill what the request left unset
     if chat.temperature is None:
         chat.temperature = serve.temperature

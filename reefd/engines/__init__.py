@@ -87,6 +87,10 @@ class Engine(Protocol):
 
     def describe(self) -> dict[str, Any]: ...
 
+    def model_folder(self) -> Path | None:
+        """The local model folder once known (after preparation); None for remote models."""
+        ...
+
 
 def build_engine(cfg: ModelConfig, state_dir: Path, session: aiohttp.ClientSession) -> Engine:
     """The registry: `model.engine` in YAML → engine class."""

@@ -224,6 +224,9 @@ class SGLangEngine:
             await self.supervisor.stop()
         self._state = "stopped"
 
+    def model_folder(self) -> Path | None:
+        return self.model_dir
+
     def describe(self) -> dict[str, Any]:
         sup = self.supervisor
         return {"kind": self.kind, "state": self.state,

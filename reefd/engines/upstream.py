@@ -68,6 +68,9 @@ class UpstreamEngine:
     async def stop(self) -> None:
         return None
 
+    def model_folder(self) -> None:
+        return None
+
     def describe(self) -> dict[str, Any]:
         return {"kind": self.kind, "state": "ready", "url": self.cfg.url, "restarts": 0,
                 "pid": None, "upstream_model": self.model}

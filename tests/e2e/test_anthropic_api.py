@@ -7,7 +7,7 @@ import json
 import anthropic
 import pytest
 
-from tests.conftest import Daemon, sdk
+from tests.conftest import Daemon, base_release, sdk
 
 
 def client(d: Daemon, **headers: str) -> anthropic.Anthropic:
@@ -30,7 +30,7 @@ def test_non_streaming_message_with_system_blocks(daemon: Daemon) -> None:
     assert msg.stop_reason in ("end_turn", "max_tokens")
     assert 1 <= msg.usage.output_tokens <= 5
     rec = record(daemon, raw.headers["x-reef-agent-record-id"])
-    assert raw.headers["x-reef-release-id"] == "base"
+    assert raw.headers["x-reef-release-id"] == base_release(daemon)
     assert rec["api"] == "anthropic.messages"
     assert rec["messages"][0] == {"role": "system", "content": "Be brief."}
     assert rec["usage"]["completion_tokens"] == msg.usage.output_tokens

@@ -258,3 +258,26 @@ def test_reload_drains_requests_on_an_engine_it_removes(fresh_daemon: Daemon) ->
         raise AssertionError("the unused worker was not stopped after it drained")
     names = [m["id"] for m in json.loads(fresh_daemon.get("/v1/models")[1])["data"]]
     assert names == ["tiny"]
+
+
+def test_first_start_records_the_base_release_and_restarts_keep_it(fresh_daemon: Daemon) -> None:
+    from reefd.identity import sha256_file
+    from reefd.releases import ReleaseChain
+
+    fresh_daemon.start()
+    release = json.loads(fresh_daemon.get("/reef/status")[1])["scenarios"][0]["release"]
+    head = ReleaseChain(fresh_daemon.state / "releases.git").head("tiny")
+    assert head is not None and head.id == release and head.kind == "base" and head.seq == 0
+    ident = head.meta["identity"]
+    model = fresh_daemon.state / "models" / "tiny"
+    assert ident["weights"] == {"model.safetensors": sha256_file(model / "model.safetensors")}
+    assert ident["tokenizer"] == sha256_file(model / "tokenizer.json")
+    status, _, headers = fresh_daemon.post("/v1/chat/completions", {
+        "model": "tiny", "messages": [{"role": "user", "content": "x"}], "max_tokens": 1})
+    assert status == 200 and headers["x-reef-release-id"] == release
+    receipt = headers["x-reef-agent-record-id"]
+    assert fresh_daemon.stop() == 0
+    fresh_daemon.start()
+    assert json.loads(fresh_daemon.get("/reef/status")[1])["scenarios"][0]["release"] == release
+    assert json.loads(fresh_daemon.get(f"/reef/records/{receipt}")[1])["release"] == release
+    assert len(ReleaseChain(fresh_daemon.state / "releases.git").history("tiny")) == 1

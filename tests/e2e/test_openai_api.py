@@ -7,7 +7,7 @@ import json
 import openai
 import pytest
 
-from tests.conftest import Daemon, sdk
+from tests.conftest import Daemon, base_release, sdk
 
 HEADERS = {"x-reef-scenario": "tiny"}
 
@@ -28,7 +28,7 @@ def test_non_streaming_answer_carries_receipt_and_durable_record(daemon: Daemon)
         model="tiny", messages=[{"role": "user", "content": "Say hi"}], max_tokens=5, seed=3,
         extra_headers={"x-reef-session": "sess-1", "x-reef-tag-Team": "blue"})
     receipt = raw.headers["x-reef-agent-record-id"]
-    assert raw.headers["x-reef-release-id"] == "base"
+    assert raw.headers["x-reef-release-id"] == base_release(daemon)
     answer = raw.parse()
     assert answer.object == "chat.completion"
     assert answer.choices[0].finish_reason in ("stop", "length")

@@ -18,7 +18,7 @@ from openai.types.responses import Response, ResponseStreamEvent
 from reefd.api.errors import ApiError
 from reefd.api.responses import ResponsesWire, input_messages
 from reefd.chat import ChatRequest, Completion
-from tests.conftest import Daemon, sdk
+from tests.conftest import Daemon, base_release, sdk
 
 HEADERS = {"x-reef-scenario": "tiny"}
 WEATHER = {"type": "function", "name": "get_weather", "description": "Weather for a city",
@@ -47,7 +47,7 @@ def test_non_streaming_response_carries_receipt_and_durable_record(daemon: Daemo
     raw = client(daemon).responses.with_raw_response.create(
         model="gpt-5-codex", input="Say hi", max_output_tokens=5, temperature=0.5)
     receipt = raw.headers["x-reef-agent-record-id"]
-    assert raw.headers["x-reef-release-id"] == "base"
+    assert raw.headers["x-reef-release-id"] == base_release(daemon)
     resp = raw.parse()
     assert resp.id == "resp_" + receipt and resp.object == "response"
     assert resp.model == "tiny"  # the scenario answers, whatever model the agent names
