@@ -34,6 +34,7 @@ class ChatRequest:
     top_k: int | None = None
     seed: int | None = None
     stop: list[str] = field(default_factory=list)
+    ignore_eos: bool = False  # SGLang's and vLLM's extension: generate to max_tokens
 
 
 @dataclass

@@ -64,6 +64,7 @@ REQUEST_SCHEMA = {
         "top_k": {"type": "integer", "minimum": 0},
         "stream": {"type": "boolean"},
         "metadata": {"type": "object"},
+        "ignore_eos": {"type": "boolean"},  # SGLang's and vLLM's extension
     },
 }
 COUNT_SCHEMA = {"type": "object", "required": ["model", "messages"], "properties": _BASE_PROPS}
@@ -139,7 +140,8 @@ def to_chat_request(body: dict[str, Any], max_tokens: int = 1) -> ChatRequest:
     return ChatRequest(messages=messages, max_tokens=body.get("max_tokens", max_tokens),
                        tools=tools, tool_choice=tool_choice,
                        temperature=body.get("temperature"), top_p=body.get("top_p"),
-                       top_k=body.get("top_k"), stop=list(body.get("stop_sequences") or []))
+                       top_k=body.get("top_k"), stop=list(body.get("stop_sequences") or []),
+                       ignore_eos=bool(body.get("ignore_eos")))
 
 
 def _event(kind: str, data: dict[str, Any]) -> bytes:

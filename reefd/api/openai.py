@@ -69,6 +69,7 @@ REQUEST_SCHEMA = {
                                                   "function": {"type": "object",
                                                                "required": ["name"]}}}]},
         "presence_penalty": _NUM, "frequency_penalty": _NUM,
+        "ignore_eos": {"type": "boolean"},  # SGLang's and vLLM's extension
     },
 }
 _VALIDATOR = jsonschema.Draft202012Validator(REQUEST_SCHEMA)
@@ -106,7 +107,8 @@ def to_chat_request(body: dict[str, Any], cfg: ScenarioConfig) -> ChatRequest:
         or cfg.serve.default_max_tokens,
         tools=body.get("tools") or [], tool_choice=body.get("tool_choice"),
         temperature=body.get("temperature"), top_p=body.get("top_p"), seed=body.get("seed"),
-        stop=[stop] if isinstance(stop, str) else list(stop or []))
+        stop=[stop] if isinstance(stop, str) else list(stop or []),
+        ignore_eos=bool(body.get("ignore_eos")))
 
 
 class OpenAIWire:

@@ -148,7 +148,8 @@ def to_chat_request(body: dict[str, Any], cfg: ScenarioConfig,
                        max_tokens=body.get("max_output_tokens") or cfg.serve.default_max_tokens,
                        tools=_tools(body.get("tools") or []),
                        tool_choice=_tool_choice(body.get("tool_choice")),
-                       temperature=body.get("temperature"), top_p=body.get("top_p"))
+                       temperature=body.get("temperature"), top_p=body.get("top_p"),
+                       ignore_eos=body.get("ignore_eos") is True)  # SGLang's and vLLM's extension
 
 
 def stored(store: RecordStore, scenario: Scenario, response_id: str) -> dict[str, Any] | None:

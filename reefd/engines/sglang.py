@@ -107,6 +107,8 @@ def sampling_params(req: ChatRequest) -> dict[str, Any]:
         params["stop"] = list(req.stop)
     if req.seed is not None:
         params["sampling_seed"] = req.seed
+    if req.ignore_eos:
+        params["ignore_eos"] = True
     return params
 
 
