@@ -6,6 +6,7 @@ Grow and Commit (recipes, gates, the release chain) plug in beside these resourc
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -17,15 +18,15 @@ from aiohttp import web
 
 from reefd.api import admin, anthropic, openai, reports, responses
 from reefd.api.errors import error_middleware
-from reefd.api.keys import REGISTRY, STARTED_AT, STORE
+from reefd.api.keys import CHAIN, REGISTRY, STARTED_AT, STORE
 from reefd.auth import auth_middleware
 from reefd.config import ScenarioConfig
 from reefd.records import RecordStore
 from reefd.releases import ReleaseChain
 from reefd.scenarios import Registry
 
+log = logging.getLogger("reefd")
 HTTP = web.AppKey("http", aiohttp.ClientSession)
-CHAIN = web.AppKey("chain", ReleaseChain)
 
 
 @dataclass
@@ -60,6 +61,8 @@ def build_app(settings: Settings) -> web.Application:
 
     async def releases(app: web.Application) -> AsyncIterator[None]:  # Commit
         app[CHAIN] = ReleaseChain(settings.state_dir / "releases.git")
+        for lock in app[CHAIN].clear_stale_locks():  # reefd is the chain's only writer
+            log.warning("removed a stale release lock left by a killed writer: %s", lock)
         yield
 
     async def engines(app: web.Application) -> AsyncIterator[None]:  # Serve
@@ -84,6 +87,9 @@ def build_app(settings: Settings) -> web.Application:
     app.router.add_get("/reef/records/{receipt}", admin.get_record)
     app.router.add_get("/reef/scenarios/{name}/records", admin.list_records)
     app.router.add_get("/reef/status", admin.status)
+    # Commit: the release chain, read side.
+    app.router.add_get("/reef/scenarios/{name}/releases", admin.history)
+    app.router.add_get("/reef/releases/{release}", admin.show_release)
     app.router.add_get("/healthz", admin.healthz)
     app.router.add_get("/", admin.healthz)  # HEAD / is Claude Code's connectivity probe
     app.router.add_get("/readyz", admin.readyz)

@@ -283,6 +283,47 @@ def cmd_get(client: Client, args: argparse.Namespace) -> int:
     return 0
 
 
+def _history_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("name", metavar="SCENARIO")
+    p.add_argument("-o", "--output", choices=["json", "name"],
+                   help="json: the list as returned; name: release/<id>, newest first")
+
+
+@command("history", "a scenario's release chain, newest first (git log style)", _history_args)
+def cmd_history(client: Client, args: argparse.Namespace) -> int:
+    page = client.call("GET", f"/reef/scenarios/{urllib.parse.quote(args.name, safe='')}/releases")
+    if args.output == "json":
+        _print_json(page)
+        return 0
+    for rel in page["data"]:
+        if args.output == "name":
+            print(f"release/{rel['id']}")
+            continue
+        mark = " (serving)" if rel["id"] == page.get("serving") else ""
+        print(f"release {rel['id']}{mark}\nKind:    {rel['kind']}\nParent:  {_cell(rel['parent'])}"
+              f"\nDate:    {rel['created_at']}\nSource:  {_cell(rel['meta'].get('source'))}\n")
+    return 0
+
+
+def _show_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("release", metavar="RELEASE")
+    p.add_argument("-o", "--output", choices=["json"], help="json: release.json and the files")
+
+
+@command("show", "one release: its metadata and files", _show_args)
+def cmd_show(client: Client, args: argparse.Namespace) -> int:
+    release = args.release.removeprefix("release/")  # the -o name form works too
+    rel = client.call("GET", f"/reef/releases/{urllib.parse.quote(release, safe='')}")
+    if args.output == "json":
+        _print_json(rel)
+        return 0
+    _print_json({k: v for k, v in rel.items() if k != "files"})
+    table = Table(["FILE", "SIZE", "SHA256", "LFS"])
+    table.emit([[f["path"], str(f["size"]), f["sha256"][:12], "yes" if f["lfs"] else "-"]
+                for f in rel["files"]])
+    return 0
+
+
 def _report_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("receipts", metavar="RECEIPT", nargs="+", type=_receipt, help="the records the report is about")
     p.add_argument("--score", metavar="X", type=_number(float), help="a finite number")

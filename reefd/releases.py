@@ -347,6 +347,22 @@ class ReleaseChain:
             "changed": sorted(p for p in set(fa) & set(fb) if fa[p] != fb[p]),
         }
 
+    def files(self, release_id: str) -> list[dict[str, Any]]:
+        """Every file of a release: path, size, sha256 (the LFS oid for LFS files), lfs."""
+        tree = self.repo[self.get(release_id).commit].peel(pygit2.Commit).tree
+        return [{"path": p, "size": size if oid else len(data), "lfs": oid is not None,
+                 "sha256": oid or hashlib.sha256(data).hexdigest()}
+                for p, data, oid, size in self._walk(tree)]
+
+    def clear_stale_locks(self) -> list[Path]:
+        """Remove head lock files a killed writer left behind. Only for the repo's sole writer
+        (reefd at start), since a live writer's lock must never be removed."""
+        refs = self.path / "refs" / "reef" / "scenarios"
+        stale = list(refs.glob("*/head.lock")) if refs.is_dir() else []
+        for lock in stale:
+            lock.unlink(missing_ok=True)
+        return stale
+
     def _digests(self, rel: Release) -> dict[str, str]:
         tree = self.repo[rel.commit].peel(pygit2.Commit).tree
         return {p: oid or hashlib.sha256(data).hexdigest()

@@ -277,3 +277,15 @@ def test_unknown_and_foreign_releases(chain: ReleaseChain, tmp_path: Path) -> No
     with pytest.raises(UnknownRelease):  # an unreachable candidate commit is not a release
         chain.get(f"r1-{str(refused)[:7]}")
     assert chain.head("support") == ad and chain.head("other") == other
+
+
+def test_a_stale_head_lock_blocks_publishing_until_cleared(tmp_path: Path) -> None:
+    chain = ReleaseChain(tmp_path / "releases.git")
+    base = chain.publish("s", expected_head=None, kind="base", artifact_dir=None, meta={})
+    lock = tmp_path / "releases.git" / "refs" / "reef" / "scenarios" / "s" / "head.lock"
+    lock.write_text("left by a killed writer")
+    with pytest.raises(HeadConflict):
+        chain.publish("s", expected_head=base.id, kind="adapter", artifact_dir=None, meta={})
+    assert chain.clear_stale_locks() == [lock] and not lock.exists()
+    nxt = chain.publish("s", expected_head=base.id, kind="adapter", artifact_dir=None, meta={})
+    assert chain.head("s") == nxt

@@ -7,6 +7,7 @@ import os
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import openai
 
@@ -89,3 +90,34 @@ def test_records_of_one_session_in_order(daemon: Daemon) -> None:
     out = reefctl(daemon, "records", "tiny", "--session", "conv-7", "-o", "name")
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == [f"record/{r}" for r in turns]
+
+
+def test_history_and_show_read_the_release_chain(daemon: Daemon, tmp_path: Path) -> None:
+    from reefd.releases import ReleaseChain
+
+    log = reefctl(daemon, "history", "tiny")
+    assert log.returncode == 0, log.stderr
+    first = log.stdout.splitlines()[0]
+    assert re.fullmatch(r"release r0-[0-9a-f]{7} \(serving\)", first)
+    assert "Kind:    base" in log.stdout and "Source:  import" in log.stdout
+    base = first.split()[1]
+    shown = json.loads(reefctl(daemon, "show", f"release/{base}", "-o", "json").stdout)
+    assert shown["kind"] == "base" and shown["meta"]["identity"]["model"] == "tiny"
+    assert {f["path"] for f in shown["files"]} == {"release.json", ".gitattributes"}
+    # an adapter release with a real LFS file, published to the daemon's chain directly
+    adapter = tmp_path / "adapter"
+    adapter.mkdir()
+    (adapter / "adapter_model.safetensors").write_bytes(os.urandom(4096))
+    (adapter / "adapter_config.json").write_text("{}")
+    chain = ReleaseChain(daemon.state / "releases.git")
+    r0 = chain.publish("lab", expected_head=None, kind="base", artifact_dir=None, meta={})
+    r1 = chain.publish("lab", expected_head=r0.id, kind="adapter", artifact_dir=adapter,
+                       meta={"source": "test"})
+    table = reefctl(daemon, "show", r1.id)
+    assert table.returncode == 0, table.stderr
+    row = next(line for line in table.stdout.splitlines()
+               if line.startswith("adapter/adapter_model.safetensors"))
+    assert row.split()[1:] == ["4096", row.split()[2], "yes"]
+    missing = reefctl(daemon, "show", "r9-0000000")
+    assert missing.returncode == 1 and "no release" in missing.stderr
+    assert reefctl(daemon, "history", "ghost").returncode == 1
