@@ -12,11 +12,9 @@ import contextlib
 import logging
 import random
 import threading
-import time
 import traceback
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -24,79 +22,13 @@ import torch
 from reefd.worker import kvcache
 from reefd.worker.detok import TextTracker
 from reefd.worker.engine import Engine
-from reefd.worker.params import BadRequest, GenerateRequest, SamplingParams
+from reefd.worker.jobs import Control, Job, Row, Stats, Update
+from reefd.worker.params import BadRequest, GenerateRequest
 from reefd.worker.sampling import draw_uniforms, sample
 
 log = logging.getLogger("reefd.worker")
-Finish = dict[str, Any]
 SHARED_PREFILL_MAX = 1024  # longer prompts are prefilled alone (see Scheduler._admit)
 LOGPROB_CHUNK = 4096  # prompt positions whose log-softmax is computed at once
-
-
-@dataclass
-class Update:
-    """What one scheduler step produced for one request (ids and logprobs are the new ones)."""
-
-    new_ids: list[int]
-    new_logprobs: list[float]
-    text: str  # cumulative text, safe to show (final: stop string trimmed)
-    finish: Finish | None = None
-    input_logprobs: list[list[Any]] | None = None  # only on the first update, when asked
-
-
-class Job:
-    """The asyncio side of one request: a queue of `Update`s and a cancel flag."""
-
-    def __init__(self, req: GenerateRequest, prompt: list[int], loop: asyncio.AbstractEventLoop) -> None:
-        self.req = req
-        self.prompt = prompt
-        self.loop = loop
-        self.queue: asyncio.Queue[Update] = asyncio.Queue()
-        self.cancelled = False  # written by the loop, read by the scheduler thread
-        self.created = time.monotonic()
-
-
-@dataclass(eq=False)
-class Row:
-    """A running sequence inside the scheduler thread."""
-
-    job: Job
-    sampling: SamplingParams
-    max_new: int
-    generator: torch.Generator
-    tracker: TextTracker
-    ids: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    sent: int = 0  # ids already delivered
-    finish: Finish | None = None
-    input_logprobs: list[list[Any]] | None = None
-
-
-@dataclass(eq=False)
-class Control:
-    """Work on the model itself (adapters, weights), run by the scheduler thread between steps.
-
-    `ready` is checked before each step; `exclusive` holds admission while it waits.
-    """
-
-    fn: Callable[[], Any]
-    future: concurrent.futures.Future[Any]
-    ready: Callable[[], bool] = lambda: True
-    exclusive: bool = False
-
-
-@dataclass
-class Stats:
-    prefills: int = 0
-    decode_steps: int = 0
-    decode_rows: int = 0  # sum of batch sizes over decode steps
-    max_running: int = 0  # the largest batch a decode step ran with
-    requests_completed: int = 0
-    tokens_generated: int = 0
-
-    def as_dict(self) -> dict[str, Any]:
-        avg = self.decode_rows / self.decode_steps if self.decode_steps else 0.0
-        return {**self.__dict__, "avg_decode_batch": round(avg, 3)}
 
 
 class Scheduler:

@@ -13,8 +13,8 @@ from typing import Any
 from aiohttp import web
 
 from reefd.chat import parse_tool_calls  # the same parser reefd uses (torch-free)
-from reefd.worker.batcher import Job
 from reefd.worker.detok import held_back
+from reefd.worker.jobs import Job
 from reefd.worker.params import BadRequest, GenerateRequest, parse_sampling
 from reefd.worker.wire import STATE, WorkerState, close_sse, error_response, open_sse, read_json, send_sse, updates
 

@@ -15,7 +15,7 @@ from typing import Any
 from aiohttp import web
 
 from reefd.worker import openai_chat
-from reefd.worker.batcher import Job, Update
+from reefd.worker.jobs import Job, Update
 from reefd.worker.params import BadRequest, GenerateRequest, SamplingParams, parse_generate
 from reefd.worker.wire import (
     STATE,

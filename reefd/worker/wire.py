@@ -14,7 +14,8 @@ from typing import Any
 
 from aiohttp import web
 
-from reefd.worker.batcher import Job, Scheduler, Update
+from reefd.worker.batcher import Scheduler
+from reefd.worker.jobs import Job, Update
 from reefd.worker.params import BadRequest
 
 

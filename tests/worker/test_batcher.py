@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from reefd.worker import batcher
-from reefd.worker.batcher import SHARED_PREFILL_MAX, Job, Scheduler
+from reefd.worker.batcher import SHARED_PREFILL_MAX, Scheduler
+from reefd.worker.jobs import Job
 from reefd.worker.params import GenerateRequest, SamplingParams, parse_sampling
 from tests.worker.support import reference_greedy
 
