@@ -31,15 +31,21 @@ def agentd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
     d.stop()
 
 
-def replay(d: Daemon, body: dict[str, Any]) -> tuple[str, list[str]]:
-    """Send the request as Claude Code did; return the receipt and the SSE event names."""
-    headers = {**FIXTURE["headers"], "Authorization": f"Bearer {d.token}"}
-    req = urllib.request.Request(d.url + FIXTURE["path"], data=json.dumps(body).encode(),
-                                 headers=headers, method=FIXTURE["method"])
+def send(d: Daemon, fixture: dict[str, Any], body: dict[str, Any] | None = None
+         ) -> tuple[str, list[bytes]]:
+    """Send a recorded request as the agent did; return the receipt and the SSE lines."""
+    headers = {**fixture["headers"], "Authorization": f"Bearer {d.token}"}
+    req = urllib.request.Request(d.url + fixture["path"], method=fixture["method"],
+                                 data=json.dumps(body or fixture["body"]).encode(), headers=headers)
     with urllib.request.urlopen(req, timeout=120) as r:
         assert r.status == 200 and r.headers["content-type"].startswith("text/event-stream")
-        events = [line.decode()[len("event: "):].strip() for line in r if line.startswith(b"event: ")]
-        return r.headers["x-reef-agent-record-id"], events
+        return r.headers["x-reef-agent-record-id"], [line.strip() for line in r if line.strip()]
+
+
+def replay(d: Daemon, body: dict[str, Any]) -> tuple[str, list[str]]:
+    """The Claude Code turn with `body`; returns the receipt and the SSE event names."""
+    receipt, lines = send(d, FIXTURE, body)
+    return receipt, [line.decode()[len("event: "):] for line in lines if line.startswith(b"event: ")]
 
 
 def test_claude_code_first_turn_is_served_and_recorded(agentd: Daemon) -> None:
@@ -86,12 +92,8 @@ CODEX = json.loads((ROOT / "tests/fixtures/codex_0.171.0_first_turn.json").read_
 
 
 def test_codex_first_turn_is_served_and_recorded(agentd: Daemon) -> None:
-    headers = {**CODEX["headers"], "Authorization": f"Bearer {agentd.token}"}
-    req = urllib.request.Request(agentd.url + CODEX["path"], method=CODEX["method"],
-                                 data=json.dumps(CODEX["body"]).encode(), headers=headers)
-    with urllib.request.urlopen(req, timeout=120) as r:
-        receipt = r.headers["x-reef-agent-record-id"]
-        events = [json.loads(line[len(b"data: "):]) for line in r if line.startswith(b"data: ")]
+    receipt, lines = send(agentd, CODEX)
+    events = [json.loads(line[len(b"data: "):]) for line in lines if line.startswith(b"data: ")]
     kinds = [e["type"] for e in events]
     assert kinds[:2] == ["response.created", "response.in_progress"]
     assert kinds[-1] in ("response.completed", "response.incomplete")  # the cap may cut it
@@ -111,12 +113,8 @@ OPENCODE = json.loads((ROOT / "tests/fixtures/opencode_1.18.33_main_call.json").
 
 
 def test_opencode_main_call_is_served_and_recorded(agentd: Daemon) -> None:
-    headers = {**OPENCODE["headers"], "Authorization": f"Bearer {agentd.token}"}
-    req = urllib.request.Request(agentd.url + OPENCODE["path"], method=OPENCODE["method"],
-                                 data=json.dumps(OPENCODE["body"]).encode(), headers=headers)
-    with urllib.request.urlopen(req, timeout=120) as r:
-        receipt = r.headers["x-reef-agent-record-id"]
-        lines = [line.strip() for line in r if line.startswith(b"data: ")]
+    receipt, lines = send(agentd, OPENCODE)
+    lines = [line for line in lines if line.startswith(b"data: ")]
     assert lines[-1] == b"data: [DONE]"
     usage = json.loads(lines[-2][len(b"data: "):])["usage"]  # opencode asks for usage
     rec = json.loads(agentd.get(f"/reef/records/{receipt}")[1])

@@ -16,7 +16,7 @@ from reefd.worker.batcher import Scheduler
 from reefd.worker.engine import Engine
 from reefd.worker.params import BadRequest, parse_generate
 from tests.worker.support import Worker
-from tests.worker.test_batcher import collect
+from tests.worker.test_batcher import collect, run
 
 # peft 0.21 still reads transformers' deprecated `is_gradient_checkpointing` (a FutureWarning)
 pytestmark = pytest.mark.filterwarnings("ignore:.*is_gradient_checkpointing.*:FutureWarning")
@@ -93,16 +93,7 @@ def test_mixed_batch_in_process(tiny_model: Path, adapters: dict[str, Path], ref
     engine.load_adapter("b", adapters["b"])
     reqs = [(parse_generate(body(p, lora)), p) for lora in (None, "a", "b") for p in PROMPTS]
 
-    async def main() -> tuple[list[dict[str, Any]], Scheduler]:
-        scheduler = Scheduler(engine, max_batch=16, threads=1)
-        jobs = [scheduler.submit(req, prompt) for req, prompt in reqs]
-        scheduler.start()
-        try:
-            return list(await asyncio.gather(*(collect(j) for j in jobs))), scheduler
-        finally:
-            scheduler.stop()
-
-    results, scheduler = asyncio.run(main())
+    results, scheduler = run(engine, reqs, max_batch=16)
     got = [r["ids"] for r in results]
     assert got == references[None] + references["a"] + references["b"]
     assert scheduler.stats.max_running == len(reqs)  # really one mixed batch
