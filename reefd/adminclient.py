@@ -13,7 +13,7 @@ import urllib.parse
 import urllib.request
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 DEFAULT_URL = "http://127.0.0.1:8900"
 TIMEOUT_S = 30.0
@@ -64,19 +64,22 @@ class Client:
         self.url, self.token, self.timeout = url, token, timeout
 
     def call(self, method: str, path: str, *, query: Mapping[str, Any] | None = None,
-             body: Any = None, headers: Mapping[str, str] | None = None) -> Any:
+             body: Any = None, headers: Mapping[str, str] | None = None,
+             data: bytes | IO[bytes] | None = None, timeout: float | None = None) -> Any:
+        """`body` goes as JSON; `data` goes as is, with the Content-Type (and, for a file, the
+        Content-Length) given in `headers`. `timeout` overrides the client's for this call."""
         target = self.url + path
         if query:
             target += "?" + urllib.parse.urlencode(query)
-        data = None if body is None else json.dumps(body).encode()
         sent = {"Accept": "application/json", **(headers or {})}
-        if data is not None:
+        if body is not None:
+            data = json.dumps(body).encode()
             sent["Content-Type"] = "application/json"
         if self.token:
             sent["Authorization"] = f"Bearer {self.token}"
         req = urllib.request.Request(target, data=data, method=method, headers=sent)
         try:
-            with urllib.request.urlopen(req, timeout=self.timeout) as resp:
+            with urllib.request.urlopen(req, timeout=self.timeout if timeout is None else timeout) as resp:
                 raw = resp.read()
         except urllib.error.HTTPError as exc:
             with exc:

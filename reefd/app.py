@@ -17,6 +17,7 @@ import orjson
 from aiohttp import web
 
 from reefd.api import admin, anthropic, openai, reports, responses
+from reefd.api import releases as release_api
 from reefd.api.errors import error_middleware
 from reefd.api.keys import CHAIN, REGISTRY, STARTED_AT, STORE
 from reefd.auth import auth_middleware
@@ -87,9 +88,13 @@ def build_app(settings: Settings) -> web.Application:
     app.router.add_get("/reef/records/{receipt}", admin.get_record)
     app.router.add_get("/reef/scenarios/{name}/records", admin.list_records)
     app.router.add_get("/reef/status", admin.status)
-    # Commit: the release chain, read side.
-    app.router.add_get("/reef/scenarios/{name}/releases", admin.history)
-    app.router.add_get("/reef/releases/{release}", admin.show_release)
+    # Commit: the release chain. Writes are compare-and-swap on the head, then a hot swap.
+    app.router.add_get("/reef/scenarios/{name}/releases", release_api.history)
+    app.router.add_post("/reef/scenarios/{name}/releases", release_api.publish)
+    app.router.add_post("/reef/scenarios/{name}/rollback", release_api.rollback)
+    app.router.add_post("/reef/scenarios/{name}/promote", release_api.promote)
+    app.router.add_get("/reef/releases/{release}", release_api.show)
+    app.router.add_get("/reef/diff", release_api.diff)
     app.router.add_get("/healthz", admin.healthz)
     app.router.add_get("/", admin.healthz)  # HEAD / is Claude Code's connectivity probe
     app.router.add_get("/readyz", admin.readyz)

@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
-import math
 import os
 import sys
 import time
@@ -19,87 +17,9 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 from reefd.adminclient import DEFAULT_URL, Client, CliError, Unreachable, resolve_connection
+from reefd.clikit import COMMANDS, Table, age, cell, command, json_arg, note, number, print_json, printable
 
 PREVIEW = 60  # characters of completion shown in the records table (twice that with -o wide)
-
-
-def _print_json(obj: Any, *, lines: bool = False) -> None:
-    print(json.dumps(obj, ensure_ascii=False, indent=None if lines else 2), flush=True)
-
-
-def _note(message: str) -> None:
-    print(message, file=sys.stderr, flush=True)
-
-
-class Table:
-    """kubectl-style columns: left-aligned, three spaces apart, header before the first row.
-    Widths only grow, so rows printed later (--follow) stay aligned as far as they can."""
-
-    def __init__(self, headers: Sequence[str]) -> None:
-        self.headers = list(headers)
-        self.widths = [len(h) for h in headers]
-        self.started = False
-
-    def emit(self, rows: Sequence[Sequence[str]]) -> None:
-        if not rows:
-            return
-        for row in rows:
-            self.widths = [max(w, len(cell)) for w, cell in zip(self.widths, row, strict=True)]
-        for row in ([] if self.started else [self.headers]) + [list(r) for r in rows]:
-            print("   ".join(cell.ljust(w) for cell, w in zip(row, self.widths, strict=True)).rstrip(), flush=True)
-        self.started = True
-
-
-def _age(seconds: float | None) -> str:
-    """kubectl-style: 42s, 5m3s, 2h7m, 3d4h."""
-    s = int(seconds or 0)
-    d, h, m = s // 86400, s // 3600 % 24, s // 60 % 60
-    return f"{d}d{h}h" if d else f"{h}h{m}m" if h else f"{m}m{s % 60}s" if m else f"{s}s"
-
-
-def _cell(value: Any) -> str:
-    return "-" if value is None or value == "" else str(value)
-
-
-Run = Callable[[Client, argparse.Namespace], int]
-Configure = Callable[[argparse.ArgumentParser], None]
-COMMANDS: dict[str, tuple[str, Configure, Run]] = {}  # verb -> (help, declare its arguments, run it)
-
-
-def command(name: str, help: str, configure: Configure) -> Callable[[Run], Run]:
-    """Register `reefctl NAME`; a new verb is one decorated function plus its arguments."""
-
-    def register(run: Run) -> Run:
-        COMMANDS[name] = (help, configure, run)
-        return run
-
-    return register
-
-
-def _number(kind: Callable[[str], float], *, positive: bool = False) -> Callable[[str], Any]:
-    """An argparse type: a finite number, and above zero when `positive` (so nan, inf and 0 are usage errors)."""
-
-    def parse(text: str) -> Any:
-        try:
-            value = kind(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
-        if not math.isfinite(value) or (positive and value <= 0):
-            raise argparse.ArgumentTypeError(f"must be a finite{' positive' if positive else ''} number: {text!r}")
-        return value
-
-    return parse
-
-
-def _json(text: str, *, want: type = object) -> Any:
-    """An argparse type: JSON text, of type `want` (dict for --metadata)."""
-    try:
-        value = json.loads(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(f"invalid JSON ({exc}): {text!r}") from None
-    if not isinstance(value, want):
-        raise argparse.ArgumentTypeError(f"must be a JSON {'object' if want is dict else want.__name__}: {text!r}")
-    return value
 
 
 def _receipt(text: str) -> str:
@@ -115,27 +35,50 @@ def _status_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("-o", "--output", choices=["json", "wide"], help="json: the raw status; wide: more columns")
 
 
-@command("status", "show the daemon and each scenario's engine, release and counts", _status_args)
+def _drift(chain: Mapping[str, Any]) -> str:
+    """The DRIFT cell: `-` in sync, else which pointer serving misses (the reasons follow the table)."""
+    if not chain.get("drift"):
+        return "-"
+    if chain.get("serving") != (chain.get("declared") or chain.get("head")):
+        return "serving!=pin" if chain.get("declared") else "serving!=head"
+    return "yes"
+
+
+@command("status", "show the daemon and each scenario's engine, release chain and counts", _status_args)
 def cmd_status(client: Client, args: argparse.Namespace) -> int:
     status = client.call("GET", "/reef/status")
     if args.output == "json":
-        _print_json(status)
+        print_json(status)
         return 0
     ready = "ready" if status.get("ready") else "NOT READY"
-    _note(f"reefd {status.get('version', '?')} at {client.url}, up {_age(status.get('uptime_s'))}, {ready}")
+    note(f"reefd {status.get('version', '?')} at {client.url}, up {age(status.get('uptime_s'))}, {ready}")
     wide = args.output == "wide"
-    rows = []
-    for sc in status.get("scenarios") or []:
+    scenarios = status.get("scenarios") or []
+    chained = any(isinstance(sc.get("releases"), dict) for sc in scenarios)  # an older reefd has no chain
+    rows, reasons = [], []
+    for sc in scenarios:
         engine = sc.get("engine") or {}
+        chain = sc.get("releases") if isinstance(sc.get("releases"), dict) else {}
         row = [sc.get("name"), sc.get("model"), engine.get("kind"), engine.get("state"),
                sc.get("release"), sc.get("records"), sc.get("reports")]
+        if chained:
+            row += [chain.get("declared") or ("head" if chain else None), chain.get("head"),
+                    chain.get("serving"), _drift(chain)]
         if wide:
+            row += [chain.get("adapter")] if chained else []
             row += [engine.get("url"), engine.get("restarts"), engine.get("pid")]
-        rows.append([_cell(v) for v in row])
+        rows.append([cell(v) for v in row])
+        reasons += [f"scenario {sc.get('name')}: drift: {printable(str(r))}" for r in chain.get("drift") or []]
     if not rows:
-        _note("No scenarios configured.")
+        note("No scenarios configured.")
     columns = ["SCENARIO", "MODEL", "ENGINE", "STATE", "RELEASE", "RECORDS", "REPORTS"]
-    Table(columns + (["URL", "RESTARTS", "PID"] if wide else [])).emit(rows)
+    if chained:
+        columns += ["DECLARED", "HEAD", "SERVING", "DRIFT"] + (["ADAPTER"] if wide else [])
+    if wide:
+        columns += ["URL", "RESTARTS", "PID"]
+    Table(columns).emit(rows)
+    for line in reasons:
+        print(line, flush=True)
     return 0
 
 
@@ -169,8 +112,7 @@ def _record_row(record: Mapping[str, Any], wide: bool) -> list[str]:
     usage = record.get("usage") or {}
     created = record.get("created_at")
     score = latest_score(record)
-    text = " ".join(completion_text(record).split())
-    preview = "".join(ch if ch.isprintable() else "?" for ch in text)  # no escape codes into the terminal
+    preview = printable(" ".join(completion_text(record).split()))
     limit = PREVIEW * (2 if wide else 1)
     if len(preview) > limit:
         preview = preview[: limit - 3] + "..."
@@ -181,7 +123,7 @@ def _record_row(record: Mapping[str, Any], wide: bool) -> list[str]:
         latency = record.get("latency_s")
         row += [record.get("release"), record.get("session"),
                 None if latency is None else f"{latency:.2f}s", record.get("finish_reason")]
-    return [_cell(v) for v in [*row, preview]]
+    return [cell(v) for v in [*row, preview]]
 
 
 Emit = Callable[[list[dict[str, Any]]], None]
@@ -196,7 +138,7 @@ def _record_printer(output: str | None) -> Emit:
         if output not in ("json", "name"):
             table.emit([_record_row(r, wide) for r in batch])
         for record in batch if output == "json" else []:
-            _print_json(record, lines=True)
+            print_json(record, lines=True)
         for record in batch if output == "name" else []:
             print(f"record/{record['id']}", flush=True)
 
@@ -226,10 +168,10 @@ def _records_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("name", metavar="SCENARIO")
     p.add_argument("--after", metavar="RECEIPT", type=_receipt, help="start after this receipt")
     p.add_argument("--session", metavar="S", help="only this conversation's turns, in order")
-    p.add_argument("--limit", metavar="N", type=_number(int, positive=True),
+    p.add_argument("--limit", metavar="N", type=number(int, positive=True),
                    help="show one page of at most N records (default: every page)")
     p.add_argument("-f", "--follow", action="store_true", help="keep printing new records until Ctrl-C")
-    p.add_argument("--interval", type=_number(float, positive=True), default=1.0, help=argparse.SUPPRESS)
+    p.add_argument("--interval", type=number(float, positive=True), default=1.0, help=argparse.SUPPRESS)
     p.add_argument("-o", "--output", choices=["json", "wide", "name"],
                    help="json: one record per line (JSON Lines); name: record/<receipt>; wide: more columns")
 
@@ -246,7 +188,7 @@ def cmd_records(client: Client, args: argparse.Namespace) -> int:
             emit(batch)
             cursor = batch[-1]["id"] if batch else cursor
         if cursor == args.after and args.output in (None, "wide"):
-            _note(f"No records found in scenario {args.name}.")
+            note(f"No records found in scenario {args.name}.")
         if args.follow:
             _follow(client, args, emit, cursor)
     except KeyboardInterrupt:
@@ -267,7 +209,7 @@ def _follow(client: Client, args: argparse.Namespace, emit: Emit, cursor: str | 
             down = False
         except Unreachable as exc:
             if not down:
-                _note(f"reefctl: {exc}; retrying every {args.interval:g}s")
+                note(f"reefctl: {exc}; retrying every {args.interval:g}s")
             down = True
 
 
@@ -279,58 +221,17 @@ def _get_args(p: argparse.ArgumentParser) -> None:
 
 @command("get", "show one object as JSON: get record RECEIPT", _get_args)
 def cmd_get(client: Client, args: argparse.Namespace) -> int:
-    _print_json(_get_record(client, args.name))
-    return 0
-
-
-def _history_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("name", metavar="SCENARIO")
-    p.add_argument("-o", "--output", choices=["json", "name"],
-                   help="json: the list as returned; name: release/<id>, newest first")
-
-
-@command("history", "a scenario's release chain, newest first (git log style)", _history_args)
-def cmd_history(client: Client, args: argparse.Namespace) -> int:
-    page = client.call("GET", f"/reef/scenarios/{urllib.parse.quote(args.name, safe='')}/releases")
-    if args.output == "json":
-        _print_json(page)
-        return 0
-    for rel in page["data"]:
-        if args.output == "name":
-            print(f"release/{rel['id']}")
-            continue
-        mark = " (serving)" if rel["id"] == page.get("serving") else ""
-        print(f"release {rel['id']}{mark}\nKind:    {rel['kind']}\nParent:  {_cell(rel['parent'])}"
-              f"\nDate:    {rel['created_at']}\nSource:  {_cell(rel['meta'].get('source'))}\n")
-    return 0
-
-
-def _show_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("release", metavar="RELEASE")
-    p.add_argument("-o", "--output", choices=["json"], help="json: release.json and the files")
-
-
-@command("show", "one release: its metadata and files", _show_args)
-def cmd_show(client: Client, args: argparse.Namespace) -> int:
-    release = args.release.removeprefix("release/")  # the -o name form works too
-    rel = client.call("GET", f"/reef/releases/{urllib.parse.quote(release, safe='')}")
-    if args.output == "json":
-        _print_json(rel)
-        return 0
-    _print_json({k: v for k, v in rel.items() if k != "files"})
-    table = Table(["FILE", "SIZE", "SHA256", "LFS"])
-    table.emit([[f["path"], str(f["size"]), f["sha256"][:12], "yes" if f["lfs"] else "-"]
-                for f in rel["files"]])
+    print_json(_get_record(client, args.name))
     return 0
 
 
 def _report_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("receipts", metavar="RECEIPT", nargs="+", type=_receipt, help="the records the report is about")
-    p.add_argument("--score", metavar="X", type=_number(float), help="a finite number")
+    p.add_argument("--score", metavar="X", type=number(float), help="a finite number")
     feedback = p.add_mutually_exclusive_group()
     feedback.add_argument("--feedback", metavar="TEXT", help="free-text feedback")
-    feedback.add_argument("--feedback-json", metavar="JSON", type=_json, help="structured feedback")
-    p.add_argument("--metadata", metavar="JSON", type=functools.partial(_json, want=dict), help="a JSON object")
+    feedback.add_argument("--feedback-json", metavar="JSON", type=json_arg, help="structured feedback")
+    p.add_argument("--metadata", metavar="JSON", type=functools.partial(json_arg, want=dict), help="a JSON object")
     p.add_argument("--report-id", metavar="ID", help="idempotency key: resending the same report is a no-op")
     p.add_argument("--scenario", metavar="NAME", help="default: the first receipt's scenario")
     p.add_argument("-o", "--output", choices=["json", "name"], help="json: the created report; name: report/<id>")
@@ -349,7 +250,7 @@ def cmd_report(client: Client, args: argparse.Namespace) -> int:
             body[key] = value
     report = client.call("POST", "/reef/report", body=body, headers={"x-reef-scenario": scenario})
     if args.output == "json":
-        _print_json(report)
+        print_json(report)
     else:
         print(f"report/{report.get('report_id')}" + ("" if args.output == "name" else " created"))
     return 0
@@ -357,6 +258,8 @@ def cmd_report(client: Client, args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     """Connection flags go on the root and on every subcommand, so they work before or after the verb."""
+    from reefd import cli_releases  # noqa: F401  (registers the release-chain verbs after these)
+
     conn = argparse.ArgumentParser(add_help=False)
     conn.add_argument("--url", default=argparse.SUPPRESS, help=f"reefd's address (env REEF_URL; {DEFAULT_URL})")
     conn.add_argument("--token", default=argparse.SUPPRESS,

@@ -102,14 +102,38 @@ class ServeConfig:
     )
 
 
+RELEASE_ID_PATTERN = r"^r(0|[1-9][0-9]{0,8})-[0-9a-f]{7}$"
+CONFLICT_POLICIES = ["discard", "rebase"]
+
+
+@dataclass
+class ReleaseConfig:
+    """Which release serves, and what happens to a candidate whose head moved on."""
+
+    pin: str | None = field(
+        default=None,
+        metadata={"pattern": RELEASE_ID_PATTERN,
+                  "description": "Serve this release (e.g. r3-1a2b3c4); null follows the chain's "
+                                 "head. Pinning an older release appends a rollback release, since "
+                                 "the chain never rewinds; while pinned, publishes are refused."},
+    )
+    on_conflict: str = field(
+        default="discard",
+        metadata={"enum": CONFLICT_POLICIES,
+                  "description": "A candidate built on a head that has since moved: discard it, or "
+                                 "rebase it onto the new head. It never overwrites a newer release."},
+    )
+
+
 @dataclass
 class ScenarioConfig:
-    """One scenario: a model plus how it is served (later: recipe, gates, release, triggers)."""
+    """One scenario: a model, how it is served, and which release serves (later: recipe, gates, triggers)."""
 
     name: str = field(default="", metadata={"description": "Set from the file name."})
     description: str = ""
     model: ModelConfig = field(default_factory=ModelConfig)
     serve: ServeConfig = field(default_factory=ServeConfig)
+    release: ReleaseConfig = field(default_factory=ReleaseConfig)
 
 
 class ConfigError(Exception):
@@ -199,7 +223,7 @@ def _omegaconf_message(exc: OmegaConfBaseException) -> str:
     unknown = re.match(r"Key '([^']+)' not in '(\w+)'", msg)
     if unknown:
         cls = {"ModelConfig": ModelConfig, "ServeConfig": ServeConfig,
-               "ScenarioConfig": ScenarioConfig}.get(unknown.group(2))
+               "ReleaseConfig": ReleaseConfig, "ScenarioConfig": ScenarioConfig}.get(unknown.group(2))
         known = [f.name for f in dataclasses.fields(cls)] if cls else []
         hint = difflib.get_close_matches(unknown.group(1), known, n=1)
         msg = "unknown key" + (f" (did you mean '{hint[0]}'?)" if hint else "")
@@ -212,7 +236,14 @@ def compose(path: Path) -> ScenarioConfig:
     from hydra import initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
 
+    from reefd.releases import InvalidName, validate_name
+
     label = str(path)
+    try:
+        validate_name(path.stem)
+    except InvalidName:
+        raise ConfigError(f"{label}: {path.stem!r} is not a usable scenario name (1-64 letters, digits, "
+                          "'.', '_' or '-', starting with a letter or digit, no '..')") from None
     GlobalHydra.instance().clear()
     try:
         with initialize_config_dir(config_dir=str(path.parent.resolve()), version_base="1.3"):
@@ -243,6 +274,7 @@ def from_dict(data: dict[str, Any]) -> ScenarioConfig:
         description=data["description"],
         model=ModelConfig(**data["model"]),
         serve=ServeConfig(**data["serve"]),
+        release=ReleaseConfig(**data["release"]),
     )
 
 

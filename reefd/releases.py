@@ -5,6 +5,8 @@ Knows git, LFS pointers and release.json; knows nothing about HTTP, engines, gat
 
 from __future__ import annotations
 
+import dataclasses
+import difflib
 import hashlib
 import json
 import os
@@ -67,6 +69,7 @@ class Release:
     commit: str
     created_at: str
     seq: int
+    status: str = "released"  # or "rejected": a candidate the gates refused, kept for the record, never served
 
 
 def validate_name(name: str) -> str:
@@ -77,6 +80,10 @@ def validate_name(name: str) -> str:
 
 def head_ref(scenario: str) -> str:
     return f"refs/reef/scenarios/{validate_name(scenario)}/head"
+
+
+def rejected_prefix(scenario: str) -> str:
+    return f"refs/reef/scenarios/{validate_name(scenario)}/rejected/"
 
 
 def is_lfs_path(name: str) -> bool:
@@ -113,17 +120,31 @@ class ReleaseChain:
         ref = self.repo.references.get(head_ref(scenario))
         return None if ref is None else self._release(self.repo[ref.target].peel(pygit2.Commit))
 
-    def history(self, scenario: str) -> list[Release]:
-        """Releases of `scenario`, newest first."""
+    def history(self, scenario: str, *, include_rejected: bool = False) -> list[Release]:
+        """Releases of `scenario`, newest first; with `include_rejected`, the refused candidates too."""
         out = []
         rel = self.head(scenario)
         while rel is not None:
             out.append(rel)
             commit = self.repo[rel.commit].peel(pygit2.Commit)
             rel = self._release(commit.parents[0]) if commit.parents else None
+        if include_rejected:
+            out.extend(self.rejected(scenario))
+            out.sort(key=lambda r: (r.seq, r.created_at, r.status == "released"), reverse=True)
         return out
 
-    def get(self, release_id: str) -> Release:
+    def rejected(self, scenario: str) -> list[Release]:
+        """The candidates of `scenario` that were refused (by a gate or a moved head), oldest first."""
+        prefix = rejected_prefix(scenario)
+        out = []
+        for name in self.repo.references:
+            if name.startswith(prefix):
+                commit = self.repo.references[name].peel(pygit2.Commit)
+                out.append(dataclasses.replace(self._release(commit), status="rejected"))
+        return sorted(out, key=lambda r: (r.seq, r.created_at))
+
+    def get(self, release_id: str, *, include_rejected: bool = False) -> Release:
+        """A release reachable from its scenario's head (or, with `include_rejected`, a refused candidate)."""
         m = _ID_RE.fullmatch(release_id) if isinstance(release_id, str) else None
         if m is None:
             raise UnknownRelease(release_id)
@@ -132,13 +153,20 @@ class ReleaseChain:
             rel = self._release(commit)
         except (KeyError, ValueError, pygit2.GitError) as e:  # missing, ambiguous, or not a release commit
             raise UnknownRelease(release_id) from e
-        head = self.head(rel.scenario)
-        reachable = head is not None and (
-            head.commit == rel.commit or self.repo.descendant_of(head.commit, rel.commit)
-        )
-        if rel.id != release_id or not reachable:  # refused candidates stay unreachable and are not releases
+        if rel.id != release_id:
             raise UnknownRelease(release_id)
-        return rel
+        head = self.head(rel.scenario)
+        if head is not None and (head.commit == rel.commit or self.repo.descendant_of(head.commit, rel.commit)):
+            return rel
+        if include_rejected and self.repo.references.get(rejected_prefix(rel.scenario) + rel.id) is not None:
+            return dataclasses.replace(rel, status="rejected")
+        raise UnknownRelease(release_id)  # an unreachable commit (a lost race) is not a release
+
+    def artifacts(self, release_id: str) -> dict[str, str]:
+        """The artifact folders of a release (`adapter`, `weights`, `harness`) and their tree ids: two releases
+        serve the same thing exactly when these are equal."""
+        tree = self.repo[self.get(release_id, include_rejected=True).commit].peel(pygit2.Commit).tree
+        return {str(e.name): str(e.id) for e in tree if e.type_str == "tree"}
 
     def _release(self, commit: pygit2.Commit) -> Release:
         data = json.loads(self._blob(commit.tree, "release.json"))
@@ -175,27 +203,54 @@ class ReleaseChain:
             entries[ARTIFACT_FOLDER[kind]] = (self._store_dir(Path(artifact_dir)), pygit2.enums.FileMode.TREE)
         return self._append(scenario, parent, kind, entries, meta)
 
-    def rollback(self, scenario: str, to: str | None = None, *, expected_head: str | None) -> Release:
+    def rollback(self, scenario: str, to: str | None = None, *, expected_head: str | None,
+                 meta: dict[str, Any] | None = None) -> Release:
         """Append a release carrying `to`'s tree (default: the head's parent)."""
         head = self._expect(scenario, expected_head)
         if head is None:
             raise UnknownRelease(f"scenario {scenario!r} has no releases")
-        if to is None:
-            if head.parent is None:
-                raise UnknownRelease(f"{head.id} has no parent to roll back to")
-            to = head.parent
-        return self._copy(scenario, head, to, "rollback")
+        return self._copy(scenario, head, to or self.rollback_target(head), "rollback", meta)
 
-    def promote(self, scenario: str, release_id: str, *, expected_head: str | None) -> Release:
-        """Append a release carrying `release_id`'s tree."""
-        return self._copy(scenario, self._expect(scenario, expected_head), release_id, "promote")
+    @staticmethod
+    def rollback_target(head: Release) -> str:
+        """Where a plain rollback goes: the head's parent."""
+        if head.parent is None:
+            raise UnknownRelease(f"{head.id} is the scenario's first release; there is nothing to roll back to")
+        return head.parent
 
-    def _copy(self, scenario: str, head: Release | None, target_id: str, kind: str) -> Release:
-        target = self.get(target_id)
+    def promote(self, scenario: str, release_id: str, *, expected_head: str | None,
+                meta: dict[str, Any] | None = None) -> Release:
+        """Append a release carrying `release_id`'s tree (an older release, or a refused candidate)."""
+        return self._copy(scenario, self._expect(scenario, expected_head), release_id, "promote", meta)
+
+    def target(self, scenario: str, release_id: str, *, include_rejected: bool = False) -> Release:
+        """`release_id`, checked to belong to `scenario` (UnknownRelease, WrongScenario)."""
+        target = self.get(release_id, include_rejected=include_rejected)
         if target.scenario != scenario:
-            raise WrongScenario(f"{target_id} belongs to {target.scenario!r}, not {scenario!r}")
+            raise WrongScenario(f"{release_id} is a release of scenario {target.scenario!r}, not {scenario!r}")
+        return target
+
+    def _copy(self, scenario: str, head: Release | None, target_id: str, kind: str,
+              meta: dict[str, Any] | None = None) -> Release:
+        target = self.target(scenario, target_id, include_rejected=kind == "promote")
         entries = self._entries(target)
-        return self._append(scenario, head, kind, entries, {"target": target.id, "target_meta": target.meta})
+        doc = {"source": kind, **(meta or {}), "target": target.id, "target_meta": target.meta}
+        return self._append(scenario, head, kind, entries, doc)
+
+    def reject(self, scenario: str, *, built_on: str | None, kind: str, artifact_dir: Path | None,
+               meta: dict[str, Any]) -> Release:
+        """Keep a refused candidate for the record (`history --all`): a commit on top of the head it was built on,
+        under refs/reef/scenarios/<scenario>/rejected/<id>. The head does not move."""
+        if kind not in ARTIFACT_FOLDER:
+            raise ValueError(f"kind must be one of {sorted(ARTIFACT_FOLDER)}")
+        parent = self.get(built_on) if built_on is not None else None
+        entries = self._entries(parent)
+        if artifact_dir is not None:
+            entries[ARTIFACT_FOLDER[kind]] = (self._store_dir(Path(artifact_dir)), pygit2.enums.FileMode.TREE)
+        oid = self._commit(scenario, parent, kind, entries, meta)
+        rel = dataclasses.replace(self._release(self.repo[oid].peel(pygit2.Commit)), status="rejected")
+        self.repo.references.create(rejected_prefix(scenario) + rel.id, oid, force=False)
+        return rel
 
     def _expect(self, scenario: str, expected_head: str | None) -> Release | None:
         head = self.head(scenario)
@@ -218,6 +273,18 @@ class ReleaseChain:
         entries: dict[str, tuple[pygit2.Oid, int]],
         meta: dict[str, Any],
     ) -> Release:
+        oid = self._commit(scenario, parent, kind, entries, meta)
+        self._move_head(scenario, parent, oid)
+        return self._release(self.repo[oid].peel(pygit2.Commit))
+
+    def _commit(
+        self,
+        scenario: str,
+        parent: Release | None,
+        kind: str,
+        entries: dict[str, tuple[pygit2.Oid, int]],
+        meta: dict[str, Any],
+    ) -> pygit2.Oid:
         seq = 0 if parent is None else parent.seq + 1
         created_at = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
         doc = {"scenario": scenario, "seq": seq, "parent": parent.id if parent else None, "kind": kind,
@@ -233,8 +300,7 @@ class ReleaseChain:
         msg = f"{kind} r{seq} of {scenario}\n"
         oid = self.repo.create_commit(None, _SIG, _SIG, msg, tb.write(), parents)
         _fault("after_commit")
-        self._move_head(scenario, parent, oid)
-        return self._release(self.repo[oid].peel(pygit2.Commit))
+        return oid
 
     def _move_head(self, scenario: str, parent: Release | None, oid: pygit2.Oid) -> None:
         name = head_ref(scenario)
@@ -313,12 +379,16 @@ class ReleaseChain:
                 m = _POINTER_RE.fullmatch(data) if is_lfs_path(name) else None
                 yield (f"{prefix}{name}", data, m.group(1).decode() if m else None, int(m.group(2)) if m else 0)
 
-    def materialize(self, release_id: str, dest: Path) -> Path:
-        """Write a release's files (LFS content restored and verified) into `dest`, which must be empty or missing."""
+    def materialize(self, release_id: str, dest: Path, folder: str | None = None) -> Path:
+        """Write a release's files (LFS content restored and verified) into `dest`, which must be empty or missing;
+        with `folder` (e.g. "adapter"), only that folder's contents."""
         dest = Path(dest)
         if dest.exists() and any(dest.iterdir()):
             raise FileExistsError(f"{dest} is not empty")
-        tree = self.repo[self.get(release_id).commit].peel(pygit2.Commit).tree
+        tree = self.repo[self.get(release_id, include_rejected=True).commit].peel(pygit2.Commit).tree
+        if folder is not None:
+            tree = self.repo[tree[folder].id].peel(pygit2.Tree)
+        dest.mkdir(parents=True, exist_ok=True)
         for rel_path, data, oid, size in self._walk(tree):
             out = dest / rel_path
             out.parent.mkdir(parents=True, exist_ok=True)
@@ -335,21 +405,48 @@ class ReleaseChain:
         return dest
 
     def diff(self, a: str, b: str) -> dict[str, Any]:
-        """Metadata and per-file differences from release `a` to release `b` (files keyed by sha256 / LFS oid)."""
-        ra, rb = self.get(a), self.get(b)
+        """Metadata and per-file differences from release `a` to release `b` (files keyed by sha256 / LFS oid),
+        with a unified diff for every changed text file (LFS files and binary files are compared by hash only)."""
+        ra, rb = self.get(a, include_rejected=True), self.get(b, include_rejected=True)
         fa, fb = self._digests(ra), self._digests(rb)
         keys = set(ra.meta) | set(rb.meta)
+        added, removed = sorted(set(fb) - set(fa)), sorted(set(fa) - set(fb))
+        changed = sorted(p for p in set(fa) & set(fb) if fa[p] != fb[p])
+        ta, tb = self._texts(ra), self._texts(rb)
+        text = {}
+        for path in sorted([*added, *removed, *changed]):
+            if (path in ta or path not in fa) and (path in tb or path not in fb) and (path in ta or path in tb):
+                lines = difflib.unified_diff(ta.get(path, "").splitlines(keepends=True),
+                                             tb.get(path, "").splitlines(keepends=True),
+                                             f"a/{path}" if path in fa else "/dev/null",
+                                             f"b/{path}" if path in fb else "/dev/null")
+                text[path] = "".join(line if line.endswith("\n") else line + "\n\\ No newline at end of file\n"
+                                     for line in lines)
         return {
             "kind": (ra.kind, rb.kind),
             "meta": {k: (ra.meta.get(k), rb.meta.get(k)) for k in sorted(keys) if ra.meta.get(k) != rb.meta.get(k)},
-            "added": sorted(set(fb) - set(fa)),
-            "removed": sorted(set(fa) - set(fb)),
-            "changed": sorted(p for p in set(fa) & set(fb) if fa[p] != fb[p]),
+            "added": added,
+            "removed": removed,
+            "changed": changed,
+            "text": text,
         }
+
+    def _texts(self, rel: Release, limit: int = 1 << 20) -> dict[str, str]:
+        """Path -> content of the release's small UTF-8 text files (not LFS)."""
+        tree = self.repo[rel.commit].peel(pygit2.Commit).tree
+        out = {}
+        for p, data, oid, _ in self._walk(tree):
+            if oid is None and p not in ("release.json", ".gitattributes") and len(data) <= limit \
+                    and b"\0" not in data:
+                try:
+                    out[p] = data.decode("utf-8")
+                except UnicodeDecodeError:
+                    continue
+        return out
 
     def files(self, release_id: str) -> list[dict[str, Any]]:
         """Every file of a release: path, size, sha256 (the LFS oid for LFS files), lfs."""
-        tree = self.repo[self.get(release_id).commit].peel(pygit2.Commit).tree
+        tree = self.repo[self.get(release_id, include_rejected=True).commit].peel(pygit2.Commit).tree
         return [{"path": p, "size": size if oid else len(data), "lfs": oid is not None,
                  "sha256": oid or hashlib.sha256(data).hexdigest()}
                 for p, data, oid, size in self._walk(tree)]

@@ -14,7 +14,7 @@ import json
 import logging
 import time
 from collections import Counter
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -24,8 +24,8 @@ from aiohttp import web
 from reefd.api.errors import ApiError
 from reefd.config import ScenarioConfig, to_dict
 from reefd.engines import Engine, build_engine
-from reefd.identity import model_identity
-from reefd.releases import HeadConflict, ReleaseChain
+from reefd.reconcile import Binding, Reconciler
+from reefd.releases import ReleaseChain
 
 log = logging.getLogger("reefd")
 
@@ -36,11 +36,17 @@ SCENARIO_HEADER = "x-reef-scenario"
 class Scenario:
     cfg: ScenarioConfig
     engine: Engine
-    release: str | None = None  # the serving release's id, once the chain has one
+    binding: Binding | None = None  # what serves new requests, once the reconciler has bound a release
+    error: str | None = None  # why the reconciler could not make it serve what is declared
 
     @property
     def name(self) -> str:
         return self.cfg.name
+
+    @property
+    def release(self) -> str | None:
+        """The id of the release serving new requests."""
+        return self.binding.release if self.binding else None
 
 
 def _model_key(cfg: ScenarioConfig) -> str:
@@ -58,13 +64,14 @@ class Registry:
                  session: aiohttp.ClientSession, chain: ReleaseChain):
         self.state_dir = state_dir
         self.chain = chain
-        self._tasks: set[asyncio.Task[None]] = set()
         self.session = session
         self.engines: dict[str, Engine] = {}
         self.scenarios: dict[str, Scenario] = {}
         self.scenarios, _ = self._bind(configs)
         self._inflight: Counter[int] = Counter()  # requests per engine (by id), for draining
+        self._uses: Counter[tuple[int, str | None]] = Counter()  # requests per (engine, adapter)
         self._reloading = asyncio.Lock()
+        self.reconciler = Reconciler(self, chain, state_dir)
 
     def _bind(self, configs: dict[str, ScenarioConfig]) -> tuple[dict[str, Scenario], list[str]]:
         """Scenarios bound to engines (building engines for new models), and the new engines' keys."""
@@ -76,47 +83,37 @@ class Registry:
                 self.engines[key] = build_engine(cfg.model, self.state_dir, self.session)
                 fresh.append(key)
             old = self.scenarios.get(name)
-            scenarios[name] = Scenario(cfg, self.engines[key], old.release if old else None)
+            same_engine = old is not None and old.engine is self.engines[key]
+            scenarios[name] = Scenario(cfg, self.engines[key], old.binding if old and same_engine else None,
+                                       old.error if old and same_engine else None)
         return scenarios, fresh
 
     async def start(self) -> None:
         for engine in self.engines.values():
             await engine.start()
-        self._bind_releases(self.scenarios.values())
-
-    def _bind_releases(self, scenarios: Iterable[Scenario]) -> None:
-        for scenario in scenarios:
-            if scenario.release is None:
-                task = asyncio.create_task(self._bind_release(scenario))
-                self._tasks.add(task)
-                task.add_done_callback(self._tasks.discard)
-
-    async def _bind_release(self, scenario: Scenario) -> None:
-        """Serve the chain's head; a scenario's first start records its base release."""
-        head = await asyncio.to_thread(self.chain.head, scenario.name)
-        if head is None:
-            while (model_dir := scenario.engine.model_folder()) is None and \
-                    scenario.cfg.model.engine != "upstream":
-                await asyncio.sleep(0.25)  # a built-in model is still being prepared
-            ident = await asyncio.to_thread(model_identity, scenario.cfg.model, model_dir)
-            try:
-                head = await asyncio.to_thread(
-                    self.chain.publish, scenario.name, expected_head=None, kind="base",
-                    artifact_dir=None, meta={"source": "import", "identity": ident})
-                log.info("%s: recorded base release %s", scenario.name, head.id)
-            except HeadConflict:  # another process recorded it first: serve that
-                head = await asyncio.to_thread(self.chain.head, scenario.name)
-        assert head is not None
-        scenario.release = head.id
+        self.reconciler.start()
 
     @contextlib.contextmanager
-    def serving(self, scenario: Scenario) -> Iterator[None]:
-        """Count a request in flight on its engine, so a reload never stops it mid-answer."""
-        self._inflight[id(scenario.engine)] += 1
+    def serving(self, scenario: Scenario) -> Iterator[Binding]:
+        """Take the scenario's current binding for one request and count the request in flight on it,
+        so neither a reload nor a release swap takes its engine or adapter away mid-answer."""
+        binding = scenario.binding
+        if binding is None:  # the chain has not named this scenario's release yet
+            why = f": {scenario.error}" if scenario.error else "; retry shortly"
+            raise ApiError(503, f"scenario {scenario.name!r} is not serving yet{why}",
+                           code="engine_unavailable", headers={"Retry-After": "2"})
+        use = (id(scenario.engine), binding.adapter)
+        self._inflight[use[0]] += 1
+        self._uses[use] += 1
         try:
-            yield
+            yield binding
         finally:
-            self._inflight[id(scenario.engine)] -= 1
+            self._inflight[use[0]] -= 1
+            self._uses[use] -= 1
+
+    def in_flight(self, engine: Engine, adapter: str | None) -> int:
+        """Requests running on `engine` with `adapter`."""
+        return self._uses[(id(engine), adapter)]
 
     async def reload(self, configs: dict[str, ScenarioConfig]) -> None:
         """Apply a re-read scenario folder without dropping requests.
@@ -136,12 +133,18 @@ class Registry:
                                      for k in fresh), deadline)
             for name, scenario in scenarios.items():
                 old = self.scenarios.get(name)
-                if old is not None and not scenario.engine.ready and old.engine.ready:
-                    log.error("reload: scenario %s keeps its previous model; the new one is %s",
-                              name, scenario.engine.describe()["state"])
+                if old is None or old.engine is scenario.engine:
+                    continue
+                if scenario.engine.ready:  # bind its release on the new engine before the route moves
+                    await self.reconciler.reconcile(scenario)
+                if not scenario.engine.ready or (scenario.binding is None and old.binding is not None):
+                    log.error("reload: scenario %s keeps its previous model; the new one is %s%s",
+                              name, scenario.engine.describe()["state"],
+                              f" ({scenario.error})" if scenario.error else "")
                     scenarios[name] = old
             self.scenarios = scenarios
-            self._bind_releases(scenarios.values())
+            for name in scenarios:  # a changed pin, a new scenario: reconcile against the new files
+                self.reconciler.kick(name)
             used = {id(s.engine) for s in scenarios.values()}
             for key, engine in list(self.engines.items()):
                 if id(engine) not in used:
@@ -155,14 +158,13 @@ class Registry:
         return self._inflight[id(engine)] == 0
 
     async def stop(self) -> None:
-        for task in list(self._tasks):
-            task.cancel()
+        await self.reconciler.stop()
         for engine in self.engines.values():
             await engine.stop()
 
     @property
     def ready(self) -> bool:
-        return all(s.engine.ready and s.release for s in self.scenarios.values())
+        return all(s.engine.ready and s.binding for s in self.scenarios.values())
 
     def get(self, name: str) -> Scenario:
         try:

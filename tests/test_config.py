@@ -32,6 +32,9 @@ def test_defaults_pick_the_model_group_and_self_overrides(tmp_path: Path) -> Non
     ("serve:\n  default_max_tokens: 0\n", "serve.default_max_tokens: 0 is less than the minimum of 1"),
     ("model:\n  max_batch: lots\n", "model.max_batch: Value 'lots' of type 'str' could not be converted to Integer"),
     ("descripton: typo\n", "descripton: unknown key (did you mean 'description'?)"),
+    ("release:\n  pin: latest\n", "release.pin: 'latest' does not match '^r(0|[1-9][0-9]{0,8})-[0-9a-f]{7}$'"),
+    ("release:\n  on_conflict: overwrite\n", "release.on_conflict: 'overwrite' is not one of ['discard', 'rebase']"),
+    ("release:\n  pinn: r1-abcdef0\n", "release.pinn: unknown key (did you mean 'pin'?)"),
 ])
 def test_mistakes_name_file_and_full_key_path(tmp_path: Path, body: str, message: str) -> None:
     scen = make_scenarios(tmp_path, names=(), extra={
@@ -70,3 +73,17 @@ def test_schema_rejects_unknown_keys_and_documents_fields() -> None:
     assert "description" in schema["properties"]["model"]["properties"]["engine"]
     with pytest.raises(jsonschema.ValidationError):
         jsonschema.validate({"modle": {}}, schema)
+
+
+def test_release_group_follows_the_head_and_a_pin_overrides_it(tmp_path: Path) -> None:
+    scen = make_scenarios(tmp_path, names=("tiny",), extra={
+        "pinned": "defaults:\n  - model: tiny\n  - release: follow\n  - _self_\nrelease:\n  pin: r3-1a2b3c4\n"})
+    assert config.compose(scen / "tiny.yaml").release == config.ReleaseConfig(pin=None, on_conflict="discard")
+    assert config.compose(scen / "pinned.yaml").release.pin == "r3-1a2b3c4"
+
+
+@pytest.mark.parametrize("stem", ["-x", "a..b", "x.lock", "sp ace"])
+def test_file_names_that_cannot_name_a_scenario(tmp_path: Path, stem: str) -> None:
+    scen = make_scenarios(tmp_path, names=(), extra={stem: "defaults:\n  - model: tiny\n  - _self_\n"})
+    with pytest.raises(config.ConfigError, match="is not a usable scenario name"):
+        config.compose(scen / f"{stem}.yaml")

@@ -289,3 +289,46 @@ def test_a_stale_head_lock_blocks_publishing_until_cleared(tmp_path: Path) -> No
     assert chain.clear_stale_locks() == [lock] and not lock.exists()
     nxt = chain.publish("s", expected_head=base.id, kind="adapter", artifact_dir=None, meta={})
     assert chain.head("s") == nxt
+
+
+def test_rejected_candidates_are_kept_visible_but_never_released(chain: ReleaseChain, tmp_path: Path) -> None:
+    base, good = base_and_adapter(chain, adapter_dir(tmp_path))
+    bad = chain.reject("support", built_on=good.id, kind="adapter", artifact_dir=adapter_dir(tmp_path, "bad"),
+                       meta={"source": "sao", "gate": {"verdict": "fail", "score": 0.1}})
+    assert bad.status == "rejected" and bad.parent == good.id and bad.seq == 2
+    assert chain.head("support") == good  # the head did not move
+    assert [r.id for r in chain.history("support")] == [good.id, base.id]
+    everything = chain.history("support", include_rejected=True)
+    assert [(r.id, r.status) for r in everything] == [(bad.id, "rejected"), (good.id, "released"),
+                                                      (base.id, "released")]
+    with pytest.raises(UnknownRelease):
+        chain.get(bad.id)  # not a release: rollback targets and pins never resolve to it
+    assert chain.get(bad.id, include_rejected=True) == bad
+    with pytest.raises(UnknownRelease):
+        chain.rollback("support", bad.id, expected_head=good.id)
+    promoted = chain.promote("support", bad.id, expected_head=good.id)  # an operator's override
+    assert promoted.kind == "promote" and promoted.meta["target"] == bad.id
+    assert chain.artifacts(promoted.id) == chain.artifacts(bad.id) != chain.artifacts(good.id)
+    assert chain.artifacts(base.id) == {}
+    folder = chain.materialize(promoted.id, tmp_path / "out", folder="adapter")
+    assert sorted(p.name for p in folder.iterdir()) == ["adapter_config.json", "adapter_model.safetensors"]
+    restored = (folder / "adapter_model.safetensors").read_bytes()
+    assert restored == (tmp_path / "bad" / "adapter_model.safetensors").read_bytes()
+
+
+def test_diff_shows_text_diffs_of_text_files_only(chain: ReleaseChain, tmp_path: Path) -> None:
+    _, first = base_and_adapter(chain, adapter_dir(tmp_path))
+    art = adapter_dir(tmp_path, "second")
+    (art / "adapter_config.json").write_text('{"r": 16, "lora_alpha": 16}\n')
+    (art / "notes.md").write_text("no newline at the end")
+    second = chain.publish("support", expected_head=first.id, kind="adapter", artifact_dir=art, meta={})
+    d = chain.diff(first.id, second.id)
+    assert d["changed"] == ["adapter/adapter_config.json", "adapter/adapter_model.safetensors"]
+    assert d["added"] == ["adapter/notes.md"]
+    assert sorted(d["text"]) == ["adapter/adapter_config.json", "adapter/notes.md"]  # LFS files: hashes only
+    assert d["text"]["adapter/adapter_config.json"] == (
+        "--- a/adapter/adapter_config.json\n+++ b/adapter/adapter_config.json\n@@ -1 +1 @@\n"
+        '-{"r": 8, "lora_alpha": 16}\n+{"r": 16, "lora_alpha": 16}\n')
+    assert d["text"]["adapter/notes.md"] == ("--- /dev/null\n+++ b/adapter/notes.md\n@@ -0,0 +1 @@\n"
+                                             "+no newline at the end\n\\ No newline at end of file\n")
+    assert chain.diff(second.id, second.id)["text"] == {}

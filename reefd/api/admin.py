@@ -13,7 +13,6 @@ from aiohttp import web
 from reefd import __version__
 from reefd.api.errors import ApiError, json_response
 from reefd.api.keys import CHAIN, REGISTRY, STARTED_AT, STORE
-from reefd.releases import Release, UnknownRelease
 
 MAX_LIMIT = 1000
 
@@ -34,10 +33,17 @@ async def status(request: web.Request) -> web.Response:
     registry = request.app[REGISTRY]
     counts = request.app[STORE].counts()
     scenarios = []
+    chain = request.app[CHAIN]
+    heads = await asyncio.to_thread(lambda: {name: chain.head(name) for name in registry.scenarios})
     for name, s in sorted(registry.scenarios.items()):
         c = counts.get(name, {})
+        head = heads[name]
+        drift = await asyncio.to_thread(registry.reconciler.drift, s, head)
         scenarios.append({"name": name, "model": s.cfg.model.name,
                           "engine": s.engine.describe(), "release": s.release,
+                          "releases": {"declared": s.cfg.release.pin, "head": head.id if head else None,
+                                       "serving": s.release, "adapter": s.binding.adapter if s.binding else None,
+                                       "drift": drift},
                           "records": c.get("records", 0), "reports": c.get("reports", 0)})
     return json_response({"version": __version__, "ready": registry.ready,
                               "uptime_s": round(time.time() - request.app[STARTED_AT], 3),
@@ -76,27 +82,3 @@ async def list_records(request: web.Request) -> web.Response:
     data = rows[:limit]
     return json_response({"object": "list", "data": data, "has_more": len(rows) > limit,
                               "last_id": data[-1]["id"] if data else None})
-
-
-def _release(rel: Release) -> dict[str, object]:
-    return {"id": rel.id, "scenario": rel.scenario, "parent": rel.parent, "kind": rel.kind,
-            "seq": rel.seq, "created_at": rel.created_at, "commit": rel.commit, "meta": rel.meta}
-
-
-async def history(request: web.Request) -> web.Response:
-    """A scenario's releases, newest first, and which one serves."""
-    scenario = request.app[REGISTRY].get(request.match_info["name"])
-    releases = await asyncio.to_thread(request.app[CHAIN].history, scenario.name)
-    return json_response({"object": "list", "scenario": scenario.name,
-                          "serving": scenario.release, "data": [_release(r) for r in releases]})
-
-
-async def show_release(request: web.Request) -> web.Response:
-    chain = request.app[CHAIN]
-    release_id = request.match_info["release"]
-    try:
-        rel = await asyncio.to_thread(chain.get, release_id)
-        files = await asyncio.to_thread(chain.files, release_id)
-    except UnknownRelease:
-        raise ApiError(404, f"no release {release_id!r}", code="release_not_found") from None
-    return json_response({**_release(rel), "files": files})

@@ -308,8 +308,8 @@ async def create(request: web.Request) -> web.StreamResponse:
     check(_VALIDATOR, body)
     store = request.app[STORE]
     chat = to_chat_request(body, scenario.cfg, _prior(store, scenario, body))
-    with registry.serving(scenario):
-        return await serve_turn(request, scenario, store,
+    with registry.serving(scenario) as binding:
+        return await serve_turn(request, scenario, binding, store,
                                 lambda receipt: ResponsesWire(receipt, scenario.name, body, chat),
                                 body, chat, bool(body.get("stream")))
 

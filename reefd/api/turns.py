@@ -19,6 +19,7 @@ from reefd.api.errors import ApiError, json_response
 from reefd.chat import ChatRequest, Completion
 from reefd.engines import EngineError, EngineUnavailable, Prompt
 from reefd.receipts import new_receipt
+from reefd.reconcile import Binding
 from reefd.records import RecordStore, StorageError
 from reefd.scenarios import Scenario
 
@@ -74,12 +75,12 @@ def session_of(request: web.Request, body: dict[str, Any]) -> str | None:
     return user if isinstance(user, str) and user else None
 
 
-def new_record(request: web.Request, scenario: Scenario, receipt: str, api: str,
+def new_record(request: web.Request, scenario: Scenario, binding: Binding, receipt: str, api: str,
                body: dict[str, Any], chat: ChatRequest, stream: bool) -> dict[str, Any]:
     prefix = "x-reef-tag-"
     tags = {k[len(prefix):].lower(): v for k, v in request.headers.items()
             if k.lower().startswith(prefix)}
-    return {"id": receipt, "scenario": scenario.name, "release": scenario.release,
+    return {"id": receipt, "scenario": scenario.name, "release": binding.release, "adapter": binding.adapter,
             "engine": scenario.engine.kind, "model": scenario.cfg.model.name, "api": api,
             "requested_model": body.get("model"),
             "created_at": time.time(), "session": session_of(request, body),
@@ -105,12 +106,10 @@ def finish_record(record: dict[str, Any], c: Completion, answer: dict[str, Any],
         "finished_at": time.time()})
 
 
-async def serve_turn(request: web.Request, scenario: Scenario, store: RecordStore,
+async def serve_turn(request: web.Request, scenario: Scenario, binding: Binding, store: RecordStore,
                      wire_for: Callable[[str], Wire], body: dict[str, Any],
                      chat: ChatRequest, stream: bool) -> web.StreamResponse:
-    if scenario.release is None:  # the chain has not named this scenario's release yet
-        raise ApiError(503, f"scenario {scenario.name!r} is still starting; retry shortly",
-                       code="engine_unavailable", headers={"Retry-After": "2"})
+    """Serve one turn with the release `binding` names (taken when the request started: see Registry.serving)."""
     serve = scenario.cfg.serve  # the scenario's sampling defaults fill what the request left unset
     if chat.temperature is None:
         chat.temperature = serve.temperature
@@ -121,11 +120,11 @@ async def serve_turn(request: web.Request, scenario: Scenario, store: RecordStor
         chat.max_tokens = min(chat.max_tokens, cap)
     receipt = new_receipt()
     wire = wire_for(receipt)
-    record = new_record(request, scenario, receipt, wire.api, body, chat, stream)
-    headers = {RECEIPT_HEADER: record["id"], RELEASE_HEADER: scenario.release}
+    record = new_record(request, scenario, binding, receipt, wire.api, body, chat, stream)
+    headers = {RECEIPT_HEADER: record["id"], RELEASE_HEADER: binding.release}
     started = time.monotonic()
-    events = scenario.engine.generate(chat, stream=stream,
-                                      timeout_s=scenario.cfg.serve.request_timeout_s)
+    events = scenario.engine.generate(chat, stream=stream, timeout_s=scenario.cfg.serve.request_timeout_s,
+                                      adapter=binding.adapter)
     try:
         first = await anext(events)  # engine refusals become proper statuses, not broken streams
     except StopAsyncIteration:

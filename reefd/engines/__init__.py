@@ -65,6 +65,8 @@ class ContextLengthExceeded(EngineError):
 class Engine(Protocol):
     """What a scenario needs from its engine.
 
+    `adapter` names a LoRA adapter loaded with `load_adapter` (None: the base model).
+
     `generate` may first yield a Prompt, then yields str text deltas (tool-call markup already held back) and ends with
     exactly one Completion; it raises EngineUnavailable before yielding anything when the
     engine is not ready. `start` returns promptly (start-up continues in the background);
@@ -80,8 +82,18 @@ class Engine(Protocol):
 
     async def stop(self) -> None: ...
 
-    def generate(self, req: ChatRequest, *, stream: bool = True,
-                 timeout_s: float = 600.0) -> AsyncIterator[Prompt | str | Completion]: ...
+    def generate(self, req: ChatRequest, *, stream: bool = True, timeout_s: float = 600.0,
+                 adapter: str | None = None) -> AsyncIterator[Prompt | str | Completion]: ...
+
+    async def load_adapter(self, name: str, path: Path) -> None:
+        """Load a LoRA adapter folder under `name` (EngineError if the engine cannot or will not).
+
+        The engine keeps it loaded across its own restarts until `unload_adapter`."""
+        ...
+
+    async def unload_adapter(self, name: str) -> None:
+        """Unload `name`; requests using it that the engine already has finish first."""
+        ...
 
     def count_tokens(self, req: ChatRequest) -> int: ...
 

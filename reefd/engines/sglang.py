@@ -53,6 +53,29 @@ class SGLangClient:
         except (aiohttp.ClientError, TimeoutError):
             return False
 
+    async def load_lora_adapter(self, name: str, path: Path, timeout_s: float = 300.0) -> None:
+        await self._lora("/load_lora_adapter", {"lora_name": name, "lora_path": str(path)}, timeout_s)
+
+    async def unload_lora_adapter(self, name: str, timeout_s: float = 900.0) -> None:
+        await self._lora("/unload_lora_adapter", {"lora_name": name}, timeout_s)
+
+    async def _lora(self, path: str, body: dict[str, Any], timeout_s: float) -> None:
+        """SGLang's LoRAUpdateOutput: {success, error_message, loaded_adapters}; failures raise EngineError."""
+        try:
+            async with self.session.post(f"{self.base_url}{path}", json=body,
+                                         timeout=aiohttp.ClientTimeout(total=timeout_s)) as r:
+                raw = await r.read()
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            raise EngineUnavailable(f"engine unreachable for {path}: {exc}", retry_after=2) from exc
+        try:
+            answer = orjson.loads(raw)
+        except orjson.JSONDecodeError:
+            answer = {}
+        if r.status != 200 or not isinstance(answer, dict) or not answer.get("success"):
+            message = answer.get("error_message") if isinstance(answer, dict) else None
+            raise EngineError(f"{path} failed ({r.status}): {message or raw[:300].decode(errors='replace')}",
+                              status=400 if 400 <= r.status < 500 else 502)
+
     async def model_info(self) -> dict[str, Any]:
         async with self.session.get(f"{self.base_url}/get_model_info") as r:
             r.raise_for_status()
@@ -127,6 +150,7 @@ class SGLangEngine:
         self.client: SGLangClient | None = None
         self._state = "starting"
         self._task: asyncio.Task[None] | None = None
+        self.adapters: dict[str, Path] = {}  # loaded LoRA adapters, put back after every restart
 
     # ------------------------------------------------------------ lifecycle
 
@@ -151,7 +175,7 @@ class SGLangEngine:
                 self.model_dir = await self._prepare(self.cfg.source)
             self._load_template(self.model_dir)
             self.supervisor = Supervisor(
-                self.cfg.name, self._argv, self._healthy, alive=self._alive,
+                self.cfg.name, self._argv, self._healthy, alive=self._alive, on_launch=self._restore,
                 startup_timeout_s=self.cfg.startup_timeout_s)
             self.supervisor.start()
         except Exception as exc:  # keep reefd up; the scenario reports the failure
@@ -211,6 +235,25 @@ class SGLangEngine:
                 "--host", "127.0.0.1", "--port", str(port),
                 "--max-batch", str(self.cfg.max_batch), *self.cfg.launch_args]
 
+    async def _restore(self, url: str) -> None:
+        """A fresh process has no adapters: load the ones this engine serves before it takes requests."""
+        client = SGLangClient(self.session, url)
+        for name, path in list(self.adapters.items()):
+            await client.load_lora_adapter(name, path)
+            log.info("%s: restored adapter %s", self.cfg.name, name)
+
+    async def load_adapter(self, name: str, path: Path) -> None:
+        if name in self.adapters:
+            raise EngineError(f"an adapter named {name!r} is already loaded", status=400)
+        await self._client().load_lora_adapter(name, path)
+        self.adapters[name] = path
+
+    async def unload_adapter(self, name: str) -> None:
+        if self.adapters.pop(name, None) is None:
+            raise EngineError(f"no adapter named {name!r} is loaded", status=400)
+        if self.ready:  # a restarting engine comes back without it anyway
+            await self._client().unload_lora_adapter(name)
+
     async def _healthy(self, url: str) -> bool:
         return await SGLangClient(self.session, url).healthy()
 
@@ -235,7 +278,7 @@ class SGLangEngine:
                 "url": sup.url if sup else (self.cfg.url or ""),
                 "restarts": sup.restarts if sup else 0, "pid": sup.pid if sup else None,
                 "model_dir": str(self.model_dir) if self.model_dir else None,
-                "context_length": self.context_length,
+                "context_length": self.context_length, "adapters": sorted(self.adapters),
                 "last_error": sup.last_error if sup else None}
 
     # ------------------------------------------------------------ generation
@@ -257,8 +300,8 @@ class SGLangEngine:
         except TemplateError as exc:
             raise EngineError(str(exc), status=400) from exc
 
-    async def generate(self, req: ChatRequest, *, stream: bool = True,
-                       timeout_s: float = 600.0) -> AsyncIterator[Prompt | str | Completion]:
+    async def generate(self, req: ChatRequest, *, stream: bool = True, timeout_s: float = 600.0,
+                       adapter: str | None = None) -> AsyncIterator[Prompt | str | Completion]:
         client = self._client()
         assert self.template is not None
         try:
@@ -274,6 +317,8 @@ class SGLangEngine:
             params["max_new_tokens"] = min(params["max_new_tokens"], limit - len(prompt_ids))
         payload = {"input_ids": prompt_ids, "sampling_params": params,
                    "return_logprob": True, "stream": stream, "rid": uuid.uuid4().hex}
+        if adapter is not None:
+            payload["lora_path"] = adapter  # SGLang: the name an adapter was loaded under
         tools_on = bool(req.tools) and req.tool_choice != "none"
         guard = StreamGuard(req.stop, hold_tool_markup=tools_on)
         text = ""

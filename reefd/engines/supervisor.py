@@ -63,10 +63,10 @@ def masked(argv: list[str]) -> list[str]:
 class Supervisor:
     """State: starting → ready → (restarting → ready)* → stopped.
 
-    It is ready once `ready(url)` succeeds. While ready, `alive(url)` is asked every
-    HEALTH_INTERVAL_S; three failures in a row count as a crash. (Liveness, not generation: a
-    worker busy with long generations must not be killed for a slow probe.) Restarts back off
-    exponentially (1 s doubling to 30 s).
+    It is ready once `ready(url)` succeeds and `on_launch(url)` (if given) has run. While
+    ready, `alive(url)` is asked every HEALTH_INTERVAL_S; three failures in a row count as a
+    crash. (Liveness, not generation: a worker busy with long generations must not be killed for
+    a slow probe.) Restarts back off exponentially (1 s doubling to 30 s).
     """
 
     HEALTH_INTERVAL_S = 15.0
@@ -74,11 +74,13 @@ class Supervisor:
     def __init__(self, name: str, argv: Callable[[int], list[str]],
                  ready: Callable[[str], Awaitable[bool]], *, startup_timeout_s: float,
                  alive: Callable[[str], Awaitable[bool]] | None = None,
+                 on_launch: Callable[[str], Awaitable[None]] | None = None,
                  host: str = "127.0.0.1"):
         self.name = name
         self._argv = argv
         self._ready = ready
         self._alive = alive or ready
+        self._on_launch = on_launch
         self._timeout = startup_timeout_s
         self._host = host
         self.state = "starting"
@@ -143,6 +145,13 @@ class Supervisor:
                 self.last_error = f"engine process exited with code {self._proc.returncode}"
                 return False
             if await self._ready(url):
+                if self._on_launch is not None:  # e.g. put back the LoRA adapters a restart lost
+                    try:
+                        await self._on_launch(url)
+                    except Exception as exc:
+                        self.last_error = f"engine set-up after launch failed: {exc}"
+                        await self._terminate()
+                        return False
                 self.url = url
                 self.state = "ready"
                 log.info("%s: ready at %s (pid %s)", self.name, url, self.pid)

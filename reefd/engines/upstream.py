@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -68,6 +69,13 @@ class UpstreamEngine:
     async def stop(self) -> None:
         return None
 
+    async def load_adapter(self, name: str, path: Path) -> None:
+        raise EngineError("an upstream provider cannot serve LoRA adapters; use engine: worker or sglang",
+                          status=400)
+
+    async def unload_adapter(self, name: str) -> None:
+        raise EngineError(f"no adapter named {name!r} is loaded", status=400)
+
     def model_folder(self) -> None:
         return None
 
@@ -83,8 +91,10 @@ class UpstreamEngine:
         key = os.environ.get(self.cfg.api_key_env or "", "")
         return {"Authorization": f"Bearer {key}"} if key else {}
 
-    async def generate(self, req: ChatRequest, *, stream: bool = True,
-                       timeout_s: float = 600.0) -> AsyncIterator[str | Completion]:
+    async def generate(self, req: ChatRequest, *, stream: bool = True, timeout_s: float = 600.0,
+                       adapter: str | None = None) -> AsyncIterator[str | Completion]:
+        if adapter is not None:
+            raise EngineError("an upstream provider cannot serve LoRA adapters", status=400)
         body = upstream_body(req, self.model, stream)
         timeout = aiohttp.ClientTimeout(total=timeout_s)
         answered = False

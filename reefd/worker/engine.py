@@ -7,7 +7,6 @@ sampling or scheduling; every call here runs on the scheduler thread.
 from __future__ import annotations
 
 import inspect
-import json
 import logging
 import warnings
 from collections.abc import Sequence
@@ -178,65 +177,17 @@ class Engine:
     def check_adapter(self, path: Path) -> list[str]:
         """Refuse (BadRequest) a folder that is not a LoRA adapter this base model can take.
 
-        Checks: adapter_config.json is a LoRA config, every target module exists in the model,
-        every lora_A/lora_B tensor sits on a Linear of the model with matching shapes and rank.
-        Returns warnings (a different `base_model_name_or_path` is only a warning).
+        The same rules reefd applies before it publishes an adapter (reefd.adapters): a LoRA
+        config whose targets are Linear layers of the model, intact safetensors with lora_A/lora_B
+        shapes that fit them, finite values. Returns warnings.
         """
-        from safetensors import SafetensorError
-        from safetensors.torch import load_file
+        from reefd.adapters import InvalidAdapter
+        from reefd.adapters import check_adapter as check
 
-        path = Path(path)
         try:
-            config = json.loads((path / "adapter_config.json").read_text())
-        except (OSError, ValueError) as exc:
-            raise BadRequest(f"cannot read {path / 'adapter_config.json'}: {exc}") from None
-        if not isinstance(config, dict) or config.get("peft_type") != "LORA":
-            raise BadRequest(f"{path} is not a LoRA adapter (peft_type {config.get('peft_type')!r})")
-        if config.get("use_dora"):
-            raise BadRequest("DoRA adapters are not supported (PEFT's mixed batches exclude them)")
-        if config.get("modules_to_save"):
-            raise BadRequest("adapters with modules_to_save are not supported")
-        rank = config.get("r")
-        warnings: list[str] = []
-        base = config.get("base_model_name_or_path")
-        if base and Path(str(base)).name != self.path.name and str(base) != str(self.path):
-            warnings.append(f"adapter was trained on {base!r}, the worker serves {str(self.path)!r}")
-        linears = self._linears()
-        targets = config.get("target_modules")
-        if isinstance(targets, str):
-            import re
-
-            if not any(re.fullmatch(targets, name) for name in linears):
-                raise BadRequest(f"target_modules {targets!r} matches no Linear layer of the model")
-        elif isinstance(targets, list):
-            short = {name.rsplit(".", 1)[-1] for name in linears}
-            missing = sorted(t for t in targets if t not in short and t not in linears)
-            if missing:
-                raise BadRequest(f"target modules {missing} are not Linear layers of the model")
-        file = path / "adapter_model.safetensors"
-        if not file.is_file():
-            raise BadRequest(f"{file} does not exist (only safetensors adapters are loaded)")
-        try:
-            tensors = load_file(str(file))
-        except (SafetensorError, OSError, ValueError, RuntimeError) as exc:
-            raise BadRequest(f"cannot read {file}: {exc}") from None
-        if not tensors:
-            raise BadRequest(f"{file} holds no tensors")
-        for key, tensor in tensors.items():
-            head, sep, tail = key.partition(".lora_")
-            if not sep or tail not in ("A.weight", "B.weight"):
-                raise BadRequest(f"{file}: unexpected tensor {key!r} (only lora_A/lora_B weights are supported)")
-            name = head.removeprefix("base_model.model.")
-            linear = linears.get(name)
-            if linear is None:
-                raise BadRequest(f"{file}: {key!r} targets {name!r}, which is not a Linear layer of the model")
-            r = rank if isinstance(rank, int) else tensor.shape[0 if tail[0] == "A" else 1]
-            want = (r, linear.in_features) if tail[0] == "A" else (linear.out_features, r)
-            if tuple(tensor.shape) != want:
-                raise BadRequest(f"{file}: {key!r} has shape {tuple(tensor.shape)}, the model needs {want}")
-            if not torch.isfinite(tensor).all():
-                raise BadRequest(f"{file}: {key!r} holds non-finite values")
-        return warnings
+            return check(Path(path), self.path)
+        except InvalidAdapter as exc:
+            raise BadRequest(str(exc)) from None
 
     def load_adapter(self, name: str, path: Path) -> list[str]:
         """Validate, then load a PEFT LoRA folder under `name`; on any failure nothing changes."""

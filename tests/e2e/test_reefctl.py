@@ -98,7 +98,7 @@ def test_history_and_show_read_the_release_chain(daemon: Daemon, tmp_path: Path)
     log = reefctl(daemon, "history", "tiny")
     assert log.returncode == 0, log.stderr
     first = log.stdout.splitlines()[0]
-    assert re.fullmatch(r"release r0-[0-9a-f]{7} \(serving\)", first)
+    assert re.fullmatch(r"release r0-[0-9a-f]{7} \(HEAD -> serving\)", first)
     assert "Kind:    base" in log.stdout and "Source:  import" in log.stdout
     base = first.split()[1]
     shown = json.loads(reefctl(daemon, "show", f"release/{base}", "-o", "json").stdout)

@@ -1,0 +1,256 @@
+"""The reconciler: declared release (YAML pin, else the chain head) ↔ release chain ↔ serving engine.
+
+It runs at start, after each publish through reefd, on SIGHUP, and whenever it sees a head move
+(it polls the refs, so a publisher in another process is noticed too). For each scenario it:
+
+1. records the base release on a scenario's first start;
+2. if the YAML pins a release whose artifacts differ from the head's, appends a rollback release
+   carrying the pinned tree (the chain never rewinds);
+3. swaps the engine to the head: an adapter is materialized from the chain and loaded under a new
+   name (its release id), the scenario's binding moves to it for new requests, and the previous
+   adapter is unloaded once the requests that started on it have finished.
+
+Requests capture a scenario's `Binding` when they start, so each answers and is recorded with the
+release that served it. Knows the chain and the engine contract; nothing about wire formats.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import shutil
+import time
+from collections.abc import Coroutine
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from reefd.engines import Engine, EngineError, EngineUnavailable
+from reefd.identity import model_identity
+from reefd.releases import HeadConflict, Release, ReleaseChain, ReleaseError, UnknownRelease, WrongScenario
+
+if TYPE_CHECKING:
+    from reefd.scenarios import Registry, Scenario
+
+log = logging.getLogger("reefd.reconcile")
+
+
+@dataclass(frozen=True)
+class Binding:
+    """What serves a scenario's new requests: a release and, for an adapter release, the engine's name for it."""
+
+    release: str
+    adapter: str | None = None
+    artifact: str | None = None  # the adapter's tree id: releases with equal trees share one loaded adapter
+
+
+class Reconciler:
+    POLL_S = 2.0
+
+    def __init__(self, registry: Registry, chain: ReleaseChain, state_dir: Path):
+        self.registry = registry
+        self.chain = chain
+        self.serving_dir = state_dir / "serving"
+        self._locks: dict[str, asyncio.Lock] = {}
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._heads: dict[str, str | None] = {}  # the head each scenario was last reconciled against
+
+    # ------------------------------------------------------------ triggers
+
+    def kick(self, name: str) -> None:
+        """Reconcile `name` in the background."""
+        self._spawn(self._kick(name), f"reconcile-{name}")
+
+    async def _kick(self, name: str) -> None:
+        scenario = self.registry.scenarios.get(name)
+        if scenario is not None:
+            await self.reconcile(scenario)
+
+    def _spawn(self, coro: Coroutine[Any, Any, None], name: str) -> None:
+        task = asyncio.create_task(coro, name=name)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    def start(self) -> None:
+        for name in self.registry.scenarios:
+            self.kick(name)
+        self._spawn(self._watch(), "reconcile-watch")
+
+    async def stop(self) -> None:
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    async def _watch(self) -> None:
+        """Notice heads moved by anyone (another process included) and swap to them."""
+        while True:
+            await asyncio.sleep(self.POLL_S)
+            for name, scenario in list(self.registry.scenarios.items()):
+                lock = self._locks.get(name)
+                if lock is not None and lock.locked():
+                    continue
+                try:
+                    head = await asyncio.to_thread(self.chain.head, name)
+                except ReleaseError as exc:
+                    log.warning("%s: cannot read the chain head: %s", name, exc)
+                    continue
+                if scenario.binding is None or (head is not None and head.id != self._heads.get(name)):
+                    self.kick(name)
+
+    # ------------------------------------------------------------ the loop
+
+    async def reconcile(self, scenario: Scenario) -> Binding | None:
+        """Make `scenario` serve its declared release; returns what serves it afterwards."""
+        lock = self._locks.setdefault(scenario.name, asyncio.Lock())
+        async with lock:
+            try:
+                head, problem = await self._declared_head(scenario)
+                self._heads[scenario.name] = head.id
+                await self._serve(scenario, head)
+                scenario.error = problem
+                if problem:
+                    log.error("%s: %s", scenario.name, problem)
+            except asyncio.CancelledError:
+                raise
+            except (EngineError, EngineUnavailable, ReleaseError, OSError) as exc:
+                scenario.error = str(exc)
+                log.error("%s: %s", scenario.name, exc)
+            return scenario.binding
+
+    async def _declared_head(self, scenario: Scenario) -> tuple[Release, str | None]:
+        """The chain head after recording the base and applying the pin (appending a rollback if needed),
+        and what is wrong with the pin if it cannot be applied (the head then serves)."""
+        name, pin = scenario.name, scenario.cfg.release.pin
+        while True:
+            head = await asyncio.to_thread(self.chain.head, name)
+            if head is None:
+                head = await self._record_base(scenario)
+            if pin is None or pin == head.id:
+                return head, None
+            try:
+                target = await asyncio.to_thread(self.chain.target, name, pin)
+            except UnknownRelease:
+                return head, f"release.pin: {pin} is not a release of scenario {name!r}; serving the chain head"
+            except WrongScenario as exc:
+                return head, f"release.pin: {exc}; serving the chain head"
+            if await self._same_artifacts(target.id, head.id):
+                return head, None
+            try:
+                rel = await asyncio.to_thread(
+                    self.chain.rollback, name, pin, expected_head=head.id,
+                    meta={"source": "pin", "summary": f"release.pin in the scenario file: {pin}"})
+            except HeadConflict:
+                continue  # the head moved meanwhile: look again
+            log.info("%s: pinned to %s; appended rollback release %s", name, pin, rel.id)
+            return rel, None
+
+    async def _same_artifacts(self, a: str, b: str) -> bool:
+        return bool(await asyncio.to_thread(self.chain.artifacts, a)
+                    == await asyncio.to_thread(self.chain.artifacts, b))
+
+    async def _record_base(self, scenario: Scenario) -> Release:
+        """A scenario's first start: its base release records the model's identity."""
+        deadline = time.monotonic() + scenario.cfg.model.startup_timeout_s
+        while (model_dir := scenario.engine.model_folder()) is None and scenario.cfg.model.engine != "upstream":
+            if scenario.engine.describe()["state"] == "failed" or time.monotonic() > deadline:
+                raise EngineUnavailable(f"engine for model {scenario.cfg.model.name!r} did not start; "
+                                        "no base release recorded")
+            await asyncio.sleep(0.25)  # a built-in model is still being prepared
+        ident = await asyncio.to_thread(model_identity, scenario.cfg.model, model_dir)
+        try:
+            head = await asyncio.to_thread(
+                self.chain.publish, scenario.name, expected_head=None, kind="base",
+                artifact_dir=None, meta={"source": "import", "identity": ident})
+            log.info("%s: recorded base release %s", scenario.name, head.id)
+            return head
+        except HeadConflict:  # another process recorded it first: serve that
+            again = await asyncio.to_thread(self.chain.head, scenario.name)
+            assert again is not None
+            return again
+
+    async def _serve(self, scenario: Scenario, rel: Release) -> None:
+        current = scenario.binding
+        if current is not None and current.release == rel.id:
+            return
+        artifacts = await asyncio.to_thread(self.chain.artifacts, rel.id)
+        if "weights" in artifacts:
+            raise EngineError(f"{rel.id} is a full-weights release; reefd serves base and adapter releases, "
+                              f"so {scenario.name} stays on {current.release if current else 'nothing'}")
+        tree = artifacts.get("adapter")
+        engine = scenario.engine
+        if tree is None:
+            binding = Binding(rel.id)
+        elif current is not None and current.artifact == tree and current.adapter is not None:
+            binding = Binding(rel.id, current.adapter, tree)  # same adapter bytes (a rollback's copy): keep it
+        else:
+            binding = Binding(rel.id, rel.id, tree)
+            if rel.id not in getattr(engine, "adapters", {}):
+                await self._wait_ready(scenario)
+                folder = await asyncio.to_thread(self._materialize, scenario.name, rel.id)
+                await engine.load_adapter(rel.id, folder)
+        scenario.binding = binding  # new requests take it from here; running ones keep theirs
+        log.info("%s: serving %s%s", scenario.name, rel.id,
+                 f" (was {current.release})" if current else "")
+        if current is not None and current.adapter is not None and current.adapter != binding.adapter:
+            self._spawn(self._retire(engine, current, scenario.cfg.serve.request_timeout_s),
+                        f"retire-{current.adapter}")
+
+    async def _wait_ready(self, scenario: Scenario) -> None:
+        deadline = time.monotonic() + scenario.cfg.model.startup_timeout_s
+        while not scenario.engine.ready:
+            if scenario.engine.describe()["state"] == "failed" or time.monotonic() > deadline:
+                raise EngineUnavailable(f"engine for model {scenario.cfg.model.name!r} is "
+                                        f"{scenario.engine.describe()['state']}")
+            await asyncio.sleep(0.1)
+
+    def _materialize(self, scenario: str, release_id: str) -> Path:
+        """The release's adapter folder under STATE/serving/<scenario>/<release>, written once (atomically)."""
+        dest = self.serving_dir / scenario / release_id
+        if dest.is_dir():
+            return dest
+        tmp = dest.with_name(f".{release_id}.tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        self.chain.materialize(release_id, tmp, folder="adapter")
+        tmp.rename(dest)
+        return dest
+
+    async def _retire(self, engine: Engine, old: Binding, drain_s: float) -> None:
+        """Unload an adapter no scenario serves any more, once the requests that started on it are done."""
+        name = old.adapter
+        assert name is not None
+        deadline = time.monotonic() + drain_s
+        while self.registry.in_flight(engine, name) and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        if any(s.engine is engine and s.binding is not None and s.binding.adapter == name
+               for s in self.registry.scenarios.values()) or name not in getattr(engine, "adapters", {}):
+            return  # served again meanwhile, or already gone
+        try:
+            await engine.unload_adapter(name)
+        except (EngineError, EngineUnavailable) as exc:
+            log.warning("unloading adapter %s failed: %s", name, exc)
+            return
+        for folder in self.serving_dir.glob(f"*/{name}"):
+            shutil.rmtree(folder, ignore_errors=True)
+        log.info("unloaded adapter %s", name)
+
+    # ------------------------------------------------------------ reporting
+
+    def drift(self, scenario: Scenario, head: Release | None) -> list[str]:
+        """Why what serves differs from what is declared (empty when in sync)."""
+        reasons = []
+        serving = scenario.binding.release if scenario.binding else None
+        pin = scenario.cfg.release.pin
+        if scenario.error:
+            reasons.append(scenario.error)
+        if head is not None and serving != head.id:
+            lock = self._locks.get(scenario.name)
+            busy = " (swap in progress)" if lock is not None and lock.locked() else ""
+            reasons.append(f"serving {serving or 'nothing'} but the chain head is {head.id}{busy}")
+        if pin is not None and head is not None and pin != head.id and not scenario.error:
+            try:
+                same = self.chain.artifacts(pin) == self.chain.artifacts(head.id)
+            except ReleaseError:
+                same = False
+            if not same:
+                reasons.append(f"declared release {pin} differs from the chain head {head.id}")
+        return reasons

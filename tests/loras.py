@@ -1,0 +1,40 @@
+"""Real PEFT LoRA adapters and a second base model, made on the spot for the tests that need them."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+
+def make_lora(base: Path, out: Path, *, seed: int = 0, scale: float = 1.0, safe: bool = True, **lora: Any) -> Path:
+    """A real PEFT LoRA for the model in `base` (r=4 on q/v by default), with lora_B drawn at random
+    (seeded, times `scale`) as after training, so that the adapter changes what the model says."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(base, local_files_only=True)
+    config = LoraConfig(**{"r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "v_proj"], **lora})
+    peft_model = get_peft_model(model, config)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in peft_model.named_parameters():
+            if "lora_B" in name:
+                param.copy_(torch.randn(param.shape, generator=gen) * scale)
+    peft_model.save_pretrained(out, safe_serialization=safe)
+    return out
+
+
+def make_other_base(out: Path) -> Path:
+    """A second small Llama (hidden 64, untied lm_head) saved in several shards with an index:
+    a different base model, for adapters that must not fit the tiny one."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=512, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False,
+    )  # fmt: skip
+    torch.manual_seed(1)
+    LlamaForCausalLM(config).save_pretrained(out, max_shard_size="100KB")
+    return out
