@@ -45,6 +45,8 @@ bench: venv
 	$(BIN)/python bench/engine_batching.py --model tiny
 	$(BIN)/python bench/engine_batching.py --model smollm2
 	$(BIN)/python bench/memory.py
+	$(BIN)/python bench/hot_swap.py --model tiny
+	$(BIN)/python bench/hot_swap.py --model smollm2
 
 demo: venv
 	@$(BIN)/python -m pytest -m slow; rc=$$?; \
