@@ -31,7 +31,7 @@ run: venv
 	$(BIN)/reefd --scenarios scenarios --state "$(STATE)"
 
 lint: venv
-	$(BIN)/ruff check reefd tests bench
+	$(BIN)/ruff check reefd recipes tests bench
 	$(BIN)/mypy
 
 test: venv lint
@@ -47,6 +47,8 @@ bench: venv
 	$(BIN)/python bench/memory.py
 	$(BIN)/python bench/hot_swap.py --model tiny
 	$(BIN)/python bench/hot_swap.py --model smollm2
+	$(BIN)/python bench/trainer.py --model tiny
+	$(BIN)/python bench/trainer.py --model smollm2
 
 demo: venv
 	@$(BIN)/python -m pytest -m slow; rc=$$?; \

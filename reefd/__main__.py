@@ -19,7 +19,7 @@ from pathlib import Path
 from aiohttp import web
 
 from reefd import __version__, config, systemd
-from reefd.api.keys import REGISTRY
+from reefd.api.keys import REGISTRY, SCHEDULER
 from reefd.app import Settings, build_app
 from reefd.auth import load_tokens
 
@@ -103,6 +103,7 @@ async def _reload(app: web.Application, scenarios_dir: Path) -> None:
     try:
         scenarios = await asyncio.to_thread(config.load_all, scenarios_dir)  # off the event loop
         await app[REGISTRY].reload(scenarios)
+        app[SCHEDULER].sync_triggers()
         log.info("reloaded scenarios: %s", ", ".join(sorted(scenarios)))
     except config.ConfigError as exc:
         log.error("reload refused, still serving the previous scenarios: %s", exc)
@@ -149,7 +150,8 @@ def main(argv: list[str] | None = None) -> int:
     host, port = args.listen
     args.state.mkdir(mode=0o700, parents=True, exist_ok=True)  # records and the token live here
     settings = Settings(state_dir=args.state, tokens=load_tokens(args.state),
-                        scenarios=scenarios)
+                        scenarios=scenarios, scenarios_dir=args.scenarios,
+                        max_jobs=int(os.environ.get("REEF_MAX_JOBS", "1")))
     with asyncio.Runner(loop_factory=_loop_factory()) as runner:
         return runner.run(serve(settings, host, port, args.scenarios))
 

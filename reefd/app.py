@@ -17,14 +17,16 @@ import orjson
 from aiohttp import web
 
 from reefd.api import admin, anthropic, openai, reports, responses
+from reefd.api import jobs as jobs_api
 from reefd.api import releases as release_api
 from reefd.api.errors import error_middleware
-from reefd.api.keys import CHAIN, REGISTRY, STARTED_AT, STORE
+from reefd.api.keys import CHAIN, REGISTRY, SCHEDULER, STARTED_AT, STORE
 from reefd.auth import auth_middleware
 from reefd.config import ScenarioConfig
 from reefd.records import RecordStore
 from reefd.releases import ReleaseChain
 from reefd.scenarios import Registry
+from reefd.schedule import Scheduler
 
 log = logging.getLogger("reefd")
 HTTP = web.AppKey("http", aiohttp.ClientSession)
@@ -39,6 +41,8 @@ class Settings:
     records_map_size: int = 1 << 30
     shutdown_timeout_s: float = 30.0
     scenarios: dict[str, ScenarioConfig] = field(default_factory=dict)
+    scenarios_dir: Path = Path("scenarios")  # gate task files are relative to it
+    max_jobs: int = 1  # Grow jobs running at once, across every scenario
 
 
 def build_app(settings: Settings) -> web.Application:
@@ -72,7 +76,14 @@ def build_app(settings: Settings) -> web.Application:
         yield
         await app[REGISTRY].stop()
 
-    app.cleanup_ctx.extend([records, http_client, releases, engines])
+    async def grow(app: web.Application) -> AsyncIterator[None]:  # Grow: triggers and jobs
+        app[SCHEDULER] = Scheduler(app[REGISTRY], app[STORE], app[CHAIN], settings.state_dir,
+                                   settings.scenarios_dir, max_jobs=settings.max_jobs)
+        app[SCHEDULER].start()
+        yield
+        await app[SCHEDULER].stop()
+
+    app.cleanup_ctx.extend([records, http_client, releases, engines, grow])
 
     # Serve: provider-native agent APIs, by header or by path.
     for prefix in ("", "/scenarios/{scenario}"):
@@ -95,6 +106,10 @@ def build_app(settings: Settings) -> web.Application:
     app.router.add_post("/reef/scenarios/{name}/promote", release_api.promote)
     app.router.add_get("/reef/releases/{release}", release_api.show)
     app.router.add_get("/reef/diff", release_api.diff)
+    # Grow: jobs that turn records and reports into candidates.
+    app.router.add_post("/reef/scenarios/{name}/train", jobs_api.train)
+    app.router.add_get("/reef/jobs", jobs_api.list_jobs)
+    app.router.add_get("/reef/jobs/{job}", jobs_api.get_job)
     app.router.add_get("/healthz", admin.healthz)
     app.router.add_get("/", admin.healthz)  # HEAD / is Claude Code's connectivity probe
     app.router.add_get("/readyz", admin.readyz)

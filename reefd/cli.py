@@ -258,7 +258,7 @@ def cmd_report(client: Client, args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     """Connection flags go on the root and on every subcommand, so they work before or after the verb."""
-    from reefd import cli_releases  # noqa: F401  (registers the release-chain verbs after these)
+    from reefd import cli_jobs, cli_releases  # noqa: F401  (register the release and Grow verbs after these)
 
     conn = argparse.ArgumentParser(add_help=False)
     conn.add_argument("--url", default=argparse.SUPPRESS, help=f"reefd's address (env REEF_URL; {DEFAULT_URL})")

@@ -102,6 +102,80 @@ class ServeConfig:
     )
 
 
+@dataclass
+class RecipeConfig:
+    """How records and reports become a candidate release (Grow)."""
+
+    name: str = field(
+        default="record",
+        metadata={"description": "A shipped recipe (record, sao, grpo) or a dotted path pkg.mod:Class. "
+                                 "record only records and never trains."},
+    )
+    backend: str = field(
+        default="local", metadata={"enum": ["local"],
+                                   "description": "Where weight jobs run: local runs `python -m reefd.train` "
+                                                  "as a subprocess."},
+    )
+    params: dict[str, Any] = field(
+        default_factory=dict,
+        metadata={"description": "The recipe's own settings; each recipe validates them (see recipes/<name>/)."},
+    )
+    job_timeout_s: float = field(
+        default=3600.0, metadata={"exclusiveMinimum": 0, "description": "A training job running longer fails."}
+    )
+
+
+@dataclass
+class TriggerConfig:
+    """When a scenario's recipe runs (besides `reefctl train`)."""
+
+    every_n_records: int | None = field(
+        default=None, metadata={"minimum": 1,
+                                "description": "Run once this many eligible records are waiting."},
+    )
+    interval_s: float | None = field(
+        default=None, metadata={"exclusiveMinimum": 0, "description": "Run every this many seconds."}
+    )
+    cron: str | None = field(
+        default=None, metadata={"description": "A crontab expression (minute hour day month weekday)."}
+    )
+
+
+GATE_KINDS = ["always", "holdout", "floor"]
+
+
+@dataclass
+class GateConfig:
+    """How a candidate is judged before it may be published."""
+
+    kind: str = field(
+        default="always",
+        metadata={"enum": GATE_KINDS,
+                  "description": "always: pass; holdout: beat the serving release on held-out tasks by "
+                                 "margin; floor: score at least `floor` on the tasks."},
+    )
+    tasks: str | None = field(
+        default=None,
+        metadata={"description": "JSONL task file (relative to the scenarios folder): one object per line "
+                                 "with `prompt` (a string or OpenAI messages) and `answer`."},
+    )
+    scorer: str = field(
+        default="exact",
+        metadata={"description": "exact (answer == text, stripped), regex (answer is a pattern searched in "
+                                 "the text), or a dotted path pkg.mod:fn(text, task) -> float in [0, 1]."},
+    )
+    margin: float = field(default=0.0, metadata={"description": "holdout: required mean improvement."})
+    min_tasks: int = field(default=1, metadata={"minimum": 1, "description": "Fewer tasks: the gate fails."})
+    floor: float | None = field(
+        default=None, metadata={"description": "floor (and optionally holdout): minimum candidate mean."}
+    )
+    max_tokens: int = field(default=32, metadata={"minimum": 1, "description": "Answer length per task."})
+    temperature: float = field(default=0.0, metadata={"minimum": 0, "maximum": 2,
+                                                      "description": "Sampling for both sides (0: greedy)."})
+    samples: int = field(default=1, metadata={"minimum": 1, "description": "Answers per task and side."})
+    seed: int = field(default=0, metadata={"description": "Sampling seed, the same for both sides."})
+
+
 RELEASE_ID_PATTERN = r"^r(0|[1-9][0-9]{0,8})-[0-9a-f]{7}$"
 CONFLICT_POLICIES = ["discard", "rebase"]
 
@@ -134,6 +208,9 @@ class ScenarioConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     serve: ServeConfig = field(default_factory=ServeConfig)
     release: ReleaseConfig = field(default_factory=ReleaseConfig)
+    recipe: RecipeConfig = field(default_factory=RecipeConfig)
+    trigger: TriggerConfig = field(default_factory=TriggerConfig)
+    gate: GateConfig = field(default_factory=GateConfig)
 
 
 class ConfigError(Exception):
@@ -151,6 +228,8 @@ def _type_schema(tp: Any) -> dict[str, Any]:
     if origin is list:
         (item,) = typing.get_args(tp)
         return {"type": "array", "items": _type_schema(item)}
+    if origin is dict:
+        return {"type": "object"}
     if dataclasses.is_dataclass(tp):
         return dataclass_schema(tp)  # type: ignore[arg-type]
     mapping = {str: "string", int: "integer", float: "number", bool: "boolean",
@@ -223,7 +302,8 @@ def _omegaconf_message(exc: OmegaConfBaseException) -> str:
     unknown = re.match(r"Key '([^']+)' not in '(\w+)'", msg)
     if unknown:
         cls = {"ModelConfig": ModelConfig, "ServeConfig": ServeConfig,
-               "ReleaseConfig": ReleaseConfig, "ScenarioConfig": ScenarioConfig}.get(unknown.group(2))
+               "ReleaseConfig": ReleaseConfig, "RecipeConfig": RecipeConfig, "TriggerConfig": TriggerConfig,
+               "GateConfig": GateConfig, "ScenarioConfig": ScenarioConfig}.get(unknown.group(2))
         known = [f.name for f in dataclasses.fields(cls)] if cls else []
         hint = difflib.get_close_matches(unknown.group(1), known, n=1)
         msg = "unknown key" + (f" (did you mean '{hint[0]}'?)" if hint else "")
@@ -265,7 +345,31 @@ def compose(path: Path) -> ScenarioConfig:
         raise ConfigError(f"{label}: {where}: {err.message}")
     for where, msg in _semantic_errors(data):
         raise ConfigError(f"{label}: {where}: {msg}")
-    return from_dict(data)
+    cfg = from_dict(data)
+    problem = _grow_problem(cfg, path.parent)
+    if problem:
+        raise ConfigError(f"{label}: {problem}")
+    return cfg
+
+
+def _grow_problem(cfg: ScenarioConfig, scenarios_dir: Path) -> str | None:
+    """The recipe's params, the cron expression and the gate's task file, checked now rather than at the
+    first job (the recipe, trigger and gate modules own those rules)."""
+    from reefd import gates, recipes
+
+    try:
+        recipes.build(cfg.recipe.name, cfg.recipe.params)
+    except recipes.RecipeError as exc:
+        return f"recipe: {exc}" if not str(exc).startswith("recipe.") else str(exc)
+    if cfg.trigger.cron is not None:
+        from apscheduler.triggers.cron import CronTrigger
+
+        try:
+            CronTrigger.from_crontab(cfg.trigger.cron, timezone="UTC")
+        except ValueError as exc:
+            return f"trigger.cron: {cfg.trigger.cron!r} is not a crontab expression ({exc})"
+    gate = gates.check_config(cfg.gate, scenarios_dir)
+    return None if gate is None else gate if gate.startswith("gate.") else f"gate: {gate}"
 
 
 def from_dict(data: dict[str, Any]) -> ScenarioConfig:
@@ -275,6 +379,9 @@ def from_dict(data: dict[str, Any]) -> ScenarioConfig:
         model=ModelConfig(**data["model"]),
         serve=ServeConfig(**data["serve"]),
         release=ReleaseConfig(**data["release"]),
+        recipe=RecipeConfig(**data["recipe"]),
+        trigger=TriggerConfig(**data["trigger"]),
+        gate=GateConfig(**data["gate"]),
     )
 
 

@@ -140,10 +140,11 @@ class RecordStore:
         if self._thread is not None:
             raise RuntimeError("RecordStore.open() called twice")
         os.makedirs(self.path, exist_ok=True)
-        env = lmdb.open(self.path, map_size=self._map_size, subdir=True, max_dbs=8,
+        env = lmdb.open(self.path, map_size=self._map_size, subdir=True, max_dbs=16,
                         sync=True, metasync=True, writemap=False)
         with env.begin(write=True) as txn:
-            for name in ("records", "by_scenario", "by_session", "reports", "report_index", "counts", "meta"):
+            for name in ("records", "by_scenario", "by_session", "reports", "report_index", "counts", "meta",
+                         "consumed"):
                 self._dbs[name] = env.open_db(name.encode(), txn=txn)
         self._env, self._loop = env, asyncio.get_running_loop()
         self._stopped = self._loop.create_future()
@@ -196,6 +197,28 @@ class RecordStore:
         packed = _pack(report)  # serialisation errors surface here, before the writer sees the op
         result: tuple[dict[str, Any], bool] = await self._submit(self._apply_report, scenario_key, report, packed)
         return result
+
+    async def mark_consumed(self, scenario: str, receipts: list[str], by: str) -> None:
+        """Record that a job's candidate (`by`) consumed these records: recipes never see them again. Durable."""
+        await self._submit(self._apply_consumed, _scenario_key(scenario), list(receipts), by.encode())
+
+    def _apply_consumed(self, txn: lmdb.Transaction[bytes], deltas: dict[bytes, list[int]],
+                        scenario: bytes, receipts: list[str], by: bytes) -> None:
+        for receipt in receipts:
+            txn.put(scenario + b"\0" + receipt.encode(), by, overwrite=False, db=self._dbs["consumed"])
+
+    def unconsumed(self, scenario: str, *, after: str | None = None, limit: int = 1000) -> list[dict[str, Any]]:
+        """Records of `scenario` (with their reports) that no candidate has consumed yet, in receipt order."""
+        key = _scenario_key(scenario) + b"\0"
+        out: list[dict[str, Any]] = []
+        while len(out) < limit:
+            page = self.list_records(scenario, after=after, limit=limit)
+            if not page:
+                break
+            with self._reading() as txn:
+                out.extend(r for r in page if txn.get(key + r["id"].encode(), db=self._dbs["consumed"]) is None)
+            after = page[-1]["id"]
+        return out[:limit]
 
     async def _submit(self, apply: Callable[..., Any], *args: Any) -> Any:
         if self._loop is None or self._closing is not None:

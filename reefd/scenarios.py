@@ -111,6 +111,15 @@ class Registry:
             self._inflight[use[0]] -= 1
             self._uses[use] -= 1
 
+    @contextlib.contextmanager
+    def using(self, engine: Engine, adapter: str | None) -> Iterator[None]:
+        """Keep `adapter` loaded on `engine` while a non-request user (a gate) generates with it."""
+        self._uses[(id(engine), adapter)] += 1
+        try:
+            yield
+        finally:
+            self._uses[(id(engine), adapter)] -= 1
+
     def in_flight(self, engine: Engine, adapter: str | None) -> int:
         """Requests running on `engine` with `adapter`."""
         return self._uses[(id(engine), adapter)]

@@ -11,7 +11,7 @@ import jsonschema
 from aiohttp import web
 
 from reefd.api.errors import ApiError, check, json_response, read_json
-from reefd.api.keys import REGISTRY, STORE
+from reefd.api.keys import REGISTRY, SCHEDULER, STORE
 from reefd.records import ReportConflict, StorageError, UnknownReceipt
 
 REPORT_SCHEMA: dict[str, Any] = {
@@ -34,6 +34,7 @@ async def report(request: web.Request) -> web.Response:
     check(_VALIDATOR, body)
     try:
         stored, _created = await request.app[STORE].put_report(scenario.name, body)
+        request.app[SCHEDULER].check(scenario.name)
     except UnknownReceipt as exc:
         raise ApiError(404, f"references: unknown receipt {exc.receipt!r} in scenario "
                        f"{scenario.name!r}", param="references", code="receipt_not_found"

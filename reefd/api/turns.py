@@ -16,6 +16,7 @@ from typing import Any, Protocol
 from aiohttp import web
 
 from reefd.api.errors import ApiError, json_response
+from reefd.api.keys import SCHEDULER
 from reefd.chat import ChatRequest, Completion
 from reefd.engines import EngineError, EngineUnavailable, Prompt
 from reefd.receipts import new_receipt
@@ -138,6 +139,7 @@ async def serve_turn(request: web.Request, scenario: Scenario, binding: Binding,
         answer = wire.response(completion)
         finish_record(record, completion, answer, started, None)
         await store.put_record(record)
+        request.app[SCHEDULER].check(scenario.name)
     except FAILURES as exc:
         raise engine_failure(exc) from exc
     finally:
@@ -177,6 +179,7 @@ async def _stream(request: web.Request, store: RecordStore, wire: Wire,
         answer = wire.response(completion)
         finish_record(record, completion, answer, started, ttft)
         await store.put_record(record)  # durable before the terminal event, always
+        request.app[SCHEDULER].check(record["scenario"])
         await resp.write(wire.stream_terminal())
     except ConnectionError:
         log.info("client went away during stream %s", record["id"])

@@ -1,0 +1,314 @@
+"""Eval gates: judge a candidate release on held-out tasks before it may be published.
+
+Owns the task file format, the scorers and the pass rules. Knows nothing about engines,
+models or torch: answers come from a `Generate` callback that the caller drives.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import importlib
+import json
+import math
+import re
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from reefd.config import GateConfig
+
+EPS = 1e-9  # means are float sums: 0.7 - 0.6 must clear a 0.1 margin
+
+
+class GateError(ValueError):
+    """A gate that cannot run: a missing or malformed tasks file, a bad scorer, a bad score."""
+
+
+@dataclass(frozen=True)
+class Task:
+    """One held-out task: the chat messages sent, the expected answer, and the line it came from."""
+
+    messages: list[dict[str, Any]]
+    answer: Any
+    raw: dict[str, Any]
+    where: str = ""  # "path:line", for error messages
+
+
+Scorer = Callable[[str, Task], float]
+"""(answer text, task) -> a score in [0, 1]."""
+
+Generate = Callable[[list[dict[str, Any]], str | None, GateConfig, int], Awaitable[str]]
+"""(messages, adapter name or None for the base model, gate config, seed) -> the answer text.
+
+The caller's engine honours cfg.max_tokens and cfg.temperature, and the seed, so that both sides
+of a holdout gate sample alike. Its exceptions propagate out of `evaluate` unchanged.
+"""
+
+
+# ---------------------------------------------------------------- tasks
+
+
+def _messages(prompt: Any, where: str) -> list[dict[str, Any]]:
+    if isinstance(prompt, str):
+        return [{"role": "user", "content": prompt}]
+    if not isinstance(prompt, list) or not prompt:
+        raise GateError(f"{where}: 'prompt' must be a string or a non-empty list of chat messages")
+    for i, msg in enumerate(prompt):
+        if not isinstance(msg, dict) or not isinstance(msg.get("role"), str):
+            raise GateError(f"{where}: prompt[{i}] is not a chat message (an object with a string 'role')")
+    return prompt
+
+
+def load_tasks(path: Path) -> list[Task]:
+    """Read a JSONL task file: one object per line with `prompt` and `answer`; blank lines are skipped."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise GateError(f"{path}: tasks file not found") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise GateError(f"{path}: cannot read tasks file: {exc}") from exc
+    tasks = []
+    for n, line in enumerate(text.split("\n"), start=1):  # not splitlines: U+2028 may sit inside a string
+        if not line.strip():
+            continue
+        where = f"{path}:{n}"
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise GateError(f"{where}: not valid JSON: {exc.msg} (column {exc.colno})") from None
+        if not isinstance(obj, dict):
+            raise GateError(f"{where}: a task is a JSON object, not {type(obj).__name__}")
+        for key in ("prompt", "answer"):
+            if key not in obj:
+                raise GateError(f"{where}: missing {key!r}")
+        tasks.append(Task(messages=_messages(obj["prompt"], where), answer=obj["answer"], raw=obj, where=where))
+    return tasks
+
+
+# ---------------------------------------------------------------- scorers
+
+
+def _exact() -> Scorer:
+    def exact(text: str, task: Task) -> float:
+        return 1.0 if text.strip() == str(task.answer).strip() else 0.0
+
+    return exact
+
+
+def _regex() -> Scorer:
+    compiled: dict[str, re.Pattern[str]] = {}  # one compile per pattern, however many samples
+
+    def regex(text: str, task: Task) -> float:
+        if not isinstance(task.answer, str):
+            raise GateError(f"{task.where}: the regex scorer needs a string answer (a pattern)")
+        pattern = compiled.get(task.answer)
+        if pattern is None:
+            try:
+                pattern = compiled[task.answer] = re.compile(task.answer)
+            except re.error as exc:
+                raise GateError(f"{task.where}: bad regex {task.answer!r}: {exc}") from None
+        return 1.0 if pattern.search(text) else 0.0
+
+    return regex
+
+
+SCORERS: dict[str, Callable[[], Scorer]] = {"exact": _exact, "regex": _regex}
+
+
+def _one_line(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {' '.join(str(exc).split())}"
+
+
+def _import_scorer(spec: str) -> Scorer:
+    module_name, _, attr = spec.partition(":")
+    if not module_name or not attr:
+        raise GateError(f"scorer {spec!r}: expected {', '.join(SCORERS)} or a dotted path pkg.mod:fn")
+    try:
+        obj: Any = importlib.import_module(module_name)
+    except Exception as exc:  # ImportError, or whatever the module raises while it loads
+        raise GateError(f"scorer {spec!r}: cannot import {module_name}: {_one_line(exc)}") from exc
+    for part in attr.split("."):
+        if not hasattr(obj, part):
+            raise GateError(f"scorer {spec!r}: {module_name} has no {attr!r}")
+        obj = getattr(obj, part)
+    if not callable(obj):
+        raise GateError(f"scorer {spec!r}: {type(obj).__name__} is not callable")
+    fn: Scorer = obj
+    return fn
+
+
+def scorer(spec: str) -> Scorer:
+    """The scorer named by `spec` (exact, regex or pkg.mod:fn), checking every score it returns.
+
+    A score must be a finite number within [0, 1]; anything else, or an exception from a user's
+    scorer, is a GateError naming the task.
+    """
+    factory = SCORERS.get(spec)
+    inner = factory() if factory else _import_scorer(spec)
+
+    def checked(text: str, task: Task) -> float:
+        try:
+            value = inner(text, task)
+        except GateError:
+            raise
+        except Exception as exc:
+            raise GateError(f"{task.where}: scorer {spec!r} failed: {_one_line(exc)}") from exc
+        if not isinstance(value, int | float) or not math.isfinite(value) or not 0.0 <= value <= 1.0:
+            raise GateError(f"{task.where}: scorer {spec!r} returned {value!r}, not a number in [0, 1]")
+        return float(value)
+
+    return checked
+
+
+# ---------------------------------------------------------------- verdicts
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """What a gate decided, and the numbers it decided on."""
+
+    passed: bool
+    kind: str
+    candidate_mean: float | None  # None: nothing was generated
+    current_mean: float | None  # None: the current release was not asked (always, floor)
+    tasks: int
+    margin: float
+    floor: float | None
+    reason: str  # one line, for logs and `reefctl releases`
+    per_task: list[dict[str, float | None]]  # [{"candidate": mean, "current": mean or None}] in file order
+
+    def as_meta(self) -> dict[str, Any]:
+        """The JSON-able record kept in release.json meta["gate"]."""
+        return {
+            "verdict": "pass" if self.passed else "fail",
+            "kind": self.kind,
+            "reason": self.reason,
+            "tasks": self.tasks,
+            "candidate_mean": self.candidate_mean,
+            "current_mean": self.current_mean,
+            "margin": self.margin,
+            "floor": self.floor,
+            "per_task": [dict(p) for p in self.per_task],
+        }
+
+
+def _prepare(cfg: GateConfig, scenarios_dir: Path) -> tuple[list[Task], Scorer]:
+    """The tasks and scorer of a holdout or floor gate; GateError names the key at fault."""
+    if cfg.kind not in ("holdout", "floor"):
+        raise GateError(f"gate.kind: unknown gate kind {cfg.kind!r}")
+    if not cfg.tasks:
+        raise GateError(f"gate.tasks: a {cfg.kind} gate needs a tasks file")
+    if cfg.kind == "floor" and cfg.floor is None:
+        raise GateError("gate.floor: a floor gate needs a floor")
+    if cfg.floor is not None and not 0.0 <= cfg.floor <= 1.0:
+        raise GateError(f"gate.floor: {cfg.floor} is outside [0, 1], where scores lie")
+    try:
+        score = scorer(cfg.scorer)
+    except GateError as exc:
+        raise GateError(f"gate.scorer: {exc}") from None
+    try:
+        tasks = load_tasks(scenarios_dir / cfg.tasks)
+    except GateError as exc:
+        raise GateError(f"gate.tasks: {exc}") from None
+    return tasks, score
+
+
+def check_config(cfg: GateConfig, scenarios_dir: Path) -> str | None:
+    """The problem with a gate config, as one line for `reefd --check`, or None when it can run.
+
+    Loads the tasks file and imports the scorer, so a gate that --check accepts does not fail
+    on its configuration later; a tasks file with fewer than min_tasks tasks is reported too,
+    since such a gate can never pass.
+    """
+    if cfg.kind == "always":
+        return None
+    try:
+        tasks, _ = _prepare(cfg, scenarios_dir)
+    except GateError as exc:
+        return str(exc)
+    if len(tasks) < cfg.min_tasks:
+        return (f"gate.tasks: {cfg.tasks} holds {len(tasks)} tasks, fewer than min_tasks {cfg.min_tasks}: "
+                "the gate would always fail")
+    return None
+
+
+# ---------------------------------------------------------------- evaluation
+
+
+async def _answer_all(tasks: list[Task], sides: dict[str, str | None], cfg: GateConfig, score: Scorer,
+                      generate: Generate, concurrency: int) -> dict[str, list[float]]:
+    """Each side's mean score per task, generating with at most `concurrency` requests in flight.
+
+    Requests go out in the order task, sample, side: the sides alternate, so both meet the same
+    engine load, and both get the same seed for the same task and sample.
+    """
+    samples: dict[str, list[list[float]]] = {side: [[] for _ in tasks] for side in sides}
+    jobs = iter([(i, cfg.seed + i * cfg.samples + s, side)
+                 for i in range(len(tasks)) for s in range(cfg.samples) for side in sides])
+
+    async def worker() -> None:
+        for i, seed, side in jobs:  # the workers share one iterator: each job is taken once
+            task = tasks[i]
+            text = await generate(copy.deepcopy(task.messages), sides[side], cfg, seed)
+            samples[side][i].append(score(text, task))
+
+    workers = [asyncio.create_task(worker()) for _ in range(concurrency)]
+    try:
+        await asyncio.gather(*workers)
+    except BaseException:
+        for w in workers:
+            w.cancel()
+        await asyncio.gather(*workers, return_exceptions=True)
+        raise
+    return {side: [_mean(xs) for xs in per] for side, per in samples.items()}
+
+
+def _mean(xs: list[float]) -> float:
+    return sum(xs) / len(xs)
+
+
+async def evaluate(cfg: GateConfig, scenarios_dir: Path, generate: Generate, *, current: str | None,
+                   candidate: str | None, concurrency: int = 4) -> Verdict:
+    """Judge `candidate` (an adapter name, None for the base model) by the gate `cfg`.
+
+    always: passes without generating. floor: passes iff the candidate's mean is at least
+    cfg.floor. holdout: the candidate and `current` answer the same tasks with the same seeds
+    (cfg.seed + task index * cfg.samples + sample); it passes iff the candidate's mean exceeds
+    the current one by at least cfg.margin, where a margin of 0 asks for a strict improvement
+    (a tie is no reason to publish) and a negative margin tolerates that much regression;
+    cfg.floor, when set, must be met as well. Comparisons allow 1e-9 of float rounding.
+
+    A task's score is the mean of its cfg.samples answers; a mean is over tasks. Fewer than
+    cfg.min_tasks tasks is a failed verdict; configuration problems raise GateError.
+    """
+    if concurrency < 1:
+        raise ValueError(f"concurrency must be at least 1, not {concurrency}")
+    if cfg.kind == "always":
+        return Verdict(True, "always", None, None, 0, cfg.margin, cfg.floor, "gate kind is always", [])
+    tasks, score = _prepare(cfg, scenarios_dir)
+    n = len(tasks)
+
+    def verdict(passed: bool, reason: str, cand: float | None = None, cur: float | None = None,
+                per_task: list[dict[str, float | None]] | None = None) -> Verdict:
+        return Verdict(passed, cfg.kind, cand, cur, n, cfg.margin, cfg.floor, reason, per_task or [])
+
+    if n < max(cfg.min_tasks, 1):  # the schema says min_tasks >= 1; a mean of no tasks means nothing
+        return verdict(False, f"{n} tasks, fewer than min_tasks {max(cfg.min_tasks, 1)}")
+    sides = {"candidate": candidate} if cfg.kind == "floor" else {"candidate": candidate, "current": current}
+    means = await _answer_all(tasks, sides, cfg, score, generate, concurrency)
+    cand_scores, cur_scores = means["candidate"], means.get("current")
+    per_task: list[dict[str, float | None]] = [
+        {"candidate": c, "current": cur_scores[i] if cur_scores else None} for i, c in enumerate(cand_scores)]
+    cand = _mean(cand_scores)
+    floor_ok = cfg.floor is None or cand >= cfg.floor - EPS
+    floor_note = "" if cfg.floor is None else f", floor {cfg.floor:g} {'met' if floor_ok else 'missed'}"
+    if cur_scores is None:  # a floor gate (which _prepare made sure has a floor)
+        return verdict(floor_ok, f"candidate {cand:.3f} on {n} tasks{floor_note}", cand, None, per_task)
+    cur = _mean(cur_scores)
+    diff = cand - cur
+    beat = diff > EPS if cfg.margin == 0 else diff >= cfg.margin - EPS
+    need = "> 0" if cfg.margin == 0 else f">= {cfg.margin:+g}"
+    reason = f"candidate {cand:.3f} vs current {cur:.3f} on {n} tasks: {diff:+.3f} (needs {need}){floor_note}"
+    return verdict(beat and floor_ok, reason, cand, cur, per_task)

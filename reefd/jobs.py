@@ -1,0 +1,318 @@
+"""One Grow job, start to end: batch → trainer subprocess → gate → publish (or reject) → hot swap.
+
+A job's state is a JSON file under STATE/jobs/ written atomically at every transition, so a
+restart finds it; a job that was queued or running when reefd stopped is marked failed with that
+reason (`JobStore.recover`). Knows the recipe contract, the trainer's JSON-lines protocol, the
+gates and the chain; the scheduling (which job runs when) is in reefd/schedule.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import json
+import logging
+import os
+import shutil
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from reefd import gates
+from reefd.chat import ChatRequest, Completion
+from reefd.engines import EngineError, EngineUnavailable
+from reefd.engines.supervisor import die_with_parent
+from reefd.receipts import new_receipt
+from reefd.recipes import Recipe, RecipeError, Sample, WeightJob, build
+from reefd.releases import HeadConflict, Release, ReleaseChain, ReleaseError
+
+if TYPE_CHECKING:
+    from reefd.records import RecordStore
+    from reefd.scenarios import Registry, Scenario
+
+log = logging.getLogger("reefd.jobs")
+
+ACTIVE = ("queued", "running")
+STATES = (*ACTIVE, "published", "rejected", "failed", "skipped")
+
+
+class JobFailed(Exception):
+    """The job cannot go on; str() is the one-line reason recorded on it."""
+
+
+@dataclass
+class Job:
+    id: str
+    scenario: str
+    reason: str  # manual | count | interval | cron
+    recipe: str
+    state: str = "queued"
+    created_at: float = field(default_factory=time.time)
+    started_at: float | None = None
+    finished_at: float | None = None
+    stage: str = "queued"  # batch | train | gate | publish | done
+    progress: dict[str, Any] = field(default_factory=dict)  # the trainer's last progress line
+    built_on: str | None = None
+    release: str | None = None  # the published release, or the rejected candidate
+    verdict: dict[str, Any] | None = None
+    error: str | None = None
+    receipts: list[str] = field(default_factory=list)
+    metrics: dict[str, Any] = field(default_factory=dict)
+
+    def as_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+class JobStore:
+    """Job files under `root` (one JSON file each, replaced atomically)."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        root.mkdir(parents=True, exist_ok=True)
+        self.jobs: dict[str, Job] = {}
+        for path in sorted(root.glob("j-*.json")):
+            with contextlib.suppress(OSError, ValueError, TypeError):
+                data = json.loads(path.read_text())
+                self.jobs[data["id"]] = Job(**data)
+
+    def recover(self) -> list[Job]:
+        """Jobs a stopped reefd left queued or running: marked failed, with the reason."""
+        lost = [j for j in self.jobs.values() if j.state in ACTIVE]
+        for job in lost:
+            job.state, job.finished_at = "failed", time.time()
+            job.error = ("reefd stopped while the job was queued" if job.stage == "queued"
+                         else f"reefd stopped during the job's {job.stage} stage")
+            self.save(job)
+        return lost
+
+    def new(self, scenario: str, reason: str, recipe: str) -> Job:
+        job = Job(id=f"j-{new_receipt().lower()}", scenario=scenario, reason=reason, recipe=recipe)
+        self.jobs[job.id] = job
+        self.save(job)
+        return job
+
+    def save(self, job: Job) -> None:
+        tmp = self.root / f".{job.id}.tmp"
+        with tmp.open("w") as f:
+            json.dump(job.as_json(), f, indent=1)
+            f.flush()
+            os.fsync(f.fileno())
+        tmp.replace(self.root / f"{job.id}.json")
+
+    def workdir(self, job: Job) -> Path:
+        return self.root / job.id
+
+    def list(self, scenario: str | None = None) -> list[Job]:
+        return sorted((j for j in self.jobs.values() if scenario is None or j.scenario == scenario),
+                      key=lambda j: j.created_at, reverse=True)
+
+
+class Runner:
+    """Runs one job through every stage; never raises (the job records what went wrong)."""
+
+    def __init__(self, registry: Registry, store: RecordStore, chain: ReleaseChain, jobs: JobStore,
+                 scenarios_dir: Path) -> None:
+        self.registry, self.store, self.chain, self.jobs = registry, store, chain, jobs
+        self.scenarios_dir = scenarios_dir
+
+    async def run(self, job: Job) -> None:
+        job.state, job.started_at = "running", time.time()
+        self.jobs.save(job)
+        try:
+            await self._run(job)
+        except asyncio.CancelledError:
+            job.state, job.error = "failed", "reefd stopped while the job was running"
+            raise
+        except (JobFailed, RecipeError, gates.GateError, ReleaseError, EngineError, EngineUnavailable,
+                OSError) as exc:
+            job.state, job.error = "failed", str(exc) or type(exc).__name__
+            log.error("%s %s failed: %s", job.scenario, job.id, job.error)
+        except Exception as exc:  # a bug must not take the scheduler down; the job says what happened
+            log.exception("%s %s failed", job.scenario, job.id)
+            job.state, job.error = "failed", f"internal error: {exc}"
+        finally:
+            job.finished_at = time.time()
+            if job.state == "running":
+                job.state = "failed"
+            self.jobs.save(job)
+            work = self.jobs.workdir(job)
+            if job.state != "failed" or not os.environ.get("REEF_KEEP_FAILED_JOBS"):
+                await asyncio.to_thread(shutil.rmtree, work, True)
+
+    def _stage(self, job: Job, stage: str) -> None:
+        job.stage = stage
+        self.jobs.save(job)
+
+    def _scenario(self, job: Job) -> Scenario:
+        scenario = self.registry.scenarios.get(job.scenario)
+        if scenario is None:
+            raise JobFailed(f"scenario {job.scenario!r} is no longer served")
+        return scenario
+
+    async def _run(self, job: Job) -> None:
+        scenario = self._scenario(job)
+        recipe = build(scenario.cfg.recipe.name, scenario.cfg.recipe.params)
+        if not recipe.trains:
+            job.state, job.error = "skipped", f"recipe {job.recipe!r} does not train"
+            return
+        self._stage(job, "batch")
+        samples = await asyncio.to_thread(self.batch, recipe, job.scenario)
+        if not samples or (job.reason != "manual" and not recipe.ready(samples)):
+            job.state = "skipped"
+            job.error = f"no batch ready: {len(samples)} eligible scored record(s) waiting"
+            return
+        spec = recipe.candidate(samples)
+        job.receipts = [s.receipt for s in spec.samples]
+        head = self.chain.head(job.scenario)
+        if head is None:
+            raise JobFailed("the scenario has no base release yet")
+        job.built_on = head.id
+        self.jobs.save(job)
+
+        self._stage(job, "train")
+        work = self.jobs.workdir(job)
+        out = await self.train(job, scenario, spec, head, work)
+
+        self._stage(job, "gate")
+        self.jobs.save(job)
+        verdict = await self.gate(job, scenario, out)
+        job.verdict = verdict.as_meta()
+
+        self._stage(job, "publish")
+        meta = {"source": job.recipe, "job": job.id, "summary": f"{job.recipe} on {len(job.receipts)} records",
+                "metrics": job.metrics, "gate": job.verdict, "receipts": job.receipts,
+                "reports": sorted({r for s in spec.samples for r in s.reports}), "built_on": head.id}
+        if verdict.passed:
+            rel = await self.publish(job, scenario, head, out, meta)
+        else:
+            rel = await asyncio.to_thread(self.chain.reject, job.scenario, built_on=head.id, kind="adapter",
+                                          artifact_dir=out, meta=meta)
+            log.info("%s %s: candidate %s rejected: %s", job.scenario, job.id, rel.id, verdict.reason)
+        job.release = rel.id
+        await self.store.mark_consumed(job.scenario, job.receipts, job.id)
+        if rel.status == "released":  # swap before the job reports success: its next answer comes from it
+            await self.registry.reconciler.reconcile(scenario)
+        job.stage = "done"
+        job.state = "published" if rel.status == "released" else "rejected"
+
+    def batch(self, recipe: Recipe, scenario: str) -> list[Sample]:
+        """The recipe's eligible samples among the records no candidate consumed yet, oldest first."""
+        samples = []
+        for record in self.store.unconsumed(scenario, limit=100_000):
+            sample = recipe.sample(record, record.get("reports", []))
+            if sample is not None:
+                samples.append(sample)
+        return samples
+
+    # ------------------------------------------------------------ train
+
+    async def train(self, job: Job, scenario: Scenario, spec: WeightJob, head: Release, work: Path) -> Path:
+        """Run `python -m reefd.train` on the batch; returns the candidate adapter folder."""
+        model_dir = scenario.engine.model_folder()
+        if model_dir is None:
+            raise JobFailed("the scenario's model is not prepared yet")
+        await asyncio.to_thread(shutil.rmtree, work, True)
+        work.mkdir(parents=True)
+        init = None
+        if "adapter" in await asyncio.to_thread(self.chain.artifacts, head.id):  # continue from what serves
+            init = await asyncio.to_thread(self.chain.materialize, head.id, work / "init", "adapter")
+        out = work / "candidate"
+        doc = {"job": job.id, "algorithm": spec.algorithm, "base_model": str(model_dir),
+               "init_adapter": str(init) if init else None, "output_dir": str(out),
+               "samples": [dataclasses.asdict(s) for s in spec.samples], "lora": spec.lora, "optim": spec.optim,
+               "sao": {k: v for k, v in spec.settings.items() if k != "seed"}, "seed": spec.settings.get("seed", 0)}
+        spec_path = work / "spec.json"
+        spec_path.write_text(json.dumps(doc))
+        timeout = scenario.cfg.recipe.job_timeout_s
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "reefd.train", "--spec", str(spec_path), stdin=asyncio.subprocess.DEVNULL,
+            stdout=asyncio.subprocess.PIPE, stderr=(work / "trainer.log").open("wb"), preexec_fn=die_with_parent)
+        error: str | None = None
+        try:
+            async with asyncio.timeout(timeout):
+                assert proc.stdout is not None
+                async for line in proc.stdout:
+                    event = _event(line)
+                    if event.get("event") == "progress":
+                        job.progress = {k: v for k, v in event.items() if k != "event"}
+                    elif event.get("event") == "done":
+                        job.metrics = dict(event.get("metrics") or {})
+                    elif event.get("event") == "error":
+                        error = str(event.get("reason"))
+                code = await proc.wait()
+        except TimeoutError:
+            raise JobFailed(f"the trainer ran past the job timeout ({timeout:.0f} s)") from None
+        finally:
+            if proc.returncode is None:
+                proc.kill()
+                await proc.wait()
+        if code != 0:
+            tail = (work / "trainer.log").read_text(errors="replace").strip().splitlines()[-1:] if not error else []
+            raise JobFailed(f"the trainer failed (exit {code}): {error or (tail[0] if tail else 'no message')}")
+        if not (out / "adapter_model.safetensors").is_file():
+            raise JobFailed("the trainer exited without writing an adapter")
+        return out
+
+    # ------------------------------------------------------------ gate
+
+    async def gate(self, job: Job, scenario: Scenario, out: Path) -> gates.Verdict:
+        """Judge the candidate against the serving release, both served by the scenario's engine."""
+        cfg = scenario.cfg.gate
+        binding = scenario.binding
+        if cfg.kind == "always":
+            return await gates.evaluate(cfg, self.scenarios_dir, _no_generate, current=None, candidate=None)
+        engine = scenario.engine
+        name = f"candidate-{job.id}"
+        await engine.load_adapter(name, out)
+        try:
+            async def generate(messages: list[dict[str, Any]], adapter: str | None, gate: Any, seed: int) -> str:
+                req = ChatRequest(messages=messages, max_tokens=gate.max_tokens, temperature=gate.temperature,
+                                  seed=seed)
+                async for event in engine.generate(req, stream=False, adapter=adapter,
+                                                   timeout_s=scenario.cfg.serve.request_timeout_s):
+                    if isinstance(event, Completion):
+                        return event.text or ""
+                raise JobFailed("the engine gave no answer to a gate task")
+
+            with self.registry.using(engine, binding.adapter if binding else None):
+                return await gates.evaluate(cfg, self.scenarios_dir, generate,
+                                            current=binding.adapter if binding else None, candidate=name)
+        finally:
+            with contextlib.suppress(EngineError, EngineUnavailable):
+                await engine.unload_adapter(name)
+
+    # ------------------------------------------------------------ publish
+
+    async def publish(self, job: Job, scenario: Scenario, head: Release, out: Path, meta: dict[str, Any]) -> Release:
+        """Append on the head the candidate was built on; if it moved, follow the scenario's on_conflict policy."""
+        if scenario.cfg.release.pin is not None:
+            meta = {**meta, "refused": f"the scenario is pinned to {scenario.cfg.release.pin}"}
+            return await asyncio.to_thread(self.chain.reject, job.scenario, built_on=head.id, kind="adapter",
+                                           artifact_dir=out, meta=meta)
+        try:
+            return await asyncio.to_thread(self.chain.publish, job.scenario, expected_head=head.id, kind="adapter",
+                                           artifact_dir=out, meta=meta)
+        except HeadConflict as exc:
+            if scenario.cfg.release.on_conflict == "rebase" and exc.actual is not None:
+                log.info("%s %s: head moved to %s; rebasing the candidate", job.scenario, job.id, exc.actual)
+                rebased = {**meta, "rebased_from": head.id, "built_on": exc.actual}
+                return await asyncio.to_thread(self.chain.publish, job.scenario, expected_head=exc.actual,
+                                               kind="adapter", artifact_dir=out, meta=rebased)
+            meta = {**meta, "refused": f"the head moved to {exc.actual} while the candidate was built"}
+            return await asyncio.to_thread(self.chain.reject, job.scenario, built_on=head.id, kind="adapter",
+                                           artifact_dir=out, meta=meta)
+
+
+def _event(line: bytes) -> dict[str, Any]:
+    try:
+        event = json.loads(line)
+    except ValueError:
+        return {}
+    return event if isinstance(event, dict) else {}
+
+
+async def _no_generate(messages: list[dict[str, Any]], adapter: str | None, gate: Any, seed: int) -> str:
+    raise JobFailed("the always gate generates nothing")

@@ -1,0 +1,161 @@
+"""When Grow jobs run: triggers (record count, interval, cron, `reefctl train`), one job per scenario at
+most, a deployment-wide bound on concurrent jobs, and a fair queue.
+
+Interval and cron triggers are APScheduler 3.x jobs on the daemon's event loop. The count trigger is
+checked after records and reports arrive (debounced). A trigger for a scenario that already has a
+queued or running job joins that job instead of starting another. Waiting scenarios are served in
+the order they asked (first come, first served), so a busy scenario cannot starve another.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+import warnings
+from collections import deque
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from reefd.jobs import ACTIVE, Job, JobStore, Runner
+from reefd.recipes import RecipeError, build
+
+if TYPE_CHECKING:
+    from reefd.records import RecordStore
+    from reefd.releases import ReleaseChain
+    from reefd.scenarios import Registry
+
+log = logging.getLogger("reefd.schedule")
+
+
+class Scheduler:
+    COUNT_DEBOUNCE_S = 0.5
+    FAILURE_COOLDOWN_S = 60.0  # a failed job's records stay eligible: the count trigger waits before retrying
+
+    def __init__(self, registry: Registry, store: RecordStore, chain: ReleaseChain, state_dir: Path,
+                 scenarios_dir: Path, max_jobs: int = 1) -> None:
+        self.registry = registry
+        self.jobs = JobStore(state_dir / "jobs")
+        self.runner = Runner(registry, store, chain, self.jobs, scenarios_dir)
+        self.max_jobs = max_jobs
+        self._queue: deque[Job] = deque()
+        self._running: dict[str, asyncio.Task[None]] = {}  # scenario -> its running job's task
+        self._wake = asyncio.Event()
+        self._checks: dict[str, asyncio.TimerHandle] = {}
+        self._cooldown: dict[str, float] = {}  # scenario -> monotonic time before which counts do not fire
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._aps: Any = None
+
+    # ------------------------------------------------------------ lifecycle
+
+    def start(self) -> None:
+        for job in self.jobs.recover():
+            log.warning("%s %s: marked failed: %s", job.scenario, job.id, job.error)
+        with warnings.catch_warnings():  # tzlocal's deprecation chatter on import
+            warnings.simplefilter("ignore", DeprecationWarning)
+            from apscheduler.schedulers.asyncio import AsyncIOScheduler
+
+        self._aps = AsyncIOScheduler(event_loop=asyncio.get_running_loop(), timezone="UTC")
+        self._aps.start()
+        self.sync_triggers()
+        self._spawn(self._dispatch())
+        for name in self.registry.scenarios:
+            self.check(name)
+
+    async def stop(self) -> None:
+        if self._aps is not None:
+            self._aps.shutdown(wait=False)
+        for handle in self._checks.values():
+            handle.cancel()
+        for task in [*self._tasks, *self._running.values()]:
+            task.cancel()
+        await asyncio.gather(*self._tasks, *self._running.values(), return_exceptions=True)
+
+    def _spawn(self, coro: Any) -> None:
+        task = asyncio.create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    def sync_triggers(self) -> None:
+        """(Re)declare the interval and cron triggers of every scenario (at start and after SIGHUP)."""
+        from apscheduler.triggers.cron import CronTrigger
+        from apscheduler.triggers.interval import IntervalTrigger
+
+        self._aps.remove_all_jobs()
+        for name, scenario in self.registry.scenarios.items():
+            trig = scenario.cfg.trigger
+            if trig.interval_s is not None:
+                self._aps.add_job(self.submit, IntervalTrigger(seconds=trig.interval_s), args=[name, "interval"],
+                                  id=f"{name}:interval", coalesce=True, max_instances=1)
+            if trig.cron is not None:
+                self._aps.add_job(self.submit, CronTrigger.from_crontab(trig.cron, timezone="UTC"),
+                                  args=[name, "cron"], id=f"{name}:cron", coalesce=True, max_instances=1)
+
+    # ------------------------------------------------------------ triggers
+
+    def check(self, scenario: str) -> None:
+        """A record or report arrived: soon, see whether the count trigger fires (debounced)."""
+        cfg = self.registry.scenarios.get(scenario)
+        if cfg is None or cfg.cfg.trigger.every_n_records is None or scenario in self._checks:
+            return
+        loop = asyncio.get_running_loop()
+        self._checks[scenario] = loop.call_later(self.COUNT_DEBOUNCE_S, self._count, scenario)
+
+    def _count(self, scenario: str) -> None:
+        self._checks.pop(scenario, None)
+        self._spawn(self._count_check(scenario))
+
+    async def _count_check(self, scenario: str) -> None:
+        s = self.registry.scenarios.get(scenario)
+        if s is None or s.cfg.trigger.every_n_records is None or self.active(scenario):
+            return
+        if time.monotonic() < self._cooldown.get(scenario, 0.0):
+            return
+        try:
+            recipe = build(s.cfg.recipe.name, s.cfg.recipe.params)
+        except RecipeError:
+            return
+        if not recipe.trains:
+            return
+        samples = await asyncio.to_thread(self.runner.batch, recipe, scenario)
+        if len(samples) >= s.cfg.trigger.every_n_records and recipe.ready(samples):
+            self.submit(scenario, "count")
+
+    def active(self, scenario: str) -> Job | None:
+        return next((j for j in self.jobs.list(scenario) if j.state in ACTIVE), None)
+
+    def submit(self, scenario: str, reason: str) -> Job:
+        """Queue a job for `scenario`, or return the one already queued or running (triggers coalesce)."""
+        current = self.active(scenario)
+        if current is not None:
+            return current
+        s = self.registry.scenarios[scenario]
+        job = self.jobs.new(scenario, reason, s.cfg.recipe.name)
+        self._queue.append(job)
+        log.info("%s %s: queued (%s)", scenario, job.id, reason)
+        self._wake.set()
+        return job
+
+    # ------------------------------------------------------------ dispatch
+
+    async def _dispatch(self) -> None:
+        """Start queued jobs, oldest first, while fewer than max_jobs run."""
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            while self._queue and len(self._running) < self.max_jobs:
+                job = self._queue.popleft()
+                task = asyncio.create_task(self._run(job), name=f"job-{job.id}")
+                self._running[job.scenario] = task
+
+    async def _run(self, job: Job) -> None:
+        try:
+            await self.runner.run(job)
+        finally:
+            self._running.pop(job.scenario, None)
+            self._wake.set()
+            if job.state == "failed":
+                self._cooldown[job.scenario] = time.monotonic() + self.FAILURE_COOLDOWN_S
+            with contextlib.suppress(RuntimeError):
+                self.check(job.scenario)  # rollouts that arrived meanwhile may make the next batch

@@ -1,0 +1,122 @@
+"""`python -m reefd.train --spec FILE`: one trainer job, JSON lines on stdout, the candidate folder.
+
+Owns the job's contract with reefd: the event lines, the exit statuses (0 done, 1 error, 2 bad spec,
+3 non-finite loss, 143 SIGTERM, 137 injected crash) and the atomic output folder (written beside
+output_dir, fsynced, renamed into place). The training itself is `loop.train`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import sys
+import tempfile
+import traceback
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, NoReturn
+
+from reefd.train import NonFinite
+from reefd.train.spec import SpecError, TrainSpec, load_spec
+
+FAULTS = ("crash", "nan", "hang")
+
+
+class Terminated(Exception):
+    """SIGTERM arrived: stop, leave nothing behind."""
+
+
+def emit(event: dict[str, Any]) -> None:
+    sys.stdout.write(json.dumps(event, allow_nan=False) + "\n")
+    sys.stdout.flush()
+
+
+def one_line(exc: BaseException) -> str:
+    text = " ".join(str(exc).split()) or type(exc).__name__
+    return text if len(text) <= 500 else text[:497] + "..."
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m reefd.train", description=__doc__)
+    parser.add_argument("--spec", required=True, help="the job spec (JSON)")
+    args = parser.parse_args(argv)
+    fault = os.environ.get("REEF_TRAIN_FAULT") or None
+    try:
+        if fault is not None and fault not in FAULTS:
+            raise SpecError(f"REEF_TRAIN_FAULT={fault!r} is not one of {', '.join(FAULTS)}")
+        spec = load_spec(args.spec)
+    except SpecError as exc:
+        return _fail(f"bad spec: {one_line(exc)}", 2)
+    signal.signal(signal.SIGTERM, _on_sigterm)
+    try:
+        return run(spec, fault)
+    except SpecError as exc:
+        return _fail(f"bad spec: {one_line(exc)}", 2)
+    except NonFinite as exc:
+        return _fail(one_line(exc), 3)
+    except Terminated:
+        return _fail("terminated by SIGTERM", 143)
+    except Exception as exc:
+        traceback.print_exc()  # stderr: the trainer's log keeps the whole story
+        return _fail(one_line(exc), 1)
+
+
+def run(spec: TrainSpec, fault: str | None) -> int:
+    from reefd.train.loop import train  # torch: only in this process, only after the spec is good
+
+    result = train(spec, emit, fault)
+    metrics = result.metrics
+    with staged(spec.output_dir) as folder:
+        result.save(folder)
+        report = {"job": spec.job, "algorithm": spec.algorithm, "metrics": metrics}
+        (folder / "metrics.json").write_text(json.dumps(report, indent=2, allow_nan=False) + "\n")
+    emit({"event": "done", "adapter": str(spec.output_dir), "metrics": metrics})
+    return 0
+
+
+@contextmanager
+def staged(out: Path) -> Iterator[Path]:
+    """A fresh folder beside `out`, renamed onto it (absent or empty) once complete and fsynced."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    for stale in out.parent.glob(f".{out.name}.*.partial"):
+        shutil.rmtree(stale, ignore_errors=True)  # left by a job killed while saving
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".partial", dir=out.parent))
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(tmp, 0o777 & ~umask)  # mkdtemp's 0700 would follow the folder into the release chain
+    try:
+        yield tmp
+        for path in tmp.iterdir():
+            os.chmod(path, 0o666 & ~umask)  # safetensors writes 0600
+            _fsync(path)
+        _fsync(tmp)
+        os.rename(tmp, out)  # atomic; replaces an empty `out`, fails on a non-empty one
+        _fsync(out.parent)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fail(reason: str, status: int) -> int:
+    emit({"event": "error", "reason": reason})
+    return status
+
+
+def _on_sigterm(signum: int, frame: Any) -> NoReturn:
+    raise Terminated()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,302 @@
+"""The trainer job spec: load a JSON file, validate every field, and return typed dataclasses.
+
+Torch-free (reefd may import it to check a spec before it starts a job). A bad spec raises
+`SpecError` with the path of the offending field, e.g. `samples[3].logprobs: 12 values for 13
+completion tokens`. It knows nothing about models or losses; defaults for optional blocks live here.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+ALGORITHMS = ("sao", "grpo")
+TOP_KEYS = {"job", "algorithm", "base_model", "init_adapter", "output_dir", "samples", "lora", "optim", "seed",
+            *ALGORITHMS}  # the settings block is "sao" (the contract) or the algorithm's own name
+SAMPLE_KEYS = {"receipt", "prompt_ids", "completion_ids", "logprobs", "reward", "group", "reports"}
+
+
+class SpecError(ValueError):
+    """The spec is unusable; the message names the field (the job exits 2)."""
+
+
+@dataclass(frozen=True)
+class Sample:
+    """One scored rollout, exactly as the engine produced it (logprobs may hold None)."""
+
+    prompt_ids: list[int]
+    completion_ids: list[int]
+    logprobs: list[float | None]
+    reward: float
+    group: str | None = None
+    receipt: str | None = None
+
+
+@dataclass(frozen=True)
+class LoraSpec:
+    """A fresh adapter's shape; ignored when the job continues from `init_adapter`."""
+
+    r: int = 8
+    alpha: int = 16
+    dropout: float = 0.0
+    target_modules: list[str] = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
+
+
+@dataclass(frozen=True)
+class OptimSpec:
+    """AdamW on the LoRA weights: one optimizer step per micro-batch, `epochs` passes over the samples."""
+
+    lr: float = 5e-4
+    weight_decay: float = 0.0
+    epochs: int = 1
+    micro_batch: int = 8
+    max_grad_norm: float = 1.0
+
+
+@dataclass(frozen=True)
+class SaoSpec:
+    """Loss and critic settings (recipes/sao/README.md says where each default comes from).
+
+    eps_low/eps_high: the DIS trust band (1 - eps_low, 1 + eps_high) on r = p_theta / p_rollout.
+    critic_lr, critic_updates: the value head's AdamW lr and its updates per policy step (K).
+    gae_alpha: length-adaptive GAE, lambda = 1 - 1 / (gae_alpha * completion length).
+    normalize_advantages: whiten the advantages of each micro-batch (off in the paper's recipe).
+    grpo_eps: the GRPO control's std floor, A = (r - mean) / (std + grpo_eps).
+    """
+
+    eps_low: float = 0.3
+    eps_high: float = 5.0
+    critic_lr: float = 1e-3
+    critic_updates: int = 2
+    gae_alpha: float = 1.5
+    normalize_advantages: bool = False
+    grpo_eps: float = 1e-6
+
+
+@dataclass(frozen=True)
+class TrainSpec:
+    job: str
+    algorithm: str
+    base_model: Path
+    init_adapter: Path | None
+    output_dir: Path
+    samples: list[Sample]
+    lora: LoraSpec
+    optim: OptimSpec
+    sao: SaoSpec
+    seed: int = 0
+
+    @property
+    def steps(self) -> int:
+        per_epoch = -(-len(self.samples) // self.optim.micro_batch)
+        return per_epoch * self.optim.epochs
+
+
+def load_spec(path: str | os.PathLike[str]) -> TrainSpec:
+    """Read and validate a spec file; raises SpecError (never KeyError/TypeError) on a bad one."""
+    try:
+        raw = json.loads(Path(path).read_text())
+    except OSError as exc:
+        raise SpecError(f"cannot read spec {path}: {exc.strerror or exc}") from None
+    except ValueError as exc:
+        raise SpecError(f"spec {path} is not JSON: {exc}") from None
+    return parse_spec(raw)
+
+
+def parse_spec(raw: Any) -> TrainSpec:
+    obj = _object(raw, "spec", TOP_KEYS)
+    for key in ("job", "algorithm", "base_model", "output_dir", "samples"):
+        if key not in obj:
+            raise SpecError(f"{key}: missing")
+    algorithm = _str(obj["algorithm"], "algorithm")
+    if algorithm not in ALGORITHMS:
+        raise SpecError(f"algorithm: {algorithm!r} is not one of {', '.join(ALGORITHMS)}")
+    samples = [_sample(s, f"samples[{i}]", algorithm) for i, s in enumerate(_list(obj["samples"], "samples"))]
+    if not samples:
+        raise SpecError("samples: empty (nothing to train on)")
+    seed = obj.get("seed", 0)
+    if not _is_int(seed) or seed < 0:
+        raise SpecError(f"seed: {seed!r} is not a non-negative integer")
+    settings_key, settings = _settings(obj, algorithm, seed)
+    return TrainSpec(
+        job=_str(obj["job"], "job"),
+        algorithm=algorithm,
+        base_model=_model_dir(obj["base_model"]),
+        init_adapter=_adapter_dir(obj.get("init_adapter")),
+        output_dir=_output_dir(obj["output_dir"]),
+        samples=samples,
+        lora=_block(LoraSpec, obj.get("lora"), "lora"),
+        optim=_block(OptimSpec, obj.get("optim"), "optim"),
+        sao=_block(SaoSpec, settings, settings_key),
+        seed=seed,
+    )
+
+
+def _settings(obj: dict[str, Any], algorithm: str, seed: int) -> tuple[str, Any]:
+    """The loss/critic block, under "sao" or the algorithm's name; a `seed` in it must match the top level."""
+    present = [key for key in ALGORITHMS if obj.get(key) is not None]
+    if len(present) > 1 or (present and present[0] != "sao" and present[0] != algorithm):
+        raise SpecError(f"{present[-1]}: settings for {algorithm} go in one block, 'sao' or {algorithm!r}")
+    key = present[0] if present else "sao"
+    block = obj.get(key)
+    if isinstance(block, dict) and "seed" in block:
+        if block["seed"] != seed:
+            raise SpecError(f"{key}.seed: {block['seed']!r} differs from seed {seed!r}")
+        block = {k: v for k, v in block.items() if k != "seed"}
+    return key, block
+
+
+def _sample(raw: Any, where: str, algorithm: str) -> Sample:
+    obj = _object(raw, where, SAMPLE_KEYS)
+    for key in ("prompt_ids", "completion_ids", "logprobs", "reward"):
+        if key not in obj:
+            raise SpecError(f"{where}.{key}: missing")
+    prompt = _token_ids(obj["prompt_ids"], f"{where}.prompt_ids")
+    completion = _token_ids(obj["completion_ids"], f"{where}.completion_ids")
+    logprobs = _list(obj["logprobs"], f"{where}.logprobs")
+    if len(logprobs) != len(completion):
+        raise SpecError(f"{where}.logprobs: {len(logprobs)} values for {len(completion)} completion tokens")
+    for j, lp in enumerate(logprobs):
+        if lp is not None and not (_is_number(lp) and math.isfinite(lp) and lp <= 0.0):
+            raise SpecError(f"{where}.logprobs[{j}]: {lp!r} is not a log-probability (finite, <= 0) or null")
+    reward = obj["reward"]
+    if not (_is_number(reward) and math.isfinite(reward)):
+        raise SpecError(f"{where}.reward: {reward!r} is not a finite number")
+    group = obj.get("group")
+    if group is not None:
+        group = _str(group, f"{where}.group")
+    elif algorithm == "grpo":
+        raise SpecError(f"{where}.group: missing (grpo needs a group key per sample)")
+    receipt = obj.get("receipt")
+    reports = obj.get("reports", [])  # the reports that scored it: bookkeeping, not used in training
+    if not (isinstance(reports, list) and all(isinstance(r, str) for r in reports)):
+        raise SpecError(f"{where}.reports: expected a list of report ids")
+    return Sample(
+        prompt_ids=prompt,
+        completion_ids=completion,
+        logprobs=[None if lp is None else float(lp) for lp in logprobs],
+        reward=float(reward),
+        group=group,
+        receipt=None if receipt is None else _str(receipt, f"{where}.receipt"),
+    )
+
+
+def _block(cls: Any, raw: Any, where: str) -> Any:
+    """A settings block: every key known, every value of its default's type (ints widen to float)."""
+    if raw is None:
+        return cls()
+    defaults = cls()
+    names = {f.name for f in fields(cls)}
+    obj = _object(raw, where, names)
+    values: dict[str, Any] = {}
+    for key, value in obj.items():
+        default = getattr(defaults, key)
+        path = f"{where}.{key}"
+        if isinstance(default, bool):
+            if not isinstance(value, bool):
+                raise SpecError(f"{path}: {value!r} is not true/false")
+        elif isinstance(default, int):
+            if not _is_int(value):
+                raise SpecError(f"{path}: {value!r} is not an integer")
+        elif isinstance(default, float):
+            if not (_is_number(value) and math.isfinite(value)):
+                raise SpecError(f"{path}: {value!r} is not a finite number")
+            value = float(value)
+        elif isinstance(default, list):
+            items = _list(value, path)
+            if not items or not all(isinstance(v, str) and v for v in items):
+                raise SpecError(f"{path}: expected a non-empty list of names")
+        values[key] = value
+    block = cls(**values)
+    _check_ranges(block, where)
+    return block
+
+
+def _check_ranges(block: Any, where: str) -> None:
+    rules: dict[str, tuple[str, Any]] = {
+        "r": ("> 0", lambda v: v > 0), "alpha": ("> 0", lambda v: v > 0),
+        "dropout": ("in [0, 1)", lambda v: 0 <= v < 1), "lr": ("> 0", lambda v: v > 0),
+        "weight_decay": (">= 0", lambda v: v >= 0), "epochs": (">= 1", lambda v: v >= 1),
+        "micro_batch": (">= 1", lambda v: v >= 1), "max_grad_norm": ("> 0", lambda v: v > 0),
+        "eps_low": ("in (0, 1]", lambda v: 0 < v <= 1), "eps_high": ("> 0", lambda v: v > 0),
+        "critic_lr": ("> 0", lambda v: v > 0), "critic_updates": (">= 1", lambda v: v >= 1),
+        "gae_alpha": ("> 0", lambda v: v > 0), "grpo_eps": ("> 0", lambda v: v > 0),
+    }  # fmt: skip
+    for f in fields(block):
+        if f.name in rules:
+            text, ok = rules[f.name]
+            if not ok(getattr(block, f.name)):
+                raise SpecError(f"{where}.{f.name}: {getattr(block, f.name)!r} is not {text}")
+
+
+def _model_dir(raw: Any) -> Path:
+    path = _abs_path(raw, "base_model")
+    if not (path / "config.json").is_file():
+        raise SpecError(f"base_model: {path} is not a model folder (no config.json)")
+    return path
+
+
+def _adapter_dir(raw: Any) -> Path | None:
+    if raw is None:
+        return None
+    path = _abs_path(raw, "init_adapter")
+    if not (path / "adapter_config.json").is_file():
+        raise SpecError(f"init_adapter: {path} is not a PEFT adapter folder (no adapter_config.json)")
+    return path
+
+
+def _output_dir(raw: Any) -> Path:
+    path = _abs_path(raw, "output_dir")
+    if path.exists() and (not path.is_dir() or any(path.iterdir())):
+        raise SpecError(f"output_dir: {path} exists and is not an empty folder")
+    return path
+
+
+def _abs_path(raw: Any, where: str) -> Path:
+    path = Path(_str(raw, where))
+    if not path.is_absolute():
+        raise SpecError(f"{where}: {raw!r} is not an absolute path")
+    return path
+
+
+def _object(raw: Any, where: str, known: set[str]) -> dict[str, Any]:
+    if not isinstance(raw, dict):
+        raise SpecError(f"{where}: expected a JSON object, got {type(raw).__name__}")
+    unknown = sorted(set(raw) - known)
+    if unknown:
+        raise SpecError(f"{where}: unknown key {unknown[0]!r} (known: {', '.join(sorted(known))})")
+    return raw
+
+
+def _list(raw: Any, where: str) -> list[Any]:
+    if not isinstance(raw, list):
+        raise SpecError(f"{where}: expected a list, got {type(raw).__name__}")
+    return raw
+
+
+def _str(raw: Any, where: str) -> str:
+    if not isinstance(raw, str) or not raw:
+        raise SpecError(f"{where}: expected a non-empty string, got {raw!r}")
+    return raw
+
+
+def _token_ids(raw: Any, where: str) -> list[int]:
+    ids = _list(raw, where)
+    if not ids:
+        raise SpecError(f"{where}: empty")
+    for j, token in enumerate(ids):
+        if not _is_int(token) or token < 0:
+            raise SpecError(f"{where}[{j}]: {token!r} is not a token id")
+    return ids
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_number(v: Any) -> bool:
+    return isinstance(v, int | float) and not isinstance(v, bool)

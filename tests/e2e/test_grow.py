@@ -1,0 +1,226 @@
+"""Grow through the real daemon on the tiny model: requests → reports → trigger → trainer subprocess → gate →
+publish → hot swap, and the ways a job can fail, be refused or be interrupted."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import openai
+import pytest
+
+from tests.conftest import Daemon, make_scenarios, sdk
+from tests.e2e.test_reefctl import reefctl
+
+LEARN = """defaults:
+  - model: tiny
+  - recipe: sao
+  - trigger: {trigger}
+  - gate: {gate}
+  - release: follow
+  - _self_
+recipe:
+  params:
+    batch_size: 4
+serve:
+  default_max_tokens: 8
+{extra}"""
+
+
+def daemon(tmp_path: Path, trigger: str = "count", gate: str = "always", extra: str = "",
+           env: dict[str, str] | None = None, files: dict[str, str] | None = None) -> Daemon:
+    scen = make_scenarios(tmp_path / "scenarios", names=(),
+                          extra={"learn": LEARN.format(trigger=trigger, gate=gate, extra=extra)})
+    for name, text in (files or {}).items():
+        (scen / name).write_text(text)
+    if trigger == "count":
+        (scen / "trigger" / "count.yaml").write_text("every_n_records: 4\n")
+    d = Daemon(scenarios=scen, state=tmp_path / "state", log_path=tmp_path / "reefd.log", env=env or {})
+    d.start()
+    return d
+
+
+def client(d: Daemon) -> openai.OpenAI:
+    return sdk(openai.OpenAI(base_url=d.url + "/v1", api_key=d.token, max_retries=0,
+                             default_headers={"x-reef-scenario": "learn"}))
+
+
+def turn(d: Daemon, c: openai.OpenAI, content: str, score: float | None = None) -> tuple[str, str, str]:
+    """(receipt, release, text) of one answer; reported with `score` when given."""
+    raw = c.chat.completions.with_raw_response.create(
+        model="learn", messages=[{"role": "user", "content": content}], max_tokens=8, temperature=1.0)
+    receipt, release = raw.headers["x-reef-agent-record-id"], raw.headers["x-reef-release-id"]
+    if score is not None:
+        code, body, _ = d.post("/reef/report", {"score": score, "references": [receipt]},
+                               headers={"x-reef-scenario": "learn"})
+        assert code == 200, body
+    return receipt, release, raw.parse().choices[0].message.content or ""
+
+
+def jobs(d: Daemon) -> list[dict[str, Any]]:
+    return list(json.loads(d.get("/reef/jobs?scenario=learn")[1])["data"])
+
+
+def wait_job(d: Daemon, states: tuple[str, ...] = ("published", "rejected", "failed", "skipped"),
+             timeout_s: float = 180, seen: tuple[str, ...] = ()) -> dict[str, Any]:
+    """The newest job not in `seen`, once it is in one of `states`."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        found = [j for j in jobs(d) if j["id"] not in seen]
+        if found and found[0]["state"] in states:
+            return found[0]
+        time.sleep(0.2)
+    raise AssertionError(f"no job reached {states}: {jobs(d)}\n{d.logs()}")
+
+
+def stop(d: Daemon) -> None:
+    if d.proc is not None and d.proc.poll() is None:
+        d.stop()
+
+
+def test_reports_trigger_training_and_the_next_answer_comes_from_the_new_release(tmp_path: Path) -> None:
+    d = daemon(tmp_path)
+    try:
+        c = client(d)
+        receipts = [turn(d, c, f"task {i}", score=float(i % 2))[0] for i in range(4)]
+        job = wait_job(d)
+        assert job["state"] == "published", job
+        assert (job["reason"], job["receipts"]) == ("count", receipts)
+        assert job["progress"]["step"] == job["progress"]["steps"] >= 1
+        rel = json.loads(d.get(f"/reef/releases/{job['release']}")[1])
+        assert rel["kind"] == "adapter" and rel["meta"]["source"] == "sao" and rel["meta"]["job"] == job["id"]
+        assert rel["meta"]["receipts"] == receipts and len(rel["meta"]["reports"]) == 4
+        assert rel["meta"]["gate"]["verdict"] == "pass" and "loss" in rel["meta"]["metrics"]
+        assert turn(d, c, "after")[1] == job["release"]  # hot-swapped: the next answer names it
+        # consumed records are not trained on again: a manual run finds nothing new to learn from
+        out = reefctl(d, "train", "learn", "--follow")
+        assert out.returncode == 0 and "skipped: no batch ready: 0 eligible" in out.stdout, out
+        # the next batch continues from the published adapter
+        seen = tuple(j["id"] for j in jobs(d))
+        for i in range(4):
+            turn(d, c, f"more {i}", score=1.0)
+        second = wait_job(d, seen=seen)
+        assert second["id"] != job["id"] and second["state"] == "published"
+        assert json.loads(d.get(f"/reef/releases/{second['release']}")[1])["parent"] == job["release"]
+        listed = reefctl(d, "jobs", "learn")
+        assert listed.returncode == 0 and second["id"] in listed.stdout and "published" in listed.stdout
+    finally:
+        stop(d)
+
+
+def test_a_worse_candidate_is_rejected_and_the_serving_release_stays(tmp_path: Path) -> None:
+    """The holdout tasks are the base model's own greedy answers: a candidate can at best tie, and a tie fails."""
+    d = daemon(tmp_path, trigger="manual", gate="holdout", extra="gate:\n  tasks: tasks.jsonl\n  min_tasks: 3\n"
+               "  max_tokens: 6\n", files={"tasks.jsonl": '{"prompt": "x", "answer": "placeholder"}\n' * 3})
+    try:
+        c = client(d)
+        tasks = []
+        for prompt in ("alpha", "beta", "gamma"):
+            raw = c.chat.completions.create(model="learn", messages=[{"role": "user", "content": prompt}],
+                                            max_tokens=6, temperature=0)
+            tasks.append({"prompt": prompt, "answer": raw.choices[0].message.content})
+        (d.scenarios / "tasks.jsonl").write_text("".join(json.dumps(t) + "\n" for t in tasks))
+        before = json.loads(d.get("/reef/status")[1])["scenarios"][0]["release"]
+        for i in range(4):
+            turn(d, c, f"task {i}", score=1.0 - i)  # inverted: the worst answers score highest
+        out = reefctl(d, "train", "learn", "--follow")
+        assert out.returncode == 0, out.stderr
+        job = jobs(d)[0]
+        assert job["state"] == "rejected" and job["verdict"]["verdict"] == "fail", job
+        assert job["verdict"]["current_mean"] == 1.0 and job["verdict"]["tasks"] == 3
+        assert f"rejected candidate {job['release']}" in out.stdout
+        status = json.loads(d.get("/reef/status")[1])["scenarios"][0]
+        assert status["release"] == status["releases"]["head"] == before
+        assert turn(d, c, "still")[1] == before
+        history = reefctl(d, "history", "learn", "--all")
+        assert f"release {job['release']} (rejected)" in history.stdout, history.stdout
+        assert job["release"] not in reefctl(d, "history", "learn").stdout
+    finally:
+        stop(d)
+
+
+def test_a_failing_trainer_fails_the_job_and_publishes_nothing(tmp_path: Path) -> None:
+    d = daemon(tmp_path, trigger="manual", env={"REEF_TRAIN_FAULT": "nan"})
+    try:
+        c = client(d)
+        for i in range(4):
+            turn(d, c, f"task {i}", score=1.0)
+        out = reefctl(d, "train", "learn", "--follow")
+        assert out.returncode == 1 and "failed" in out.stdout
+        job = jobs(d)[0]
+        assert job["state"] == "failed" and "non-finite loss" in job["error"], job
+        assert len(json.loads(d.get("/reef/scenarios/learn/releases?all=1")[1])["data"]) == 1  # the base only
+        # the records were not consumed: the batch is still there for the next (healthy) job
+        assert all(r["id"] in job["receipts"] for r in json.loads(d.get("/reef/scenarios/learn/records")[1])["data"])
+    finally:
+        stop(d)
+
+
+def test_restart_in_the_middle_of_a_job_marks_it_failed(tmp_path: Path) -> None:
+    d = daemon(tmp_path, trigger="manual", env={"REEF_TRAIN_FAULT": "hang"})
+    try:
+        c = client(d)
+        for i in range(4):
+            turn(d, c, f"task {i}", score=1.0)
+        code, job, _ = d.post("/reef/scenarios/learn/train", {})
+        assert code == 202 and job["state"] == "queued"
+        wait_job(d, ("running",))
+        deadline = time.monotonic() + 60
+        while jobs(d)[0]["stage"] != "train" and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert d.proc is not None
+        d.proc.kill()  # kill -9 mid-job; the trainer dies with it
+        d.proc.wait()
+        d.env.pop("REEF_TRAIN_FAULT")
+        d.start()
+        (after,) = jobs(d)
+        assert after["id"] == job["id"] and after["state"] == "failed"
+        assert after["error"] == "reefd stopped during the job's train stage"
+        out = reefctl(d, "train", "learn", "--follow")  # the records are still eligible
+        assert out.returncode == 0 and "published" in out.stdout, out
+    finally:
+        stop(d)
+
+
+def test_two_triggers_at_once_make_one_job(tmp_path: Path) -> None:
+    d = daemon(tmp_path, trigger="manual", env={"REEF_TRAIN_FAULT": "hang"})
+    try:
+        c = client(d)
+        for i in range(4):
+            turn(d, c, f"task {i}", score=1.0)
+        answers: list[tuple[int, dict[str, Any]]] = []
+
+        def trigger() -> None:
+            code, body, _ = d.post("/reef/scenarios/learn/train", {})
+            answers.append((code, body))
+
+        threads = [threading.Thread(target=trigger) for _ in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert sorted(code for code, _ in answers) == [200, 202]
+        assert len({body["id"] for _, body in answers}) == 1
+        assert len(jobs(d)) == 1
+    finally:
+        stop(d)
+
+
+def test_train_refuses_a_scenario_whose_recipe_does_not_train(tmp_path: Path) -> None:
+    scen = make_scenarios(tmp_path / "scenarios")
+    d = Daemon(scenarios=scen, state=tmp_path / "state", log_path=tmp_path / "reefd.log")
+    d.start()
+    try:
+        req = urllib.request.Request(d.url + "/reef/scenarios/tiny/train", data=b"{}", method="POST",
+                                     headers={**d.headers(), "content-type": "application/json"})
+        with pytest.raises(urllib.error.HTTPError) as exc:
+            urllib.request.urlopen(req, timeout=30)
+        assert exc.value.code == 400
+        assert json.loads(exc.value.read())["error"]["code"] == "recipe_does_not_train"
+    finally:
+        stop(d)

@@ -1,0 +1,248 @@
+"""The trainer job process, `python -m reefd.train --spec FILE`, run for real on the tiny model."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from recipes.sao.critic import load_critic
+from tests.served import ROOT
+
+# peft 0.21 still reads transformers' deprecated `is_gradient_checkpointing` (a FutureWarning)
+pytestmark = pytest.mark.filterwarnings("ignore:.*is_gradient_checkpointing.*:FutureWarning")
+
+PROMPT = [11, 12, 13, 14]
+GOOD, BAD = 100, 200  # the first completion token that earns reward 1, and one that earns 0
+
+
+@dataclass
+class Job:
+    returncode: int
+    events: list[dict[str, Any]]
+    stderr: str
+
+    def of(self, kind: str) -> list[dict[str, Any]]:
+        return [e for e in self.events if e["event"] == kind]
+
+
+def run_job(spec: dict[str, Any], tmp: Path, fault: str | None = None) -> Job:
+    path = tmp / f"spec-{len(list(tmp.glob('spec-*')))}.json"
+    path.write_text(json.dumps(spec))
+    env = {**os.environ, "REEF_TRAIN_FAULT": fault or ""}
+    proc = subprocess.run([sys.executable, "-m", "reefd.train", "--spec", str(path)], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=120)
+    events = [json.loads(line) for line in proc.stdout.splitlines()]  # every stdout line is JSON
+    return Job(proc.returncode, events, proc.stderr)
+
+
+@pytest.fixture(scope="module")
+def base(tiny_model: Path) -> Any:
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(tiny_model, local_files_only=True, dtype=torch.float32).eval()
+
+
+@torch.no_grad()
+def logprobs(model: Any, prompt: list[int], completion: list[int]) -> list[float]:
+    logits = model(input_ids=torch.tensor([prompt + completion])).logits[0, len(prompt) - 1 : -1]
+    return torch.log_softmax(logits, -1).gather(-1, torch.tensor(completion)[:, None])[:, 0].tolist()
+
+
+def toy_samples(model: Any, n: int = 8) -> list[dict[str, Any]]:
+    """Half the completions start with GOOD (reward 1), half with BAD (reward 0); the rollout
+    logprobs are the base model's own, as the engine would have reported them."""
+    samples = []
+    for i in range(n):
+        completion = [GOOD if i % 2 == 0 else BAD, 50 + i, 60 + i]
+        samples.append({"receipt": f"r{i}", "prompt_ids": PROMPT, "completion_ids": completion,
+                        "logprobs": logprobs(model, PROMPT, completion), "reward": float(i % 2 == 0),
+                        "group": "toy"})
+    return samples
+
+
+def make_spec(tiny_model: Path, out: Path, samples: list[dict[str, Any]], **over: Any) -> dict[str, Any]:
+    spec: dict[str, Any] = {
+        "job": "j-test", "algorithm": "sao", "base_model": str(tiny_model), "init_adapter": None,
+        "output_dir": str(out), "samples": samples,
+        "lora": {"r": 8, "alpha": 16, "dropout": 0.0, "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj"]},
+        "optim": {"lr": 5e-3, "weight_decay": 0.0, "epochs": 2, "micro_batch": 4, "max_grad_norm": 1.0},
+        "sao": {"eps_low": 0.3, "eps_high": 5.0, "critic_lr": 1e-3}, "seed": 0,
+    }  # fmt: skip
+    spec.update(over)
+    return spec
+
+
+@pytest.fixture(scope="module")
+def trained(tiny_model: Path, base: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Job, Path]]:
+    """One SAO job from a fresh LoRA, shared by the tests that only read its output."""
+    tmp = tmp_path_factory.mktemp("job")
+    out = tmp / "out"
+    yield run_job(make_spec(tiny_model, out, toy_samples(base)), tmp), out
+
+
+def peft_logits(tiny_model: Path, adapter: Path) -> torch.Tensor:
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model, local_files_only=True, dtype=torch.float32)
+    with torch.no_grad():
+        return PeftModel.from_pretrained(model, str(adapter)).eval()(input_ids=torch.tensor([PROMPT])).logits[0, -1]
+
+
+def test_job_writes_a_loadable_adapter(trained: tuple[Job, Path], tiny_model: Path, base: Any) -> None:
+    job, out = trained
+    assert job.returncode == 0, job.stderr
+    assert sorted(p.name for p in out.iterdir()) == [
+        "adapter_config.json", "adapter_model.safetensors", "critic.safetensors", "metrics.json"]
+    with torch.no_grad():
+        before = base(input_ids=torch.tensor([PROMPT])).logits[0, -1]
+    after = peft_logits(tiny_model, out)
+    assert not torch.allclose(before, after, atol=1e-4)  # the trained LoRA changes what the model says
+    assert not any(p.name.endswith(".partial") for p in out.parent.iterdir())
+
+
+def test_progress_lines(trained: tuple[Job, Path]) -> None:
+    job, out = trained
+    start, progress, done = job.of("start"), job.of("progress"), job.of("done")
+    assert [e["event"] for e in job.events] == ["start", *["progress"] * 4, "done"]
+    assert start[0]["samples"] == 8 and start[0]["steps"] == 4 and start[0]["trainable_params"] > 0
+    assert [e["step"] for e in progress] == [1, 2, 3, 4] and all(e["steps"] == 4 for e in progress)
+    assert all(e["tokens_per_s"] > 0 and isinstance(e["loss"], float) for e in progress)
+    assert progress[0]["clip_frac"] == 0.0  # rollout logprobs are the base model's own: r = 1 at step 1
+    assert done[0]["adapter"] == str(out)
+    metrics = done[0]["metrics"]
+    assert metrics["mean_reward"] == 0.5 and metrics["steps"] == 4 and 0.0 <= metrics["clip_frac"] <= 1.0
+    assert json.loads((out / "metrics.json").read_text())["metrics"] == metrics
+
+
+@pytest.mark.parametrize("algorithm", ["sao", "grpo"])
+def test_a_few_steps_raise_the_rewarded_token(algorithm: str, tiny_model: Path, base: Any, tmp_path: Path) -> None:
+    """Reward 1 for completions that start with GOOD, 0 otherwise: GOOD becomes likelier after PROMPT."""
+    samples = toy_samples(base)
+    spec = make_spec(tiny_model, tmp_path / "out", samples, algorithm=algorithm,
+                     optim={"lr": 5e-3, "epochs": 3, "micro_batch": 8})
+    job = run_job(spec, tmp_path)
+    assert job.returncode == 0, job.stderr
+    before = torch.log_softmax(base(input_ids=torch.tensor([PROMPT])).logits[0, -1].detach(), -1)
+    after = torch.log_softmax(peft_logits(tiny_model, tmp_path / "out"), -1)
+    assert after[GOOD] - before[GOOD] > 0.5
+    assert after[BAD] < before[BAD]
+    assert (tmp_path / "out" / "critic.safetensors").exists() == (algorithm == "sao")
+
+
+def test_continuing_from_an_adapter(trained: tuple[Job, Path], tiny_model: Path, base: Any, tmp_path: Path) -> None:
+    """init_adapter: training starts from its weights and its critic, not from a fresh LoRA."""
+    _, first = trained
+    spec = make_spec(tiny_model, tmp_path / "next", toy_samples(base), init_adapter=str(first),
+                     lora={"r": 2, "target_modules": ["q_proj"]},  # ignored when continuing
+                     optim={"lr": 1e-7, "epochs": 1, "micro_batch": 4}, sao={"critic_lr": 1e-7})
+    job = run_job(spec, tmp_path)
+    assert job.returncode == 0, job.stderr
+    old = load_file(first / "adapter_model.safetensors")
+    new = load_file(tmp_path / "next" / "adapter_model.safetensors")
+    assert old.keys() == new.keys()  # r=8 on q/k/v/o, as the init adapter, not the spec's lora block
+    lora_b = [k for k in old if "lora_B" in k]
+    assert lora_b and all(old[k].abs().max() > 1e-3 for k in lora_b)  # a fresh LoRA has B = 0
+    assert all(torch.allclose(old[k], new[k], atol=1e-5) for k in old)  # lr 1e-7: it barely moved from init
+    old_critic, old_updates = load_critic(first / "critic.safetensors", 128)
+    new_critic, new_updates = load_critic(tmp_path / "next" / "critic.safetensors", 128)
+    assert (old_updates, new_updates) == (8, 12)  # 4 steps x K=2, then 2 more steps x K=2
+    assert torch.allclose(old_critic.linear.weight, new_critic.linear.weight, atol=1e-5)
+    assert old_critic.linear.weight.abs().max() > 1e-4  # the first job's critic learned something
+
+
+def test_same_spec_same_adapter(trained: tuple[Job, Path], tiny_model: Path, base: Any, tmp_path: Path) -> None:
+    job = run_job(make_spec(tiny_model, tmp_path / "again", toy_samples(base)), tmp_path)
+    assert job.returncode == 0, job.stderr
+    first = load_file(trained[1] / "adapter_model.safetensors")
+    again = load_file(tmp_path / "again" / "adapter_model.safetensors")
+    assert all(torch.equal(first[k], again[k]) for k in first)
+
+
+@pytest.mark.parametrize(("change", "reason"), [
+    ({"algorithm": "ppo"}, "algorithm: 'ppo' is not one of sao, grpo"),
+    ({"samples": []}, "samples: empty"),
+    ({"optim": {"lr": -1}}, "optim.lr: -1.0 is not > 0"),
+    ({"sao": {"eps_lo": 0.2}}, "sao: unknown key 'eps_lo'"),
+    ({"base_model": "relative/path"}, "base_model: 'relative/path' is not an absolute path"),
+    ({"samples": [{"prompt_ids": [1], "completion_ids": [2, 3], "logprobs": [-1.0], "reward": 1}]},
+     "samples[0].logprobs: 1 values for 2 completion tokens"),
+    ({"samples": [{"prompt_ids": [1], "completion_ids": [2], "logprobs": [-1.0], "reward": None}]},
+     "samples[0].reward: None is not a finite number"),
+    ({"samples": [{"prompt_ids": [1], "completion_ids": [99999], "logprobs": [-1.0], "reward": 1}]},
+     "token id 99999 is outside the model's vocabulary (4096)"),
+])  # fmt: skip
+def test_bad_spec(change: dict[str, Any], reason: str, tiny_model: Path, tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    out.mkdir()
+    sample = {"prompt_ids": [1], "completion_ids": [2], "logprobs": [-1.0], "reward": 1.0, "group": "g"}
+    job = run_job({**make_spec(tiny_model, out, [sample]), **change}, tmp_path)
+    assert job.returncode == 2, job.stderr
+    assert len(job.events) == 1 and job.events[0]["event"] == "error"
+    assert reason in job.events[0]["reason"]
+    assert list(out.iterdir()) == []
+
+
+def test_unreadable_spec(tmp_path: Path) -> None:
+    (tmp_path / "spec-0.json").write_text("{not json")
+    proc = subprocess.run([sys.executable, "-m", "reefd.train", "--spec", str(tmp_path / "spec-0.json")],
+                          cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and json.loads(proc.stdout)["reason"].startswith("bad spec: spec ")
+
+
+@pytest.mark.parametrize(("fault", "status", "reason"), [("nan", 3, "non-finite loss at step 1"), ("crash", 137, None)])
+def test_faults_leave_nothing(fault: str, status: int, reason: str | None, tiny_model: Path, base: Any,
+                              tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    out.mkdir()  # an empty output_dir is allowed, and must still be empty after a failure
+    job = run_job(make_spec(tiny_model, out, toy_samples(base, 4)), tmp_path, fault=fault)
+    assert job.returncode == status, job.stderr
+    assert list(out.iterdir()) == []
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out", "spec-0.json"]  # no partial folder beside it
+    if reason is not None:
+        assert job.events[-1] == {"event": "error", "reason": reason}
+    else:  # crashed right after its first step
+        assert [e["event"] for e in job.events] == ["start", "progress"]
+
+
+def test_sigterm_stops_a_hanging_job(tiny_model: Path, base: Any, tmp_path: Path) -> None:
+    (tmp_path / "spec.json").write_text(json.dumps(make_spec(tiny_model, tmp_path / "out", toy_samples(base, 2))))
+    proc = subprocess.Popen([sys.executable, "-m", "reefd.train", "--spec", str(tmp_path / "spec.json")], cwd=ROOT,
+                            env={**os.environ, "REEF_TRAIN_FAULT": "hang"}, stdout=subprocess.PIPE, text=True)
+    assert proc.stdout is not None
+    assert json.loads(proc.stdout.readline())["event"] == "start"
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=60) == 143
+    assert json.loads(proc.stdout.read()) == {"event": "error", "reason": "terminated by SIGTERM"}
+    proc.stdout.close()
+    assert not (tmp_path / "out").exists()
+
+
+def test_spec_in_the_shape_reefd_writes(tiny_model: Path, tmp_path: Path) -> None:
+    """reefd's job runner names the settings block after the algorithm, repeats the seed in it and
+    keeps each sample's report ids: all accepted; a seed that disagrees is not."""
+    from reefd.train.spec import SpecError, parse_spec
+
+    sample = {"receipt": "r", "prompt_ids": [1], "completion_ids": [2], "logprobs": [None], "reward": 1,
+              "group": "g", "reports": ["rpt_1"]}
+    doc = {**make_spec(tiny_model, tmp_path / "out", [sample], algorithm="grpo"), "seed": 3}
+    del doc["sao"]
+    spec = parse_spec({**doc, "grpo": {"eps_low": 0.2, "eps_high": 0.28, "critic_lr": 1e-3, "seed": 3}})
+    assert (spec.algorithm, spec.seed, spec.sao.eps_low, spec.sao.eps_high) == ("grpo", 3, 0.2, 0.28)
+    assert spec.samples[0].logprobs == [None] and spec.samples[0].reward == 1.0
+    assert parse_spec(doc).sao.eps_high == 5.0  # no settings block: the defaults
+    with pytest.raises(SpecError, match=r"grpo.seed: 4 differs from seed 3"):
+        parse_spec({**doc, "grpo": {"seed": 4}})
+    with pytest.raises(SpecError, match="settings for grpo go in one block"):
+        parse_spec({**doc, "grpo": {}, "sao": {}})
