@@ -15,7 +15,6 @@ import json
 import logging
 import os
 import shutil
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,10 +23,10 @@ from typing import TYPE_CHECKING, Any
 from reefd import gates
 from reefd.chat import ChatRequest, Completion
 from reefd.engines import EngineError, EngineUnavailable
-from reefd.engines.supervisor import die_with_parent
 from reefd.receipts import new_receipt
 from reefd.recipes import Recipe, RecipeError, Sample, WeightJob, build
 from reefd.releases import HeadConflict, Release, ReleaseChain, ReleaseError
+from reefd.trainers import LocalTrainers, TrainerTimeout
 
 if TYPE_CHECKING:
     from reefd.records import RecordStore
@@ -114,9 +113,10 @@ class Runner:
     """Runs one job through every stage; never raises (the job records what went wrong)."""
 
     def __init__(self, registry: Registry, store: RecordStore, chain: ReleaseChain, jobs: JobStore,
-                 scenarios_dir: Path) -> None:
+                 scenarios_dir: Path, trainers: LocalTrainers) -> None:
         self.registry, self.store, self.chain, self.jobs = registry, store, chain, jobs
         self.scenarios_dir = scenarios_dir
+        self.trainers = trainers
 
     async def run(self, job: Job) -> None:
         job.state, job.started_at = "running", time.time()
@@ -210,7 +210,7 @@ class Runner:
     # ------------------------------------------------------------ train
 
     async def train(self, job: Job, scenario: Scenario, spec: WeightJob, head: Release, work: Path) -> Path:
-        """Run `python -m reefd.train` on the batch; returns the candidate adapter folder."""
+        """Train on the batch in a `python -m reefd.train` process; returns the candidate adapter folder."""
         model_dir = scenario.engine.model_folder()
         if model_dir is None:
             raise JobFailed("the scenario's model is not prepared yet")
@@ -226,32 +226,24 @@ class Runner:
                "sao": {k: v for k, v in spec.settings.items() if k != "seed"}, "seed": spec.settings.get("seed", 0)}
         spec_path = work / "spec.json"
         spec_path.write_text(json.dumps(doc))
-        timeout = scenario.cfg.recipe.job_timeout_s
-        proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "reefd.train", "--spec", str(spec_path), stdin=asyncio.subprocess.DEVNULL,
-            stdout=asyncio.subprocess.PIPE, stderr=(work / "trainer.log").open("wb"), preexec_fn=die_with_parent)
         error: str | None = None
+
+        def on_event(event: dict[str, Any]) -> None:
+            nonlocal error
+            if event.get("event") == "progress":
+                job.progress = {k: v for k, v in event.items() if k != "event"}
+            elif event.get("event") == "done":
+                job.metrics = dict(event.get("metrics") or {})
+            elif event.get("event") == "error":
+                error = str(event.get("reason"))
+
         try:
-            async with asyncio.timeout(timeout):
-                assert proc.stdout is not None
-                async for line in proc.stdout:
-                    event = _event(line)
-                    if event.get("event") == "progress":
-                        job.progress = {k: v for k, v in event.items() if k != "event"}
-                    elif event.get("event") == "done":
-                        job.metrics = dict(event.get("metrics") or {})
-                    elif event.get("event") == "error":
-                        error = str(event.get("reason"))
-                code = await proc.wait()
-        except TimeoutError:
-            raise JobFailed(f"the trainer ran past the job timeout ({timeout:.0f} s)") from None
-        finally:
-            if proc.returncode is None:
-                proc.kill()
-                await proc.wait()
+            code = await self.trainers.run(spec_path, on_event, scenario.cfg.recipe.job_timeout_s)
+        except TrainerTimeout as exc:
+            raise JobFailed(str(exc)) from None
         if code != 0:
-            tail = (work / "trainer.log").read_text(errors="replace").strip().splitlines()[-1:] if not error else []
-            raise JobFailed(f"the trainer failed (exit {code}): {error or (tail[0] if tail else 'no message')}")
+            died = "the trainer process died" if code in (137, -9) else "no message"
+            raise JobFailed(f"the trainer failed (exit {code}): {error or died}")
         if not (out / "adapter_model.safetensors").is_file():
             raise JobFailed("the trainer exited without writing an adapter")
         return out

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 from reefd.jobs import ACTIVE, Job, JobStore, Runner
 from reefd.recipes import RecipeError, build
+from reefd.trainers import LocalTrainers
 
 if TYPE_CHECKING:
     from reefd.records import RecordStore
@@ -37,7 +38,8 @@ class Scheduler:
                  scenarios_dir: Path, max_jobs: int = 1) -> None:
         self.registry = registry
         self.jobs = JobStore(state_dir / "jobs")
-        self.runner = Runner(registry, store, chain, self.jobs, scenarios_dir)
+        self.trainers = LocalTrainers(state_dir / "jobs" / "trainer.log", keep=max_jobs)
+        self.runner = Runner(registry, store, chain, self.jobs, scenarios_dir, self.trainers)
         self.max_jobs = max_jobs
         self._queue: deque[Job] = deque()
         self._running: dict[str, asyncio.Task[None]] = {}  # scenario -> its running job's task
@@ -71,6 +73,7 @@ class Scheduler:
         for task in [*self._tasks, *self._running.values()]:
             task.cancel()
         await asyncio.gather(*self._tasks, *self._running.values(), return_exceptions=True)
+        await self.trainers.close()
 
     def _spawn(self, coro: Any) -> None:
         task = asyncio.create_task(coro)

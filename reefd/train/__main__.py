@@ -1,5 +1,8 @@
 """`python -m reefd.train --spec FILE`: one trainer job, JSON lines on stdout, the candidate folder.
 
+`--serve` keeps the process for job after job (one spec path per stdin line), which is how reefd's
+local backend runs it: importing torch, transformers and peft takes seconds, once.
+
 Owns the job's contract with reefd: the event lines, the exit statuses (0 done, 1 error, 2 bad spec,
 3 non-finite loss, 143 SIGTERM, 137 injected crash) and the atomic output folder (written beside
 output_dir, fsynced, renamed into place). The training itself is `loop.train`.
@@ -8,6 +11,7 @@ output_dir, fsynced, renamed into place). The training itself is `loop.train`.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import shutil
@@ -42,13 +46,41 @@ def one_line(exc: BaseException) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m reefd.train", description=__doc__)
-    parser.add_argument("--spec", required=True, help="the job spec (JSON)")
+    mode = parser.add_mutually_exclusive_group(required=True)
+    mode.add_argument("--spec", help="run one job: the job spec (JSON)")
+    mode.add_argument("--serve", action="store_true",
+                      help="stay up and run one job per spec path read on stdin; each job's events end with "
+                           '{"event": "exit", "status": N}, N being what --spec would exit with')
     args = parser.parse_args(argv)
     fault = os.environ.get("REEF_TRAIN_FAULT") or None
+    if args.spec is not None:
+        return job(args.spec, fault)
+    return serve(fault)
+
+
+def serve(fault: str | None) -> int:
+    """Jobs back to back in one process, so torch, transformers and peft are imported once."""
+    try:
+        for line in sys.stdin:
+            path = line.strip()
+            if not path:
+                continue
+            status = job(path, fault)
+            emit({"event": "exit", "status": status})
+            gc.collect()
+            if status == 143:  # SIGTERM: the process is asked to go
+                return status
+    except Terminated:  # SIGTERM between jobs
+        return 143
+    return 0
+
+
+def job(path: str, fault: str | None) -> int:
+    """One job: its events on stdout, and the exit status of `--spec`."""
     try:
         if fault is not None and fault not in FAULTS:
             raise SpecError(f"REEF_TRAIN_FAULT={fault!r} is not one of {', '.join(FAULTS)}")
-        spec = load_spec(args.spec)
+        spec = load_spec(path)
     except SpecError as exc:
         return _fail(f"bad spec: {one_line(exc)}", 2)
     signal.signal(signal.SIGTERM, _on_sigterm)

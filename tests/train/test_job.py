@@ -246,3 +246,25 @@ def test_spec_in_the_shape_reefd_writes(tiny_model: Path, tmp_path: Path) -> Non
         parse_spec({**doc, "grpo": {"seed": 4}})
     with pytest.raises(SpecError, match="settings for grpo go in one block"):
         parse_spec({**doc, "grpo": {}, "sao": {}})
+
+
+def test_serve_runs_jobs_back_to_back_in_one_process(trained: tuple[Job, Path], tiny_model: Path, base: Any,
+                                                      tmp_path: Path) -> None:
+    """reefd's local backend: one warm process, one spec path per stdin line, each job ending with an exit event."""
+    _, first_out = trained
+    specs = []
+    for i, change in enumerate(({}, {"algorithm": "nope"}, {})):
+        spec = {**make_spec(tiny_model, tmp_path / f"out{i}", toy_samples(base)), **change}
+        path = tmp_path / f"serve-{i}.json"
+        path.write_text(json.dumps(spec))
+        specs.append(path)
+    proc = subprocess.run([sys.executable, "-m", "reefd.train", "--serve"], cwd=ROOT, capture_output=True,
+                          text=True, timeout=120, input="".join(f"{p}\n" for p in specs))
+    assert proc.returncode == 0, proc.stderr
+    events = [json.loads(line) for line in proc.stdout.splitlines()]
+    exits = [e["status"] for e in events if e["event"] == "exit"]
+    assert exits == [0, 2, 0]  # a bad spec fails its job, not the process
+    assert [e["event"] for e in events if e["event"] in ("done", "error")] == ["done", "error", "done"]
+    first, third = (load_file(str(tmp_path / f"out{i}" / "adapter_model.safetensors")) for i in (0, 2))
+    assert all(torch.equal(first[k], third[k]) for k in first)  # the second run starts as clean as the first
+    assert all(torch.equal(first[k], v) for k, v in load_file(str(first_out / "adapter_model.safetensors")).items())

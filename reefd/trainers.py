@@ -1,0 +1,98 @@
+"""The `local` training backend: `python -m reefd.train --serve` processes, kept warm between jobs.
+
+A trainer process imports torch, transformers and peft once (seconds of CPU) and then runs job after
+job, one spec path per line on its stdin; each job's JSON-lines events end with
+`{"event": "exit", "status": N}`. A process that dies (a crash, a kill on timeout) is simply
+replaced by the next job. Idle processes are kept (at most `keep`) and stopped with reefd.
+Knows the trainer's stdin/stdout protocol; nothing about recipes or the chain.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from reefd.engines.supervisor import die_with_parent
+
+log = logging.getLogger("reefd.trainers")
+
+Event = dict[str, Any]
+
+
+class TrainerTimeout(Exception):
+    pass
+
+
+class LocalTrainers:
+    def __init__(self, log_path: Path, keep: int = 1) -> None:
+        self.log_path = log_path
+        self.keep = keep
+        self._idle: list[asyncio.subprocess.Process] = []
+
+    async def _spawn(self) -> asyncio.subprocess.Process:
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with self.log_path.open("ab") as stderr:
+            return await asyncio.create_subprocess_exec(
+                sys.executable, "-m", "reefd.train", "--serve", stdin=asyncio.subprocess.PIPE,
+                stdout=asyncio.subprocess.PIPE, stderr=stderr, preexec_fn=die_with_parent, limit=1 << 24)
+
+    async def run(self, spec: Path, on_event: Callable[[Event], None], timeout_s: float) -> int:
+        """Run one job; every event goes to `on_event`; returns the job's exit status (what `--spec` exits with).
+
+        TrainerTimeout if it runs past `timeout_s` (its process is killed)."""
+        proc = None
+        while self._idle and proc is None:
+            candidate = self._idle.pop()
+            if candidate.returncode is None:
+                proc = candidate
+        if proc is None:
+            proc = await self._spawn()
+        assert proc.stdin is not None and proc.stdout is not None
+        status: int | None = None
+        try:
+            proc.stdin.write(f"{spec}\n".encode())
+            await proc.stdin.drain()
+            async with asyncio.timeout(timeout_s):
+                async for line in proc.stdout:
+                    event = _event(line)
+                    if event.get("event") == "exit":
+                        status = int(event.get("status", 1))
+                        break
+                    if event:
+                        on_event(event)
+                if status is None:  # the process died mid-job
+                    status = await proc.wait()
+        except TimeoutError:
+            raise TrainerTimeout(f"the trainer ran past the job timeout ({timeout_s:.0f} s)") from None
+        except (BrokenPipeError, ConnectionResetError):
+            status = await proc.wait()
+        finally:
+            if status is not None and proc.returncode is None and status != 143 and len(self._idle) < self.keep:
+                self._idle.append(proc)  # warm for the next job
+            elif proc.returncode is None:
+                await _stop(proc)
+        return status
+
+    async def close(self) -> None:
+        idle, self._idle = self._idle, []
+        await asyncio.gather(*(_stop(p) for p in idle), return_exceptions=True)
+
+
+async def _stop(proc: asyncio.subprocess.Process) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        proc.kill()
+    await proc.wait()
+
+
+def _event(line: bytes) -> Event:
+    try:
+        event = json.loads(line)
+    except ValueError:
+        return {}
+    return event if isinstance(event, dict) else {}
