@@ -26,7 +26,7 @@ from reefd.engines import EngineError, EngineUnavailable
 from reefd.receipts import new_receipt
 from reefd.recipes import Recipe, RecipeError, Sample, WeightJob, build
 from reefd.releases import HeadConflict, Release, ReleaseChain, ReleaseError
-from reefd.trainers import LocalTrainers, TrainerTimeout
+from reefd.trainers import TrainerBackend, TrainerTimeout
 
 if TYPE_CHECKING:
     from reefd.records import RecordStore
@@ -113,7 +113,7 @@ class Runner:
     """Runs one job through every stage; never raises (the job records what went wrong)."""
 
     def __init__(self, registry: Registry, store: RecordStore, chain: ReleaseChain, jobs: JobStore,
-                 scenarios_dir: Path, trainers: LocalTrainers) -> None:
+                 scenarios_dir: Path, trainers: TrainerBackend) -> None:
         self.registry, self.store, self.chain, self.jobs = registry, store, chain, jobs
         self.scenarios_dir = scenarios_dir
         self.trainers = trainers

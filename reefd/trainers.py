@@ -16,7 +16,7 @@ import logging
 import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from reefd.engines.supervisor import die_with_parent
 
@@ -27,6 +27,18 @@ Event = dict[str, Any]
 
 class TrainerTimeout(Exception):
     pass
+
+
+class TrainerBackend(Protocol):
+    """Where weight jobs run (`recipe.backend`). `run` gets a spec file in the reefd.train format, relays the
+    trainer's JSON events to `on_event` as they come, and returns the exit status `python -m reefd.train --spec`
+    would give (0 means the adapter is in the spec's output_dir); TrainerTimeout past `timeout_s`. `close`
+    stops what the backend started. `local` is LocalTrainers; a `ray` or `slime` backend would submit the
+    same spec as a cluster job and relay its event lines, with no change to recipes or jobs."""
+
+    async def run(self, spec: Path, on_event: Callable[[Event], None], timeout_s: float) -> int: ...
+
+    async def close(self) -> None: ...
 
 
 class LocalTrainers:

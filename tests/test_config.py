@@ -87,3 +87,17 @@ def test_file_names_that_cannot_name_a_scenario(tmp_path: Path, stem: str) -> No
     scen = make_scenarios(tmp_path, names=(), extra={stem: "defaults:\n  - model: tiny\n  - _self_\n"})
     with pytest.raises(config.ConfigError, match="is not a usable scenario name"):
         config.compose(scen / f"{stem}.yaml")
+
+
+@pytest.mark.parametrize("body,message", [
+    ("trigger:\n  cron: every day\n", "trigger.cron: 'every day' is not a crontab expression"),
+    ("recipe:\n  name: sao\n  params:\n    lr: -1\n", "recipe.params.lr: -1 is less than or equal to the minimum of 0"),
+    ("recipe:\n  name: nope\n", "recipe: unknown recipe 'nope'"),
+    ("gate:\n  kind: holdout\n", "gate.tasks: "),
+    ("gate:\n  kind: holdout\n  tasks: missing.jsonl\n", "gate.tasks: "),
+])
+def test_grow_settings_are_checked_at_load(tmp_path: Path, body: str, message: str) -> None:
+    scen = make_scenarios(tmp_path, names=(), extra={"bad": "defaults:\n  - model: tiny\n  - _self_\n" + body})
+    with pytest.raises(config.ConfigError) as exc:
+        config.compose(scen / "bad.yaml")
+    assert str(exc.value).startswith(f"{scen}/bad.yaml: {message}"), str(exc.value)

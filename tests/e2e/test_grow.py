@@ -224,3 +224,15 @@ def test_train_refuses_a_scenario_whose_recipe_does_not_train(tmp_path: Path) ->
         assert json.loads(exc.value.read())["error"]["code"] == "recipe_does_not_train"
     finally:
         stop(d)
+
+
+def test_an_interval_trigger_runs_jobs_on_its_own(tmp_path: Path) -> None:
+    d = daemon(tmp_path, trigger="manual", extra="trigger:\n  interval_s: 1.5\n")
+    try:
+        c = client(d)
+        for i in range(4):
+            turn(d, c, f"task {i}", score=1.0)
+        job = wait_job(d, ("published",), timeout_s=120)
+        assert job["reason"] == "interval" and len(job["receipts"]) == 4
+    finally:
+        stop(d)
