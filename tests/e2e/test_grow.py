@@ -236,3 +236,35 @@ def test_an_interval_trigger_runs_jobs_on_its_own(tmp_path: Path) -> None:
         assert job["reason"] == "interval" and len(job["receipts"]) == 4
     finally:
         stop(d)
+
+
+@pytest.mark.filterwarnings("ignore:.*is_gradient_checkpointing.*:FutureWarning")  # peft 0.21 in make_lora
+@pytest.mark.parametrize("policy", ["discard", "rebase"])
+def test_a_candidate_whose_head_moved_is_discarded_or_rebased(tmp_path: Path, policy: str) -> None:
+    from tests.loras import make_lora
+
+    d = daemon(tmp_path, trigger="manual", extra=f"release:\n  on_conflict: {policy}\n")
+    try:
+        c = client(d)
+        for i in range(4):
+            turn(d, c, f"task {i}", score=float(i % 2))
+        adapter = make_lora(d.state / "models" / "tiny", tmp_path / "operator-lora", seed=5)
+        assert d.post("/reef/scenarios/learn/train", {})[0] == 202
+        deadline = time.monotonic() + 60
+        while jobs(d)[0]["stage"] != "train" and time.monotonic() < deadline:
+            time.sleep(0.05)
+        moved = reefctl(d, "publish", "learn", "--adapter", str(adapter), "-o", "json")  # an operator gets in first
+        assert moved.returncode == 0, moved.stderr
+        operator = json.loads(moved.stdout)["release"]["id"]
+        done = wait_job(d)
+        rel = json.loads(d.get(f"/reef/releases/{done['release']}")[1])
+        head = json.loads(d.get("/reef/status")[1])["scenarios"][0]["releases"]["head"]
+        if policy == "discard":
+            assert done["state"] == "rejected" and rel["status"] == "rejected"
+            assert rel["meta"]["refused"] == f"the head moved to {operator} while the candidate was built"
+            assert head == operator  # the newer release was not overwritten
+        else:
+            assert done["state"] == "published" and rel["parent"] == operator == rel["meta"]["built_on"]
+            assert rel["meta"]["rebased_from"] == done["built_on"] and head == done["release"]
+    finally:
+        stop(d)
