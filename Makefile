@@ -9,11 +9,11 @@ STATE  ?= $(or $(REEF_STATE),$(STATE_DIRECTORY),$(HOME)/.local/state/reefd)
 .PHONY: venv run test lint bench demo clean
 
 $(STAMP): pyproject.toml
-	@if ! command -v git-lfs >/dev/null 2>&1; then \
+	@if ! command -v git-lfs >/dev/null 2>&1 || ! command -v shellcheck >/dev/null 2>&1; then \
 	  if [ "$$(id -u)" = 0 ]; then \
-	    echo "make: installing git-lfs"; \
-	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq git-lfs >/dev/null; \
-	  else echo "make: warning: git-lfs is missing; install it with: sudo apt-get install -y git-lfs" >&2; fi; \
+	    echo "make: installing git-lfs and shellcheck"; \
+	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq git-lfs shellcheck >/dev/null; \
+	  else echo "make: warning: git-lfs or shellcheck is missing; install them with: sudo apt-get install -y git-lfs shellcheck" >&2; fi; \
 	fi
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip

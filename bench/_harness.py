@@ -68,6 +68,32 @@ def rss_mb(pid: int) -> float:
     raise RuntimeError(f"no VmRSS for pid {pid}")
 
 
+def cpu_busy_s() -> float:
+    """CPU-seconds the whole machine has been busy (all cores, /proc/stat: everything but idle and iowait)."""
+    fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    return (sum(fields[:8]) - fields[3] - fields[4]) / os.sysconf("SC_CLK_TCK")
+
+
+def tree_cpu_s(root: int) -> float:
+    """CPU-seconds used by `root` and its descendants, living or reaped (utime + stime + cutime + cstime)."""
+    stats: dict[int, tuple[int, float]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                f = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue  # it exited meanwhile
+            stats[int(entry.name)] = (int(f[1]), sum(int(x) for x in f[11:15]) / os.sysconf("SC_CLK_TCK"))
+    total = 0.0
+    for pid, (_, cpu) in stats.items():
+        p = pid
+        while p > 1 and p != root:
+            p = stats.get(p, (0, 0.0))[0]
+        if p == root:
+            total += cpu
+    return total
+
+
 async def load(url: str, headers: dict[str, str], body: dict, n: int, concurrency: int
                ) -> tuple[list[float], float]:
     """n POSTs at a fixed concurrency; returns per-request latencies (s) and wall time (s)."""
@@ -103,5 +129,5 @@ def median(values: list[float]) -> float:
     return statistics.median(values)
 
 
-__all__ = ["ROOT", "Daemon", "load", "os", "pct", "peak_rss_mb", "rss_mb", "scratch_dir",
-           "start_reefd", "start_upstream", "upstream_scenario"]
+__all__ = ["ROOT", "Daemon", "cpu_busy_s", "load", "os", "pct", "peak_rss_mb", "rss_mb", "scratch_dir",
+           "start_reefd", "start_upstream", "tree_cpu_s", "upstream_scenario"]

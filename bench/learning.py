@@ -1,24 +1,26 @@
 """Learning from reports alone: SmolLM2 served by reefd gets better at "Answer in one word." on 2 CPU cores.
 
-Task (bench/learning_tasks.py): short open questions ending "Answer in one word."; score 1 when the
-answer has 1-3 words, else 0. Held-out success: the mean score over a fixed held-out set (24 questions
-x 2 answers at temperature 1.0, disjoint from the training and gate questions), never reported.
-Baseline, measured in the same run: a bare policy-gradient script in this process, no server: LoRA r 8
-(alpha 16) on q/k/v/o, AdamW lr 5e-4, per iteration 8 questions x 2 samples at temperature 1.0 (16 new
-tokens at most, chat template), advantages (score - batch mean) / (batch std + 1e-6), one REINFORCE step
-(token mean of -A log p over the completion up to its first EOS, grad norm clipped at 1.0).
-The daemon arm: a real reefd serving scenario `learn` (model smollm2 with max_batch 16, recipe sao with
-matching settings and one optimizer step per batch of 16, trigger every 16 records, holdout gate on 8
-questions of its own with margin -0.15, release follow). One AsyncOpenAI client sends the same 8 x 2
-questions per iteration with `x-reef-scenario`, reports every score to /reef/report with its receipt,
-then waits for the job that its batch triggered (train -> gate -> publish or reject -> hot swap) before
-the next iteration, as the bare loop waits for its own update. Held-out success is measured through
-reefd after every new release (answers must carry the new `x-reef-release-id`).
-Clocks: each arm's wall clock starts once its model is loaded and its base success measured, and is
-paused during every held-out evaluation, in both arms. Everything else counts: for reefd that is HTTP,
-records, reports, the trainer subprocess (its start-up and model load included), the gate and the swap.
-The figure of merit is the wall time to the first held-out evaluation at or above --target (0.8); the
-ratio is daemon / bare (goal <= 1.3x). With 48 binary answers per evaluation its noise is about +-0.06.
+Task (bench/learning_tasks.py): short open questions ending "Answer in one word."; score 1 when the answer
+has 1-3 words, else 0. Held-out success: the mean score of 24 held-out questions x 2 answers at temperature
+1.0 (disjoint from the training and the gate's questions), never reported, so never trained on.
+Baseline, measured in the same run (bench/learning_bare.py): a bare policy-gradient loop in this process, no
+server: LoRA r 8 (alpha 16) on q/k/v/o, AdamW lr 5e-4, per iteration 8 questions x 2 samples at temperature
+1.0 (chat template, 16 new tokens at most), advantages (score - mean) / (std + 1e-6) over the batch, one
+REINFORCE step (token mean of -A log p up to the first EOS, grad norm clipped at 1.0).
+The daemon arm: a real reefd serving scenario `learn`: model smollm2 (max_batch 16), recipe sao with the same
+LoRA, lr and clipping and one optimizer step per batch of 16, trigger every 16 records, holdout gate on 8
+questions of its own (margin -0.15), release follow. One AsyncOpenAI client sends the same 8 x 2 questions per
+iteration with `x-reef-scenario`, reports each score to /reef/report with its receipt, then waits until the
+job its batch triggered is over (train -> gate -> publish or reject -> hot swap), as the bare loop waits for
+its own update. Held-out success is measured through reefd after each new release (every answer must carry
+the new `x-reef-release-id`).
+Clocks: each arm's clock starts after its model is loaded and its base success measured, and stops during
+every held-out evaluation, in both arms; all else counts (for reefd: HTTP, records, reports, the trainer
+process, the gate and the swap). The arms' iterations alternate (bare, daemon, bare, ...), and each clock
+also counts the CPU-seconds other processes on the machine used meanwhile, reported as a caveat.
+Figure of merit: the clock time of the first held-out evaluation at or above --target (0.8), daemon / bare
+(goal <= 1.3x); with 48 binary answers an evaluation's noise is about +-0.06. Also printed: the clock per
+iteration, daemon / bare, which does not depend on how fast either learns.
 Run: python bench/learning.py [--iterations 15] [--arm both|bare|daemon] [--quick] [--keep]
 """
 
@@ -37,32 +39,38 @@ from pathlib import Path
 from typing import Any
 
 import learning_tasks as lt
-from _harness import ROOT, Daemon, scratch_dir, start_reefd
+from _harness import ROOT, Daemon, cpu_busy_s, scratch_dir, start_reefd, tree_cpu_s
+from learning_bare import Bare
 
 GOAL = 1.3
 NAME = "learn"
 LR, MAX_TOKENS, TEMPERATURE, PROMPTS, SAMPLES = 5e-4, 16, 1.0, 8, 2
-LORA = {"r": 8, "lora_alpha": 16, "lora_dropout": 0.0, "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj"]}
 PNG = ROOT / "bench" / "out" / "learning.png"
 
 
 @dataclass
 class Arm:
-    """One arm's learning curve: (clock s, held-out success, label) points, plus per-iteration notes."""
+    """One arm's clock and learning curve: (clock s, held-out success, label) points, plus per-iteration notes.
+
+    While the clock runs it also counts the CPU-seconds that processes outside this bench used (other
+    work on the machine), so a run disturbed by it says so."""
 
     name: str
     clock: float = 0.0
-    started: float | None = None
+    foreign_cpu_s: float = 0.0
+    started: tuple[float, float, float] | None = None
     points: list[tuple[float, float, str]] = field(default_factory=list)
     notes: list[dict[str, Any]] = field(default_factory=list)
     samples: dict[str, list[str]] = field(default_factory=dict)
 
     def resume(self) -> None:
-        self.started = time.perf_counter()
+        self.started = (time.perf_counter(), cpu_busy_s(), tree_cpu_s(os.getpid()))
 
     def pause(self) -> float:
         assert self.started is not None
-        self.clock += time.perf_counter() - self.started
+        t0, busy0, own0 = self.started
+        self.clock += time.perf_counter() - t0
+        self.foreign_cpu_s += max(0.0, (cpu_busy_s() - busy0) - (tree_cpu_s(os.getpid()) - own0))
         self.started = None
         return self.clock
 
@@ -87,89 +95,39 @@ def model_folder() -> Path:
 # ---------------------------------------------------------------- the bare script
 
 
-class Bare:
-    """A PEFT LoRA policy, batched sampling with HF generate, and one REINFORCE step per batch."""
+class BareRunner:
+    """The baseline arm: bench/learning_bare.py's loop, one iteration at a time."""
 
-    def __init__(self, folder: Path, seed: int) -> None:
-        import torch
-        from peft import LoraConfig, get_peft_model
-        from transformers import AutoModelForCausalLM, AutoTokenizer
-        from transformers.utils import logging as hf_logging
+    def __init__(self, folder: Path, heldout: list[str], samples: int, seed: int) -> None:
+        self.arm = Arm("bare")
+        self.heldout_prompts = [lt.prompt(q) for q in heldout for _ in range(samples)]
+        self.bare = Bare(folder, lr=LR, max_tokens=MAX_TOKENS, temperature=TEMPERATURE, seed=seed)
 
-        hf_logging.disable_progress_bar()
-        hf_logging.set_verbosity_error()
-        torch.manual_seed(seed)
-        self.torch = torch
-        self.tok = AutoTokenizer.from_pretrained(folder, padding_side="left")
-        base = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
-        self.model = get_peft_model(base, LoraConfig(task_type="CAUSAL_LM", **LORA))
-        self.eos = int(self.tok.eos_token_id)
-        self.opt = torch.optim.AdamW([p for p in self.model.parameters() if p.requires_grad], lr=LR,
-                                     weight_decay=0.0)
+    async def evaluate(self, label: str) -> float:
+        texts = self.bare.sample(self.heldout_prompts)[1]
+        success = sum(lt.score(t) for t in texts) / len(texts)
+        self.arm.points.append((self.arm.clock, success, label))
+        self.arm.samples["before" if label == "base" else "after"] = texts[:6]
+        return success
 
-    def sample(self, questions: list[str]) -> tuple[Any, Any, Any, list[str]]:
-        """One answer per question: prompt ids and mask (left-padded), completion ids and mask, texts."""
-        torch = self.torch
-        chats = [self.tok.apply_chat_template([{"role": "user", "content": lt.prompt(q)}], tokenize=False,
-                                              add_generation_prompt=True) for q in questions]
-        enc = self.tok(chats, return_tensors="pt", padding=True, add_special_tokens=False)
-        self.model.eval()
-        with torch.no_grad():
-            out = self.model.generate(**enc, do_sample=True, temperature=TEMPERATURE, top_k=0, top_p=1.0,
-                                      max_new_tokens=MAX_TOKENS, pad_token_id=self.eos)
-        comp = out[:, enc["input_ids"].shape[1]:]
-        is_eos = (comp == self.eos).int()
-        mask = (is_eos.cumsum(1) - is_eos == 0).long()  # up to and including the first EOS
-        texts = [self.tok.decode(c[m.bool()], skip_special_tokens=True) for c, m in zip(comp, mask, strict=True)]
-        return enc["input_ids"], enc["attention_mask"], (comp, mask), texts
-
-    def step(self, prompt: Any, prompt_mask: Any, completion: tuple[Any, Any], scores: list[float]) -> float:
-        torch = self.torch
-        comp, mask = completion
-        r = torch.tensor(scores)
-        adv = (r - r.mean()) / (r.std(unbiased=False) + 1e-6)
-        ids, attn = torch.cat([prompt, comp], 1), torch.cat([prompt_mask, mask], 1)
-        pos = (attn.cumsum(1) - 1).clamp(min=0)
-        self.model.train()
-        logits = self.model(input_ids=ids, attention_mask=attn, position_ids=pos).logits[:, prompt.shape[1] - 1:-1]
-        logp = torch.log_softmax(logits.float(), -1).gather(-1, comp[..., None])[..., 0]
-        loss = -(adv[:, None] * logp * mask).sum() / mask.sum()
-        self.opt.zero_grad()
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_([p for p in self.model.parameters() if p.requires_grad], 1.0)
-        self.opt.step()
-        return float(loss)
-
-    def heldout(self, questions: list[str], samples: int) -> tuple[float, list[str]]:
-        texts = self.sample([q for q in questions for _ in range(samples)])[3]
-        return sum(lt.score(t) for t in texts) / len(texts), texts
-
-
-def bare_arm(folder: Path, iterations: int, heldout: list[str], samples: int, seed: int) -> Arm:
-    arm = Arm("bare")
-    bare = Bare(folder, seed)
-    base, texts = bare.heldout(heldout, samples)
-    arm.points.append((0.0, base, "base"))
-    arm.samples["before"] = texts[:6]
-    print(f"bare: held-out before {base:.3f}", flush=True)
-    for it in range(iterations):
+    async def iteration(self, it: int) -> None:
+        arm = self.arm
         arm.resume()
         t0 = time.perf_counter()
-        questions = [q for q in batch_questions(it) for _ in range(SAMPLES)]
-        prompt, prompt_mask, completion, answers = bare.sample(questions)
+        batch, answers = self.bare.sample([lt.prompt(q) for q in batch_questions(it) for _ in range(SAMPLES)])
         scores = [lt.score(t) for t in answers]
         t1 = time.perf_counter()
-        loss = bare.step(prompt, prompt_mask, completion, scores)
+        loss = self.bare.step(batch, scores)
         t2 = time.perf_counter()
         clock = arm.pause()
-        success, texts = bare.heldout(heldout, samples)
-        arm.points.append((clock, success, f"it{it + 1}"))
-        arm.samples["after"] = texts[:6]
-        arm.notes.append({"iteration": it + 1, "batch_score": sum(scores) / len(scores), "sample_s": t1 - t0,
-                          "train_s": t2 - t1, "loss": loss})
+        success = await self.evaluate(f"it{it + 1}")
+        arm.notes.append({"iteration": it + 1, "batch_score": sum(scores) / len(scores),
+                          "sample_s": round(t1 - t0, 2), "train_s": round(t2 - t1, 2), "loss": round(loss, 4)})
         print(f"bare: iteration {it + 1}: batch {sum(scores) / len(scores):.2f}, sample {t1 - t0:.1f} s, "
               f"update {t2 - t1:.1f} s, clock {clock:.1f} s, held-out {success:.3f}", flush=True)
-    return arm
+
+    async def close(self) -> None:
+        pass
 
 
 # ---------------------------------------------------------------- through reefd
@@ -234,25 +192,22 @@ class Client:
             result: dict[str, Any] = await r.json()
             return result
 
-    async def wait_job(self, receipts: set[str], timeout_s: float = 900) -> dict[str, Any]:
-        """The job that took these receipts, once it is over; notes when each stage was first seen."""
+    async def job_ids(self) -> set[str]:
+        return {j["id"] for j in (await self.get(f"/reef/jobs?scenario={NAME}"))["data"]}
+
+    async def wait_job(self, before: set[str], timeout_s: float = 900) -> dict[str, Any]:
+        """The newest job not in `before`, once no job of the scenario is queued or running; notes when each
+        stage was first seen."""
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
-            for job in (await self.get(f"/reef/jobs?scenario={NAME}"))["data"]:
-                seen = self.stages.setdefault(job["id"], {})
-                seen.setdefault(job["stage"], time.time())
-                if receipts & set(job["receipts"]) and job["state"] not in ("queued", "running"):
-                    return dict(job)
+            jobs = (await self.get(f"/reef/jobs?scenario={NAME}"))["data"]  # newest first
+            for job in jobs:
+                self.stages.setdefault(job["id"], {}).setdefault(job["stage"], time.time())
+            new = [j for j in jobs if j["id"] not in before]
+            if new and not any(j["state"] in ("queued", "running") for j in jobs):
+                return dict(new[0])
             await asyncio.sleep(0.1)
-        raise RuntimeError(f"no finished job for the batch within {timeout_s:.0f} s:\n{self.daemon.logs()}")
-
-    async def heldout(self, questions: list[str], samples: int, release: str) -> tuple[float, list[str]]:
-        answers = await asyncio.gather(*(self.ask(q) for q in questions for _ in range(samples)))
-        stale = [rel for _, _, rel in answers if rel != release]
-        if stale:
-            raise RuntimeError(f"held-out answers from {sorted(set(stale))}, not the head {release}")
-        texts = [t for t, _, _ in answers]
-        return sum(lt.score(t) for t in texts) / len(texts), texts
+        raise RuntimeError(f"no job ran on the batch within {timeout_s:.0f} s:\n{self.daemon.logs()}")
 
 
 def job_note(job: dict[str, Any], seen: dict[str, float]) -> dict[str, Any]:
@@ -270,68 +225,101 @@ def job_note(job: dict[str, Any], seen: dict[str, float]) -> dict[str, Any]:
             "publish_swap_s": span("publish", None), "gate_verdict": gate.get("reason"), "trainer": job["metrics"]}
 
 
-async def daemon_loop(client: Client, arm: Arm, iterations: int, heldout: list[str], samples: int) -> None:
-    head = (await client.get(f"/reef/scenarios/{NAME}/releases"))["serving"]
-    base, texts = await client.heldout(heldout, samples, head)
-    arm.points.append((0.0, base, head))
-    arm.samples["before"] = texts[:6]
-    print(f"daemon: held-out before {base:.3f} ({head})", flush=True)
-    for it in range(iterations):
+class DaemonRunner:
+    """The daemon arm: a real reefd serving `learn`, driven by Client one iteration at a time."""
+
+    def __init__(self, folder: Path, heldout: list[str], samples: int, keep: bool) -> None:
+        self.arm, self.keep, self.ok = Arm("daemon"), keep, False
+        self.heldout = [q for q in heldout for _ in range(samples)]
+        self.tmp = scratch_dir()
+        (self.tmp / "state" / "models").mkdir(parents=True)
+        (self.tmp / "state" / "models" / "smollm2").symlink_to(folder)  # the copy converted once
+        self.daemon = start_reefd(self.tmp, scenario_files(self.tmp), env={"REEF_KEEP_FAILED_JOBS": "1"})
+        print(f"daemon: reefd ready at {self.daemon.url}; scratch {self.tmp} (log {self.daemon.log_path})",
+              flush=True)
+        self.client: Client | None = None
+        self.failed = 0
+        self.releases: list[dict[str, Any]] = []
+
+    async def evaluate(self, label: str) -> float:
+        """Held-out success of the serving release `label`, never reported (so never trained on)."""
+        assert self.client is not None
+        answers = await asyncio.gather(*(self.client.ask(q) for q in self.heldout))
+        stale = sorted({rel for _, _, rel in answers if rel != label})
+        if stale:
+            raise RuntimeError(f"held-out answers came from {stale}, not the serving release {label}")
+        texts = [t for t, _, _ in answers]
+        success = sum(lt.score(t) for t in texts) / len(texts)
+        self.arm.points.append((self.arm.clock, success, label))
+        self.arm.samples["before" if len(self.arm.points) == 1 else "after"] = texts[:6]
+        return success
+
+    async def base(self) -> float:
+        self.client = Client(self.daemon)
+        return await self.evaluate((await self.client.get(f"/reef/scenarios/{NAME}/releases"))["serving"])
+
+    async def iteration(self, it: int) -> None:
+        client, arm = self.client, self.arm
+        assert client is not None
         arm.resume()
         t0 = time.perf_counter()
+        before = await client.job_ids()
         answers = await asyncio.gather(*(client.ask(q) for q in batch_questions(it) for _ in range(SAMPLES)))
         scores = [lt.score(t) for t, _, _ in answers]
         await asyncio.gather(*(client.report(rec, s) for (_, rec, _), s in zip(answers, scores, strict=True)))
         t1 = time.perf_counter()
-        job = await client.wait_job({rec for _, rec, _ in answers})
+        job = await client.wait_job(before)
         t2 = time.perf_counter()
         clock = arm.pause()
-        note = {"iteration": it + 1, "batch_score": sum(scores) / len(scores), "sample_report_s": t1 - t0,
-                "job_wait_s": t2 - t1, **job_note(job, client.stages.get(job["id"], {}))}
+        note = {"iteration": it + 1, "batch_score": sum(scores) / len(scores), "sample_report_s": round(t1 - t0, 2),
+                "job_wait_s": round(t2 - t1, 2), **job_note(job, client.stages.get(job["id"], {}))}
         arm.notes.append(note)
         line = (f"daemon: iteration {it + 1}: batch {note['batch_score']:.2f}, sample+report {t1 - t0:.1f} s, "
                 f"job {job['id']} {job['state']} {job['release'] or ''} after {t2 - t1:.1f} s "
                 f"(train {note['train_s']} s, gate {note['gate_s']} s, publish+swap {note['publish_swap_s']} s), "
                 f"clock {clock:.1f} s")
         if job["state"] == "published":
-            success, texts = await client.heldout(heldout, samples, job["release"])
-            arm.points.append((clock, success, job["release"]))
-            arm.samples["after"] = texts[:6]
-            line += f", held-out {success:.3f}"
-        elif job["state"] == "rejected":
-            line += f": {note['gate_verdict']}"
+            line += f", held-out {await self.evaluate(job['release']):.3f}"
         else:
-            line += f": {job['error']}"
+            line += f": {note['gate_verdict'] if job['state'] == 'rejected' else job['error']}"
         print(line, flush=True)
+        mine = {rec for _, rec, _ in answers}
+        if set(job["receipts"]) != mine:
+            print(f"daemon:   the job trained on {len(set(job['receipts']) & mine)} of this batch's "
+                  f"{len(mine)} records (older ones were waiting)", flush=True)
+        self.failed = self.failed + 1 if job["state"] == "failed" else 0
+        if self.failed == 2:
+            raise RuntimeError(f"two jobs failed in a row; the last one:\n{json.dumps(job, indent=1)}\n"
+                               f"reefd log tail:\n{self.daemon.logs()}")
 
+    async def close(self) -> None:
+        if self.client is not None:
+            self.releases = (await self.client.get(f"/reef/scenarios/{NAME}/releases?all=1"))["data"]
+            await self.client.close()
+            self.ok = True
 
-def daemon_arm(folder: Path, iterations: int, heldout: list[str], samples: int, keep: bool) -> tuple[Arm, list]:
-    tmp = scratch_dir()
-    (tmp / "state" / "models").mkdir(parents=True)
-    (tmp / "state" / "models" / "smollm2").symlink_to(folder)  # the copy converted once, not a fresh one
-    arm, ok = Arm("daemon"), False
-    daemon = start_reefd(tmp, scenario_files(tmp), env={"REEF_KEEP_FAILED_JOBS": "1"})
-    print(f"daemon: reefd ready at {daemon.url}; scratch {tmp} (log {daemon.log_path})", flush=True)
-
-    async def run() -> list[dict[str, Any]]:
-        client = Client(daemon)
-        try:
-            await daemon_loop(client, arm, iterations, heldout, samples)
-            releases: list[dict[str, Any]] = (await client.get(f"/reef/scenarios/{NAME}/releases?all=1"))["data"]
-            return releases
-        finally:
-            await client.close()
-
-    try:
-        releases = asyncio.run(run())
-        ok = True
-    finally:
-        daemon.stop()
-        if ok and not keep:
-            shutil.rmtree(tmp, ignore_errors=True)
+    def stop(self) -> None:
+        if self.daemon.proc is not None and self.daemon.proc.poll() is None:
+            self.daemon.stop()
+        if self.ok and not self.keep:
+            shutil.rmtree(self.tmp, ignore_errors=True)
         else:
-            print(f"daemon: scratch kept at {tmp}", flush=True)
-    return arm, releases
+            print(f"daemon: scratch kept at {self.tmp}", flush=True)
+
+
+async def drive(runners: list[Any], iterations: int) -> None:
+    """Base success of each arm, then the arms' iterations alternate, so that other load on the machine
+    falls on both alike; an arm is idle while the other runs."""
+    for r in runners:
+        base = await (r.base() if isinstance(r, DaemonRunner) else r.evaluate("base"))
+        print(f"{r.arm.name}: held-out before {base:.3f}", flush=True)
+    try:
+        for it in range(iterations):
+            for r in runners:
+                await r.iteration(it)
+    finally:
+        for r in runners:
+            await r.close()
 
 
 # ---------------------------------------------------------------- output
@@ -350,46 +338,51 @@ def plot(arms: list[Arm], target: float, path: Path) -> None:
     ax.axhline(target, color="grey", linestyle="--", linewidth=1, label=f"target {target:g}")
     ax.set(xlabel="wall time, held-out evaluation excluded (s)", ylabel="held-out success",
            title="SmolLM2-135M, 'Answer in one word.', 2 CPU cores", ylim=(0, 1.05))
-    ax.legend(loc="lower right")
+    ax.legend(loc="best")
     ax.grid(alpha=0.3)
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
 
+def summarize(arm: Arm, target: float) -> dict[str, Any]:
+    reach = arm.reach(target)
+    first, last = arm.points[0][1], arm.points[-1][1]
+    share = arm.foreign_cpu_s / (2 * arm.clock) if arm.clock else 0.0
+    print(f"{arm.name}: held-out success {first:.3f} -> {last:.3f} (best {max(s for _, s, _ in arm.points):.3f}); "
+          f"clock {arm.clock:.1f} s over {len(arm.notes)} iterations ({arm.clock / max(1, len(arm.notes)):.1f} s "
+          f"each); reached {target:g} " + (f"at {reach:.1f} s" if reach is not None else "never")
+          + f"; other processes used {arm.foreign_cpu_s:.0f} CPU-s ({share:.0%} of 2 cores) while its clock ran")
+    for when, texts in arm.samples.items():
+        print(f"  {when}: " + " | ".join(repr(t[:40]) for t in texts))
+    return {"before": round(first, 4), "after": round(last, 4), "clock_s": round(arm.clock, 2),
+            "reach_s": None if reach is None else round(reach, 2), "foreign_cpu_s": round(arm.foreign_cpu_s, 1),
+            "curve": [[round(t, 2), round(s, 4), label] for t, s, label in arm.points], "iterations": arm.notes}
+
+
 def report(arms: dict[str, Arm], releases: list[dict[str, Any]], target: float, args: argparse.Namespace) -> None:
     result: dict[str, Any] = {"bench": "learning", "model": "smollm2", "iterations": args.iterations,
                               "heldout_answers": args.heldout_n * args.heldout_samples, "target": target, "goal": GOAL}
     for arm in arms.values():
-        reach = arm.reach(target)
-        first, last = arm.points[0][1], arm.points[-1][1]
-        print(f"{arm.name}: held-out success {first:.3f} -> {last:.3f} (best {max(s for _, s, _ in arm.points):.3f}); "
-              f"clock {arm.clock:.1f} s over {len(arm.notes)} iterations; reached {target:g} "
-              + (f"at {reach:.1f} s" if reach is not None else "never"))
-        for when, texts in arm.samples.items():
-            print(f"  {when}: " + " | ".join(repr(t[:40]) for t in texts))
-        result[arm.name] = {"before": round(first, 4), "after": round(last, 4), "clock_s": round(arm.clock, 2),
-                            "reach_s": None if reach is None else round(reach, 2),
-                            "curve": [[round(t, 2), round(s, 4), label] for t, s, label in arm.points]}
+        result[arm.name] = summarize(arm, target)
     if releases:
-        made = [r for r in releases if r["status"] == "released" and r["kind"] != "base"]
-        print(f"releases ({len(made)} published, {len(releases) - len(made) - 1} rejected), newest first:")
+        rejected = sum(r["status"] == "rejected" for r in releases)
+        print(f"releases ({len(releases) - rejected - 1} published, {rejected} rejected candidates), newest first:")
         for r in releases:
-            gate = (r["meta"].get("gate") or {}).get("reason", "")
-            print(f"  {r['id']:>12} {r['status']:>8} {r['kind']:>7} {gate}")
+            print(f"  {r['id']:>12} {r['status']:>8} {r['kind']:>7} {(r['meta'].get('gate') or {}).get('reason', '')}")
         result["daemon"]["releases"] = [{"id": r["id"], "status": r["status"], "kind": r["kind"],
                                          "gate": (r["meta"].get("gate") or {}).get("reason")} for r in releases]
-        result["daemon"]["jobs"] = [{k: v for k, v in n.items() if k != "trainer"} for n in arms["daemon"].notes]
-    if "bare" in arms:
-        result["bare"]["iterations"] = arms["bare"].notes
     if len(arms) == 2:
-        bare_s, daemon_s = arms["bare"].reach(target), arms["daemon"].reach(target)
+        bare, daemon = arms["bare"], arms["daemon"]
+        bare_s, daemon_s = bare.reach(target), daemon.reach(target)
         ratio = None if bare_s is None or daemon_s is None else daemon_s / bare_s
+        per_it = daemon.clock / bare.clock if bare.clock else None
         verdict = "n/a" if ratio is None else "meets" if ratio <= GOAL else "misses"
         print(f"time to held-out {target:g}: bare {bare_s} s, daemon {daemon_s} s; ratio daemon / bare "
               + (f"{ratio:.2f}x" if ratio is not None else "n/a (an arm never reached the target)")
-              + f" ({verdict} the {GOAL}x goal)")
+              + f" ({verdict} the {GOAL}x goal); per iteration daemon / bare {per_it:.2f}x")
         result["ratio"] = None if ratio is None else round(ratio, 3)
+        result["iteration_ratio"] = None if per_it is None else round(per_it, 3)
     print(f"learning curve: {PNG}")
     print(json.dumps(result))
 
@@ -409,14 +402,20 @@ def main() -> None:
         args.iterations, args.heldout_n, args.heldout_samples = 2, 8, 1
     heldout = lt.HELDOUT[: args.heldout_n]
     folder = model_folder()
-    arms: dict[str, Arm] = {}
-    releases: list[dict[str, Any]] = []
+    runners: list[Any] = []
     if args.arm in ("both", "bare"):
-        arms["bare"] = bare_arm(folder, args.iterations, heldout, args.heldout_samples, args.seed)
-    if args.arm in ("both", "daemon"):
-        arms["daemon"], releases = daemon_arm(folder, args.iterations, heldout, args.heldout_samples, args.keep)
+        runners.append(BareRunner(folder, heldout, args.heldout_samples, args.seed))
+    daemon = DaemonRunner(folder, heldout, args.heldout_samples, args.keep) if args.arm != "bare" else None
+    try:
+        if daemon is not None:
+            runners.append(daemon)
+        asyncio.run(drive(runners, args.iterations))
+    finally:
+        if daemon is not None:
+            daemon.stop()
+    arms = {r.arm.name: r.arm for r in runners}
     plot(list(arms.values()), args.target, PNG)
-    report(arms, releases, args.target, args)
+    report(arms, daemon.releases if daemon else [], args.target, args)
 
 
 if __name__ == "__main__":

@@ -17,6 +17,7 @@ import orjson
 from aiohttp import web
 
 from reefd.api import admin, anthropic, openai, reports, responses
+from reefd.api import harness as harness_api
 from reefd.api import jobs as jobs_api
 from reefd.api import releases as release_api
 from reefd.api.errors import error_middleware
@@ -71,7 +72,8 @@ def build_app(settings: Settings) -> web.Application:
         yield
 
     async def engines(app: web.Application) -> AsyncIterator[None]:  # Serve
-        app[REGISTRY] = Registry(settings.scenarios, settings.state_dir, app[HTTP], app[CHAIN])
+        app[REGISTRY] = Registry(settings.scenarios, settings.state_dir, app[HTTP], app[CHAIN],
+                                 settings.scenarios_dir)
         await app[REGISTRY].start()
         yield
         await app[REGISTRY].stop()
@@ -110,6 +112,10 @@ def build_app(settings: Settings) -> web.Application:
     app.router.add_post("/reef/scenarios/{name}/train", jobs_api.train)
     app.router.add_get("/reef/jobs", jobs_api.list_jobs)
     app.router.add_get("/reef/jobs/{job}", jobs_api.get_job)
+    # The harness: files per release, and installers for coding agents.
+    app.router.add_get("/reef/harness", harness_api.get_harness)
+    app.router.add_get("/reef/harness/releases", harness_api.releases)
+    app.router.add_get("/reef/harness/install", harness_api.install)
     app.router.add_get("/healthz", admin.healthz)
     app.router.add_get("/", admin.healthz)  # HEAD / is Claude Code's connectivity probe
     app.router.add_get("/readyz", admin.readyz)

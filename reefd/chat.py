@@ -37,6 +37,24 @@ class ChatRequest:
     ignore_eos: bool = False  # SGLang's and vLLM's extension: generate to max_tokens
 
 
+def add_system_text(chat: ChatRequest, block: str) -> None:
+    """Add text (a harness) to the system prompt: after the client's own system text (kept as it is), or as a
+    system message of its own when the client sent none. Every API is folded into these messages, so Chat
+    Completions, Messages (`system`) and Responses (`instructions`) all get it in the same place."""
+    if not block:
+        return
+    first = chat.messages[0] if chat.messages else None
+    if first is not None and first.get("role") in ("system", "developer"):
+        content = first.get("content")
+        if isinstance(content, list):
+            first = {**first, "content": [*content, {"type": "text", "text": block}]}
+        else:
+            first = {**first, "content": f"{content}\n\n{block}" if content else block}
+        chat.messages = [first, *chat.messages[1:]]
+    else:
+        chat.messages = [{"role": "system", "content": block}, *chat.messages]
+
+
 @dataclass
 class Completion:
     """What the engine produced, already split into text and tool calls."""

@@ -141,7 +141,7 @@ class TriggerConfig:
     )
 
 
-GATE_KINDS = ["always", "holdout", "floor"]
+GATE_KINDS = ["always", "holdout", "floor", "paired"]
 
 
 @dataclass
@@ -152,7 +152,9 @@ class GateConfig:
         default="always",
         metadata={"enum": GATE_KINDS,
                   "description": "always: pass; holdout: beat the serving release on held-out tasks by "
-                                 "margin; floor: score at least `floor` on the tasks."},
+                                 "margin; floor: score at least `floor` on the tasks; paired: run each task "
+                                 "with the candidate and with the current release, pass iff wins - losses > "
+                                 "min_win_margin."},
     )
     tasks: str | None = field(
         default=None,
@@ -174,6 +176,25 @@ class GateConfig:
                                                       "description": "Sampling for both sides (0: greedy)."})
     samples: int = field(default=1, metadata={"minimum": 1, "description": "Answers per task and side."})
     seed: int = field(default=0, metadata={"description": "Sampling seed, the same for both sides."})
+    min_win_margin: int = field(default=0, metadata={"description": "paired: wins - losses must exceed this."})
+
+
+@dataclass
+class HarnessConfig:
+    """The agent harness a scenario ships and evolves: rules, skills, prompts and config."""
+
+    dir: str | None = field(
+        default=None,
+        metadata={"description": "The base harness folder (relative to the scenarios folder): rules/*.md, "
+                                 "skills/<name>/SKILL.md, prompts/*.md, config.yaml. It becomes a release."},
+    )
+    inject: bool = field(
+        default=True, metadata={"description": "Add the rules and the skill catalog to every request's "
+                                               "system prompt (the client's own system prompt is kept)."},
+    )
+    inline_skills: bool = field(
+        default=False, metadata={"description": "Inject whole skill bodies, not only names and descriptions."}
+    )
 
 
 RELEASE_ID_PATTERN = r"^r(0|[1-9][0-9]{0,8})-[0-9a-f]{7}$"
@@ -211,6 +232,7 @@ class ScenarioConfig:
     recipe: RecipeConfig = field(default_factory=RecipeConfig)
     trigger: TriggerConfig = field(default_factory=TriggerConfig)
     gate: GateConfig = field(default_factory=GateConfig)
+    harness: HarnessConfig = field(default_factory=HarnessConfig)
 
 
 class ConfigError(Exception):
@@ -301,9 +323,9 @@ def _omegaconf_message(exc: OmegaConfBaseException) -> str:
     msg = str(exc).split("\n")[0]
     unknown = re.match(r"Key '([^']+)' not in '(\w+)'", msg)
     if unknown:
-        cls = {"ModelConfig": ModelConfig, "ServeConfig": ServeConfig,
-               "ReleaseConfig": ReleaseConfig, "RecipeConfig": RecipeConfig, "TriggerConfig": TriggerConfig,
-               "GateConfig": GateConfig, "ScenarioConfig": ScenarioConfig}.get(unknown.group(2))
+        groups = (ModelConfig, ServeConfig, ReleaseConfig, RecipeConfig, TriggerConfig, GateConfig, HarnessConfig,
+                  ScenarioConfig)
+        cls = {c.__name__: c for c in groups}.get(unknown.group(2))
         known = [f.name for f in dataclasses.fields(cls)] if cls else []
         hint = difflib.get_close_matches(unknown.group(1), known, n=1)
         msg = "unknown key" + (f" (did you mean '{hint[0]}'?)" if hint else "")
@@ -369,7 +391,16 @@ def _grow_problem(cfg: ScenarioConfig, scenarios_dir: Path) -> str | None:
         except ValueError as exc:
             return f"trigger.cron: {cfg.trigger.cron!r} is not a crontab expression ({exc})"
     gate = gates.check_config(cfg.gate, scenarios_dir)
-    return None if gate is None else gate if gate.startswith("gate.") else f"gate: {gate}"
+    if gate is not None:
+        return gate if gate.startswith("gate.") else f"gate: {gate}"
+    if cfg.harness.dir is not None:
+        from reefd.harness import Harness, HarnessError
+
+        try:
+            Harness.from_dir(scenarios_dir / cfg.harness.dir)
+        except (HarnessError, OSError) as exc:
+            return f"harness.dir: {exc}"
+    return None
 
 
 def from_dict(data: dict[str, Any]) -> ScenarioConfig:
@@ -382,6 +413,7 @@ def from_dict(data: dict[str, Any]) -> ScenarioConfig:
         recipe=RecipeConfig(**data["recipe"]),
         trigger=TriggerConfig(**data["trigger"]),
         gate=GateConfig(**data["gate"]),
+        harness=HarnessConfig(**data["harness"]),
     )
 
 

@@ -196,7 +196,7 @@ class Verdict:
 
 def _prepare(cfg: GateConfig, scenarios_dir: Path) -> tuple[list[Task], Scorer]:
     """The tasks and scorer of a holdout or floor gate; GateError names the key at fault."""
-    if cfg.kind not in ("holdout", "floor"):
+    if cfg.kind not in ("holdout", "floor", "paired"):
         raise GateError(f"gate.kind: unknown gate kind {cfg.kind!r}")
     if not cfg.tasks:
         raise GateError(f"gate.tasks: a {cfg.kind} gate needs a tasks file")
@@ -307,6 +307,12 @@ async def evaluate(cfg: GateConfig, scenarios_dir: Path, generate: Generate, *, 
     if cur_scores is None:  # a floor gate (which _prepare made sure has a floor)
         return verdict(floor_ok, f"candidate {cand:.3f} on {n} tasks{floor_note}", cand, None, per_task)
     cur = _mean(cur_scores)
+    if cfg.kind == "paired":
+        wins = sum(c > k + EPS for c, k in zip(cand_scores, cur_scores, strict=True))
+        losses = sum(k > c + EPS for c, k in zip(cand_scores, cur_scores, strict=True))
+        reason = (f"paired on {n} tasks: {wins} wins, {losses} losses, {n - wins - losses} ties; "
+                  f"wins - losses {wins - losses:+d} (needs > {cfg.min_win_margin:+d}){floor_note}")
+        return verdict(wins - losses > cfg.min_win_margin and floor_ok, reason, cand, cur, per_task)
     diff = cand - cur
     beat = diff > EPS if cfg.margin == 0 else diff >= cfg.margin - EPS
     need = "> 0" if cfg.margin == 0 else f">= {cfg.margin:+g}"

@@ -21,10 +21,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from reefd import gates
-from reefd.chat import ChatRequest, Completion
-from reefd.engines import EngineError, EngineUnavailable
+from reefd.chat import ChatRequest, Completion, add_system_text
+from reefd.config import ModelConfig
+from reefd.engines import EngineError, EngineUnavailable, build_engine
+from reefd.harness import Harness, HarnessError
 from reefd.receipts import new_receipt
-from reefd.recipes import Recipe, RecipeError, Sample, WeightJob, build
+from reefd.recipes import HarnessJob, Recipe, RecipeError, Sample, WeightJob, build
 from reefd.releases import HeadConflict, Release, ReleaseChain, ReleaseError
 from reefd.trainers import TrainerBackend, TrainerTimeout
 
@@ -164,13 +166,17 @@ class Runner:
             job.state = "skipped"
             job.error = f"no batch ready: {len(samples)} eligible scored record(s) waiting"
             return
-        spec = recipe.candidate(samples)
+        binding = scenario.binding
+        spec = recipe.candidate(samples, binding.harness if binding is not None else None)
         job.receipts = [s.receipt for s in spec.samples]
         head = self.chain.head(job.scenario)
         if head is None:
             raise JobFailed("the scenario has no base release yet")
         job.built_on = head.id
         self.jobs.save(job)
+        if isinstance(spec, HarnessJob):
+            await self._harness_job(job, scenario, recipe, spec, head)
+            return
 
         self._stage(job, "train")
         work = self.jobs.workdir(job)
@@ -185,10 +191,15 @@ class Runner:
         meta = {"source": job.recipe, "job": job.id, "summary": f"{job.recipe} on {len(job.receipts)} records",
                 "metrics": job.metrics, "gate": job.verdict, "receipts": job.receipts,
                 "reports": sorted({r for s in spec.samples for r in s.reports}), "built_on": head.id}
+        await self._finish(job, scenario, head, out, "adapter", meta, verdict)
+
+    async def _finish(self, job: Job, scenario: Scenario, head: Release, out: Path, kind: str,
+                      meta: dict[str, Any], verdict: gates.Verdict) -> None:
+        """Publish (or keep as rejected) the candidate, consume its records, swap, and say how it ended."""
         if verdict.passed:
-            rel = await self.publish(job, scenario, head, out, meta)
+            rel = await self.publish(job, scenario, head, out, meta, kind)
         else:
-            rel = await asyncio.to_thread(self.chain.reject, job.scenario, built_on=head.id, kind="adapter",
+            rel = await asyncio.to_thread(self.chain.reject, job.scenario, built_on=head.id, kind=kind,
                                           artifact_dir=out, meta=meta)
             log.info("%s %s: candidate %s rejected: %s", job.scenario, job.id, rel.id, verdict.reason)
         job.release = rel.id
@@ -222,7 +233,8 @@ class Runner:
         out = work / "candidate"
         doc = {"job": job.id, "algorithm": spec.algorithm, "base_model": str(model_dir),
                "init_adapter": str(init) if init else None, "output_dir": str(out),
-               "samples": [dataclasses.asdict(s) for s in spec.samples], "lora": spec.lora, "optim": spec.optim,
+               "samples": [{k: v for k, v in dataclasses.asdict(s).items() if k != "context"} for s in spec.samples],
+               "lora": spec.lora, "optim": spec.optim,
                "sao": {k: v for k, v in spec.settings.items() if k != "seed"}, "seed": spec.settings.get("seed", 0)}
         spec_path = work / "spec.json"
         spec_path.write_text(json.dumps(doc))
@@ -250,52 +262,135 @@ class Runner:
 
     # ------------------------------------------------------------ gate
 
-    async def gate(self, job: Job, scenario: Scenario, out: Path) -> gates.Verdict:
-        """Judge the candidate against the serving release, both served by the scenario's engine."""
+    async def gate(self, job: Job, scenario: Scenario, out: Path | None,
+                   harnesses: tuple[Harness, Harness] | None = None) -> gates.Verdict:
+        """Judge the candidate against the serving release, both answered by the scenario's engine: an adapter
+        candidate (`out`) is loaded beside the serving one; a harness candidate (`harnesses`: current, proposed)
+        differs in the system prompt only."""
         cfg = scenario.cfg.gate
         binding = scenario.binding
+        serving = binding.adapter if binding else None
         if cfg.kind == "always":
             return await gates.evaluate(cfg, self.scenarios_dir, _no_generate, current=None, candidate=None)
         engine = scenario.engine
         name = f"candidate-{job.id}"
+        inline = scenario.cfg.harness.inline_skills
+        blocks = {"current": harnesses[0].prompt_block(inline_skills=inline),
+                  "candidate": harnesses[1].prompt_block(inline_skills=inline)} if harnesses else {}
+
+        async def generate(messages: list[dict[str, Any]], side: str | None, gate: Any, seed: int) -> str:
+            req = ChatRequest(messages=messages, max_tokens=gate.max_tokens, temperature=gate.temperature,
+                              seed=seed)
+            adapter = side
+            if harnesses is not None:  # both sides use the serving adapter; the harness is what differs
+                add_system_text(req, blocks[str(side)])
+                adapter = serving
+            async for event in engine.generate(req, stream=False, adapter=adapter,
+                                               timeout_s=scenario.cfg.serve.request_timeout_s):
+                if isinstance(event, Completion):
+                    return event.text or ""
+            raise JobFailed("the engine gave no answer to a gate task")
+
+        if harnesses is not None:
+            with self.registry.using(engine, serving):
+                return await gates.evaluate(cfg, self.scenarios_dir, generate, current="current",
+                                            candidate="candidate")
+        assert out is not None
         await engine.load_adapter(name, out)
         try:
-            async def generate(messages: list[dict[str, Any]], adapter: str | None, gate: Any, seed: int) -> str:
-                req = ChatRequest(messages=messages, max_tokens=gate.max_tokens, temperature=gate.temperature,
-                                  seed=seed)
-                async for event in engine.generate(req, stream=False, adapter=adapter,
-                                                   timeout_s=scenario.cfg.serve.request_timeout_s):
-                    if isinstance(event, Completion):
-                        return event.text or ""
-                raise JobFailed("the engine gave no answer to a gate task")
-
-            with self.registry.using(engine, binding.adapter if binding else None):
-                return await gates.evaluate(cfg, self.scenarios_dir, generate,
-                                            current=binding.adapter if binding else None, candidate=name)
+            with self.registry.using(engine, serving):
+                return await gates.evaluate(cfg, self.scenarios_dir, generate, current=serving, candidate=name)
         finally:
             with contextlib.suppress(EngineError, EngineUnavailable):
                 await engine.unload_adapter(name)
 
     # ------------------------------------------------------------ publish
 
-    async def publish(self, job: Job, scenario: Scenario, head: Release, out: Path, meta: dict[str, Any]) -> Release:
+    async def publish(self, job: Job, scenario: Scenario, head: Release, out: Path, meta: dict[str, Any],
+                      kind: str = "adapter") -> Release:
         """Append on the head the candidate was built on; if it moved, follow the scenario's on_conflict policy."""
         if scenario.cfg.release.pin is not None:
             meta = {**meta, "refused": f"the scenario is pinned to {scenario.cfg.release.pin}"}
-            return await asyncio.to_thread(self.chain.reject, job.scenario, built_on=head.id, kind="adapter",
+            return await asyncio.to_thread(self.chain.reject, job.scenario, built_on=head.id, kind=kind,
                                            artifact_dir=out, meta=meta)
         try:
-            return await asyncio.to_thread(self.chain.publish, job.scenario, expected_head=head.id, kind="adapter",
+            return await asyncio.to_thread(self.chain.publish, job.scenario, expected_head=head.id, kind=kind,
                                            artifact_dir=out, meta=meta)
         except HeadConflict as exc:
             if scenario.cfg.release.on_conflict == "rebase" and exc.actual is not None:
                 log.info("%s %s: head moved to %s; rebasing the candidate", job.scenario, job.id, exc.actual)
                 rebased = {**meta, "rebased_from": head.id, "built_on": exc.actual}
                 return await asyncio.to_thread(self.chain.publish, job.scenario, expected_head=exc.actual,
-                                               kind="adapter", artifact_dir=out, meta=rebased)
+                                               kind=kind, artifact_dir=out, meta=rebased)
             meta = {**meta, "refused": f"the head moved to {exc.actual} while the candidate was built"}
-            return await asyncio.to_thread(self.chain.reject, job.scenario, built_on=head.id, kind="adapter",
+            return await asyncio.to_thread(self.chain.reject, job.scenario, built_on=head.id, kind=kind,
                                            artifact_dir=out, meta=meta)
+
+    # ------------------------------------------------------------ harness candidates
+
+    async def _harness_job(self, job: Job, scenario: Scenario, recipe: Recipe, spec: HarnessJob,
+                           head: Release) -> None:
+        """Propose (an LLM call), validate, gate by paired comparison, publish a harness release."""
+        binding = scenario.binding
+        current = binding.harness if binding is not None else None
+        if current is None:
+            raise JobFailed("the scenario has no harness to evolve (set harness.dir in its file)")
+        self._stage(job, "propose")
+        answer = await self._propose(scenario, spec)
+        try:
+            mutations = recipe.edit(answer, current)  # type: ignore[attr-defined]
+            proposed = current.apply(mutations)
+        except (RecipeError, HarnessError) as exc:
+            job.state, job.error = "skipped", f"proposal refused: {exc}"
+            job.metrics = {"proposer_answer": answer[:4000]}
+            return
+        if not mutations or proposed.files() == current.files():
+            job.state, job.error = "skipped", "the proposer proposed no change"
+            job.metrics = {"proposer_answer": answer[:4000]}
+            return
+        job.metrics = {"mutations": len(mutations), "proposer_answer": answer[:4000]}
+        self._stage(job, "gate")
+        verdict = await self.gate(job, scenario, None, harnesses=(current, proposed))
+        job.verdict = verdict.as_meta()
+        self._stage(job, "publish")
+        meta = {"source": job.recipe, "job": job.id, "summary": proposed.summary(current),
+                "metrics": {"mutations": len(mutations)}, "gate": job.verdict, "receipts": job.receipts,
+                "reports": sorted({r for s in spec.samples for r in s.reports}), "built_on": head.id,
+                "mutations": mutations}
+        work = self.jobs.workdir(job)
+        await asyncio.to_thread(shutil.rmtree, work, True)
+        await asyncio.to_thread(proposed.render, work / "harness")
+        await self._finish(job, scenario, head, work / "harness", "harness", meta, verdict)
+
+    async def _propose(self, scenario: Scenario, spec: HarnessJob) -> str:
+        """The proposer's answer: the scenario's own engine, or the model named in the recipe's config."""
+        engine, adapter, temporary = scenario.engine, scenario.binding.adapter if scenario.binding else None, False
+        if spec.proposer is not None:
+            try:
+                cfg = ModelConfig(**spec.proposer)
+            except TypeError as exc:
+                raise JobFailed(f"recipe.params.proposer: {exc}") from None
+            key = json.dumps(dataclasses.asdict(cfg), sort_keys=True)
+            engine, adapter = self.registry.engines.get(key) or build_engine(
+                cfg, self.registry.state_dir, self.registry.session), None
+            temporary = key not in self.registry.engines
+            if temporary:
+                await engine.start()
+        try:
+            deadline = time.monotonic() + (spec.proposer or {}).get("startup_timeout_s", 600.0)
+            while not engine.ready:
+                if engine.describe()["state"] == "failed" or time.monotonic() > deadline:
+                    raise JobFailed(f"the proposer engine is {engine.describe()['state']}")
+                await asyncio.sleep(0.25)
+            req = ChatRequest(messages=spec.messages, max_tokens=spec.max_tokens, temperature=spec.temperature)
+            async for event in engine.generate(req, stream=False, adapter=adapter,
+                                               timeout_s=scenario.cfg.serve.request_timeout_s):
+                if isinstance(event, Completion):
+                    return event.text or ""
+            raise JobFailed("the proposer gave no answer")
+        finally:
+            if temporary:
+                await engine.stop()
 
 
 def _event(line: bytes) -> dict[str, Any]:

@@ -10,7 +10,9 @@ import torch at module level); weight candidates are trained by a separate train
         def __init__(self, cfg: MyConfig) -> None: ...
         def sample(self, record, reports) -> Sample | None      # eligibility: a scored rollout, or None
         def ready(self, samples: list[Sample]) -> bool           # is a batch ready (count triggers ask this)
-        def candidate(self, samples: list[Sample]) -> WeightJob  # the batch -> a trainer job spec
+        def candidate(self, samples, harness) -> WeightJob      # the batch -> a trainer job spec, or
+                                                                # -> HarnessJob for a harness recipe, which also has
+        def edit(self, answer, harness) -> list[mutation]       # the proposer's answer -> harness mutations
 
 Guarantees reefd gives a recipe: `sample` sees each record with all its reports (oldest first) and
 is never shown a record already consumed by a published or rejected candidate; `candidate` gets
@@ -26,16 +28,20 @@ import hashlib
 import importlib
 import math
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Protocol
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 import jsonschema
 
 from reefd.config import dataclass_schema
 
+if TYPE_CHECKING:
+    from reefd.harness import Harness
+
 SHIPPED = {
     "record": "reefd.recipes:RecordOnly",
     "sao": "recipes.sao.recipe:SAO",
     "grpo": "recipes.sao.recipe:GRPO",
+    "skillclaw": "recipes.skillclaw.recipe:SkillClaw",
 }
 
 
@@ -54,6 +60,19 @@ class Sample:
     reward: float
     group: str  # rollouts of the same prompt share a key (group-relative recipes use it)
     reports: list[str] = field(default_factory=list)
+    context: dict[str, Any] = field(default_factory=dict)  # what else the recipe keeps: messages, text, feedback
+
+
+@dataclass
+class HarnessJob:
+    """A harness candidate to propose: reefd sends `messages` to the proposer model and gives its answer to the
+    recipe's `edit`, which turns it into harness mutations (see reefd/harness.py)."""
+
+    messages: list[dict[str, Any]]
+    samples: list[Sample]
+    max_tokens: int = 2048
+    temperature: float = 0.0
+    proposer: dict[str, Any] | None = None  # a `model:` config (engine, source/path/url, ...); None: the scenario's
 
 
 @dataclass
@@ -75,7 +94,16 @@ class Recipe(Protocol):
 
     def ready(self, samples: list[Sample]) -> bool: ...
 
-    def candidate(self, samples: list[Sample]) -> WeightJob: ...
+    def candidate(self, samples: list[Sample], harness: Harness | None = None) -> WeightJob | HarnessJob: ...
+
+
+class HarnessRecipe(Recipe, Protocol):
+    """A recipe whose candidates are harness edits (its `candidate` returns a HarnessJob)."""
+
+    def edit(self, answer: str, harness: Harness) -> list[dict[str, Any]]:
+        """The proposer's answer -> harness mutations; RecipeError for a malformed or unsafe answer (the candidate
+        is then skipped with that reason, and nothing is published)."""
+        ...
 
 
 @dataclass
@@ -98,7 +126,7 @@ class RecordOnly:
     def ready(self, samples: list[Sample]) -> bool:
         return False
 
-    def candidate(self, samples: list[Sample]) -> WeightJob:
+    def candidate(self, samples: list[Sample], harness: Harness | None = None) -> WeightJob:
         raise RecipeError("the record recipe does not train")
 
 

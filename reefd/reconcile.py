@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import shutil
+import tempfile
 import time
 from collections.abc import Coroutine
 from dataclasses import dataclass
@@ -26,6 +27,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from reefd.engines import Engine, EngineError, EngineUnavailable
+from reefd.harness import Harness, HarnessError
 from reefd.identity import model_identity
 from reefd.releases import HeadConflict, Release, ReleaseChain, ReleaseError, UnknownRelease, WrongScenario
 
@@ -37,20 +39,24 @@ log = logging.getLogger("reefd.reconcile")
 
 @dataclass(frozen=True)
 class Binding:
-    """What serves a scenario's new requests: a release and, for an adapter release, the engine's name for it."""
+    """What serves a scenario's new requests: a release, the engine's name for its adapter (if it has one), and
+    its harness (if it has one)."""
 
     release: str
     adapter: str | None = None
     artifact: str | None = None  # the adapter's tree id: releases with equal trees share one loaded adapter
+    harness: Harness | None = None
+    harness_tree: str | None = None
 
 
 class Reconciler:
     POLL_S = 2.0
 
-    def __init__(self, registry: Registry, chain: ReleaseChain, state_dir: Path):
+    def __init__(self, registry: Registry, chain: ReleaseChain, state_dir: Path, scenarios_dir: Path):
         self.registry = registry
         self.chain = chain
         self.serving_dir = state_dir / "serving"
+        self.scenarios_dir = scenarios_dir
         self._locks: dict[str, asyncio.Lock] = {}
         self._tasks: set[asyncio.Task[None]] = set()
         self._heads: dict[str, str | None] = {}  # the head each scenario was last reconciled against
@@ -112,7 +118,7 @@ class Reconciler:
                     log.error("%s: %s", scenario.name, problem)
             except asyncio.CancelledError:
                 raise
-            except (EngineError, EngineUnavailable, ReleaseError, OSError) as exc:
+            except (EngineError, EngineUnavailable, ReleaseError, HarnessError, OSError) as exc:
                 scenario.error = str(exc)
                 log.error("%s: %s", scenario.name, exc)
             return scenario.binding
@@ -125,6 +131,8 @@ class Reconciler:
             head = await asyncio.to_thread(self.chain.head, name)
             if head is None:
                 head = await self._record_base(scenario)
+            elif scenario.cfg.harness.dir and "harness" not in await asyncio.to_thread(self.chain.artifacts, head.id):
+                head = await self._import_harness(scenario, head)  # a harness added to a scenario that had none
             if pin is None or pin == head.id:
                 return head, None
             try:
@@ -157,16 +165,39 @@ class Reconciler:
                                         "no base release recorded")
             await asyncio.sleep(0.25)  # a built-in model is still being prepared
         ident = await asyncio.to_thread(model_identity, scenario.cfg.model, model_dir)
-        try:
-            head = await asyncio.to_thread(
-                self.chain.publish, scenario.name, expected_head=None, kind="base",
-                artifact_dir=None, meta={"source": "import", "identity": ident})
-            log.info("%s: recorded base release %s", scenario.name, head.id)
-            return head
-        except HeadConflict:  # another process recorded it first: serve that
-            again = await asyncio.to_thread(self.chain.head, scenario.name)
-            assert again is not None
-            return again
+        meta: dict[str, Any] = {"source": "import", "identity": ident}
+        with tempfile.TemporaryDirectory(dir=self.chain.path / "lfs" / "tmp") as tmp:
+            harness = await self._base_harness(scenario, Path(tmp))
+            if harness is not None:
+                meta["summary"] = f"base harness from {scenario.cfg.harness.dir}"
+            try:
+                head = await asyncio.to_thread(
+                    self.chain.publish, scenario.name, expected_head=None, kind="base",
+                    artifact_dir=harness, meta=meta, folder="harness")
+                log.info("%s: recorded base release %s", scenario.name, head.id)
+                return head
+            except HeadConflict:  # another process recorded it first: serve that
+                again = await asyncio.to_thread(self.chain.head, scenario.name)
+                assert again is not None
+                return again
+
+    async def _base_harness(self, scenario: Scenario, tmp: Path) -> Path | None:
+        """The scenario's harness folder, read and rendered canonically into `tmp` (None: it has none)."""
+        if not scenario.cfg.harness.dir:
+            return None
+        source = self.scenarios_dir / scenario.cfg.harness.dir
+        harness = await asyncio.to_thread(Harness.from_dir, source)
+        await asyncio.to_thread(harness.render, tmp / "harness")
+        return tmp / "harness"
+
+    async def _import_harness(self, scenario: Scenario, head: Release) -> Release:
+        with tempfile.TemporaryDirectory(dir=self.chain.path / "lfs" / "tmp") as tmp:
+            folder = await self._base_harness(scenario, Path(tmp))
+            rel = await asyncio.to_thread(
+                self.chain.publish, scenario.name, expected_head=head.id, kind="harness", artifact_dir=folder,
+                meta={"source": "import", "summary": f"harness imported from {scenario.cfg.harness.dir}"})
+        log.info("%s: imported its harness as release %s", scenario.name, rel.id)
+        return rel
 
     async def _serve(self, scenario: Scenario, rel: Release) -> None:
         current = scenario.binding
@@ -178,12 +209,14 @@ class Reconciler:
                               f"so {scenario.name} stays on {current.release if current else 'nothing'}")
         tree = artifacts.get("adapter")
         engine = scenario.engine
+        harness, harness_tree = await self._harness(scenario, rel, artifacts.get("harness"), current)
         if tree is None:
-            binding = Binding(rel.id)
+            binding = Binding(rel.id, harness=harness, harness_tree=harness_tree)
         elif current is not None and current.artifact == tree and current.adapter is not None:
-            binding = Binding(rel.id, current.adapter, tree)  # same adapter bytes (a rollback's copy): keep it
+            # same adapter bytes (a rollback's copy, a harness-only release): keep the loaded one
+            binding = Binding(rel.id, current.adapter, tree, harness, harness_tree)
         else:
-            binding = Binding(rel.id, rel.id, tree)
+            binding = Binding(rel.id, rel.id, tree, harness, harness_tree)
             if rel.id not in getattr(engine, "adapters", {}):
                 await self._wait_ready(scenario)
                 folder = await asyncio.to_thread(self._materialize, scenario.name, rel.id)
@@ -194,6 +227,21 @@ class Reconciler:
         if current is not None and current.adapter is not None and current.adapter != binding.adapter:
             self._spawn(self._retire(engine, current, scenario.cfg.serve.request_timeout_s),
                         f"retire-{current.adapter}")
+
+    async def _harness(self, scenario: Scenario, rel: Release, tree: str | None,
+                       current: Binding | None) -> tuple[Harness | None, str | None]:
+        """The release's harness, parsed from the chain (or the current one, when the tree is the same)."""
+        if tree is None:
+            return None, None
+        if current is not None and current.harness_tree == tree:
+            return current.harness, tree
+        with tempfile.TemporaryDirectory(dir=self.chain.path / "lfs" / "tmp") as tmp:
+            folder = await asyncio.to_thread(self.chain.materialize, rel.id, Path(tmp) / "h", "harness")
+            try:
+                harness = await asyncio.to_thread(Harness.from_dir, folder)
+            except HarnessError as exc:
+                raise ReleaseError(f"{rel.id}: its harness does not parse: {exc}") from None
+        return harness, tree
 
     async def _wait_ready(self, scenario: Scenario) -> None:
         deadline = time.monotonic() + scenario.cfg.model.startup_timeout_s

@@ -193,14 +193,17 @@ class ReleaseChain:
         kind: str,
         artifact_dir: Path | None,
         meta: dict[str, Any],
+        folder: str | None = None,
     ) -> Release:
-        """Append a release; the head moves only if it still is `expected_head` (a release id, None = no head yet)."""
+        """Append a release; the head moves only if it still is `expected_head` (a release id, None = no head yet).
+        `artifact_dir` goes into the tree as the kind's folder (or `folder`: a base release may carry `harness`)."""
         if kind not in ARTIFACT_FOLDER:
             raise ValueError(f"kind must be one of {sorted(ARTIFACT_FOLDER)}; rollback/promote have their own calls")
         parent = self._expect(scenario, expected_head)
         entries = self._entries(parent)
         if artifact_dir is not None:
-            entries[ARTIFACT_FOLDER[kind]] = (self._store_dir(Path(artifact_dir)), pygit2.enums.FileMode.TREE)
+            name = folder or ARTIFACT_FOLDER[kind]
+            entries[name] = (self._store_dir(Path(artifact_dir)), pygit2.enums.FileMode.TREE)
         return self._append(scenario, parent, kind, entries, meta)
 
     def rollback(self, scenario: str, to: str | None = None, *, expected_head: str | None,

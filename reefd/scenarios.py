@@ -61,7 +61,7 @@ async def _until(condition: Callable[[], bool], timeout_s: float) -> None:
 
 class Registry:
     def __init__(self, configs: dict[str, ScenarioConfig], state_dir: Path,
-                 session: aiohttp.ClientSession, chain: ReleaseChain):
+                 session: aiohttp.ClientSession, chain: ReleaseChain, scenarios_dir: Path = Path("scenarios")):
         self.state_dir = state_dir
         self.chain = chain
         self.session = session
@@ -71,7 +71,7 @@ class Registry:
         self._inflight: Counter[int] = Counter()  # requests per engine (by id), for draining
         self._uses: Counter[tuple[int, str | None]] = Counter()  # requests per (engine, adapter)
         self._reloading = asyncio.Lock()
-        self.reconciler = Reconciler(self, chain, state_dir)
+        self.reconciler = Reconciler(self, chain, state_dir, scenarios_dir)
 
     def _bind(self, configs: dict[str, ScenarioConfig]) -> tuple[dict[str, Scenario], list[str]]:
         """Scenarios bound to engines (building engines for new models), and the new engines' keys."""

@@ -10,16 +10,18 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from pathlib import Path
 from typing import Any
 
 from aiohttp import web
 
 ANSWER = "Hello from upstream."
 SEEN = web.AppKey("seen", list)
+SCRIPT = web.AppKey("script", str)  # a file whose current content is the answer (a scripted provider)
 
 
-def _completion(body: dict[str, Any]) -> dict[str, Any]:
-    message: dict[str, Any] = {"role": "assistant", "content": ANSWER}
+def _completion(body: dict[str, Any], answer: str = ANSWER) -> dict[str, Any]:
+    message: dict[str, Any] = {"role": "assistant", "content": answer}
     finish = "stop"
     if body.get("tools") and body.get("tool_choice") != "none":
         name = body["tools"][0]["function"]["name"]
@@ -39,7 +41,8 @@ async def chat(request: web.Request) -> web.StreamResponse:
     if request.headers.get("Authorization") != "Bearer up-key":
         return web.json_response({"error": {"message": "bad upstream key", "type": "x"}},
                                  status=401)
-    full = _completion(body)
+    script = request.app[SCRIPT]
+    full = _completion(body, Path(script).read_text() if script else ANSWER)
     if not body.get("stream"):
         return web.json_response(full)
     resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
@@ -65,9 +68,10 @@ async def chat(request: web.Request) -> web.StreamResponse:
     return resp
 
 
-def build() -> web.Application:
+def build(script: str = "") -> web.Application:
     app = web.Application()
     app[SEEN] = []
+    app[SCRIPT] = script
     app.router.add_post("/v1/chat/completions", chat)
     return app
 
@@ -75,5 +79,6 @@ def build() -> web.Application:
 if __name__ == "__main__":
     ap = argparse.ArgumentParser()
     ap.add_argument("--port", type=int, required=True)
-    web.run_app(build(), host="127.0.0.1", port=ap.parse_args().port, access_log=None,
-                print=None)
+    ap.add_argument("--answer-file", default="", help="answer with this file's content (read per request)")
+    args = ap.parse_args()
+    web.run_app(build(args.answer_file), host="127.0.0.1", port=args.port, access_log=None, print=None)

@@ -5,13 +5,20 @@ Shared by the reefd fixtures (tests/conftest.py) and the worker's (tests/worker/
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import signal
 import socket
+import socketserver
 import subprocess
+import threading
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
+
+from aiohttp import web
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -75,3 +82,35 @@ class Served:
             self.proc.send_signal(sig)
             self.proc.wait(timeout_s)
         return int(self.proc.returncode)
+
+
+@contextlib.contextmanager
+def in_thread(server: socketserver.BaseServer) -> Iterator[None]:
+    """Serve a stdlib HTTP server (a canned fake) from a thread for the duration of the block."""
+    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.01}, daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        server.shutdown()
+        thread.join()
+        server.server_close()
+
+
+@contextlib.contextmanager
+def aiohttp_in_thread(app: web.Application) -> Iterator[str]:
+    """Serve an aiohttp app on a free loopback port from a thread; yields its base URL."""
+    port = free_port()
+    loop = asyncio.new_event_loop()
+    runner = web.AppRunner(app, access_log=None)
+    loop.run_until_complete(runner.setup())
+    loop.run_until_complete(web.TCPSite(runner, "127.0.0.1", port).start())
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(5)
+        loop.run_until_complete(runner.cleanup())
+        loop.close()

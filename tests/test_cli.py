@@ -29,6 +29,7 @@ import pytest
 from reefd import cli as reefctl
 from reefd import cli_releases
 from reefd.cli import main
+from tests.served import in_thread
 
 REPO = Path(__file__).resolve().parents[1]
 CONNECTION_ENV = ("REEF_URL", "REEF_TOKEN", "REEF_STATE", "STATE_DIRECTORY")
@@ -272,12 +273,8 @@ class _Handler(BaseHTTPRequestHandler):
 @pytest.fixture
 def reef() -> Iterator[FakeReef]:
     server = FakeReef()
-    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.01}, daemon=True)
-    thread.start()
-    yield server
-    server.shutdown()
-    thread.join()
-    server.server_close()
+    with in_thread(server):
+        yield server
 
 
 @pytest.fixture(autouse=True)

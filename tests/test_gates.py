@@ -386,3 +386,22 @@ def test_check_config(tmp_path: Path) -> None:
     assert problem is not None and problem.startswith(f"gate.tasks: {tmp_path / 'bad.jsonl'}:1: not valid JSON")
     assert check_config(holdout(tasks, min_tasks=3), tmp_path) == \
         "gate.tasks: tasks.jsonl holds 2 tasks, fewer than min_tasks 3: the gate would always fail"
+
+
+def test_paired_counts_wins_and_losses(tmp_path: Path) -> None:
+    """A harness candidate is judged task by task: published only if wins - losses > min_win_margin."""
+    path = tmp_path / "t.jsonl"
+    path.write_text("".join(json.dumps({"prompt": f"q{i}", "answer": "yes"}) + "\n" for i in range(5)))
+
+    def gen(answers: dict[str, list[str]]) -> Any:
+        async def generate(messages: list[dict[str, Any]], side: str | None, cfg: GateConfig, seed: int) -> str:
+            return answers[str(side)][int(messages[-1]["content"][1:])]
+        return generate
+
+    cfg = GateConfig(kind="paired", tasks="t.jsonl", min_win_margin=0)
+    answers = {"cand": ["yes", "yes", "yes", "no", "no"], "cur": ["no", "no", "yes", "yes", "no"]}  # 2 wins 1 loss
+    verdict = asyncio.run(evaluate(cfg, tmp_path, gen(answers), current="cur", candidate="cand"))
+    assert verdict.passed and verdict.reason == (
+        "paired on 5 tasks: 2 wins, 1 losses, 2 ties; wins - losses +1 (needs > +0)")
+    strict = GateConfig(kind="paired", tasks="t.jsonl", min_win_margin=1)
+    assert not asyncio.run(evaluate(strict, tmp_path, gen(answers), current="cur", candidate="cand")).passed

@@ -8,9 +8,12 @@ explained in recipes/sao/README.md.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from reefd.recipes import Sample, WeightJob, scored_rollout
+
+if TYPE_CHECKING:
+    from reefd.harness import Harness
 
 
 @dataclass
@@ -52,7 +55,7 @@ class SAO:
     def ready(self, samples: list[Sample]) -> bool:
         return len(samples) >= self.cfg.batch_size
 
-    def candidate(self, samples: list[Sample]) -> WeightJob:
+    def candidate(self, samples: list[Sample], harness: Harness | None = None) -> WeightJob:
         c = self.cfg
         return WeightJob(
             algorithm=self.algorithm, samples=samples[: c.batch_size],

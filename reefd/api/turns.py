@@ -17,7 +17,7 @@ from aiohttp import web
 
 from reefd.api.errors import ApiError, json_response
 from reefd.api.keys import SCHEDULER
-from reefd.chat import ChatRequest, Completion
+from reefd.chat import ChatRequest, Completion, add_system_text
 from reefd.engines import EngineError, EngineUnavailable, Prompt
 from reefd.receipts import new_receipt
 from reefd.reconcile import Binding
@@ -82,6 +82,7 @@ def new_record(request: web.Request, scenario: Scenario, binding: Binding, recei
     tags = {k[len(prefix):].lower(): v for k, v in request.headers.items()
             if k.lower().startswith(prefix)}
     return {"id": receipt, "scenario": scenario.name, "release": binding.release, "adapter": binding.adapter,
+            "harness": binding.release if binding.harness is not None and scenario.cfg.harness.inject else None,
             "engine": scenario.engine.kind, "model": scenario.cfg.model.name, "api": api,
             "requested_model": body.get("model"),
             "created_at": time.time(), "session": session_of(request, body),
@@ -119,6 +120,8 @@ async def serve_turn(request: web.Request, scenario: Scenario, binding: Binding,
     cap = scenario.cfg.model.max_new_tokens  # whatever the client asked for (Claude Code: 32000)
     if cap is not None:
         chat.max_tokens = min(chat.max_tokens, cap)
+    if binding.harness is not None and scenario.cfg.harness.inject:
+        add_system_text(chat, binding.harness.prompt_block(inline_skills=scenario.cfg.harness.inline_skills))
     receipt = new_receipt()
     wire = wire_for(receipt)
     record = new_record(request, scenario, binding, receipt, wire.api, body, chat, stream)

@@ -89,7 +89,7 @@ def test_reports_trigger_training_and_the_next_answer_comes_from_the_new_release
         c = client(d)
         receipts = [turn(d, c, f"task {i}", score=float(i % 2))[0] for i in range(4)]
         job = wait_job(d)
-        assert job["state"] == "published", job
+        assert job["state"] == "published", json.dumps(job)
         assert (job["reason"], job["receipts"]) == ("count", receipts)
         assert job["progress"]["step"] == job["progress"]["steps"] >= 1
         rel = json.loads(d.get(f"/reef/releases/{job['release']}")[1])

@@ -7,7 +7,6 @@ reach here); pointing `model.url` at a real provider is the only change for prod
 from __future__ import annotations
 
 import json
-import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -16,29 +15,18 @@ import openai
 import pytest
 from aiohttp import web
 
-from tests.conftest import Daemon, free_port, make_scenarios, sdk
+from tests.conftest import Daemon, make_scenarios, sdk
 from tests.fake_upstream import SEEN, build
+from tests.served import aiohttp_in_thread
 
 pytestmark = pytest.mark.contract
 
 
 @pytest.fixture(scope="module")
 def upstream() -> Iterator[tuple[str, web.Application]]:
-    import asyncio
-
     app = build()
-    port = free_port()
-    loop = asyncio.new_event_loop()
-    runner = web.AppRunner(app, access_log=None)
-    loop.run_until_complete(runner.setup())
-    loop.run_until_complete(web.TCPSite(runner, "127.0.0.1", port).start())
-    thread = threading.Thread(target=loop.run_forever, daemon=True)
-    thread.start()
-    yield f"http://127.0.0.1:{port}/v1", app
-    loop.call_soon_threadsafe(loop.stop)
-    thread.join(5)
-    loop.run_until_complete(runner.cleanup())
-    loop.close()
+    with aiohttp_in_thread(app) as url:
+        yield f"{url}/v1", app
 
 
 @pytest.fixture(scope="module")

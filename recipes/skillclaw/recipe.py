@@ -1,0 +1,390 @@
+"""SkillClaw as a harness recipe: turns with low scores or feedback -> a proposer prompt -> skill-pool mutations.
+
+Owns eligibility, the prompt and the answer's contract (schema, safety rules, mutations); it does not call the
+proposer, gate or publish (reefd/jobs.py), nor read harness files (reefd/harness.py). See README.md."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+import jsonschema
+
+from reefd.config import ModelConfig, dataclass_schema
+from reefd.harness import ID_PATTERN, MAX_BODY_BYTES, MAX_DESCRIPTION_CHARS, Harness, HarnessError
+from reefd.recipes import HarnessJob, RecipeError, Sample
+
+ACTIONS = ("improve_skill", "optimize_description", "create_skill", "skip")
+CUT_MARK = "characters not shown"  # the prompt's truncation mark; an answer's body must never contain it
+MESSAGE_CHARS = 800  # one conversation message in the prompt
+MESSAGES_SHOWN = 6  # the last non-system messages of a conversation
+FEEDBACK_CHARS = 1000  # one feedback text
+FULL_BODY_CHARS = 6000  # the body of a skill the batch refers to
+PREVIEW_CHARS = 600  # the body of a skill it does not
+
+ANSWER_SCHEMA: dict[str, Any] = {
+    "type": "object", "required": ["summary", "decisions"], "additionalProperties": False,
+    "properties": {
+        "summary": {"type": "string"},
+        "decisions": {"type": "array", "items": {
+            "type": "object", "required": ["skill", "action", "reason"], "additionalProperties": False,
+            "properties": {
+                "skill": {"type": "string"},
+                "action": {"enum": list(ACTIONS)},
+                "description": {"type": "string"},
+                "body": {"type": "string"},
+                "reason": {"type": "string"},
+            },
+        }},
+    },
+}
+_VALIDATOR = jsonschema.Draft202012Validator(ANSWER_SCHEMA)
+_PROPOSER = jsonschema.Draft202012Validator(dataclass_schema(ModelConfig))
+_NAME_RE = re.compile(ID_PATTERN[1:-1])  # fullmatch: "$" alone would let "x\n" through
+_THINK_RE = re.compile(r"<think>.*?</think>", re.S)
+_FENCE_RE = re.compile(r"^```(?:json|JSON)?[ \t]*\n(.*?)\n```[ \t]*$", re.S | re.M)
+
+EXAMPLE = {
+    "summary": "Sessions 1 and 3 ran the whole test suite and timed out; session 2 needed a release checklist.",
+    "decisions": [
+        {"skill": "run-tests", "action": "improve_skill",
+         "body": "# Run tests\n\nFirst run only the tests of what you changed: `pytest -x -q tests/test_x.py`.\n"
+                 "Run the whole suite last, once, with `pytest -q -n auto`.",
+         "reason": "two sessions timed out running every test after each edit"},
+        {"skill": "release", "action": "create_skill",
+         "description": "Cut a release: bump the version, update CHANGELOG.md, tag and push. Use when asked to "
+                        "release or tag a version.",
+         "body": "# Release\n\n1. Bump `version` in pyproject.toml.\n2. Add a CHANGELOG.md entry.\n"
+                 "3. `git tag vX.Y.Z && git push --tags`.",
+         "reason": "the user had to spell out the release steps in session 2"},
+        {"skill": "style", "action": "skip", "reason": "no session contradicts it"},
+    ],
+}
+
+SYSTEM = """\
+You maintain the skill pool of an AI agent. A skill is a SKILL.md file: a name, a one-line description that \
+tells the agent when to use it, and a markdown body with the guidance. You are shown a batch of the agent's \
+recent sessions that got a low score or feedback from its user, and the current pool. Decide which skills to \
+change so that future sessions go better. Look at the failures and at what still worked: keep what works.
+
+Actions, one decision per skill:
+- improve_skill: the skill's guidance is wrong, missing or unclear for what the sessions show. Give the FULL \
+new body (it replaces the old one): targeted edits that keep the sections, facts and commands that work and \
+change only what the evidence contradicts. A new description is optional.
+- optimize_description: the body is fine, but the agent uses the skill for the wrong tasks or misses it when \
+it applies. Give only the new description.
+- create_skill: the sessions show a recurring, reusable procedure that no skill covers and that does not \
+belong in an existing one. Give a new name, a description and a body.
+- skip: the evidence is weak, the failure is the agent's own (the skill was right and it was not followed) \
+or the environment's, or the pool already covers it.
+
+Rules:
+- When in doubt, skip. Never rewrite a skill from scratch or turn it into a different skill.
+- Write reusable guidance (commands, formats, checks, pitfalls), not a report on one session.
+- At most {max_edits} decisions that are not skip, and one decision per skill.
+- improve_skill and optimize_description name a skill of the pool; create_skill names a new one. A name \
+matches {pattern}: lowercase letters, digits, '-' and '_'; never a path.
+- A description is one line of at most {desc_chars} characters: what the skill does and when to use it.
+- A body is markdown without front matter, at most {max_bytes} bytes. A body shown with a "[... N {cut} ...]" \
+mark is incomplete: do not improve_skill that skill (optimize_description or skip it).
+
+Answer with ONE JSON object and nothing else, valid under this JSON schema:
+{schema}
+
+An example answer (its skills are made up; it shows the shape):
+{example}
+"""
+
+
+@dataclass
+class SkillClawConfig:
+    """SkillClaw's settings (see recipes/skillclaw/README.md)."""
+
+    batch_size: int = field(default=8, metadata={"minimum": 1,
+                                                 "description": "Eligible records per proposal."})
+    low_score: float = field(default=0.5, metadata={
+        "description": "A report score at or below this counts as negative feedback."})
+    max_skill_bytes: int = field(default=16384, metadata={
+        "minimum": 1, "maximum": MAX_BODY_BYTES,
+        "description": "Largest skill body (UTF-8 bytes) an answer may write."})
+    max_edits: int = field(default=4, metadata={"minimum": 1,
+                                                "description": "Most decisions other than skip per answer."})
+    proposer: dict[str, Any] | None = field(default=None, metadata={
+        "description": "A `model:` config for the proposer (engine worker|upstream|sglang and its keys); "
+                       "null: the scenario's own engine and release."})
+    max_tokens: int = field(default=1024, metadata={"minimum": 1, "description": "The proposer's answer budget."})
+    temperature: float = field(default=0.0, metadata={"minimum": 0, "maximum": 2,
+                                                      "description": "The proposer's sampling (0: greedy)."})
+
+
+class SkillClaw:
+    """Feedback on agent turns -> improve_skill / optimize_description / create_skill decisions on the pool."""
+
+    Config = SkillClawConfig
+    trains = True
+    kind = "harness"
+
+    def __init__(self, cfg: SkillClawConfig) -> None:
+        if cfg.proposer is not None:
+            err = jsonschema.exceptions.best_match(_PROPOSER.iter_errors(cfg.proposer))
+            if err is not None:
+                where = ".".join(["recipe.params.proposer", *(str(p) for p in err.absolute_path)])
+                raise RecipeError(f"{where}: {err.message}")
+        self.cfg = cfg
+
+    # ------------------------------------------------------------ batch
+
+    def sample(self, record: dict[str, Any], reports: list[dict[str, Any]]) -> Sample | None:
+        """A finished turn whose latest score is at most low_score, or that any report gave feedback on."""
+        messages = record.get("messages")
+        if (not isinstance(messages, list) or not messages or not isinstance(messages[-1], dict)
+                or messages[-1].get("role") != "assistant"):
+            return None
+        score, feedback = _latest_score(reports), _feedback(reports)
+        if not feedback and (score is None or score > self.cfg.low_score):
+            return None
+        prompt = [m for m in messages[:-1] if isinstance(m, dict) and m.get("role") not in ("system", "developer")]
+        group = hashlib.sha256(json.dumps(prompt, sort_keys=True, default=str).encode()).hexdigest()[:16]
+        used = [str(r["report_id"]) for r in reports if "report_id" in r
+                and (_number(r.get("score")) is not None or _feedback([r]))]
+        return Sample(receipt=str(record["id"]), prompt_ids=[], completion_ids=[], logprobs=[],
+                      reward=score if score is not None else 0.0, group=group, reports=used,
+                      context={"messages": messages, "feedback": feedback, "score": score})
+
+    def ready(self, samples: list[Sample]) -> bool:
+        return len(samples) >= self.cfg.batch_size
+
+    def candidate(self, samples: list[Sample], harness: Harness | None = None) -> HarnessJob:
+        if harness is None:
+            raise RecipeError("skillclaw evolves a harness: set harness.dir in the scenario")
+        batch = samples[: self.cfg.batch_size]
+        system = SYSTEM.format(max_edits=self.cfg.max_edits, pattern=ID_PATTERN, desc_chars=MAX_DESCRIPTION_CHARS,
+                               max_bytes=self.cfg.max_skill_bytes, cut=CUT_MARK,
+                               schema=json.dumps(ANSWER_SCHEMA), example=json.dumps(EXAMPLE, indent=1))
+        return HarnessJob(messages=[{"role": "system", "content": system},
+                                    {"role": "user", "content": self._evidence(batch, harness)}],
+                          samples=batch, max_tokens=self.cfg.max_tokens, temperature=self.cfg.temperature,
+                          proposer=dict(self.cfg.proposer) if self.cfg.proposer is not None else None)
+
+    def _evidence(self, batch: list[Sample], harness: Harness) -> str:
+        """The user message: the sessions (feedback, score, the conversation's end), then the pool by skill."""
+        skills = harness.of_kind("skill")
+        refs = [_referenced(s.context.get("messages") or [], [e.id for e in skills]) for s in batch]
+        parts = [f"# Sessions ({len(batch)})"]
+        for i, (s, names) in enumerate(zip(batch, refs, strict=True), 1):
+            parts.append(self._session(i, s, names))
+        parts.append(f"# Skill pool ({len(skills)} skill{'' if len(skills) == 1 else 's'})")
+        if not skills:
+            parts.append("(empty: only create_skill applies)")
+        for e in skills:
+            cited = [str(i) for i, names in enumerate(refs, 1) if e.id in names]
+            body = _clip(e.config["body"], FULL_BODY_CHARS if cited else PREVIEW_CHARS)
+            parts.append(f"## {e.id}\ndescription: {e.config['description']}\n"
+                         f"sessions referring to it: {', '.join(cited) or 'none'}\n<body>\n{body}\n</body>")
+        parts.append(f"Decide (at most {self.cfg.max_edits} edits) and answer with the JSON object.")
+        return "\n\n".join(parts)
+
+    def _session(self, i: int, s: Sample, names: list[str]) -> str:
+        score = s.context.get("score")
+        verdict = ("unscored" if score is None else
+                   f"{score:g} ({'negative' if score <= self.cfg.low_score else 'above low_score'})")
+        lines = [f"## Session {i}", f"score: {verdict}", f"skills referred to: {', '.join(names) or 'none'}"]
+        for fb in s.context.get("feedback") or []:
+            text = fb if isinstance(fb, str) else json.dumps(fb, ensure_ascii=False, sort_keys=True)
+            lines.append(f"feedback: {_clip(text, FEEDBACK_CHARS)}")
+        shown = [m for m in s.context.get("messages") or []
+                 if isinstance(m, dict) and m.get("role") not in ("system", "developer")]
+        lines.append(f"conversation (last {min(len(shown), MESSAGES_SHOWN)} of {len(shown)} messages):")
+        lines += [_message(m) for m in shown[-MESSAGES_SHOWN:]]
+        return "\n".join(lines)
+
+    # ------------------------------------------------------------ answer
+
+    def edit(self, answer: str, harness: Harness) -> list[dict[str, Any]]:
+        """The answer -> create/update mutations of skills ([] when every decision is skip or changes nothing).
+        A malformed or unsafe answer raises RecipeError with a one-line reason."""
+        data = _parse(answer)
+        err = jsonschema.exceptions.best_match(_VALIDATOR.iter_errors(data))
+        if err is not None:
+            raise RecipeError(_schema_message(err))
+        edits = [(i, d) for i, d in enumerate(data["decisions"]) if d["action"] != "skip"]
+        if len(edits) > self.cfg.max_edits:
+            raise RecipeError(f"the answer makes {len(edits)} edits; max_edits is {self.cfg.max_edits}")
+        seen: dict[str, int] = {}
+        mutations = []
+        for i, d in edits:
+            where = f"decisions[{i}]"
+            name = _check_name(d["skill"], where)
+            if name in seen:
+                raise RecipeError(f"{where}.skill: duplicate skill {name!r} (decisions[{seen[name]}] names it too; "
+                                  "one decision per skill)")
+            seen[name] = i
+            mutations.append(self._mutation(d, where, harness))
+        try:
+            proposed = harness.apply(mutations)
+        except HarnessError as exc:
+            raise RecipeError(f"the edits do not apply to the harness: {exc}") from None
+        out = []
+        for m in mutations:  # canonical configs (as the harness stores them); updates that change nothing drop out
+            key = ("skill", m["id"])
+            if m["op"] == "create" or proposed[key] != harness[key]:
+                out.append({**m, "config": dict(proposed[key].config)})
+        return out
+
+    def _mutation(self, d: dict[str, Any], where: str, harness: Harness) -> dict[str, Any]:
+        action, name = d["action"], d["skill"]
+        desc = _check_description(d["description"], where) if "description" in d else None
+        body = self._check_body(d["body"], where) if "body" in d else None
+        current = harness.get(("skill", name))
+        if action == "create_skill":
+            if current is not None:
+                raise RecipeError(f"{where}: create_skill {name!r}: the skill already exists (improve_skill it)")
+            if desc is None or body is None:
+                raise RecipeError(f"{where}: create_skill {name!r} needs a description and a body")
+            return {"op": "create", "id": name, "kind": "skill", "config": {"description": desc, "body": body}}
+        if current is None:
+            raise RecipeError(f"{where}: {action} {name!r}: no such skill in the pool (create_skill makes new ones)")
+        config = dict(current.config)
+        if action == "optimize_description":
+            if desc is None:
+                raise RecipeError(f"{where}: optimize_description {name!r} needs a description")
+            if body is not None:
+                raise RecipeError(f"{where}: optimize_description changes only the description; "
+                                  "drop 'body' or use improve_skill")
+            config["description"] = desc
+        else:
+            if body is None:
+                raise RecipeError(f"{where}: improve_skill {name!r} needs a body")
+            config["body"] = body
+            if desc is not None:
+                config["description"] = desc
+        return {"op": "update", "id": name, "kind": "skill", "config": config}
+
+    def _check_body(self, body: str, where: str) -> str:
+        if not body.strip():
+            raise RecipeError(f"{where}.body: empty body")
+        size = len(body.encode("utf-8"))
+        if size > self.cfg.max_skill_bytes:
+            raise RecipeError(f"{where}.body: {size} bytes, over max_skill_bytes {self.cfg.max_skill_bytes}")
+        if CUT_MARK in body:
+            raise RecipeError(f"{where}.body: holds the prompt's '{CUT_MARK}' mark (a truncated body copied back)")
+        if body.lstrip().startswith("---\n"):
+            raise RecipeError(f"{where}.body: starts with front matter; the body is markdown only")
+        return body
+
+
+# ---------------------------------------------------------------- helpers
+
+
+def _number(value: Any) -> float | None:
+    if isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(float(value)):
+        return float(value)
+    return None
+
+
+def _latest_score(reports: list[dict[str, Any]]) -> float | None:
+    """The latest report's score (the latest that has one), like reefd.recipes.scored_rollout."""
+    for r in reversed(reports):
+        score = _number(r.get("score"))
+        if score is not None:
+            return score
+    return None
+
+
+def _feedback(reports: list[dict[str, Any]]) -> list[str | dict[str, Any]]:
+    """Every report's feedback that says something: a non-empty text or a non-empty structured object."""
+    out: list[str | dict[str, Any]] = []
+    for r in reports:
+        fb = r.get("feedback")
+        if isinstance(fb, str) and fb.strip():
+            out.append(fb.strip())
+        elif isinstance(fb, dict) and fb:
+            out.append(fb)
+    return out
+
+
+def _text(content: Any) -> str:
+    """An OpenAI message's content as text (parts joined; non-text parts named)."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        return "\n".join(p.get("text", "") if isinstance(p, dict) and "text" in p
+                         else f"[{p.get('type', 'part') if isinstance(p, dict) else 'part'}]" for p in content)
+    return "" if content is None else str(content)
+
+
+def _message(m: dict[str, Any]) -> str:
+    text = _text(m.get("content"))
+    for call in m.get("tool_calls") or []:
+        fn = call.get("function") if isinstance(call, dict) else None
+        fn = fn if isinstance(fn, dict) else {}
+        text += f"\n-> tool call {fn.get('name', '?')}({_clip(str(fn.get('arguments', '')), 200)})"
+    return f"[{m.get('role', '?')}] {_clip(text.strip(), MESSAGE_CHARS)}"
+
+
+def _clip(text: str, limit: int) -> str:
+    """`text`, or its head and tail around a mark saying how much is cut."""
+    if len(text) <= limit:
+        return text
+    head, tail = limit * 2 // 3, limit // 3
+    return f"{text[:head]}\n[... {len(text) - head - tail} {CUT_MARK} ...]\n{text[len(text) - tail:]}"
+
+
+def _referenced(messages: list[Any], names: list[str]) -> list[str]:
+    """The pool's skills a conversation names outside its system prompt (where the harness lists them all)."""
+    said = "\n".join(_message(m) for m in messages if isinstance(m, dict) and m.get("role") not in ("system",
+                                                                                                  "developer"))
+    return [n for n in names if re.search(rf"(?<![A-Za-z0-9_-]){re.escape(n)}(?![A-Za-z0-9_-])", said)]
+
+
+def _parse(answer: str) -> Any:
+    """The answer's one JSON object: the whole answer, its one ```json fence, or the {...} inside prose."""
+    text = _THINK_RE.sub("", answer).strip()
+    fences = _FENCE_RE.findall(text)
+    candidates = [text, *(fences if len(fences) == 1 else [])]
+    start, end = text.find("{"), text.rfind("}")
+    reason = "it holds no {...} object"
+    if 0 <= start < end:
+        candidates.append(text[start: end + 1])
+    for c in candidates:
+        try:
+            value = json.loads(c)
+        except json.JSONDecodeError as exc:
+            if 0 <= start < end:  # the last candidate's error (the {...}) is the one to report
+                reason = f"{exc.msg} at line {exc.lineno} column {exc.colno}"
+            continue
+        if not isinstance(value, dict):
+            raise RecipeError(f"the answer is JSON but not an object (a {type(value).__name__})")
+        return value
+    raise RecipeError(f"the answer is not JSON: {reason}")
+
+
+def _schema_message(err: jsonschema.exceptions.ValidationError) -> str:
+    where = "answer" + "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in err.absolute_path)
+    if err.validator == "enum" and list(err.absolute_path)[-1:] == ["action"]:
+        return f"{where}: unknown action {err.instance!r} (expected {', '.join(ACTIONS)})"
+    message = " ".join(err.message.split())
+    return f"{where}: {message if len(message) <= 300 else message[:297] + '...'}"
+
+
+def _check_name(name: str, where: str) -> str:
+    if "/" in name or "\\" in name or ".." in name or name.startswith("~"):
+        raise RecipeError(f"{where}.skill: {name!r} is a path, not a skill name (it would escape skills/)")
+    if not _NAME_RE.fullmatch(name):
+        raise RecipeError(f"{where}.skill: invalid skill name {name!r} (must match {ID_PATTERN})")
+    return name
+
+
+def _check_description(desc: str, where: str) -> str:
+    text = desc.strip()
+    if not text:
+        raise RecipeError(f"{where}.description: empty description")
+    if len(text.splitlines()) != 1:
+        raise RecipeError(f"{where}.description: multi-line description (it must be one line)")
+    if len(text) > MAX_DESCRIPTION_CHARS:
+        raise RecipeError(f"{where}.description: {len(text)} characters, over {MAX_DESCRIPTION_CHARS}")
+    return text

@@ -1,0 +1,114 @@
+"""The harness over HTTP: its files for a release, its releases, and installers for coding agents.
+
+`curl -fsS -H "Authorization: Bearer $REEF_TOKEN" 'http://HOST:8900/reef/harness/install?adapter=claude' | sh`
+Knows the wire shapes; the chain stores harness trees, reefd/harness.py parses them, reefd/installer.py writes
+the scripts.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from aiohttp import web
+
+from reefd.api.errors import ApiError, json_response
+from reefd.api.keys import CHAIN, REGISTRY
+from reefd.api.turns import RELEASE_HEADER
+from reefd.harness import Harness
+from reefd.releases import Release, ReleaseChain, UnknownRelease, WrongScenario
+from reefd.scenarios import SCENARIO_HEADER, Scenario
+
+
+def _scenario(request: web.Request) -> Scenario:
+    """By header, by ?scenario=, or the only scenario that has a harness."""
+    registry = request.app[REGISTRY]
+    name = request.headers.get(SCENARIO_HEADER) or request.query.get("scenario")
+    if name:
+        return registry.get(name.strip())
+    with_harness = sorted(n for n, s in registry.scenarios.items() if s.cfg.harness.dir
+                          or (s.binding is not None and s.binding.harness is not None))
+    if len(with_harness) == 1:
+        return registry.scenarios[with_harness[0]]
+    raise ApiError(400, f"name the scenario with ?scenario=NAME or the {SCENARIO_HEADER} header "
+                   f"(scenarios with a harness: {', '.join(with_harness) or 'none'})",
+                   param="scenario", code="scenario_missing")
+
+
+def _files(harness: Harness) -> list[dict[str, Any]]:
+    out = []
+    for path, data in sorted(harness.files().items()):
+        out.append({"path": path, "sha256": hashlib.sha256(data).hexdigest(), "size": len(data),
+                    "content": data.decode("utf-8")})
+    return out
+
+
+def _load(chain: ReleaseChain, rel: Release) -> Harness | None:
+    if "harness" not in chain.artifacts(rel.id):
+        return None
+    with tempfile.TemporaryDirectory(dir=chain.path / "lfs" / "tmp") as tmp:
+        return Harness.from_dir(chain.materialize(rel.id, Path(tmp) / "h", "harness"))
+
+
+async def _harness_of(request: web.Request, scenario: Scenario) -> tuple[Release, Harness]:
+    chain = request.app[CHAIN]
+    wanted = request.query.get("release") or scenario.release
+    if wanted is None:
+        raise ApiError(503, f"scenario {scenario.name!r} is not serving yet; retry shortly",
+                       code="engine_unavailable", headers={"Retry-After": "2"})
+    try:
+        rel = await asyncio.to_thread(chain.target, scenario.name, wanted.removeprefix("release/"))
+    except (UnknownRelease, WrongScenario) as exc:
+        raise ApiError(404, f"no release {wanted!r} of scenario {scenario.name!r} ({exc})",
+                       code="release_not_found") from None
+    binding = scenario.binding
+    harness = binding.harness if binding is not None and binding.release == rel.id else None
+    if harness is None:
+        harness = await asyncio.to_thread(_load, chain, rel)
+    if harness is None:
+        raise ApiError(404, f"release {rel.id} of scenario {scenario.name!r} has no harness "
+                       "(set harness.dir in the scenario file)", code="harness_not_found")
+    return rel, harness
+
+
+def harness_json(scenario: str, rel: Release, harness: Harness) -> dict[str, Any]:
+    return {"scenario": scenario, "release": rel.id, "parent": rel.parent, "kind": rel.kind,
+            "summary": str(rel.meta.get("summary") or ""), "created_at": rel.created_at, "files": _files(harness)}
+
+
+async def get_harness(request: web.Request) -> web.Response:
+    scenario = _scenario(request)
+    rel, harness = await _harness_of(request, scenario)
+    return json_response(harness_json(scenario.name, rel, harness), headers={RELEASE_HEADER: rel.id})
+
+
+async def releases(request: web.Request) -> web.Response:
+    """The releases that carry a harness, newest first, and which one serves."""
+    scenario = _scenario(request)
+    chain = request.app[CHAIN]
+
+    def listing() -> list[dict[str, Any]]:
+        return [{"id": r.id, "parent": r.parent, "kind": r.kind, "created_at": r.created_at,
+                 "summary": str(r.meta.get("summary") or "")}
+                for r in chain.history(scenario.name) if "harness" in chain.artifacts(r.id)]
+
+    data = await asyncio.to_thread(listing)
+    return json_response({"object": "list", "scenario": scenario.name, "current": scenario.release, "data": data})
+
+
+async def install(request: web.Request) -> web.Response:
+    """A POSIX sh installer for one agent (`?adapter=`), with the current harness inline."""
+    from reefd.installer import ADAPTERS, installer
+
+    adapter = request.query.get("adapter", "")
+    if adapter not in ADAPTERS:
+        raise ApiError(400, f"unknown adapter {adapter!r}; known adapters: {', '.join(ADAPTERS)}",
+                       param="adapter", code="unknown_adapter")
+    scenario = _scenario(request)
+    rel, harness = await _harness_of(request, scenario)
+    base_url = f"{request.scheme}://{request.host}"
+    script = installer(adapter, scenario.name, base_url, harness_json(scenario.name, rel, harness))
+    return web.Response(text=script, content_type="text/x-shellscript", headers={RELEASE_HEADER: rel.id})

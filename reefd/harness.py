@@ -1,0 +1,532 @@
+"""The harness tree model: a scenario's rules, skills, prompts and config, as validated entries and as files.
+
+Owns the file layout, the limits, parsing, byte-exact rendering, atomic mutations and the system-prompt block;
+knows nothing about git, releases, HTTP or how agents install the files.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import MappingProxyType
+from typing import Any
+
+import yaml
+
+KINDS = ("rules", "skill", "prompt", "config")
+OPS = ("create", "update", "remove")
+ID_PATTERN = r"^[a-z0-9][a-z0-9_-]{0,63}$"
+CONFIG_ID = "config"
+MAX_BODY_BYTES = 64 * 1024  # one body, UTF-8
+MAX_DESCRIPTION_CHARS = 1024  # one skill description, one line
+MAX_TOTAL_BYTES = 1024 * 1024  # all rendered files together
+MAX_ENTRIES = 200
+README = "README.md"  # allowed at the top of a harness folder, ignored
+
+_ID_RE = re.compile(ID_PATTERN[1:-1])  # used with fullmatch: "$" alone would let "x\n" through
+_WORD_RE = re.compile(r"[A-Za-z0-9_-]{1,64}")
+_MD_FOLDERS = {"rules": "rules", "prompts": "prompt"}  # folder of <id>.md files -> kind
+_SKILL_FILE = "SKILL.md"
+_FRONT_KEYS = ("name", "description")
+_MAX_DEPTH = 32  # nesting of config values
+_MAX_VALUES = 100_000  # values in one config (YAML aliases can multiply them)
+_WIDTH = 1 << 20  # front matter lines never wrap
+
+
+class HarnessError(ValueError):
+    """Invalid harness data. `where` names the entry, mutation or file; `reason` says what is wrong; one line."""
+
+    def __init__(self, where: str, reason: str) -> None:
+        super().__init__(f"{where}: {reason}")
+        self.where, self.reason = where, reason
+
+    def __reduce__(self) -> tuple[type[HarnessError], tuple[str, str]]:
+        return type(self), (self.where, self.reason)
+
+
+class _Bad(Exception):
+    """A reason, raised before the caller knows which entry, mutation or file to name."""
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One entry; `config` is checked, made canonical and frozen (read-only mappings, tuples for lists) here.
+
+    rules, prompt: {"body"}; skill: {"description", "body"}; config: any JSON-like mapping, id "config".
+    Bodies get LF line endings and lose leading and trailing blank lines; descriptions are stripped.
+    Raises HarnessError naming "<kind> <id>".
+    """
+
+    id: str
+    kind: str
+    config: Mapping[str, Any] = field(hash=False)
+    _file: bytes = field(init=False, repr=False, compare=False, hash=False)
+
+    def __post_init__(self) -> None:
+        try:
+            config = _check_entry(self.kind, self.id, self.config)
+            rendered = _render(self.kind, self.id, config)
+        except _Bad as e:
+            raise HarnessError(f"{_word(self.kind)} {_word(self.id)}", str(e)) from None
+        object.__setattr__(self, "config", config)
+        object.__setattr__(self, "_file", rendered)
+
+    @property
+    def path(self) -> str:
+        """The rendered file, relative to the harness folder."""
+        if self.kind == "config":
+            return "config.yaml"
+        if self.kind == "skill":
+            return f"skills/{self.id}/{_SKILL_FILE}"
+        return f"{'rules' if self.kind == 'rules' else 'prompts'}/{self.id}.md"
+
+    @property
+    def file(self) -> bytes:
+        """The rendered file's bytes."""
+        return self._file
+
+    def to_json(self) -> dict[str, Any]:
+        """{"id", "kind", "config"} with plain dicts and lists."""
+        return {"id": self.id, "kind": self.kind, "config": _thaw(self.config)}
+
+
+class Harness(Mapping[tuple[str, str], Entry]):
+    """An immutable, validated set of entries keyed by (kind, id), iterated in KINDS order, then by id.
+
+    Construction checks the harness limits (MAX_ENTRIES, MAX_TOTAL_BYTES) and raises HarnessError("harness", ...).
+    """
+
+    def __init__(self, entries: Iterable[Entry] = ()) -> None:
+        try:
+            self._entries = _collect(entries)
+        except _Bad as e:
+            raise HarnessError("harness", str(e)) from None
+
+    def __getitem__(self, key: tuple[str, str]) -> Entry:
+        return self._entries[key]
+
+    def __iter__(self) -> Iterator[tuple[str, str]]:
+        return iter(self._entries)
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def __repr__(self) -> str:
+        return f"Harness([{', '.join(f'{kind} {ident}' for kind, ident in self._entries)}])"
+
+    def of_kind(self, kind: str) -> tuple[Entry, ...]:
+        """The entries of one kind, by id."""
+        return tuple(e for (k, _), e in self._entries.items() if k == kind)
+
+    # -- files
+
+    def files(self) -> dict[str, bytes]:
+        """The rendered files, paths relative to the harness folder, sorted by path; byte-for-byte deterministic."""
+        return {e.path: e.file for e in sorted(self._entries.values(), key=lambda e: e.path)}
+
+    def render(self, path: str | os.PathLike[str]) -> Path:
+        """Write files() into `path`, which must be missing or an empty folder; returns it as a Path."""
+        root = Path(path)
+        if root.exists() and (not root.is_dir() or any(root.iterdir())):
+            raise HarnessError(str(root), "render needs a missing or empty folder")
+        root.mkdir(parents=True, exist_ok=True)
+        for rel, data in self.files().items():
+            target = root / rel
+            target.parent.mkdir(parents=True, exist_ok=True)
+            with open(target, "xb") as f:
+                f.write(data)
+        return root
+
+    @classmethod
+    def from_dir(cls, path: str | os.PathLike[str]) -> Harness:
+        """Parse a harness folder: rules/<id>.md, skills/<id>/SKILL.md, prompts/<id>.md, config.yaml and an
+        ignored top-level README.md. Anything else (other files, folders, symlinks) raises HarnessError naming it."""
+        root = Path(path)
+        if not root.is_dir():
+            raise HarnessError(str(root), "not a folder")
+        entries = _read_tree(root)
+        try:
+            return cls(entries)
+        except HarnessError as e:
+            raise HarnessError(str(root), e.reason) from None
+
+    # -- JSON
+
+    def to_json(self) -> list[dict[str, Any]]:
+        """The entries as [{"id", "kind", "config"}], in iteration order."""
+        return [e.to_json() for e in self._entries.values()]
+
+    @classmethod
+    def from_json(cls, data: object) -> Harness:
+        """The inverse of to_json; raises HarnessError naming "entry <index>"."""
+        if not isinstance(data, list):
+            raise HarnessError("entries", f"expected a list, got {type(data).__name__}")
+        entries = []
+        for i, item in enumerate(data):
+            where = f"entry {i}"
+            if not isinstance(item, Mapping) or set(item) != {"id", "kind", "config"}:
+                raise HarnessError(where, 'expected an object with exactly "id", "kind" and "config"')
+            try:
+                entries.append(Entry(item["id"], item["kind"], item["config"]))
+            except HarnessError as e:
+                raise HarnessError(f"{where} ({e.where})", e.reason) from None
+        return cls(entries)
+
+    # -- mutations
+
+    def apply(self, mutations: Sequence[Mapping[str, Any]]) -> Harness:
+        """A new harness with `mutations` applied in order, all or none.
+
+        Each is {"op": create|update|remove, "kind", "id", "config"} ("config" is ignored for remove). create fails
+        if the entry exists, update and remove if it does not (an earlier mutation of the batch counts); update
+        replaces the entry's whole config, it does not merge. The first bad mutation raises HarnessError naming
+        "mutation <index, from 0> (<op> <kind> <id>)"; the result must satisfy every limit.
+        """
+        if isinstance(mutations, str | bytes) or not isinstance(mutations, Sequence):
+            raise HarnessError("mutations", f"expected a list, got {type(mutations).__name__}")
+        work = dict(self._entries)
+        for i, mutation in enumerate(mutations):
+            key, entry = _mutation(i, mutation, work)
+            if entry is None:
+                del work[key]
+            else:
+                work[key] = entry
+        try:
+            return Harness(work.values())
+        except HarnessError as e:
+            raise HarnessError("mutations (result)", e.reason) from None
+
+    def summary(self, other: Harness) -> str:
+        """What changed from `other` to this harness, e.g. "create skill a, b; update rules style; remove config",
+        grouped by op (create, update, remove) then kind; "no changes" when equal."""
+        groups: dict[tuple[str, str], list[str]] = {}
+        for key in sorted(set(self) | set(other), key=_order):
+            if key not in other:
+                op = "create"
+            elif key not in self:
+                op = "remove"
+            elif self[key] != other[key]:
+                op = "update"
+            else:
+                continue
+            groups.setdefault((op, key[0]), []).append(key[1])
+        parts = []
+        for (op, kind), ids in sorted(groups.items(), key=lambda g: (OPS.index(g[0][0]), KINDS.index(g[0][1]))):
+            if kind == "config":
+                parts.append(f"{op} config")
+                continue
+            more = f" (+{len(ids) - 5} more)" if len(ids) > 5 else ""
+            parts.append(f"{op} {kind} {', '.join(ids[:5])}{more}")
+        return "; ".join(parts) or "no changes"
+
+    # -- prompt
+
+    def prompt_block(self, inline_skills: bool = False) -> str:
+        """The text reefd adds to an agent's system prompt: a heading, the rules' bodies, then the skill catalog
+        ("- <id>: <description>"; with inline_skills, each skill's description and body under its own heading).
+        Prompts and config are not part of it. "" when there are no rules and no skills."""
+        rules, skills = self.of_kind("rules"), self.of_kind("skill")
+        if not rules and not skills:
+            return ""
+        parts = ["# Harness"]
+        if rules:
+            parts += ["## Rules", *(e.config["body"] for e in rules)]
+        if skills and inline_skills:
+            parts.append("## Skills")
+            for e in skills:
+                parts += [f"### {e.id}", e.config["description"], e.config["body"]]
+        elif skills:
+            parts += ["## Skills", "\n".join(f"- {e.id}: {e.config['description']}" for e in skills)]
+        return "\n\n".join(parts) + "\n"
+
+
+# -- entries
+
+
+def _word(value: object) -> str:
+    """`value` for a one-line message: bare when it is a plain token, else a short repr."""
+    if isinstance(value, str) and _WORD_RE.fullmatch(value):
+        return value
+    text = repr(value)
+    return text if len(text) <= 70 else text[:67] + "..."
+
+
+def _text(value: object, what: str) -> str:
+    if not isinstance(value, str):
+        raise _Bad(f"{what} must be a string, got {type(value).__name__}")
+    if "\x00" in value:
+        raise _Bad(f"{what} contains a NUL character")
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        raise _Bad(f"{what} is not valid UTF-8") from None
+    return value
+
+
+def _check_id(value: object) -> str:
+    ident = _text(value, "id")
+    if not _ID_RE.fullmatch(ident):
+        raise _Bad(f"invalid id {_word(ident)} (must match {ID_PATTERN})")
+    return ident
+
+
+def _check_entry(kind: object, ident: object, config: object) -> Mapping[str, Any]:
+    if kind not in KINDS:
+        raise _Bad(f"unknown kind {_word(kind)} (expected {'|'.join(KINDS)})")
+    _check_id(ident)
+    if kind == "config" and ident != CONFIG_ID:
+        raise _Bad(f"the config entry's id must be {CONFIG_ID!r}")
+    if not isinstance(config, Mapping):
+        raise _Bad(f"config must be a mapping, got {type(config).__name__}")
+    if kind == "config":
+        frozen: Mapping[str, Any] = _freeze(config, "config", [_MAX_VALUES], 0)
+        return frozen
+    keys = ("description", "body") if kind == "skill" else ("body",)
+    for key in config:
+        if key not in keys:
+            raise _Bad(f"unknown config key {_word(key)} (expected {', '.join(keys)})")
+    for key in keys:
+        if key not in config:
+            raise _Bad(f"config needs {key!r}")
+    out = {"body": _body(config["body"])}
+    if kind == "skill":
+        out = {"description": _description(config["description"]), **out}
+    return MappingProxyType(out)
+
+
+def _body(value: object) -> str:
+    body = _text(value, "body").replace("\r\n", "\n").replace("\r", "\n").strip("\n")
+    if not body.strip():
+        raise _Bad("body is empty")
+    size = len(body.encode("utf-8"))
+    if size > MAX_BODY_BYTES:
+        raise _Bad(f"body is {size} bytes (limit {MAX_BODY_BYTES})")
+    return body
+
+
+def _description(value: object) -> str:
+    text = _text(value, "description").strip()
+    if not text:
+        raise _Bad("description is empty")
+    if len(text.splitlines()) != 1:
+        raise _Bad("description must be one line")
+    if len(text) > MAX_DESCRIPTION_CHARS:
+        raise _Bad(f"description is {len(text)} characters (limit {MAX_DESCRIPTION_CHARS})")
+    return text
+
+
+def _freeze(value: object, at: str, budget: list[int], depth: int) -> Any:
+    """Check a JSON-like config value (str keys, finite numbers, no NUL) and freeze it."""
+    budget[0] -= 1
+    if budget[0] < 0:
+        raise _Bad(f"config has more than {_MAX_VALUES} values")
+    if depth > _MAX_DEPTH:
+        raise _Bad(f"{at}: nested deeper than {_MAX_DEPTH} levels")
+    if value is None or type(value) in (bool, int):
+        return value
+    if type(value) is float:
+        if not math.isfinite(value):
+            raise _Bad(f"{at}: {value} is not a finite number")
+        return value
+    if type(value) is str:
+        return _text(value, at)
+    if isinstance(value, Mapping):
+        out = {}
+        for key, item in value.items():
+            if type(key) is not str:
+                raise _Bad(f"{at}: key {_word(key)} is not a string")
+            out[_text(key, f"{at}: key")] = _freeze(item, f"{at}.{_word(key)}", budget, depth + 1)
+        return MappingProxyType(out)
+    if isinstance(value, list | tuple):
+        return tuple(_freeze(item, f"{at}[{i}]", budget, depth + 1) for i, item in enumerate(value))
+    raise _Bad(f"{at}: unsupported value of type {type(value).__name__}")
+
+
+def _thaw(value: Any) -> Any:
+    if isinstance(value, Mapping):
+        return {k: _thaw(v) for k, v in value.items()}
+    if isinstance(value, tuple):
+        return [_thaw(v) for v in value]
+    return value
+
+
+def _render(kind: str, ident: str, config: Mapping[str, Any]) -> bytes:
+    if kind == "config":
+        return yaml.safe_dump(_thaw(config), sort_keys=True, allow_unicode=True).encode("utf-8")
+    body = config["body"] + "\n"
+    if kind != "skill":
+        return body.encode("utf-8")
+    meta = {"name": ident, "description": config["description"]}
+    front = yaml.safe_dump(meta, sort_keys=False, allow_unicode=True, width=_WIDTH)
+    return f"---\n{front}---\n\n{body}".encode()
+
+
+def _order(key: tuple[str, str]) -> tuple[int, str]:
+    return KINDS.index(key[0]), key[1]
+
+
+def _collect(entries: Iterable[Entry]) -> dict[tuple[str, str], Entry]:
+    found: dict[tuple[str, str], Entry] = {}
+    for entry in entries:
+        if not isinstance(entry, Entry):
+            raise _Bad(f"expected an Entry, got {type(entry).__name__}")
+        key = (entry.kind, entry.id)
+        if key in found:
+            raise _Bad(f"duplicate {entry.kind} {entry.id}")
+        found[key] = entry
+    if len(found) > MAX_ENTRIES:
+        raise _Bad(f"{len(found)} entries (limit {MAX_ENTRIES})")
+    total = sum(len(e.file) for e in found.values())
+    if total > MAX_TOTAL_BYTES:
+        raise _Bad(f"rendered files total {total} bytes (limit {MAX_TOTAL_BYTES})")
+    return {key: found[key] for key in sorted(found, key=_order)}
+
+
+def _mutation(i: int, mutation: object, work: Mapping[tuple[str, str], Entry]) -> tuple[tuple[str, str], Entry | None]:
+    """Check mutation `i` against the running result `work`: the key it touches and its new entry (None: remove)."""
+    if not isinstance(mutation, Mapping):
+        raise HarnessError(f"mutation {i}", f"expected an object, got {type(mutation).__name__}")
+    where = f"mutation {i} ({' '.join(_word(mutation[f]) for f in ('op', 'kind', 'id') if f in mutation)})"
+    op, kind, ident = mutation.get("op"), mutation.get("kind"), mutation.get("id")
+    try:
+        for name in mutation:
+            if name not in ("op", "kind", "id", "config"):
+                raise _Bad(f"unknown field {_word(name)}")
+        for name in ("op", "kind", "id"):
+            if name not in mutation:
+                raise _Bad(f"missing {name}")
+        if op not in OPS:
+            raise _Bad(f"unknown op {_word(op)} (expected {'|'.join(OPS)})")
+        if kind not in KINDS:
+            raise _Bad(f"unknown kind {_word(kind)} (expected {'|'.join(KINDS)})")
+        key = (str(kind), _check_id(ident))
+        if op == "create" and key in work:
+            raise _Bad(f"{kind} {ident} already exists")
+        if op != "create" and key not in work:
+            raise _Bad(f"{kind} {ident} does not exist")
+        if op == "remove":
+            return key, None
+        if "config" not in mutation:
+            raise _Bad(f"{op} needs a config")
+    except _Bad as e:
+        raise HarnessError(where, str(e)) from None
+    try:
+        return key, Entry(key[1], key[0], mutation["config"])
+    except HarnessError as e:
+        raise HarnessError(where, e.reason) from None
+
+
+# -- reading a folder
+
+
+def _read_tree(root: Path) -> list[Entry]:
+    entries = []
+    for item in _list(root, root):
+        rel = item.name
+        if rel == README and item.is_file(follow_symlinks=False):
+            continue
+        if rel == "config.yaml" and item.is_file(follow_symlinks=False):
+            entries.append(_parse(root, rel, "config", CONFIG_ID))
+        elif rel in _MD_FOLDERS and item.is_dir(follow_symlinks=False):
+            for child in _list(root, root / rel):
+                name = f"{rel}/{child.name}"
+                ident = child.name.removesuffix(".md")
+                if not child.is_file(follow_symlinks=False) or ident == child.name or not _ID_RE.fullmatch(ident):
+                    raise HarnessError(_where(root, name), f"unexpected; {rel}/ holds <id>.md files, id {ID_PATTERN}")
+                entries.append(_parse(root, name, _MD_FOLDERS[rel], ident))
+        elif rel == "skills" and item.is_dir(follow_symlinks=False):
+            for child in _list(root, root / rel):
+                name = f"{rel}/{child.name}"
+                if not child.is_dir(follow_symlinks=False) or not _ID_RE.fullmatch(child.name):
+                    raise HarnessError(_where(root, name), f"unexpected; skills/ holds <id>/ folders, id {ID_PATTERN}")
+                inside = _list(root, root / name)
+                for extra in inside:
+                    if extra.name != _SKILL_FILE or not extra.is_file(follow_symlinks=False):
+                        raise HarnessError(_where(root, f"{name}/{extra.name}"), f"unexpected; only {_SKILL_FILE}")
+                if not inside:
+                    raise HarnessError(_where(root, name), f"missing {_SKILL_FILE}")
+                entries.append(_parse(root, f"{name}/{_SKILL_FILE}", "skill", child.name))
+        else:
+            raise HarnessError(_where(root, rel), "unexpected; a harness holds rules/, skills/, prompts/, config.yaml")
+    return entries
+
+
+def _list(root: Path, folder: Path) -> list[os.DirEntry[str]]:
+    """The folder's items by name; symlinks raise."""
+    with os.scandir(folder) as it:
+        items = sorted(it, key=lambda d: d.name)
+    for item in items:
+        if item.is_symlink():
+            raise HarnessError(_where(root, os.path.relpath(item.path, root)), "symlinks are not allowed")
+    return items
+
+
+def _where(root: Path, rel: str) -> str:
+    text = str(root / rel)
+    return text if text.isprintable() else repr(text)
+
+
+def _parse(root: Path, rel: str, kind: str, ident: str) -> Entry:
+    try:
+        text = _read(root / rel)
+        if kind == "config":
+            config = _yaml(text)
+            if not isinstance(config, dict):
+                raise _Bad(f"must be a YAML mapping, got {type(config).__name__}")
+        elif kind == "skill":
+            config = _skill(text, ident)
+        else:
+            config = {"body": text}
+        return Entry(ident, kind, config)
+    except _Bad as e:
+        raise HarnessError(_where(root, rel), str(e)) from None
+    except HarnessError as e:
+        raise HarnessError(_where(root, rel), e.reason) from None
+
+
+def _read(path: Path) -> str:
+    size = path.lstat().st_size
+    if size > MAX_TOTAL_BYTES:
+        raise _Bad(f"file is {size} bytes (limit {MAX_TOTAL_BYTES})")
+    try:
+        text = path.read_bytes().decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise _Bad(f"not valid UTF-8 at byte {e.start}") from None
+    if "\x00" in text:
+        raise _Bad("contains a NUL character")
+    return text.replace("\r\n", "\n").replace("\r", "\n")
+
+
+def _yaml(text: str) -> Any:
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        raise _Bad(f"invalid YAML: {' '.join(str(e).split())}") from None
+    except RecursionError:
+        raise _Bad("invalid YAML: nested too deep") from None
+
+
+def _skill(text: str, folder: str) -> dict[str, Any]:
+    """{"description", "body"} of a SKILL.md: "---" line, YAML front matter {name, description}, "---" line, body."""
+    lines = text.split("\n")
+    if lines[0] != "---":
+        raise _Bad("must start with a '---' line (YAML front matter)")
+    if "---" not in lines[1:]:
+        raise _Bad("front matter has no closing '---' line")
+    end = lines.index("---", 1)
+    meta = _yaml("\n".join(lines[1:end]))
+    if not isinstance(meta, dict):
+        raise _Bad("front matter must be a YAML mapping")
+    for key in meta:
+        if key not in _FRONT_KEYS:
+            raise _Bad(f"unknown front matter key {_word(key)} (expected name, description)")
+    for key in _FRONT_KEYS:
+        if key not in meta:
+            raise _Bad(f"front matter needs {key!r}")
+    if meta["name"] != folder:
+        raise _Bad(f"name {_word(meta['name'])} does not match its folder {folder}")
+    return {"description": meta["description"], "body": "\n".join(lines[end + 1 :])}
