@@ -46,6 +46,26 @@ def _files(harness: Harness) -> list[dict[str, Any]]:
     return out
 
 
+def harness_versions(chain: ReleaseChain, scenario: str) -> list[Release]:
+    """The releases that changed the harness (its first one included), newest first: a release whose harness
+    tree is its parent's (an adapter release, say) is not a new harness version."""
+    history = chain.history(scenario)
+    trees = [chain.artifacts(r.id).get("harness") for r in history]
+    return [r for i, r in enumerate(history) if trees[i] is not None and (i + 1 == len(history) or trees[i + 1]
+                                                                             != trees[i])]
+
+
+def _version(chain: ReleaseChain, rel: Release) -> Release:
+    """The release that introduced `rel`'s harness (itself, or an ancestor with the same harness tree)."""
+    tree = chain.artifacts(rel.id).get("harness")
+    while rel.parent is not None:
+        parent = chain.get(rel.parent)
+        if chain.artifacts(parent.id).get("harness") != tree:
+            break
+        rel = parent
+    return rel
+
+
 def _load(chain: ReleaseChain, rel: Release) -> Harness | None:
     if "harness" not in chain.artifacts(rel.id):
         return None
@@ -71,7 +91,7 @@ async def _harness_of(request: web.Request, scenario: Scenario) -> tuple[Release
     if harness is None:
         raise ApiError(404, f"release {rel.id} of scenario {scenario.name!r} has no harness "
                        "(set harness.dir in the scenario file)", code="harness_not_found")
-    return rel, harness
+    return await asyncio.to_thread(_version, chain, rel), harness
 
 
 def harness_json(scenario: str, rel: Release, harness: Harness) -> dict[str, Any]:
@@ -86,17 +106,19 @@ async def get_harness(request: web.Request) -> web.Response:
 
 
 async def releases(request: web.Request) -> web.Response:
-    """The releases that carry a harness, newest first, and which one serves."""
+    """The harness versions (releases that changed it), newest first, and the one serving now."""
     scenario = _scenario(request)
     chain = request.app[CHAIN]
 
-    def listing() -> list[dict[str, Any]]:
+    def listing() -> tuple[list[dict[str, Any]], str | None]:
+        versions = harness_versions(chain, scenario.name)
+        serving = chain.get(scenario.release) if scenario.release else None
+        current = _version(chain, serving).id if serving and "harness" in chain.artifacts(serving.id) else None
         return [{"id": r.id, "parent": r.parent, "kind": r.kind, "created_at": r.created_at,
-                 "summary": str(r.meta.get("summary") or "")}
-                for r in chain.history(scenario.name) if "harness" in chain.artifacts(r.id)]
+                 "summary": str(r.meta.get("summary") or "")} for r in versions], current
 
-    data = await asyncio.to_thread(listing)
-    return json_response({"object": "list", "scenario": scenario.name, "current": scenario.release, "data": data})
+    data, current = await asyncio.to_thread(listing)
+    return json_response({"object": "list", "scenario": scenario.name, "current": current, "data": data})
 
 
 async def install(request: web.Request) -> web.Response:

@@ -15,6 +15,7 @@ from typing import Any
 
 import anthropic
 import openai
+import pexpect
 import pytest
 
 from tests.conftest import Daemon, make_scenarios, sdk
@@ -176,6 +177,16 @@ def test_skillclaw_publishes_a_harness_release_that_serves_next(tmp_path: Path, 
     d = start(tmp_path, proposer[0])
     try:
         base = get(d, "/reef/harness")[1]["release"]
+        home = tmp_path / "home"
+        home.mkdir()
+        stubs = tmp_path / "stubs"
+        stubs.mkdir()
+        (stubs / "claude").write_text("#!/bin/sh\necho STUB STARTED\n")
+        (stubs / "claude").chmod(0o755)
+        env = {"HOME": str(home), "PATH": f"{stubs}:{os.environ['PATH']}", "REEF_TOKEN": d.token}
+        installed = subprocess.run(["sh"], input=get(d, "/reef/harness/install?adapter=claude")[1], env=env,
+                                   capture_output=True, timeout=60)
+        assert installed.returncode == 0, installed.stderr.decode()
         receipts = scored_turns(d, 2)
         out = reefctl(d, "train", "coder", "--follow")
         assert out.returncode == 0, out.stdout + out.stderr
@@ -197,6 +208,18 @@ def test_skillclaw_publishes_a_harness_release_that_serves_next(tmp_path: Path, 
         assert raw.headers["x-reef-release-id"] == job["release"]
         record = json.loads(d.get(f"/reef/records/{raw.headers['x-reef-agent-record-id']}")[1])
         assert "commit-messages" in record["messages"][0]["content"]
+        # the installed agent's next session offers the new harness (a real terminal, through pexpect)
+        child = pexpect.spawn(str(home / ".local" / "bin" / "reef-coder"), env=env, encoding="utf-8", timeout=30)
+        child.expect_exact(f"A newer harness is available: {job['release']} (create skill commit-messages)")
+        child.expect_exact("1) Update with reef-coder update")
+        child.sendline("1")
+        child.expect_exact("STUB STARTED")
+        child.expect(pexpect.EOF)
+        child.close()
+        assert child.exitstatus == 0
+        skill = home / ".claude" / "skills" / "commit-messages" / "SKILL.md"
+        assert "Start with a verb; say why the change is needed." in skill.read_text()
+        assert f"release={job['release']}" in (home / ".claude" / "CLAUDE.md").read_text()
         rolled = reefctl(d, "rollback", "coder")  # harness releases roll back like any other
         assert rolled.returncode == 0 and "skills/commit-messages/SKILL.md" not in {
             f["path"] for f in get(d, "/reef/harness")[1]["files"]}
