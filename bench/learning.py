@@ -31,6 +31,7 @@ import asyncio
 import json
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 import time
@@ -221,7 +222,7 @@ def job_note(job: dict[str, Any], seen: dict[str, float]) -> dict[str, Any]:
     return {"job": job["id"], "state": job["state"], "release": job["release"], "error": job["error"],
             "queued_s": round(job["started_at"] - job["created_at"], 2) if job["started_at"] else None,
             "total_s": round(job["finished_at"] - job["started_at"], 2) if job["started_at"] else None,
-            "train_s": span("train", "gate"), "gate_s": span("gate", "publish"),
+            "train_s": span("train", "gate"), "gate_s": span("gate", "publish" if "publish" in seen else None),
             "publish_swap_s": span("publish", None), "gate_verdict": gate.get("reason"), "trainer": job["metrics"]}
 
 
@@ -360,11 +361,24 @@ def summarize(arm: Arm, target: float) -> dict[str, Any]:
             "curve": [[round(t, 2), round(s, 4), label] for t, s, label in arm.points], "iterations": arm.notes}
 
 
+def stages(arm: Arm) -> str:
+    """Median seconds of each part of an iteration (the first one apart: it pays one-time start-up costs)."""
+    keys = ("sample_s", "train_s") if arm.name == "bare" else (
+        "sample_report_s", "train_s", "gate_s", "publish_swap_s", "total_s")
+    later = arm.notes[1:] or arm.notes
+    med = {k: statistics.median([n[k] for n in later if n.get(k) is not None] or [0.0]) for k in keys}
+    first = {k: arm.notes[0].get(k) for k in keys} if arm.notes else {}
+    return (f"{arm.name} iterations 2+, median: " + ", ".join(f"{k} {v:.2f}" for k, v in med.items())
+            + "; iteration 1: " + ", ".join(f"{k} {v}" for k, v in first.items()))
+
+
 def report(arms: dict[str, Arm], releases: list[dict[str, Any]], target: float, args: argparse.Namespace) -> None:
     result: dict[str, Any] = {"bench": "learning", "model": "smollm2", "iterations": args.iterations,
                               "heldout_answers": args.heldout_n * args.heldout_samples, "target": target, "goal": GOAL}
     for arm in arms.values():
         result[arm.name] = summarize(arm, target)
+    for arm in arms.values():
+        print(stages(arm))
     if releases:
         rejected = sum(r["status"] == "rejected" for r in releases)
         print(f"releases ({len(releases) - rejected - 1} published, {rejected} rejected candidates), newest first:")

@@ -6,7 +6,9 @@ Grow and Commit (recipes, gates, the release chain) plug in beside these resourc
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import shutil
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -69,6 +71,13 @@ def build_app(settings: Settings) -> web.Application:
         app[CHAIN] = ReleaseChain(settings.state_dir / "releases.git")
         for lock in app[CHAIN].clear_stale_locks():  # reefd is the chain's only writer
             log.warning("removed a stale release lock left by a killed writer: %s", lock)
+        # uploads and materialized adapters an earlier run left behind (they are rebuilt from the chain)
+        for stale in [*(settings.state_dir / "releases.git" / "lfs" / "tmp").iterdir(),
+                      settings.state_dir / "serving"]:
+            if stale.is_dir():
+                await asyncio.to_thread(shutil.rmtree, stale, True)
+            else:
+                stale.unlink(missing_ok=True)
         yield
 
     async def engines(app: web.Application) -> AsyncIterator[None]:  # Serve

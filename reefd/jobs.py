@@ -183,7 +183,7 @@ class Runner:
         out = await self.train(job, scenario, spec, head, work)
 
         self._stage(job, "gate")
-        self.jobs.save(job)
+        scenario = self._scenario(job)  # a reload while it trained may have replaced the scenario's objects
         verdict = await self.gate(job, scenario, out)
         job.verdict = verdict.as_meta()
 
@@ -205,14 +205,17 @@ class Runner:
         job.release = rel.id
         await self.store.mark_consumed(job.scenario, job.receipts, job.id)
         if rel.status == "released":  # swap before the job reports success: its next answer comes from it
-            await self.registry.reconciler.reconcile(scenario)
+            binding = await self.registry.reconciler.reconcile(scenario)
+            if binding is None or binding.release != rel.id:
+                live = self.registry.scenarios.get(job.scenario)
+                job.error = f"published, but not serving yet: {live.error if live else 'scenario removed'}"
         job.stage = "done"
         job.state = "published" if rel.status == "released" else "rejected"
 
     def batch(self, recipe: Recipe, scenario: str) -> list[Sample]:
         """The recipe's eligible samples among the records no candidate consumed yet, oldest first."""
         samples = []
-        for record in self.store.unconsumed(scenario, limit=100_000):
+        for record in self.store.unconsumed(scenario):
             sample = recipe.sample(record, record.get("reports", []))
             if sample is not None:
                 samples.append(sample)
@@ -296,13 +299,13 @@ class Runner:
                 return await gates.evaluate(cfg, self.scenarios_dir, generate, current="current",
                                             candidate="candidate")
         assert out is not None
-        await engine.load_adapter(name, out)
-        try:
-            with self.registry.using(engine, serving):
+        with self.registry.using(engine, serving):  # held from before the load: the serving adapter stays
+            await engine.load_adapter(name, out)
+            try:
                 return await gates.evaluate(cfg, self.scenarios_dir, generate, current=serving, candidate=name)
-        finally:
-            with contextlib.suppress(EngineError, EngineUnavailable):
-                await engine.unload_adapter(name)
+            finally:
+                with contextlib.suppress(EngineError, EngineUnavailable):
+                    await engine.unload_adapter(name)
 
     # ------------------------------------------------------------ publish
 

@@ -51,6 +51,7 @@ class Binding:
 
 class Reconciler:
     POLL_S = 2.0
+    RETRY_S = 30.0  # a swap that failed is tried again this often (an engine restarting, a corrupt object)
 
     def __init__(self, registry: Registry, chain: ReleaseChain, state_dir: Path, scenarios_dir: Path):
         self.registry = registry
@@ -59,7 +60,8 @@ class Reconciler:
         self.scenarios_dir = scenarios_dir
         self._locks: dict[str, asyncio.Lock] = {}
         self._tasks: set[asyncio.Task[None]] = set()
-        self._heads: dict[str, str | None] = {}  # the head each scenario was last reconciled against
+        self._heads: dict[str, str | None] = {}  # the head each scenario was last reconciled to (successfully)
+        self._failed: dict[str, float] = {}  # scenario -> monotonic time of its last failed reconcile
 
     # ------------------------------------------------------------ triggers
 
@@ -75,7 +77,12 @@ class Reconciler:
     def _spawn(self, coro: Coroutine[Any, Any, None], name: str) -> None:
         task = asyncio.create_task(coro, name=name)
         self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        task.add_done_callback(self._done)
+
+    def _done(self, task: asyncio.Task[None]) -> None:
+        self._tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.error("%s failed", task.get_name(), exc_info=task.exception())
 
     def start(self) -> None:
         for name in self.registry.scenarios:
@@ -97,30 +104,43 @@ class Reconciler:
                     continue
                 try:
                     head = await asyncio.to_thread(self.chain.head, name)
-                except ReleaseError as exc:
+                except Exception as exc:  # a damaged ref must not stop the watch for every scenario
                     log.warning("%s: cannot read the chain head: %s", name, exc)
                     continue
-                if scenario.binding is None or (head is not None and head.id != self._heads.get(name)):
+                failed = self._failed.get(name)
+                if failed is not None:
+                    if time.monotonic() - failed >= self.RETRY_S:
+                        self.kick(name)
+                elif scenario.binding is None or (head is not None and head.id != self._heads.get(name)):
                     self.kick(name)
 
     # ------------------------------------------------------------ the loop
 
-    async def reconcile(self, scenario: Scenario) -> Binding | None:
-        """Make `scenario` serve its declared release; returns what serves it afterwards."""
+    async def reconcile(self, scenario: Scenario, *, pending: bool = False) -> Binding | None:
+        """Make a scenario serve its declared release; returns what serves it afterwards.
+
+        The scenario served now is the one reconciled, even when the caller holds an object from before a
+        reload; `pending` is for a reload's new object, bound before it is installed."""
+        live = self.registry.scenarios.get(scenario.name)
+        if not pending and live is not None:
+            scenario = live
         lock = self._locks.setdefault(scenario.name, asyncio.Lock())
         async with lock:
             try:
                 head, problem = await self._declared_head(scenario)
-                self._heads[scenario.name] = head.id
                 await self._serve(scenario, head)
+                self._heads[scenario.name] = head.id
+                self._failed.pop(scenario.name, None)
                 scenario.error = problem
                 if problem:
                     log.error("%s: %s", scenario.name, problem)
             except asyncio.CancelledError:
                 raise
-            except (EngineError, EngineUnavailable, ReleaseError, HarnessError, OSError) as exc:
-                scenario.error = str(exc)
-                log.error("%s: %s", scenario.name, exc)
+            except Exception as exc:  # recorded on the scenario (status shows it) and retried every RETRY_S
+                self._failed[scenario.name] = time.monotonic()
+                scenario.error = str(exc) or type(exc).__name__
+                expected = (EngineError, EngineUnavailable, ReleaseError, HarnessError, OSError)
+                log.error("%s: %s", scenario.name, exc, exc_info=not isinstance(exc, expected))
             return scenario.binding
 
     async def _declared_head(self, scenario: Scenario) -> tuple[Release, str | None]:
@@ -131,7 +151,8 @@ class Reconciler:
             head = await asyncio.to_thread(self.chain.head, name)
             if head is None:
                 head = await self._record_base(scenario)
-            elif scenario.cfg.harness.dir and "harness" not in await asyncio.to_thread(self.chain.artifacts, head.id):
+            elif pin is None and scenario.cfg.harness.dir and \
+                    "harness" not in await asyncio.to_thread(self.chain.artifacts, head.id):
                 head = await self._import_harness(scenario, head)  # a harness added to a scenario that had none
             if pin is None or pin == head.id:
                 return head, None

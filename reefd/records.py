@@ -207,18 +207,26 @@ class RecordStore:
         for receipt in receipts:
             txn.put(scenario + b"\0" + receipt.encode(), by, overwrite=False, db=self._dbs["consumed"])
 
-    def unconsumed(self, scenario: str, *, after: str | None = None, limit: int = 1000) -> list[dict[str, Any]]:
-        """Records of `scenario` (with their reports) that no candidate has consumed yet, in receipt order."""
-        key = _scenario_key(scenario) + b"\0"
-        out: list[dict[str, Any]] = []
-        while len(out) < limit:
-            page = self.list_records(scenario, after=after, limit=limit)
-            if not page:
-                break
-            with self._reading() as txn:
-                out.extend(r for r in page if txn.get(key + r["id"].encode(), db=self._dbs["consumed"]) is None)
-            after = page[-1]["id"]
-        return out[:limit]
+    def unconsumed(self, scenario: str, *, window: int = 20_000) -> list[dict[str, Any]]:
+        """Records of `scenario` (with their reports) that no candidate has consumed yet, in receipt order,
+        among its `window` most recent records: a backlog of records that never become eligible (never
+        reported) neither hides new ones nor makes every look longer."""
+        prefix = _scenario_key(scenario) + b"\0"
+        newest: list[dict[str, Any]] = []
+        with self._reading() as txn, txn.cursor(db=self._dbs["by_scenario"]) as cursor:
+            found = cursor.set_range(prefix + b"\xff") and cursor.prev() or cursor.last()
+            seen = 0
+            while found and seen < window:
+                key = cursor.key()
+                if not key.startswith(prefix):
+                    break
+                seen += 1
+                if txn.get(key, db=self._dbs["consumed"]) is None:
+                    record = self._load_record(txn, key[len(prefix):])
+                    if record is not None:
+                        newest.append(record)
+                found = cursor.prev()
+        return newest[::-1]
 
     async def _submit(self, apply: Callable[..., Any], *args: Any) -> Any:
         if self._loop is None or self._closing is not None:

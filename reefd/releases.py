@@ -7,16 +7,18 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 import hashlib
 import json
 import os
 import re
 import tempfile
+import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import pygit2
 
@@ -95,6 +97,21 @@ def _fault(point: str) -> None:
         os._exit(137)
 
 
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def _locked(method: F) -> F:
+    """One thread at a time in the repository: libgit2 objects are not to be shared between threads, and reefd
+    calls the chain from a thread pool."""
+
+    @functools.wraps(method)
+    def wrapper(self: ReleaseChain, *args: Any, **kwargs: Any) -> Any:
+        with self._lock:
+            return method(self, *args, **kwargs)
+
+    return wrapper  # type: ignore[return-value]
+
+
 def _fsync_dir(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -113,13 +130,16 @@ class ReleaseChain:
         else:
             self.repo = pygit2.init_repository(str(self.path), bare=True)
         self.lfs_dir = self.path / "lfs" / "objects"
+        self._lock = threading.RLock()
         (self.path / "lfs" / "tmp").mkdir(parents=True, exist_ok=True)
 
     # ---- reading -------------------------------------------------------------------------------------------------
+    @_locked
     def head(self, scenario: str) -> Release | None:
         ref = self.repo.references.get(head_ref(scenario))
         return None if ref is None else self._release(self.repo[ref.target].peel(pygit2.Commit))
 
+    @_locked
     def history(self, scenario: str, *, include_rejected: bool = False) -> list[Release]:
         """Releases of `scenario`, newest first; with `include_rejected`, the refused candidates too."""
         out = []
@@ -133,6 +153,7 @@ class ReleaseChain:
             out.sort(key=lambda r: (r.seq, r.created_at, r.status == "released"), reverse=True)
         return out
 
+    @_locked
     def rejected(self, scenario: str) -> list[Release]:
         """The candidates of `scenario` that were refused (by a gate or a moved head), oldest first."""
         prefix = rejected_prefix(scenario)
@@ -143,6 +164,7 @@ class ReleaseChain:
                 out.append(dataclasses.replace(self._release(commit), status="rejected"))
         return sorted(out, key=lambda r: (r.seq, r.created_at))
 
+    @_locked
     def get(self, release_id: str, *, include_rejected: bool = False) -> Release:
         """A release reachable from its scenario's head (or, with `include_rejected`, a refused candidate)."""
         m = _ID_RE.fullmatch(release_id) if isinstance(release_id, str) else None
@@ -162,6 +184,7 @@ class ReleaseChain:
             return dataclasses.replace(rel, status="rejected")
         raise UnknownRelease(release_id)  # an unreachable commit (a lost race) is not a release
 
+    @_locked
     def artifacts(self, release_id: str) -> dict[str, str]:
         """The artifact folders of a release (`adapter`, `weights`, `harness`) and their tree ids: two releases
         serve the same thing exactly when these are equal."""
@@ -185,6 +208,7 @@ class ReleaseChain:
         return self.repo[tree[name].id].peel(pygit2.Blob).data
 
     # ---- writing -------------------------------------------------------------------------------------------------
+    @_locked
     def publish(
         self,
         scenario: str,
@@ -206,6 +230,7 @@ class ReleaseChain:
             entries[name] = (self._store_dir(Path(artifact_dir)), pygit2.enums.FileMode.TREE)
         return self._append(scenario, parent, kind, entries, meta)
 
+    @_locked
     def rollback(self, scenario: str, to: str | None = None, *, expected_head: str | None,
                  meta: dict[str, Any] | None = None) -> Release:
         """Append a release carrying `to`'s tree (default: the head's parent)."""
@@ -221,11 +246,13 @@ class ReleaseChain:
             raise UnknownRelease(f"{head.id} is the scenario's first release; there is nothing to roll back to")
         return head.parent
 
+    @_locked
     def promote(self, scenario: str, release_id: str, *, expected_head: str | None,
                 meta: dict[str, Any] | None = None) -> Release:
         """Append a release carrying `release_id`'s tree (an older release, or a refused candidate)."""
         return self._copy(scenario, self._expect(scenario, expected_head), release_id, "promote", meta)
 
+    @_locked
     def target(self, scenario: str, release_id: str, *, include_rejected: bool = False) -> Release:
         """`release_id`, checked to belong to `scenario` (UnknownRelease, WrongScenario)."""
         target = self.get(release_id, include_rejected=include_rejected)
@@ -240,6 +267,7 @@ class ReleaseChain:
         doc = {"source": kind, **(meta or {}), "target": target.id, "target_meta": target.meta}
         return self._append(scenario, head, kind, entries, doc)
 
+    @_locked
     def reject(self, scenario: str, *, built_on: str | None, kind: str, artifact_dir: Path | None,
                meta: dict[str, Any]) -> Release:
         """Keep a refused candidate for the record (`history --all`): a commit on top of the head it was built on,
@@ -366,6 +394,7 @@ class ReleaseChain:
                 os.unlink(tmp)
         return h.hexdigest(), size
 
+    @_locked
     def lfs_pointers(self, release_id: str) -> dict[str, tuple[str, int]]:
         """Path -> (sha256 oid, size) of every LFS pointer in a release's tree."""
         tree = self.repo[self.get(release_id).commit].peel(pygit2.Commit).tree
@@ -382,6 +411,7 @@ class ReleaseChain:
                 m = _POINTER_RE.fullmatch(data) if is_lfs_path(name) else None
                 yield (f"{prefix}{name}", data, m.group(1).decode() if m else None, int(m.group(2)) if m else 0)
 
+    @_locked
     def materialize(self, release_id: str, dest: Path, folder: str | None = None) -> Path:
         """Write a release's files (LFS content restored and verified) into `dest`, which must be empty or missing;
         with `folder` (e.g. "adapter"), only that folder's contents."""
@@ -407,6 +437,7 @@ class ReleaseChain:
                 raise ReleaseError(f"LFS object {oid} is corrupt ({rel_path})")
         return dest
 
+    @_locked
     def diff(self, a: str, b: str) -> dict[str, Any]:
         """Metadata and per-file differences from release `a` to release `b` (files keyed by sha256 / LFS oid),
         with a unified diff for every changed text file (LFS files and binary files are compared by hash only)."""
@@ -447,6 +478,7 @@ class ReleaseChain:
                     continue
         return out
 
+    @_locked
     def files(self, release_id: str) -> list[dict[str, Any]]:
         """Every file of a release: path, size, sha256 (the LFS oid for LFS files), lfs."""
         tree = self.repo[self.get(release_id, include_rejected=True).commit].peel(pygit2.Commit).tree

@@ -145,12 +145,16 @@ class Registry:
                 if old is None or old.engine is scenario.engine:
                     continue
                 if scenario.engine.ready:  # bind its release on the new engine before the route moves
-                    await self.reconciler.reconcile(scenario)
+                    await self.reconciler.reconcile(scenario, pending=True)
                 if not scenario.engine.ready or (scenario.binding is None and old.binding is not None):
                     log.error("reload: scenario %s keeps its previous model; the new one is %s%s",
                               name, scenario.engine.describe()["state"],
                               f" ({scenario.error})" if scenario.error else "")
                     scenarios[name] = old
+            for name, scenario in scenarios.items():  # swaps made while this reload waited still hold
+                old = self.scenarios.get(name)
+                if old is not None and old is not scenario and old.engine is scenario.engine:
+                    scenario.binding, scenario.error = old.binding, old.error
             self.scenarios = scenarios
             for name in scenarios:  # a changed pin, a new scenario: reconcile against the new files
                 self.reconciler.kick(name)

@@ -32,7 +32,7 @@ log = logging.getLogger("reefd.schedule")
 
 class Scheduler:
     COUNT_DEBOUNCE_S = 0.5
-    FAILURE_COOLDOWN_S = 60.0  # a failed job's records stay eligible: the count trigger waits before retrying
+    FAILURE_COOLDOWN_S = 60.0  # a failed or skipped job's records stay eligible: count triggers wait this long
 
     def __init__(self, registry: Registry, store: RecordStore, chain: ReleaseChain, state_dir: Path,
                  scenarios_dir: Path, max_jobs: int = 1) -> None:
@@ -89,11 +89,16 @@ class Scheduler:
         for name, scenario in self.registry.scenarios.items():
             trig = scenario.cfg.trigger
             if trig.interval_s is not None:
-                self._aps.add_job(self.submit, IntervalTrigger(seconds=trig.interval_s), args=[name, "interval"],
+                self._aps.add_job(self._fire, IntervalTrigger(seconds=trig.interval_s), args=[name, "interval"],
                                   id=f"{name}:interval", coalesce=True, max_instances=1)
             if trig.cron is not None:
-                self._aps.add_job(self.submit, CronTrigger.from_crontab(trig.cron, timezone="UTC"),
+                self._aps.add_job(self._fire, CronTrigger.from_crontab(trig.cron, timezone="UTC"),
                                   args=[name, "cron"], id=f"{name}:cron", coalesce=True, max_instances=1)
+
+    async def _fire(self, scenario: str, reason: str) -> None:
+        """APScheduler runs coroutines on the daemon's loop (plain functions would run in a thread)."""
+        if scenario in self.registry.scenarios:
+            self.submit(scenario, reason)
 
     # ------------------------------------------------------------ triggers
 
@@ -158,7 +163,8 @@ class Scheduler:
         finally:
             self._running.pop(job.scenario, None)
             self._wake.set()
-            if job.state == "failed":
+            # the batch of a failed job, or of a refused proposal, is still eligible: count triggers wait a while
+            if job.state == "failed" or (job.state == "skipped" and job.reason != "manual"):
                 self._cooldown[job.scenario] = time.monotonic() + self.FAILURE_COOLDOWN_S
             with contextlib.suppress(RuntimeError):
                 self.check(job.scenario)  # rollouts that arrived meanwhile may make the next batch

@@ -63,16 +63,27 @@ class LocalTrainers:
             candidate = self._idle.pop()
             if candidate.returncode is None:
                 proc = candidate
-        if proc is None:
-            proc = await self._spawn()
+        if proc is not None:
+            status, heard = await self._job(proc, spec, on_event, timeout_s)
+            if heard:
+                return status
+            log.info("a warm trainer had exited (%s); starting a fresh one", status)  # died while idle
+        status, _ = await self._job(await self._spawn(), spec, on_event, timeout_s)
+        return status
+
+    async def _job(self, proc: asyncio.subprocess.Process, spec: Path, on_event: Callable[[Event], None],
+                   timeout_s: float) -> tuple[int, bool]:
+        """(exit status, whether the process said anything about this job)."""
         assert proc.stdin is not None and proc.stdout is not None
         status: int | None = None
+        heard = False
         try:
             proc.stdin.write(f"{spec}\n".encode())
             await proc.stdin.drain()
             async with asyncio.timeout(timeout_s):
                 async for line in proc.stdout:
                     event = _event(line)
+                    heard = heard or bool(event)
                     if event.get("event") == "exit":
                         status = int(event.get("status", 1))
                         break
@@ -89,7 +100,7 @@ class LocalTrainers:
                 self._idle.append(proc)  # warm for the next job
             elif proc.returncode is None:
                 await _stop(proc)
-        return status
+        return status, heard
 
     async def close(self) -> None:
         idle, self._idle = self._idle, []

@@ -159,6 +159,27 @@ def test_list_records_pages_one_scenario_in_receipt_order(tmp_path: Path) -> Non
     with_store(tmp_path / "db", body)
 
 
+def test_consumed_records_leave_the_unconsumed_window(tmp_path: Path) -> None:
+    async def body(store: RecordStore) -> None:
+        written: dict[str, list[str]] = {"a": [], "ab": [], "b": []}
+        for i in range(8):
+            for scenario in written:
+                rec = record(scenario, i=i)
+                await store.put_record(rec)
+                written[scenario].append(rec["id"])
+        assert [r["id"] for r in store.unconsumed("ab")] == written["ab"]  # neighbours' records are not mixed in
+        await store.mark_consumed("ab", written["ab"][:3], "j-1")
+        await store.mark_consumed("ab", written["ab"][5:6], "j-2")
+        left = [written["ab"][i] for i in (3, 4, 6, 7)]
+        assert [r["id"] for r in store.unconsumed("ab")] == left  # oldest first
+        assert [r["id"] for r in store.unconsumed("ab", window=3)] == left[-2:]  # only the newest are looked at
+        assert [r["id"] for r in store.unconsumed("b")] == written["b"]  # the last scenario in key order
+        assert [r["id"] for r in store.unconsumed("a")] == written["a"]  # and the first
+        assert store.unconsumed("nobody") == []
+
+    with_store(tmp_path / "db", body)
+
+
 # --- reports ----------------------------------------------------------------------------------
 
 def test_put_report_attaches_to_each_reference(tmp_path: Path) -> None:

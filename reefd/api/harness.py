@@ -132,5 +132,8 @@ async def install(request: web.Request) -> web.Response:
     scenario = _scenario(request)
     rel, harness = await _harness_of(request, scenario)
     base_url = f"{request.scheme}://{request.host}"
-    script = installer(adapter, scenario.name, base_url, harness_json(scenario.name, rel, harness))
+    try:
+        script = installer(adapter, scenario.name, base_url, harness_json(scenario.name, rel, harness))
+    except ValueError as exc:  # e.g. a Host header the script could not quote safely
+        raise ApiError(400, f"cannot write an installer: {exc}", code="invalid_request") from None
     return web.Response(text=script, content_type="text/x-shellscript", headers={RELEASE_HEADER: rel.id})

@@ -286,6 +286,8 @@ def _unpack(archive: Path, dest: Path) -> None:
                 if Path(m.name).is_absolute() or ".." in parts or "\0" in m.name:
                     raise ApiError(400, f"{m.name!r}: archive paths must stay inside the artifact folder",
                                    code="invalid_adapter")
+            if sum(m.size for m in members) > MAX_UPLOAD:
+                raise ApiError(413, f"the unpacked artifact exceeds {MAX_UPLOAD >> 30} GiB", code="invalid_request")
             tar.extractall(dest, members=members, filter="data")
     except (tarfile.TarError, EOFError, OSError) as exc:
         raise ApiError(400, f"not published: the upload is not a readable tar archive ({exc})",

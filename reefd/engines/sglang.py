@@ -249,10 +249,15 @@ class SGLangEngine:
         self.adapters[name] = path
 
     async def unload_adapter(self, name: str) -> None:
-        if self.adapters.pop(name, None) is None:
+        path = self.adapters.pop(name, None)
+        if path is None:
             raise EngineError(f"no adapter named {name!r} is loaded", status=400)
         if self.ready:  # a restarting engine comes back without it anyway
-            await self._client().unload_lora_adapter(name)
+            try:
+                await self._client().unload_lora_adapter(name)
+            except (EngineError, EngineUnavailable):
+                self.adapters[name] = path  # still loaded there: keep track of it
+                raise
 
     async def _healthy(self, url: str) -> bool:
         return await SGLangClient(self.session, url).healthy()

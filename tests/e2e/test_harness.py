@@ -36,6 +36,7 @@ SCENARIO = """defaults:
 recipe:
   params:
     batch_size: 2
+    max_tokens: 48
 {proposer}
 gate:
   tasks: tasks.jsonl
