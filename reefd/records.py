@@ -214,7 +214,8 @@ class RecordStore:
         prefix = _scenario_key(scenario) + b"\0"
         newest: list[dict[str, Any]] = []
         with self._reading() as txn, txn.cursor(db=self._dbs["by_scenario"]) as cursor:
-            found = cursor.set_range(prefix + b"\xff") and cursor.prev() or cursor.last()
+            # the scenario's newest key: just before the first key past its prefix (or the last key of all)
+            found = (cursor.set_range(prefix + b"\xff") and cursor.prev()) or cursor.last()
             seen = 0
             while found and seen < window:
                 key = cursor.key()
