@@ -54,6 +54,7 @@ demo: venv
 	@$(BIN)/python -m pytest -m slow; rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "make: no slow demos collected" >&2; exit 1; fi; exit $$rc
 	$(BIN)/python bench/learning.py
+	$(BIN)/python bench/skillclaw_demo.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .bench-tmp

@@ -392,7 +392,10 @@ def report(arms: dict[str, Arm], releases: list[dict[str, Any]], target: float, 
         ratio = None if bare_s is None or daemon_s is None else daemon_s / bare_s
         per_it = daemon.clock / bare.clock if bare.clock else None
         verdict = "n/a" if ratio is None else "meets" if ratio <= GOAL else "misses"
-        print(f"time to held-out {target:g}: bare {bare_s} s, daemon {daemon_s} s; ratio daemon / bare "
+        def secs(x: float | None) -> str:
+            return "never" if x is None else f"{x:.1f} s"
+
+        print(f"time to held-out {target:g}: bare {secs(bare_s)}, daemon {secs(daemon_s)}; ratio daemon / bare "
               + (f"{ratio:.2f}x" if ratio is not None else "n/a (an arm never reached the target)")
               + f" ({verdict} the {GOAL}x goal); per iteration daemon / bare {per_it:.2f}x")
         result["ratio"] = None if ratio is None else round(ratio, 3)

@@ -7,10 +7,12 @@ it knows nothing about JSON lines, exit codes or where the candidate folder fina
 
 from __future__ import annotations
 
+import hashlib
 import math
 import os
 import time
 import warnings
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -124,14 +126,28 @@ class Policy:
         return picked - torch.logsumexp(logits, dim=-1), hidden
 
 
+# Optimizer state carries over from job to job in a warm trainer (`--serve`): it is kept under the sha256 of the
+# adapter a job wrote, and found again when a later job starts from that adapter (the release now serving). So a
+# scenario's LoRA is trained by one AdamW across jobs, as one long run would be, instead of every job taking
+# Adam's first, sign-like step again. A cold process, or a job starting from another adapter, starts fresh.
+_CARRIED: OrderedDict[str, dict[str, Any]] = OrderedDict()
+_CARRY_MAX = 4
+
+
+def _adapter_key(folder: Path) -> str | None:
+    weights = folder / "adapter_model.safetensors"
+    return hashlib.sha256(weights.read_bytes()).hexdigest() if weights.is_file() else None
+
+
 @dataclass
 class Result:
-    """What a finished job hands over: the trained model, the critic (sao) and the job's metrics."""
+    """What a finished job hands over: the trained model, the critic (sao), optimizer states and the metrics."""
 
     policy: Policy
     critic: ValueHead | None
     critic_updates: int
     metrics: dict[str, Any] = field(default_factory=dict)
+    optimizers: dict[str, Any] = field(default_factory=dict)
 
     def save(self, folder: Path) -> None:
         with warnings.catch_warnings():
@@ -140,6 +156,11 @@ class Result:
         (folder / "README.md").unlink(missing_ok=True)  # peft's model-card stub, not part of a candidate
         if self.critic is not None:
             save_critic(self.critic, folder / CRITIC_FILE, self.critic_updates)
+        key = _adapter_key(folder)
+        if key is not None and self.optimizers:
+            _CARRIED[key] = self.optimizers
+            while len(_CARRIED) > _CARRY_MAX:
+                _CARRIED.popitem(last=False)
 
 
 def train(spec: TrainSpec, emit: Emit, fault: str | None = None) -> Result:
@@ -161,7 +182,11 @@ def train(spec: TrainSpec, emit: Emit, fault: str | None = None) -> Result:
             emit({"event": "progress", "step": step, "steps": spec.steps, **line})
             if fault == "crash":
                 os._exit(137)
-    return Result(run.policy, run.critic, run.critic_updates, run.totals.summary(spec, time.perf_counter() - started))
+    metrics = {**run.totals.summary(spec, time.perf_counter() - started), "optimizer": run.optimizer_origin}
+    states = {"policy": run.opt.state_dict()}
+    if run.critic_opt is not None:
+        states["critic"] = run.critic_opt.state_dict()
+    return Result(run.policy, run.critic, run.critic_updates, metrics, states)
 
 
 class Run:
@@ -175,11 +200,34 @@ class Run:
             raise SpecError(f"samples: token id {too_big} is outside the model's vocabulary ({self.policy.vocab_size})")
         self.opt = torch.optim.AdamW(self.policy.params, lr=spec.optim.lr, weight_decay=spec.optim.weight_decay)
         self.critic, self.critic_opt, self.critic_updates = _critic(spec, self.policy)
+        self.optimizer_origin = self._continue_optimizers()
         self.group_adv = None
         if spec.algorithm == "grpo":
             self.group_adv = group_advantages([s.reward for s in spec.samples], [str(s.group) for s in spec.samples],
                                               spec.sao.grpo_eps)
         self.totals = _Totals()
+
+    def _continue_optimizers(self) -> str:
+        """"continued" when this process trained the adapter the job starts from (its AdamW state goes on),
+        else "fresh". This job's own lr and weight decay apply either way."""
+        key = _adapter_key(self.spec.init_adapter) if self.spec.init_adapter is not None else None
+        carried = _CARRIED.get(key) if key is not None else None
+        if carried is None:
+            return "fresh"
+        try:
+            self.opt.load_state_dict(carried["policy"])
+            if self.critic_opt is not None and "critic" in carried:
+                self.critic_opt.load_state_dict(carried["critic"])
+        except (ValueError, KeyError, RuntimeError):  # another shape of adapter or critic: start over
+            self.opt = torch.optim.AdamW(self.policy.params, lr=self.spec.optim.lr,
+                                         weight_decay=self.spec.optim.weight_decay)
+            return "fresh"
+        for group in self.opt.param_groups:
+            group["lr"], group["weight_decay"] = self.spec.optim.lr, self.spec.optim.weight_decay
+        if self.critic_opt is not None:
+            for group in self.critic_opt.param_groups:
+                group["lr"] = self.spec.sao.critic_lr
+        return "continued"
 
     def step(self, step: int, idx: list[int], poison: bool = False) -> dict[str, Any]:
         """One optimizer step on the samples `idx`; returns the progress line's fields."""

@@ -268,3 +268,26 @@ def test_serve_runs_jobs_back_to_back_in_one_process(trained: tuple[Job, Path], 
     first, third = (load_file(str(tmp_path / f"out{i}" / "adapter_model.safetensors")) for i in (0, 2))
     assert all(torch.equal(first[k], third[k]) for k in first)  # the second run starts as clean as the first
     assert all(torch.equal(first[k], v) for k, v in load_file(str(first_out / "adapter_model.safetensors")).items())
+
+
+def test_a_warm_trainer_continues_the_optimizer_of_the_adapter_it_wrote(tiny_model: Path, base: Any,
+                                                                      tmp_path: Path) -> None:
+    """Job 2 starts from job 1's adapter: in one warm process AdamW goes on (its moments carried), so job 2's
+    result differs from the same spec run cold, which starts a fresh AdamW."""
+    first = make_spec(tiny_model, tmp_path / "one", toy_samples(base))
+    second = {**make_spec(tiny_model, tmp_path / "two", toy_samples(base)), "init_adapter": str(tmp_path / "one")}
+    paths = []
+    for i, spec in enumerate((first, second)):
+        path = tmp_path / f"chain-{i}.json"
+        path.write_text(json.dumps(spec))
+        paths.append(path)
+    proc = subprocess.run([sys.executable, "-m", "reefd.train", "--serve"], cwd=ROOT, capture_output=True,
+                          text=True, timeout=120, input="".join(f"{p}\n" for p in paths))
+    assert proc.returncode == 0, proc.stderr
+    done = [json.loads(line) for line in proc.stdout.splitlines() if json.loads(line)["event"] == "done"]
+    assert [d["metrics"]["optimizer"] for d in done] == ["fresh", "continued"]
+    cold = run_job({**second, "output_dir": str(tmp_path / "cold")}, tmp_path)
+    assert cold.returncode == 0 and cold.of("done")[0]["metrics"]["optimizer"] == "fresh"
+    warm_w = load_file(str(tmp_path / "two" / "adapter_model.safetensors"))
+    cold_w = load_file(str(tmp_path / "cold" / "adapter_model.safetensors"))
+    assert any(not torch.equal(warm_w[k], cold_w[k]) for k in warm_w)
