@@ -294,15 +294,17 @@ class Runner:
                     return event.text or ""
             raise JobFailed("the engine gave no answer to a gate task")
 
+        width = max(2, scenario.cfg.model.max_batch)  # both sides' requests in the engine's batches
         if harnesses is not None:
             with self.registry.using(engine, serving):
                 return await gates.evaluate(cfg, self.scenarios_dir, generate, current="current",
-                                            candidate="candidate")
+                                            candidate="candidate", concurrency=width)
         assert out is not None
         with self.registry.using(engine, serving):  # held from before the load: the serving adapter stays
             await engine.load_adapter(name, out)
             try:
-                return await gates.evaluate(cfg, self.scenarios_dir, generate, current=serving, candidate=name)
+                return await gates.evaluate(cfg, self.scenarios_dir, generate, current=serving, candidate=name,
+                                            concurrency=width)
             finally:
                 with contextlib.suppress(EngineError, EngineUnavailable):
                     await engine.unload_adapter(name)

@@ -31,7 +31,7 @@ log = logging.getLogger("reefd.schedule")
 
 
 class Scheduler:
-    COUNT_DEBOUNCE_S = 0.5
+    COUNT_DEBOUNCE_S = 0.2
     FAILURE_COOLDOWN_S = 60.0  # a failed or skipped job's records stay eligible: count triggers wait this long
 
     def __init__(self, registry: Registry, store: RecordStore, chain: ReleaseChain, state_dir: Path,
