@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 from reefd import gates
 from reefd.chat import ChatRequest, Completion, add_system_text
 from reefd.config import ModelConfig
-from reefd.engines import EngineError, EngineUnavailable, build_engine
+from reefd.engines import Engine, EngineError, EngineUnavailable, build_engine
 from reefd.harness import Harness, HarnessError
 from reefd.receipts import new_receipt
 from reefd.recipes import HarnessJob, Recipe, RecipeError, Sample, WeightJob, build
@@ -288,11 +288,7 @@ class Runner:
             if harnesses is not None:  # both sides use the serving adapter; the harness is what differs
                 add_system_text(req, blocks[str(side)])
                 adapter = serving
-            async for event in engine.generate(req, stream=False, adapter=adapter,
-                                               timeout_s=scenario.cfg.serve.request_timeout_s):
-                if isinstance(event, Completion):
-                    return event.text or ""
-            raise JobFailed("the engine gave no answer to a gate task")
+            return await _answer(engine, req, adapter, scenario.cfg.serve.request_timeout_s)
 
         width = max(2, scenario.cfg.model.max_batch)  # both sides' requests in the engine's batches
         if harnesses is not None:
@@ -388,22 +384,18 @@ class Runner:
                     raise JobFailed(f"the proposer engine is {engine.describe()['state']}")
                 await asyncio.sleep(0.25)
             req = ChatRequest(messages=spec.messages, max_tokens=spec.max_tokens, temperature=spec.temperature)
-            async for event in engine.generate(req, stream=False, adapter=adapter,
-                                               timeout_s=scenario.cfg.serve.request_timeout_s):
-                if isinstance(event, Completion):
-                    return event.text or ""
-            raise JobFailed("the proposer gave no answer")
+            return await _answer(engine, req, adapter, scenario.cfg.serve.request_timeout_s)
         finally:
             if temporary:
                 await engine.stop()
 
 
-def _event(line: bytes) -> dict[str, Any]:
-    try:
-        event = json.loads(line)
-    except ValueError:
-        return {}
-    return event if isinstance(event, dict) else {}
+async def _answer(engine: Engine, req: ChatRequest, adapter: str | None, timeout_s: float) -> str:
+    """The text of one non-streamed answer from `engine`."""
+    async for event in engine.generate(req, stream=False, adapter=adapter, timeout_s=timeout_s):
+        if isinstance(event, Completion):
+            return event.text or ""
+    raise JobFailed("the engine ended without an answer")
 
 
 async def _no_generate(messages: list[dict[str, Any]], adapter: str | None, gate: Any, seed: int) -> str:

@@ -49,6 +49,18 @@ class Binding:
     harness_tree: str | None = None
 
 
+def read_harness(chain: ReleaseChain, release_id: str) -> Harness | None:
+    """A release's harness, parsed from its `harness/` tree (None when it has none)."""
+    if "harness" not in chain.artifacts(release_id):
+        return None
+    with tempfile.TemporaryDirectory(dir=chain.path / "lfs" / "tmp") as tmp:
+        folder = chain.materialize(release_id, Path(tmp) / "h", "harness")
+        try:
+            return Harness.from_dir(folder)
+        except HarnessError as exc:
+            raise ReleaseError(f"{release_id}: its harness does not parse: {exc}") from None
+
+
 class Reconciler:
     POLL_S = 2.0
     RETRY_S = 30.0  # a swap that failed is tried again this often (an engine restarting, a corrupt object)
@@ -256,13 +268,7 @@ class Reconciler:
             return None, None
         if current is not None and current.harness_tree == tree:
             return current.harness, tree
-        with tempfile.TemporaryDirectory(dir=self.chain.path / "lfs" / "tmp") as tmp:
-            folder = await asyncio.to_thread(self.chain.materialize, rel.id, Path(tmp) / "h", "harness")
-            try:
-                harness = await asyncio.to_thread(Harness.from_dir, folder)
-            except HarnessError as exc:
-                raise ReleaseError(f"{rel.id}: its harness does not parse: {exc}") from None
-        return harness, tree
+        return await asyncio.to_thread(read_harness, self.chain, rel.id), tree
 
     async def _wait_ready(self, scenario: Scenario) -> None:
         deadline = time.monotonic() + scenario.cfg.model.startup_timeout_s

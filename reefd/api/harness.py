@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-import tempfile
-from pathlib import Path
 from typing import Any
 
 from aiohttp import web
@@ -19,6 +17,7 @@ from reefd.api.errors import ApiError, json_response
 from reefd.api.keys import CHAIN, REGISTRY
 from reefd.api.turns import RELEASE_HEADER
 from reefd.harness import Harness
+from reefd.reconcile import read_harness
 from reefd.releases import Release, ReleaseChain, UnknownRelease, WrongScenario
 from reefd.scenarios import SCENARIO_HEADER, Scenario
 
@@ -66,13 +65,6 @@ def _version(chain: ReleaseChain, rel: Release) -> Release:
     return rel
 
 
-def _load(chain: ReleaseChain, rel: Release) -> Harness | None:
-    if "harness" not in chain.artifacts(rel.id):
-        return None
-    with tempfile.TemporaryDirectory(dir=chain.path / "lfs" / "tmp") as tmp:
-        return Harness.from_dir(chain.materialize(rel.id, Path(tmp) / "h", "harness"))
-
-
 async def _harness_of(request: web.Request, scenario: Scenario) -> tuple[Release, Harness]:
     chain = request.app[CHAIN]
     wanted = request.query.get("release") or scenario.release
@@ -87,7 +79,7 @@ async def _harness_of(request: web.Request, scenario: Scenario) -> tuple[Release
     binding = scenario.binding
     harness = binding.harness if binding is not None and binding.release == rel.id else None
     if harness is None:
-        harness = await asyncio.to_thread(_load, chain, rel)
+        harness = await asyncio.to_thread(read_harness, chain, rel.id)
     if harness is None:
         raise ApiError(404, f"release {rel.id} of scenario {scenario.name!r} has no harness "
                        "(set harness.dir in the scenario file)", code="harness_not_found")
