@@ -177,6 +177,13 @@ class GateConfig:
     samples: int = field(default=1, metadata={"minimum": 1, "description": "Answers per task and side."})
     seed: int = field(default=0, metadata={"description": "Sampling seed, the same for both sides."})
     min_win_margin: int = field(default=0, metadata={"description": "paired: wins - losses must exceed this."})
+    reuse_current: bool = field(
+        default=True,
+        metadata={"description": "Weight candidates: take the serving release's per-task scores from the gate "
+                                 "that admitted it, when that gate ran the same tasks, scorer, sampling and seeds "
+                                 "on the same model, instead of generating them again (half the gate's work). "
+                                 "false: both sides are generated at every gate."},
+    )
 
 
 @dataclass

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import hashlib
 import importlib
 import json
 import math
@@ -178,10 +179,14 @@ class Verdict:
     floor: float | None
     reason: str  # one line, for logs and `reefctl releases`
     per_task: list[dict[str, float | None]]  # [{"candidate": mean, "current": mean or None}] in file order
+    fingerprint: str | None = None  # what the per-task scores depend on besides the weights (see fingerprint())
+    current_reused: bool = False  # the current side's scores came from an earlier gate, not from generation
 
     def as_meta(self) -> dict[str, Any]:
         """The JSON-able record kept in release.json meta["gate"]."""
         return {
+            "fingerprint": self.fingerprint,
+            "current_reused": self.current_reused,
             "verdict": "pass" if self.passed else "fail",
             "kind": self.kind,
             "reason": self.reason,
@@ -192,6 +197,22 @@ class Verdict:
             "floor": self.floor,
             "per_task": [dict(p) for p in self.per_task],
         }
+
+
+def fingerprint(cfg: GateConfig, scenarios_dir: Path, context: dict[str, Any] | None = None) -> str:
+    """A digest of everything a side's per-task scores depend on except its weights: the tasks file's bytes,
+    the scorer, the sampling (max_tokens, temperature, samples, seed), and the caller's `context` (the model
+    and how prompts are sent). Two gates with one fingerprint ask the same questions with the same seeds, so a
+    release's scores from one stand for what the other would measure (engines sample each request with its
+    own seeded generator; only batch-dependent float rounding differs). GateError: the tasks file is missing."""
+    path = scenarios_dir / (cfg.tasks or "")
+    try:
+        digest = hashlib.sha256(path.read_bytes()).hexdigest() if cfg.tasks else None
+    except OSError as exc:
+        raise GateError(f"gate.tasks: {path}: cannot read tasks file: {exc}") from exc
+    doc = {"tasks": digest, "scorer": cfg.scorer, "max_tokens": cfg.max_tokens, "temperature": cfg.temperature,
+           "samples": cfg.samples, "seed": cfg.seed, "context": context or {}}
+    return "sha256:" + hashlib.sha256(json.dumps(doc, sort_keys=True).encode()).hexdigest()
 
 
 def _prepare(cfg: GateConfig, scenarios_dir: Path) -> tuple[list[Task], Scorer]:
@@ -270,7 +291,8 @@ def _mean(xs: list[float]) -> float:
 
 
 async def evaluate(cfg: GateConfig, scenarios_dir: Path, generate: Generate, *, current: str | None,
-                   candidate: str | None, concurrency: int = 4) -> Verdict:
+                   candidate: str | None, concurrency: int = 4, context: dict[str, Any] | None = None,
+                   known_current: tuple[str, list[float]] | None = None) -> Verdict:
     """Judge `candidate` (an adapter name, None for the base model) by the gate `cfg`.
 
     always: passes without generating. floor: passes iff the candidate's mean is at least
@@ -282,6 +304,10 @@ async def evaluate(cfg: GateConfig, scenarios_dir: Path, generate: Generate, *, 
 
     A task's score is the mean of its cfg.samples answers; a mean is over tasks. Fewer than
     cfg.min_tasks tasks is a failed verdict; configuration problems raise GateError.
+
+    `context` goes into the verdict's fingerprint (see fingerprint()). `known_current` is (fingerprint,
+    per-task means) of the current side measured by an earlier gate: when the fingerprint is this gate's and
+    there is a mean for every task, the current side is not generated again and the verdict says so.
     """
     if concurrency < 1:
         raise ValueError(f"concurrency must be at least 1, not {concurrency}")
@@ -289,16 +315,23 @@ async def evaluate(cfg: GateConfig, scenarios_dir: Path, generate: Generate, *, 
         return Verdict(True, "always", None, None, 0, cfg.margin, cfg.floor, "gate kind is always", [])
     tasks, score = _prepare(cfg, scenarios_dir)
     n = len(tasks)
+    digest = fingerprint(cfg, scenarios_dir, context)
+    reuse = (known_current is not None and known_current[0] == digest and len(known_current[1]) == n
+             and cfg.kind != "floor")
 
     def verdict(passed: bool, reason: str, cand: float | None = None, cur: float | None = None,
                 per_task: list[dict[str, float | None]] | None = None) -> Verdict:
-        return Verdict(passed, cfg.kind, cand, cur, n, cfg.margin, cfg.floor, reason, per_task or [])
+        return Verdict(passed, cfg.kind, cand, cur, n, cfg.margin, cfg.floor, reason, per_task or [], digest,
+                       reuse and cur is not None)
 
     if n < max(cfg.min_tasks, 1):  # the schema says min_tasks >= 1; a mean of no tasks means nothing
         return verdict(False, f"{n} tasks, fewer than min_tasks {max(cfg.min_tasks, 1)}")
-    sides = {"candidate": candidate} if cfg.kind == "floor" else {"candidate": candidate, "current": current}
+    sides = {"candidate": candidate} if cfg.kind == "floor" or reuse else {"candidate": candidate, "current": current}
     means = await _answer_all(tasks, sides, cfg, score, generate, concurrency)
     cand_scores, cur_scores = means["candidate"], means.get("current")
+    if reuse:
+        assert known_current is not None
+        cur_scores = [float(x) for x in known_current[1]]
     per_task: list[dict[str, float | None]] = [
         {"candidate": c, "current": cur_scores[i] if cur_scores else None} for i, c in enumerate(cand_scores)]
     cand = _mean(cand_scores)
@@ -307,14 +340,16 @@ async def evaluate(cfg: GateConfig, scenarios_dir: Path, generate: Generate, *, 
     if cur_scores is None:  # a floor gate (which _prepare made sure has a floor)
         return verdict(floor_ok, f"candidate {cand:.3f} on {n} tasks{floor_note}", cand, None, per_task)
     cur = _mean(cur_scores)
+    reused = " (current's scores from its own gate)" if reuse else ""
     if cfg.kind == "paired":
         wins = sum(c > k + EPS for c, k in zip(cand_scores, cur_scores, strict=True))
         losses = sum(k > c + EPS for c, k in zip(cand_scores, cur_scores, strict=True))
-        reason = (f"paired on {n} tasks: {wins} wins, {losses} losses, {n - wins - losses} ties; "
+        reason = (f"paired on {n} tasks{reused}: {wins} wins, {losses} losses, {n - wins - losses} ties; "
                   f"wins - losses {wins - losses:+d} (needs > {cfg.min_win_margin:+d}){floor_note}")
         return verdict(wins - losses > cfg.min_win_margin and floor_ok, reason, cand, cur, per_task)
     diff = cand - cur
     beat = diff > EPS if cfg.margin == 0 else diff >= cfg.margin - EPS
     need = "> 0" if cfg.margin == 0 else f">= {cfg.margin:+g}"
-    reason = f"candidate {cand:.3f} vs current {cur:.3f} on {n} tasks: {diff:+.3f} (needs {need}){floor_note}"
+    reason = (f"candidate {cand:.3f} vs current {cur:.3f}{reused} on {n} tasks: {diff:+.3f} (needs {need})"
+              f"{floor_note}")
     return verdict(beat and floor_ok, reason, cand, cur, per_task)

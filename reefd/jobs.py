@@ -16,6 +16,7 @@ import logging
 import os
 import shutil
 import time
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -31,6 +32,7 @@ from reefd.releases import HeadConflict, Release, ReleaseChain, ReleaseError
 from reefd.trainers import TrainerBackend, TrainerTimeout
 
 if TYPE_CHECKING:
+    from reefd.reconcile import Binding
     from reefd.records import RecordStore
     from reefd.scenarios import Registry, Scenario
 
@@ -119,6 +121,38 @@ class Runner:
         self.registry, self.store, self.chain, self.jobs = registry, store, chain, jobs
         self.scenarios_dir = scenarios_dir
         self.trainers = trainers
+        # per-task gate scores already measured: (adapter tree id, gate fingerprint) -> means in task order
+        self._scores: OrderedDict[tuple[str, str], list[float]] = OrderedDict()
+
+    SCORES_KEPT = 64
+
+    def _remember(self, artifact: str | None, digest: str | None, scores: list[float | None]) -> None:
+        if artifact is None or digest is None or any(x is None for x in scores):
+            return
+        self._scores[(artifact, digest)] = [float(x) for x in scores if x is not None]
+        self._scores.move_to_end((artifact, digest))
+        while len(self._scores) > self.SCORES_KEPT:
+            self._scores.popitem(last=False)
+
+    def _known_scores(self, binding: Binding, digest: str) -> list[float] | None:
+        """The serving adapter's per-task scores under this gate fingerprint: measured by an earlier gate of this
+        process, or kept in release.json by the gate that admitted it (for a rollback or promote, by the gate
+        that admitted the release it copies)."""
+        known = self._scores.get((_adapter_key(binding), digest))
+        if known is not None or binding.artifact is None:
+            return known
+        try:
+            rel = self.chain.get(binding.release, include_rejected=True)
+        except ReleaseError:
+            return None
+        for meta in (rel.meta, rel.meta.get("target_meta") or {}):
+            gate = meta.get("gate") if isinstance(meta, dict) else None
+            if isinstance(gate, dict) and gate.get("fingerprint") == digest and gate.get("per_task"):
+                scores = [p.get("candidate") for p in gate["per_task"] if isinstance(p, dict)]
+                numbers = [float(x) for x in scores if isinstance(x, int | float)]
+                if len(numbers) == len(gate["per_task"]):
+                    return numbers
+        return None
 
     async def run(self, job: Job) -> None:
         job.state, job.started_at = "running", time.time()
@@ -198,6 +232,9 @@ class Runner:
         """Publish (or keep as rejected) the candidate, consume its records, swap, and say how it ended."""
         if verdict.passed:
             rel = await self.publish(job, scenario, head, out, meta, kind)
+            if kind == "adapter" and rel.status == "released":
+                tree = (await asyncio.to_thread(self.chain.artifacts, rel.id)).get("adapter")
+                self._remember(tree, verdict.fingerprint, [p["candidate"] for p in verdict.per_task])
         else:
             rel = await asyncio.to_thread(self.chain.reject, job.scenario, built_on=head.id, kind=kind,
                                           artifact_dir=out, meta=meta)
@@ -296,14 +333,24 @@ class Runner:
                 return await gates.evaluate(cfg, self.scenarios_dir, generate, current="current",
                                             candidate="candidate", concurrency=width)
         assert out is not None
+        model = scenario.cfg.model
+        context = {"prompts": "raw", "model": [model.engine, model.source, model.path, model.url, model.upstream_model]}
+        known = None
+        if cfg.reuse_current and binding is not None:
+            digest = await asyncio.to_thread(gates.fingerprint, cfg, self.scenarios_dir, context)
+            scores = await asyncio.to_thread(self._known_scores, binding, digest)
+            known = (digest, scores) if scores is not None else None
         with self.registry.using(engine, serving):  # held from before the load: the serving adapter stays
             await engine.load_adapter(name, out)
             try:
-                return await gates.evaluate(cfg, self.scenarios_dir, generate, current=serving, candidate=name,
-                                            concurrency=width)
+                verdict = await gates.evaluate(cfg, self.scenarios_dir, generate, current=serving, candidate=name,
+                                               concurrency=width, context=context, known_current=known)
             finally:
                 with contextlib.suppress(EngineError, EngineUnavailable):
                     await engine.unload_adapter(name)
+        if binding is not None and not verdict.current_reused and verdict.current_mean is not None:
+            self._remember(_adapter_key(binding), verdict.fingerprint, [p["current"] for p in verdict.per_task])
+        return verdict
 
     # ------------------------------------------------------------ publish
 
@@ -388,6 +435,11 @@ class Runner:
         finally:
             if temporary:
                 await engine.stop()
+
+
+def _adapter_key(binding: Binding) -> str:
+    """What a gate's scores of the serving side belong to: its adapter's tree, or the base model."""
+    return binding.artifact if binding.adapter is not None and binding.artifact is not None else "base"
 
 
 async def _answer(engine: Engine, req: ChatRequest, adapter: str | None, timeout_s: float) -> str:

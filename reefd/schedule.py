@@ -30,6 +30,15 @@ if TYPE_CHECKING:
 log = logging.getLogger("reefd.schedule")
 
 
+def _trains_weights(name: str, params: dict[str, Any]) -> bool:
+    """Whether the recipe's jobs run a trainer (a weight recipe, not a harness one or `record`)."""
+    try:
+        recipe = build(name, params)
+    except RecipeError:
+        return False
+    return recipe.trains and not hasattr(recipe, "edit")
+
+
 class Scheduler:
     COUNT_DEBOUNCE_S = 0.2
     FAILURE_COOLDOWN_S = 60.0  # a failed or skipped job's records stay eligible: count triggers wait this long
@@ -81,10 +90,13 @@ class Scheduler:
         task.add_done_callback(self._tasks.discard)
 
     def sync_triggers(self) -> None:
-        """(Re)declare the interval and cron triggers of every scenario (at start and after SIGHUP)."""
+        """(Re)declare the interval and cron triggers of every scenario (at start and after SIGHUP), and start a
+        trainer process ahead of the first job when a scenario trains weights."""
         from apscheduler.triggers.cron import CronTrigger
         from apscheduler.triggers.interval import IntervalTrigger
 
+        if any(_trains_weights(s.cfg.recipe.name, s.cfg.recipe.params) for s in self.registry.scenarios.values()):
+            self.trainers.prewarm()
         self._aps.remove_all_jobs()
         for name, scenario in self.registry.scenarios.items():
             trig = scenario.cfg.trigger

@@ -40,24 +40,51 @@ class TrainerBackend(Protocol):
 
     async def close(self) -> None: ...
 
+    def prewarm(self) -> None:
+        """A hint that weight jobs are coming (a scenario trains weights): get ready now if that helps."""
+
 
 class LocalTrainers:
     def __init__(self, log_path: Path, keep: int = 1) -> None:
         self.log_path = log_path
         self.keep = keep
         self._idle: list[asyncio.subprocess.Process] = []
+        self._warming: asyncio.Task[None] | None = None
+
+    def prewarm(self) -> None:
+        """Start a trainer process now, in the background, so that the first job does not wait for its imports
+        (torch, transformers, peft: seconds of CPU). No-op while one is idle or already starting."""
+        if self._idle or self.keep < 1 or (self._warming is not None and not self._warming.done()):
+            return
+
+        async def warm() -> None:
+            try:
+                proc = await self._spawn()
+            except OSError as exc:
+                log.warning("cannot start a trainer process: %s", exc)
+                return
+            if len(self._idle) < self.keep:
+                self._idle.append(proc)
+            else:
+                await _stop(proc)
+
+        self._warming = asyncio.create_task(warm(), name="trainer-prewarm")
 
     async def _spawn(self) -> asyncio.subprocess.Process:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with self.log_path.open("ab") as stderr:
-            return await asyncio.create_subprocess_exec(
+            proc = await asyncio.create_subprocess_exec(
                 sys.executable, "-m", "reefd.train", "--serve", stdin=asyncio.subprocess.PIPE,
                 stdout=asyncio.subprocess.PIPE, stderr=stderr, preexec_fn=die_with_parent, limit=1 << 24)
+        log.info("started trainer process %d (its log: %s)", proc.pid, self.log_path)
+        return proc
 
     async def run(self, spec: Path, on_event: Callable[[Event], None], timeout_s: float) -> int:
         """Run one job; every event goes to `on_event`; returns the job's exit status (what `--spec` exits with).
 
         TrainerTimeout if it runs past `timeout_s` (its process is killed)."""
+        if self._warming is not None:  # a process being started: this job takes it
+            await asyncio.shield(self._warming)
         proc = None
         while self._idle and proc is None:
             candidate = self._idle.pop()
@@ -103,6 +130,9 @@ class LocalTrainers:
         return status, heard
 
     async def close(self) -> None:
+        if self._warming is not None:
+            with contextlib.suppress(asyncio.CancelledError):
+                await asyncio.shield(self._warming)
         idle, self._idle = self._idle, []
         await asyncio.gather(*(_stop(p) for p in idle), return_exceptions=True)
 

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from reefd.config import GateConfig
-from reefd.gates import GateError, Generate, Task, Verdict, check_config, evaluate, load_tasks, scorer
+from reefd.gates import GateError, Generate, Task, Verdict, check_config, evaluate, fingerprint, load_tasks, scorer
 
 CAND, CUR = "cand", "cur"
 NOT_CALLABLE = 42
@@ -357,6 +357,7 @@ def test_as_meta_is_json_for_release_meta(tmp_path: Path) -> None:
     verdict = run(holdout(tasks, margin=0.25, floor=0.5), tmp_path, Engine({CAND: {0, 1}, CUR: {0}}))
     meta = json.loads(json.dumps(verdict.as_meta()))
     assert meta == {
+        "fingerprint": fingerprint(holdout(tasks, margin=0.25, floor=0.5), tmp_path), "current_reused": False,
         "verdict": "pass", "kind": "holdout", "reason": verdict.reason, "tasks": 2,
         "candidate_mean": 1.0, "current_mean": 0.5, "margin": 0.25, "floor": 0.5,
         "per_task": [{"candidate": 1.0, "current": 1.0}, {"candidate": 1.0, "current": 0.0}],
@@ -405,3 +406,58 @@ def test_paired_counts_wins_and_losses(tmp_path: Path) -> None:
         "paired on 5 tasks: 2 wins, 1 losses, 2 ties; wins - losses +1 (needs > +0)")
     strict = GateConfig(kind="paired", tasks="t.jsonl", min_win_margin=1)
     assert not asyncio.run(evaluate(strict, tmp_path, gen(answers), current="cur", candidate="cand")).passed
+
+
+# ---------------------------------------------------------------- the current side's scores, reused
+
+
+def test_known_current_scores_stand_in_for_generating_them(tmp_path: Path) -> None:
+    tasks = write_tasks(tmp_path, 4)
+    cfg = holdout(tasks)
+    digest = fingerprint(cfg, tmp_path, {"model": "m"})
+    engine = Engine({CAND: {0, 1, 2}, CUR: {0}})
+    verdict = asyncio.run(evaluate(cfg, tmp_path, engine, current=CUR, candidate=CAND, context={"model": "m"},
+                                   known_current=(digest, [1.0, 1.0, 0.0, 0.0])))
+    assert {adapter for _, adapter, _ in engine.calls} == {CAND}  # the current side was not asked
+    assert len(engine.calls) == 4
+    assert verdict.current_reused and verdict.fingerprint == digest
+    assert verdict.current_mean == 0.5 and verdict.candidate_mean == 0.75 and verdict.passed
+    assert [p["current"] for p in verdict.per_task] == [1.0, 1.0, 0.0, 0.0]
+    assert "current's scores from its own gate" in verdict.reason
+    assert verdict.as_meta()["current_reused"] is True
+
+
+@pytest.mark.parametrize("known", ["other digest", "wrong length"])
+def test_known_scores_of_another_gate_are_not_used(tmp_path: Path, known: str) -> None:
+    tasks = write_tasks(tmp_path, 3)
+    cfg = holdout(tasks)
+    digest = fingerprint(cfg, tmp_path)
+    scores = (fingerprint(holdout(tasks, seed=1), tmp_path), [1.0] * 3) if known == "other digest" else (digest, [1.0])
+    engine = Engine({CAND: {0}, CUR: {1, 2}})
+    verdict = asyncio.run(evaluate(cfg, tmp_path, engine, current=CUR, candidate=CAND, known_current=scores))
+    assert {adapter for _, adapter, _ in engine.calls} == {CAND, CUR}
+    assert not verdict.current_reused and verdict.current_mean == pytest.approx(2 / 3)
+
+
+def test_a_floor_gate_asks_only_the_candidate_whatever_is_known(tmp_path: Path) -> None:
+    tasks = write_tasks(tmp_path, 2)
+    cfg = GateConfig(kind="floor", tasks=tasks, floor=0.5)
+    engine = Engine({CAND: {0}})
+    verdict = asyncio.run(evaluate(cfg, tmp_path, engine, current=CUR, candidate=CAND,
+                                   known_current=(fingerprint(cfg, tmp_path), [1.0, 1.0])))
+    assert verdict.passed and verdict.current_mean is None and not verdict.current_reused
+
+
+def test_the_fingerprint_follows_what_scores_depend_on(tmp_path: Path) -> None:
+    tasks = write_tasks(tmp_path, 2)
+    base = fingerprint(holdout(tasks), tmp_path, {"model": "m"})
+    assert base == fingerprint(holdout(tasks), tmp_path, {"model": "m"})
+    assert base == fingerprint(holdout(tasks, margin=0.5, min_tasks=2), tmp_path, {"model": "m"})  # pass rules only
+    changed = [fingerprint(holdout(tasks, **kw), tmp_path, {"model": "m"}) for kw in (
+        {"seed": 1}, {"temperature": 0.5}, {"max_tokens": 7}, {"samples": 2}, {"scorer": "regex"})]
+    changed.append(fingerprint(holdout(tasks), tmp_path, {"model": "other"}))
+    (tmp_path / tasks).write_text((tmp_path / tasks).read_text() + '{"prompt": "q9", "answer": "a9"}\n')
+    changed.append(fingerprint(holdout(tasks), tmp_path, {"model": "m"}))
+    assert len({base, *changed}) == len(changed) + 1
+    with pytest.raises(GateError, match="cannot read tasks file"):
+        fingerprint(holdout("missing.jsonl"), tmp_path)

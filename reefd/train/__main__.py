@@ -59,8 +59,10 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def serve(fault: str | None) -> int:
-    """Jobs back to back in one process, so torch, transformers and peft are imported once."""
+    """Jobs back to back in one process, so torch, transformers and peft are imported once, before the first
+    job arrives."""
     try:
+        warm_up()
         for line in sys.stdin:
             path = line.strip()
             if not path:
@@ -73,6 +75,15 @@ def serve(fault: str | None) -> int:
     except Terminated:  # SIGTERM between jobs
         return 143
     return 0
+
+
+def warm_up() -> None:
+    """Import what every job needs (seconds of CPU), so that a process started ahead of its first job has them."""
+    import peft  # noqa: F401
+    import transformers  # noqa: F401
+    from transformers import AutoModelForCausalLM  # noqa: F401  (transformers imports lazily)
+
+    import reefd.train.loop  # noqa: F401
 
 
 def job(path: str, fault: str | None) -> int:

@@ -268,3 +268,48 @@ def test_a_candidate_whose_head_moved_is_discarded_or_rebased(tmp_path: Path, po
             assert rel["meta"]["rebased_from"] == done["built_on"] and head == done["release"]
     finally:
         stop(d)
+
+
+def test_the_gate_scores_the_serving_release_once(tmp_path: Path) -> None:
+    """A holdout gate takes the serving release's per-task scores from the gate that admitted it (same tasks,
+    scorer, sampling and seeds): from memory, and after a restart from release.json. They are what generating
+    gives: the admitted release, asked the gate's questions, scores the same."""
+    d = daemon(tmp_path, trigger="manual", gate="holdout",
+               extra="gate:\n  tasks: tasks.jsonl\n  min_tasks: 4\n  max_tokens: 4\n  margin: -1.0\n",
+               files={"tasks.jsonl": '{"prompt": "x", "answer": "placeholder"}\n' * 4})
+    prompts = ("alpha", "beta", "gamma", "delta")
+
+    def greedy(c: openai.OpenAI) -> list[str]:
+        return [c.chat.completions.create(model="learn", messages=[{"role": "user", "content": p}], max_tokens=4,
+                                          temperature=0).choices[0].message.content or "" for p in prompts]
+
+    def train(c: openai.OpenAI, n: int) -> dict[str, Any]:
+        for i in range(4):
+            turn(d, c, f"task {n} {i}", score=float(i % 2))
+        out = reefctl(d, "train", "learn", "--follow")
+        assert out.returncode == 0, out.stderr
+        job = jobs(d)[0]
+        assert job["state"] == "published", json.dumps(job)
+        return job
+
+    try:
+        c = client(d)
+        answers = greedy(c)
+        (d.scenarios / "tasks.jsonl").write_text(
+            "".join(json.dumps({"prompt": p, "answer": a}) + "\n" for p, a in zip(prompts, answers, strict=True)))
+        first = train(c, 1)["verdict"]
+        assert not first["current_reused"] and [p["current"] for p in first["per_task"]] == [1.0] * 4
+        now = greedy(c)  # the first candidate serves now
+        assert [p["candidate"] for p in first["per_task"]] == [float(a.strip() == b.strip())
+                                                               for a, b in zip(now, answers, strict=True)]
+        second = train(c, 2)["verdict"]
+        assert second["current_reused"] and "current's scores from its own gate" in second["reason"]
+        assert second["fingerprint"] == first["fingerprint"]
+        assert [p["current"] for p in second["per_task"]] == [p["candidate"] for p in first["per_task"]]
+        d.stop()
+        d.start()
+        third = train(c, 3)["verdict"]
+        assert third["current_reused"]
+        assert [p["current"] for p in third["per_task"]] == [p["candidate"] for p in second["per_task"]]
+    finally:
+        stop(d)

@@ -291,3 +291,42 @@ def test_a_warm_trainer_continues_the_optimizer_of_the_adapter_it_wrote(tiny_mod
     warm_w = load_file(str(tmp_path / "two" / "adapter_model.safetensors"))
     cold_w = load_file(str(tmp_path / "cold" / "adapter_model.safetensors"))
     assert any(not torch.equal(warm_w[k], cold_w[k]) for k in warm_w)
+
+
+def test_a_prewarmed_trainer_has_its_imports_before_the_first_job(tiny_model: Path, base: Any,
+                                                                  tmp_path: Path) -> None:
+    """reefd starts a trainer when a scenario trains weights; it imports torch before any spec arrives, and the
+    first job runs in that very process."""
+    import asyncio
+    import time
+
+    from reefd.trainers import LocalTrainers
+
+    def torch_mapped(pid: int) -> bool:
+        return "libtorch" in Path(f"/proc/{pid}/maps").read_text()
+
+    async def main() -> tuple[int, int, list[dict[str, Any]]]:
+        trainers = LocalTrainers(tmp_path / "trainer.log", keep=1)
+        trainers.prewarm()
+        trainers.prewarm()  # a second hint while the first process starts: still one process
+        assert trainers._warming is not None
+        await trainers._warming
+        assert len(trainers._idle) == 1
+        pid = trainers._idle[0].pid
+        deadline = time.monotonic() + 60
+        while not torch_mapped(pid):  # no job sent yet: the imports are the process's own doing
+            assert time.monotonic() < deadline, "the idle trainer never imported torch"
+            await asyncio.sleep(0.2)
+        path = tmp_path / "spec.json"
+        path.write_text(json.dumps(make_spec(tiny_model, tmp_path / "out", toy_samples(base))))
+        events: list[dict[str, Any]] = []
+        status = await trainers.run(path, events.append, 120)
+        ran_in = trainers._idle[0].pid
+        await trainers.close()
+        return pid, ran_in, [*events, {"status": status}]
+
+    pid, ran_in, events = asyncio.run(main())
+    assert events[-1] == {"status": 0}
+    assert ran_in == pid
+    assert [e["event"] for e in events[:-1]][-1] == "done"
+    assert (tmp_path / "out" / "adapter_model.safetensors").is_file()

@@ -92,6 +92,30 @@ def test_mixed_batch_in_process(tiny_model: Path, adapters: dict[str, Path], ref
     assert engine.adapters == {} and engine._peft is None
 
 
+def test_uniform_batches_run_with_their_adapter_active(tiny_model: Path, adapters: dict[str, Path],
+                                                      references: Any) -> None:
+    """A batch whose rows share one adapter takes PEFT's plain path with that adapter active; switching between
+    adapters, unloading the active one, and base rows beside loaded adapters all keep every row exact."""
+    engine = Engine(tiny_model, device="cpu")
+    engine.load_adapter("a", adapters["a"])
+    engine.load_adapter("b", adapters["b"])
+    switched: list[str] = []
+    set_adapter = engine._peft.set_adapter
+
+    def spy(name: str, **kw: Any) -> None:
+        switched.append(name)
+        set_adapter(name, **kw)
+
+    engine._peft.set_adapter = spy
+    for lora in ("a", "b", "b", "a", None):
+        results, _ = run(engine, [(parse_generate(body(p, lora)), p) for p in PROMPTS], max_batch=16)
+        assert [r["ids"] for r in results] == references[lora], lora
+    assert switched == ["a", "b", "a"]  # once per change of adapter; base rows go through the mixed path
+    engine.unload_adapter("a")  # the active one: PEFT activates another, so the next "b" batch sets it again
+    results, _ = run(engine, [(parse_generate(body(p, "b")), p) for p in PROMPTS], max_batch=16)
+    assert [r["ids"] for r in results] == references["b"] and switched[-1] == "b" and len(switched) == 4
+
+
 def test_engine_refuses_bad_adapters(tiny_model: Path, adapters: dict[str, Path], tmp_path: Path) -> None:
     engine = Engine(tiny_model, device="cpu")
     wrong_target = make_adapter(tiny_model, tmp_path / "wt", 3)
