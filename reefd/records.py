@@ -144,8 +144,10 @@ class RecordStore:
                         sync=True, metasync=True, writemap=False)
         with env.begin(write=True) as txn:
             for name in ("records", "by_scenario", "by_session", "reports", "report_index", "counts", "meta",
-                         "consumed"):
+                         "consumed", "reported"):
                 self._dbs[name] = env.open_db(name.encode(), txn=txn)
+            if txn.get(b"reported_index", db=self._dbs["meta"]) is None:
+                self._index_reported(txn)
         self._env, self._loop = env, asyncio.get_running_loop()
         self._stopped = self._loop.create_future()
         self._thread = threading.Thread(target=self._writer_main, name="reef-records-writer", daemon=True)
@@ -205,29 +207,54 @@ class RecordStore:
     def _apply_consumed(self, txn: lmdb.Transaction[bytes], deltas: dict[bytes, list[int]],
                         scenario: bytes, receipts: list[str], by: bytes) -> None:
         for receipt in receipts:
-            txn.put(scenario + b"\0" + receipt.encode(), by, overwrite=False, db=self._dbs["consumed"])
+            key = scenario + b"\0" + receipt.encode()
+            txn.put(key, by, overwrite=False, db=self._dbs["consumed"])
+            txn.delete(key, db=self._dbs["reported"])
 
     def unconsumed(self, scenario: str, *, window: int = 20_000) -> list[dict[str, Any]]:
-        """Records of `scenario` (with their reports) that no candidate has consumed yet, in receipt order,
-        among its `window` most recent records: a backlog of records that never become eligible (never
-        reported) neither hides new ones nor makes every look longer."""
+        """Records of `scenario` (with their reports) that no candidate has consumed yet, in receipt order: every
+        reported one however old (the `reported` index), and the unreported ones among its `window` most recent
+        records, so that a backlog of records nobody reports neither hides new ones nor makes every look longer."""
         prefix = _scenario_key(scenario) + b"\0"
-        newest: list[dict[str, Any]] = []
-        with self._reading() as txn, txn.cursor(db=self._dbs["by_scenario"]) as cursor:
-            # the scenario's newest key: just before the first key past its prefix (or the last key of all)
-            found = (cursor.set_range(prefix + b"\xff") and cursor.prev()) or cursor.last()
-            seen = 0
-            while found and seen < window:
-                key = cursor.key()
-                if not key.startswith(prefix):
-                    break
-                seen += 1
+        keys: set[bytes] = set()
+        with self._reading() as txn:
+            with txn.cursor(db=self._dbs["reported"]) as cursor:
+                found = cursor.set_range(prefix)
+                while found and cursor.key().startswith(prefix):
+                    keys.add(cursor.key())
+                    found = cursor.next()
+            with txn.cursor(db=self._dbs["by_scenario"]) as cursor:
+                # the scenario's newest key: just before the first key past its prefix (or the last key of all)
+                found = (cursor.set_range(prefix + b"\xff") and cursor.prev()) or cursor.last()
+                seen = 0
+                while found and seen < window:
+                    key = cursor.key()
+                    if not key.startswith(prefix):
+                        break
+                    seen += 1
+                    keys.add(key)
+                    found = cursor.prev()
+            out = []
+            for key in sorted(keys):  # receipt order: receipts sort by creation time
                 if txn.get(key, db=self._dbs["consumed"]) is None:
                     record = self._load_record(txn, key[len(prefix):])
                     if record is not None:
-                        newest.append(record)
-                found = cursor.prev()
-        return newest[::-1]
+                        out.append(record)
+        return out
+
+    def _index_reported(self, txn: lmdb.Transaction[bytes]) -> None:
+        """Build the `reported` index (scenario NUL receipt, for records with a report that no candidate consumed)
+        from the stored reports: once, for a store written before the index existed."""
+        db = self._dbs
+        with txn.cursor(db=db["reports"]) as cursor:
+            for _, value in cursor:
+                report = _unpack(value)
+                scenario = _scenario_key(report.get("scenario"))
+                for ref in report.get("references") or []:
+                    key = scenario + b"\0" + str(ref).encode()
+                    if txn.get(key, db=db["consumed"]) is None:
+                        txn.put(key, b"", db=db["reported"])
+        txn.put(b"reported_index", b"1", db=db["meta"])
 
     async def _submit(self, apply: Callable[..., Any], *args: Any) -> Any:
         if self._loop is None or self._closing is not None:
@@ -265,6 +292,9 @@ class RecordStore:
         txn.put(report_key, packed, db=db["reports"])
         for ref in references:  # receipt + sequence number: a receipt's reports come out oldest first
             txn.put(ref.encode() + _SEQ.pack(seq), report_key, db=db["report_index"])
+            key = scenario + b"\0" + ref.encode()
+            if txn.get(key, db=db["consumed"]) is None:
+                txn.put(key, b"", db=db["reported"])
         deltas.setdefault(scenario, [0, 0])[1] += 1
         return report, True
 

@@ -14,6 +14,7 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
+import lmdb
 import pytest
 
 from reefd.records import (
@@ -178,6 +179,40 @@ def test_consumed_records_leave_the_unconsumed_window(tmp_path: Path) -> None:
         assert store.unconsumed("nobody") == []
 
     with_store(tmp_path / "db", body)
+
+
+def test_reported_records_stay_eligible_however_old(tmp_path: Path) -> None:
+    """The window bounds the look at unreported records only: a reported record older than the window is still
+    found (the `reported` index), until a candidate consumes it; a store written before the index existed gets
+    it built when it opens."""
+    async def write(store: RecordStore) -> list[str]:
+        ids = []
+        for i in range(10):
+            rec = record("s1", i=i)
+            await store.put_record(rec)
+            ids.append(rec["id"])
+        await store.put_report("s1", {"references": [ids[1], ids[2]], "score": 1.0})
+        await store.put_report("s1", {"references": [ids[1]], "score": 0.0})  # a second report, one entry
+        await store.put_record(record("s2"))
+        assert [r["id"] for r in store.unconsumed("s1", window=3)] == [ids[1], ids[2], *ids[7:]]
+        assert [len(r["reports"]) for r in store.unconsumed("s1", window=3)[:2]] == [2, 1]
+        await store.mark_consumed("s1", [ids[2], ids[8]], "j-1")
+        assert [r["id"] for r in store.unconsumed("s1", window=3)] == [ids[1], ids[7], ids[9]]
+        assert [r["id"] for r in store.unconsumed("s1", window=0)] == [ids[1]]
+        assert store.unconsumed("s2", window=0) == []
+        return ids
+
+    ids = with_store(tmp_path / "db", write)
+    env = lmdb.open(str(tmp_path / "db"), max_dbs=16)  # as a store from before the index: no table, no flag
+    with env.begin(write=True) as txn:
+        txn.drop(env.open_db(b"reported", txn=txn), delete=True)
+        txn.delete(b"reported_index", db=env.open_db(b"meta", txn=txn))
+    env.close()
+
+    async def reopened(store: RecordStore) -> None:
+        assert [r["id"] for r in store.unconsumed("s1", window=0)] == [ids[1]]  # ids[2] was consumed: not indexed
+
+    with_store(tmp_path / "db", reopened)
 
 
 # --- reports ----------------------------------------------------------------------------------

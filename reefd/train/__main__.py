@@ -27,7 +27,7 @@ from typing import Any, NoReturn
 from reefd.train import NonFinite
 from reefd.train.spec import SpecError, TrainSpec, load_spec
 
-FAULTS = ("crash", "nan", "hang")
+FAULTS = ("crash", "nan", "hang", "hold")
 
 
 class Terminated(Exception):

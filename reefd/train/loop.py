@@ -172,6 +172,9 @@ def train(spec: TrainSpec, emit: Emit, fault: str | None = None) -> Result:
     if fault == "hang":
         while True:
             time.sleep(3600)
+    hold = Path(os.environ.get("REEF_TRAIN_HOLD") or "/nonexistent") if fault == "hold" else None
+    while hold is not None and hold.exists():  # the tests keep a job in its train stage while this file exists
+        time.sleep(0.05)
     gen = torch.Generator().manual_seed(spec.seed)
     step, started = 0, time.perf_counter()
     for _ in range(spec.optim.epochs):

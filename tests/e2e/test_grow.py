@@ -243,7 +243,10 @@ def test_an_interval_trigger_runs_jobs_on_its_own(tmp_path: Path) -> None:
 def test_a_candidate_whose_head_moved_is_discarded_or_rebased(tmp_path: Path, policy: str) -> None:
     from tests.loras import make_lora
 
-    d = daemon(tmp_path, trigger="manual", extra=f"release:\n  on_conflict: {policy}\n")
+    hold = tmp_path / "hold"  # the trainer waits while this file exists
+    hold.touch()
+    d = daemon(tmp_path, trigger="manual", extra=f"release:\n  on_conflict: {policy}\n",
+               env={"REEF_TRAIN_FAULT": "hold", "REEF_TRAIN_HOLD": str(hold)})
     try:
         c = client(d)
         for i in range(4):
@@ -256,6 +259,8 @@ def test_a_candidate_whose_head_moved_is_discarded_or_rebased(tmp_path: Path, po
         moved = reefctl(d, "publish", "learn", "--adapter", str(adapter), "-o", "json")  # an operator gets in first
         assert moved.returncode == 0, moved.stderr
         operator = json.loads(moved.stdout)["release"]["id"]
+        assert jobs(d)[0]["stage"] == "train"  # still training: the operator's publish really came first
+        hold.unlink()
         done = wait_job(d)
         rel = json.loads(d.get(f"/reef/releases/{done['release']}")[1])
         head = json.loads(d.get("/reef/status")[1])["scenarios"][0]["releases"]["head"]
