@@ -9,12 +9,12 @@ server: LoRA r 8 (alpha 16) on q/k/v/o, AdamW lr 5e-4, per iteration 8 questions
 REINFORCE step (token mean of -A log p up to the first EOS, grad norm clipped at 1.0).
 The daemon arm: a real reefd serving scenario `learn`: model smollm2 (max_batch 16), recipe sao with the same
 LoRA, lr and clipping and one optimizer step per batch of 16, trigger every 16 records, holdout gate on 8
-questions of its own (margin -0.15; the serving release's scores come from the gate that admitted it, so each
-gate generates the candidate's 8 answers), release follow. One AsyncOpenAI client sends the same 8 x 2 questions per
-iteration with `x-reef-scenario`, reports each score to /reef/report with its receipt, then waits until the
-job its batch triggered is over (train -> gate -> publish or reject -> hot swap), as the bare loop waits for
-its own update. Held-out success is measured through reefd after each new release (every answer must carry
-the new `x-reef-release-id`).
+questions of its own (margin -0.15; after the first gate, which answers with both sides, the serving
+release's scores come from the gate that admitted it, so a gate generates the candidate's 8 answers), release
+follow. One AsyncOpenAI client sends the same 8 x 2 questions per iteration with `x-reef-scenario`, reports
+each score to /reef/report with its receipt, then waits until the job its batch triggered is over (train ->
+gate -> publish or reject -> hot swap), as the bare loop waits for its own update. Held-out success is
+measured through reefd after each new release (every answer must carry the new `x-reef-release-id`).
 Clocks: each arm's clock starts after its model is loaded and its base success measured, and stops during
 every held-out evaluation, in both arms; all else counts (for reefd: HTTP, records, reports, the trainer
 process, the gate and the swap). The arms' iterations alternate (bare, daemon, bare, ...), and each clock

@@ -180,8 +180,10 @@ class GateConfig:
     reuse_current: bool = field(
         default=True,
         metadata={"description": "Weight candidates: take the serving release's per-task scores from the gate "
-                                 "that admitted it, when that gate ran the same tasks, scorer, sampling and seeds "
-                                 "on the same model, instead of generating them again (half the gate's work). "
+                                 "that admitted it, when that gate had the same fingerprint (tasks file bytes, "
+                                 "scorer and its module's source, sampling, seeds, model settings, reefd "
+                                 "version), instead of generating them again (half the gate's work). Only at "
+                                 "temperature 0 or on the worker engine, whose seeded sampling is reproducible. "
                                  "false: both sides are generated at every gate."},
     )
 

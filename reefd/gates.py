@@ -10,6 +10,7 @@ import asyncio
 import copy
 import hashlib
 import importlib
+import importlib.util
 import json
 import math
 import re
@@ -64,8 +65,14 @@ def _messages(prompt: Any, where: str) -> list[dict[str, Any]]:
 
 def load_tasks(path: Path) -> list[Task]:
     """Read a JSONL task file: one object per line with `prompt` and `answer`; blank lines are skipped."""
+    return _read_tasks(path)[0]
+
+
+def _read_tasks(path: Path) -> tuple[list[Task], str]:
+    """The tasks, and the sha256 of the very bytes they were parsed from."""
     try:
-        text = path.read_text(encoding="utf-8")
+        data = path.read_bytes()
+        text = data.decode("utf-8")
     except FileNotFoundError:
         raise GateError(f"{path}: tasks file not found") from None
     except (OSError, UnicodeDecodeError) as exc:
@@ -85,7 +92,7 @@ def load_tasks(path: Path) -> list[Task]:
             if key not in obj:
                 raise GateError(f"{where}: missing {key!r}")
         tasks.append(Task(messages=_messages(obj["prompt"], where), answer=obj["answer"], raw=obj, where=where))
-    return tasks
+    return tasks, hashlib.sha256(data).hexdigest()
 
 
 # ---------------------------------------------------------------- scorers
@@ -199,24 +206,47 @@ class Verdict:
         }
 
 
-def fingerprint(cfg: GateConfig, scenarios_dir: Path, context: dict[str, Any] | None = None) -> str:
-    """A digest of everything a side's per-task scores depend on except its weights: the tasks file's bytes,
-    the scorer, the sampling (max_tokens, temperature, samples, seed), and the caller's `context` (the model
-    and how prompts are sent). Two gates with one fingerprint ask the same questions with the same seeds, so a
-    release's scores from one stand for what the other would measure (engines sample each request with its
-    own seeded generator; only batch-dependent float rounding differs). GateError: the tasks file is missing."""
-    path = scenarios_dir / (cfg.tasks or "")
+def fingerprint(cfg: GateConfig, scenarios_dir: Path, context: dict[str, Any] | None = None, *,
+                tasks_sha256: str | None = None) -> str:
+    """A digest of everything a side's per-task scores depend on except its weights: the tasks file's bytes
+    (`tasks_sha256` when the caller already read them), the scorer (a dotted-path scorer's module source too),
+    the sampling (max_tokens, temperature, samples, seed), reefd's version, and the caller's `context` (the
+    model's settings, how prompts are sent). Two gates with one fingerprint ask the same questions with the
+    same seeds, so on an engine that samples each request with its own seeded generator a release's scores
+    from one stand for what the other would measure, up to batch-dependent float rounding.
+    GateError: the tasks file cannot be read."""
+    from reefd import __version__
+
+    if tasks_sha256 is None and cfg.tasks:
+        path = scenarios_dir / cfg.tasks
+        try:
+            tasks_sha256 = hashlib.sha256(path.read_bytes()).hexdigest()
+        except OSError as exc:
+            raise GateError(f"gate.tasks: {path}: cannot read tasks file: {exc}") from exc
+    doc = {"tasks": tasks_sha256, "scorer": cfg.scorer, "scorer_source": _scorer_source(cfg.scorer),
+           "max_tokens": cfg.max_tokens, "temperature": cfg.temperature, "samples": cfg.samples, "seed": cfg.seed,
+           "reefd": __version__, "context": context or {}}
+    return "sha256:" + hashlib.sha256(json.dumps(doc, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def _scorer_source(spec: str) -> str | None:
+    """The sha256 of a dotted-path scorer's module file (None for the built-in scorers, or no file)."""
+    if spec in SCORERS:
+        return None
     try:
-        digest = hashlib.sha256(path.read_bytes()).hexdigest() if cfg.tasks else None
-    except OSError as exc:
-        raise GateError(f"gate.tasks: {path}: cannot read tasks file: {exc}") from exc
-    doc = {"tasks": digest, "scorer": cfg.scorer, "max_tokens": cfg.max_tokens, "temperature": cfg.temperature,
-           "samples": cfg.samples, "seed": cfg.seed, "context": context or {}}
-    return "sha256:" + hashlib.sha256(json.dumps(doc, sort_keys=True).encode()).hexdigest()
+        found = importlib.util.find_spec(spec.partition(":")[0])
+    except (ImportError, ValueError):
+        return None
+    origin = found.origin if found is not None else None
+    try:
+        return hashlib.sha256(Path(origin).read_bytes()).hexdigest() if origin else None
+    except OSError:
+        return None
 
 
-def _prepare(cfg: GateConfig, scenarios_dir: Path) -> tuple[list[Task], Scorer]:
-    """The tasks and scorer of a holdout or floor gate; GateError names the key at fault."""
+def _prepare(cfg: GateConfig, scenarios_dir: Path) -> tuple[list[Task], Scorer, str]:
+    """The tasks, scorer and tasks file sha256 of a holdout, floor or paired gate; GateError names the key at
+    fault."""
     if cfg.kind not in ("holdout", "floor", "paired"):
         raise GateError(f"gate.kind: unknown gate kind {cfg.kind!r}")
     if not cfg.tasks:
@@ -230,10 +260,10 @@ def _prepare(cfg: GateConfig, scenarios_dir: Path) -> tuple[list[Task], Scorer]:
     except GateError as exc:
         raise GateError(f"gate.scorer: {exc}") from None
     try:
-        tasks = load_tasks(scenarios_dir / cfg.tasks)
+        tasks, digest = _read_tasks(scenarios_dir / cfg.tasks)
     except GateError as exc:
         raise GateError(f"gate.tasks: {exc}") from None
-    return tasks, score
+    return tasks, score, digest
 
 
 def check_config(cfg: GateConfig, scenarios_dir: Path) -> str | None:
@@ -246,7 +276,7 @@ def check_config(cfg: GateConfig, scenarios_dir: Path) -> str | None:
     if cfg.kind == "always":
         return None
     try:
-        tasks, _ = _prepare(cfg, scenarios_dir)
+        tasks, _, _ = _prepare(cfg, scenarios_dir)
     except GateError as exc:
         return str(exc)
     if len(tasks) < cfg.min_tasks:
@@ -313,9 +343,9 @@ async def evaluate(cfg: GateConfig, scenarios_dir: Path, generate: Generate, *, 
         raise ValueError(f"concurrency must be at least 1, not {concurrency}")
     if cfg.kind == "always":
         return Verdict(True, "always", None, None, 0, cfg.margin, cfg.floor, "gate kind is always", [])
-    tasks, score = _prepare(cfg, scenarios_dir)
+    tasks, score, tasks_sha256 = _prepare(cfg, scenarios_dir)
     n = len(tasks)
-    digest = fingerprint(cfg, scenarios_dir, context)
+    digest = fingerprint(cfg, scenarios_dir, context, tasks_sha256=tasks_sha256)
     reuse = (known_current is not None and known_current[0] == digest and len(known_current[1]) == n
              and cfg.kind != "floor")
 

@@ -333,10 +333,12 @@ class Runner:
                 return await gates.evaluate(cfg, self.scenarios_dir, generate, current="current",
                                             candidate="candidate", concurrency=width)
         assert out is not None
-        model = scenario.cfg.model
-        context = {"prompts": "raw", "model": [model.engine, model.source, model.path, model.url, model.upstream_model]}
+        model = {k: v for k, v in dataclasses.asdict(scenario.cfg.model).items() if k != "max_batch"}
+        context = {"prompts": "raw", "model": model}
         known = None
-        if cfg.reuse_current and binding is not None:
+        # reused scores stand for re-generated ones only where sampling is reproducible: greedy, or the worker,
+        # which samples each request with its own seeded generator
+        if cfg.reuse_current and binding is not None and (cfg.temperature == 0 or model["engine"] == "worker"):
             digest = await asyncio.to_thread(gates.fingerprint, cfg, self.scenarios_dir, context)
             scores = await asyncio.to_thread(self._known_scores, binding, digest)
             known = (digest, scores) if scores is not None else None

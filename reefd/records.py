@@ -10,6 +10,7 @@ import asyncio
 import contextlib
 import hashlib
 import json
+import logging
 import os
 import queue
 import struct
@@ -24,6 +25,8 @@ from reefd.receipts import is_receipt as _is_receipt
 from reefd.receipts import new_receipt
 from reefd.recordcodec import pack as _pack
 from reefd.recordcodec import unpack as _unpack
+
+log = logging.getLogger("reefd.records")
 
 __all__ = ["RecordStore", "ReportConflict", "StorageError", "StoreClosed", "UnknownReceipt", "new_receipt"]
 
@@ -146,8 +149,9 @@ class RecordStore:
             for name in ("records", "by_scenario", "by_session", "reports", "report_index", "counts", "meta",
                          "consumed", "reported"):
                 self._dbs[name] = env.open_db(name.encode(), txn=txn)
-            if txn.get(b"reported_index", db=self._dbs["meta"]) is None:
-                self._index_reported(txn)
+            needs_index = txn.get(b"reported_index", db=self._dbs["meta"]) is None
+        if needs_index:  # a store from before the index: built once, off the event loop
+            await asyncio.to_thread(self._build_reported_index, env)
         self._env, self._loop = env, asyncio.get_running_loop()
         self._stopped = self._loop.create_future()
         self._thread = threading.Thread(target=self._writer_main, name="reef-records-writer", daemon=True)
@@ -212,28 +216,25 @@ class RecordStore:
             txn.delete(key, db=self._dbs["reported"])
 
     def unconsumed(self, scenario: str, *, window: int = 20_000) -> list[dict[str, Any]]:
-        """Records of `scenario` (with their reports) that no candidate has consumed yet, in receipt order: every
-        reported one however old (the `reported` index), and the unreported ones among its `window` most recent
-        records, so that a backlog of records nobody reports neither hides new ones nor makes every look longer."""
+        """Records of `scenario` (with their reports) that no candidate has consumed yet, in receipt order: the
+        `window` most recent records, and the `window` most recent of those with a report (the `reported` index),
+        however old. So a backlog of records nobody reports neither hides a reported one nor makes every look
+        longer, and reported records a recipe never takes (no token ids, no score) cannot either."""
         prefix = _scenario_key(scenario) + b"\0"
         keys: set[bytes] = set()
         with self._reading() as txn:
-            with txn.cursor(db=self._dbs["reported"]) as cursor:
-                found = cursor.set_range(prefix)
-                while found and cursor.key().startswith(prefix):
-                    keys.add(cursor.key())
-                    found = cursor.next()
-            with txn.cursor(db=self._dbs["by_scenario"]) as cursor:
-                # the scenario's newest key: just before the first key past its prefix (or the last key of all)
-                found = (cursor.set_range(prefix + b"\xff") and cursor.prev()) or cursor.last()
-                seen = 0
-                while found and seen < window:
-                    key = cursor.key()
-                    if not key.startswith(prefix):
-                        break
-                    seen += 1
-                    keys.add(key)
-                    found = cursor.prev()
+            for table in ("reported", "by_scenario"):
+                with txn.cursor(db=self._dbs[table]) as cursor:
+                    # the scenario's newest key: just before the first key past its prefix (or the last of all)
+                    found = (cursor.set_range(prefix + b"\xff") and cursor.prev()) or cursor.last()
+                    seen = 0
+                    while found and seen < window:
+                        key = cursor.key()
+                        if not key.startswith(prefix):
+                            break
+                        seen += 1
+                        keys.add(key)
+                        found = cursor.prev()
             out = []
             for key in sorted(keys):  # receipt order: receipts sort by creation time
                 if txn.get(key, db=self._dbs["consumed"]) is None:
@@ -242,19 +243,25 @@ class RecordStore:
                         out.append(record)
         return out
 
-    def _index_reported(self, txn: lmdb.Transaction[bytes]) -> None:
+    def _build_reported_index(self, env: lmdb.Environment) -> None:
         """Build the `reported` index (scenario NUL receipt, for records with a report that no candidate consumed)
         from the stored reports: once, for a store written before the index existed."""
-        db = self._dbs
-        with txn.cursor(db=db["reports"]) as cursor:
-            for _, value in cursor:
-                report = _unpack(value)
-                scenario = _scenario_key(report.get("scenario"))
-                for ref in report.get("references") or []:
-                    key = scenario + b"\0" + str(ref).encode()
-                    if txn.get(key, db=db["consumed"]) is None:
-                        txn.put(key, b"", db=db["reported"])
-        txn.put(b"reported_index", b"1", db=db["meta"])
+        db, entries = self._dbs, 0
+        try:
+            with env.begin(write=True) as txn, txn.cursor(db=db["reports"]) as cursor:
+                for _, value in cursor:
+                    report = _unpack(value)
+                    scenario = _scenario_key(report.get("scenario"))
+                    for ref in report.get("references") or []:
+                        key = scenario + b"\0" + str(ref).encode()
+                        if txn.get(key, db=db["consumed"]) is None:
+                            entries += txn.put(key, b"", db=db["reported"])
+                txn.put(b"reported_index", b"1", db=db["meta"])
+        except lmdb.MapFullError:  # built at a later start, once writes have grown the map
+            log.warning("record store: no room to index reported records yet; older reported records beyond "
+                        "the newest 20,000 are not eligible for training until it is built")
+            return
+        log.info("record store: indexed %d reported records", entries)
 
     async def _submit(self, apply: Callable[..., Any], *args: Any) -> Any:
         if self._loop is None or self._closing is not None:

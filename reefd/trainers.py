@@ -49,18 +49,20 @@ class LocalTrainers:
         self.log_path = log_path
         self.keep = keep
         self._idle: list[asyncio.subprocess.Process] = []
+        self._busy = 0  # jobs running now
         self._warming: asyncio.Task[None] | None = None
 
     def prewarm(self) -> None:
         """Start a trainer process now, in the background, so that the first job does not wait for its imports
-        (torch, transformers, peft: seconds of CPU). No-op while one is idle or already starting."""
-        if self._idle or self.keep < 1 or (self._warming is not None and not self._warming.done()):
+        (torch, transformers, peft: seconds of CPU). No-op while one is idle, starting, or running a job (that
+        one stays warm, with the optimizer state it carries)."""
+        if self._idle or self._busy or self.keep < 1 or (self._warming is not None and not self._warming.done()):
             return
 
         async def warm() -> None:
             try:
                 proc = await self._spawn()
-            except OSError as exc:
+            except Exception as exc:  # OSError, SubprocessError: the next job starts its own and says why
                 log.warning("cannot start a trainer process: %s", exc)
                 return
             if len(self._idle) < self.keep:
@@ -85,6 +87,13 @@ class LocalTrainers:
         TrainerTimeout if it runs past `timeout_s` (its process is killed)."""
         if self._warming is not None:  # a process being started: this job takes it
             await asyncio.shield(self._warming)
+        self._busy += 1
+        try:
+            return await self._run(spec, on_event, timeout_s)
+        finally:
+            self._busy -= 1
+
+    async def _run(self, spec: Path, on_event: Callable[[Event], None], timeout_s: float) -> int:
         proc = None
         while self._idle and proc is None:
             candidate = self._idle.pop()
@@ -123,8 +132,10 @@ class LocalTrainers:
         except (BrokenPipeError, ConnectionResetError):
             status = await proc.wait()
         finally:
-            if status is not None and proc.returncode is None and status != 143 and len(self._idle) < self.keep:
-                self._idle.append(proc)  # warm for the next job
+            if status is not None and proc.returncode is None and status != 143:
+                self._idle.append(proc)  # warm for the next job, which takes the most recent first
+                while len(self._idle) > self.keep:  # the oldest idle one goes: this one carries optimizer state
+                    await _stop(self._idle.pop(0))
             elif proc.returncode is None:
                 await _stop(proc)
         return status, heard

@@ -182,9 +182,9 @@ def test_consumed_records_leave_the_unconsumed_window(tmp_path: Path) -> None:
 
 
 def test_reported_records_stay_eligible_however_old(tmp_path: Path) -> None:
-    """The window bounds the look at unreported records only: a reported record older than the window is still
-    found (the `reported` index), until a candidate consumes it; a store written before the index existed gets
-    it built when it opens."""
+    """A reported record older than the window is still found (the `reported` index, itself looked at over its
+    own newest `window`), until a candidate consumes it; a store written before the index existed gets it built
+    when it opens."""
     async def write(store: RecordStore) -> list[str]:
         ids = []
         for i in range(10):
@@ -196,10 +196,11 @@ def test_reported_records_stay_eligible_however_old(tmp_path: Path) -> None:
         await store.put_record(record("s2"))
         assert [r["id"] for r in store.unconsumed("s1", window=3)] == [ids[1], ids[2], *ids[7:]]
         assert [len(r["reports"]) for r in store.unconsumed("s1", window=3)[:2]] == [2, 1]
+        assert [r["id"] for r in store.unconsumed("s1", window=1)] == [ids[2], ids[9]]  # the newest reported
         await store.mark_consumed("s1", [ids[2], ids[8]], "j-1")
         assert [r["id"] for r in store.unconsumed("s1", window=3)] == [ids[1], ids[7], ids[9]]
-        assert [r["id"] for r in store.unconsumed("s1", window=0)] == [ids[1]]
-        assert store.unconsumed("s2", window=0) == []
+        assert [r["id"] for r in store.unconsumed("s1", window=1)] == [ids[1], ids[9]]
+        assert len(store.unconsumed("s2", window=1)) == 1  # another scenario's reports are not its own
         return ids
 
     ids = with_store(tmp_path / "db", write)
@@ -210,7 +211,7 @@ def test_reported_records_stay_eligible_however_old(tmp_path: Path) -> None:
     env.close()
 
     async def reopened(store: RecordStore) -> None:
-        assert [r["id"] for r in store.unconsumed("s1", window=0)] == [ids[1]]  # ids[2] was consumed: not indexed
+        assert [r["id"] for r in store.unconsumed("s1", window=1)] == [ids[1], ids[9]]  # ids[2]: consumed
 
     with_store(tmp_path / "db", reopened)
 

@@ -11,6 +11,7 @@ output_dir, fsynced, renamed into place). The training itself is `loop.train`.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import os
@@ -78,12 +79,14 @@ def serve(fault: str | None) -> int:
 
 
 def warm_up() -> None:
-    """Import what every job needs (seconds of CPU), so that a process started ahead of its first job has them."""
-    import peft  # noqa: F401
-    import transformers  # noqa: F401
-    from transformers import AutoModelForCausalLM  # noqa: F401  (transformers imports lazily)
+    """Import what every job needs (seconds of CPU), so that a process started ahead of its first job has them.
+    A failing import is left for the job, which reports it as its error."""
+    with contextlib.suppress(Exception):
+        import peft  # noqa: F401
+        import transformers  # noqa: F401
+        from transformers import AutoModelForCausalLM  # noqa: F401  (transformers imports lazily)
 
-    import reefd.train.loop  # noqa: F401
+        import reefd.train.loop  # noqa: F401
 
 
 def job(path: str, fault: str | None) -> int:

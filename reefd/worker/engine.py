@@ -120,7 +120,10 @@ class Engine:
         only = names[0]
         if only != BASE and all(n == only for n in names):
             if self._active != only:
-                self._peft.set_adapter(only, inference_mode=True)
+                try:
+                    self._peft.set_adapter(only, inference_mode=True)
+                except TypeError:  # an older peft, without the argument: requires_grad does not matter here
+                    self._peft.set_adapter(only)
                 self._active = only
             return self._peft(**kwargs)
         return self._peft(**kwargs, adapter_names=names)

@@ -330,3 +330,47 @@ def test_a_prewarmed_trainer_has_its_imports_before_the_first_job(tiny_model: Pa
     assert ran_in == pid
     assert [e["event"] for e in events[:-1]][-1] == "done"
     assert (tmp_path / "out" / "adapter_model.safetensors").is_file()
+
+
+def test_a_hint_while_a_job_trains_starts_no_second_trainer(tiny_model: Path, base: Any, tmp_path: Path,
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """A reload (prewarm) while the only trainer runs a job starts nothing: after the job, that process, which
+    carries the job's optimizer state, is the one kept warm."""
+    import asyncio
+
+    from reefd.trainers import LocalTrainers
+
+    hold = tmp_path / "hold"
+    hold.touch()
+    monkeypatch.setenv("REEF_TRAIN_FAULT", "hold")
+    monkeypatch.setenv("REEF_TRAIN_HOLD", str(hold))
+
+    async def main() -> tuple[int, list[int], list[int]]:
+        trainers = LocalTrainers(tmp_path / "trainer.log", keep=1)
+        spawned: list[int] = []
+        spawn = trainers._spawn
+
+        async def counting() -> Any:
+            proc = await spawn()
+            spawned.append(proc.pid)
+            return proc
+
+        trainers._spawn = counting  # type: ignore[method-assign]
+        path = tmp_path / "spec.json"
+        path.write_text(json.dumps(make_spec(tiny_model, tmp_path / "out", toy_samples(base))))
+        events: list[dict[str, Any]] = []
+        job = asyncio.create_task(trainers.run(path, events.append, 120))
+        while not any(e.get("event") == "start" for e in events):
+            await asyncio.sleep(0.05)
+        trainers.prewarm()
+        if trainers._warming is not None:
+            await trainers._warming
+        hold.unlink()
+        status = await job
+        kept = [p.pid for p in trainers._idle]
+        await trainers.close()
+        return status, spawned, kept
+
+    status, spawned, kept = asyncio.run(main())
+    assert status == 0
+    assert len(spawned) == 1 and kept == spawned
