@@ -22,14 +22,19 @@ also counts the CPU-seconds other processes on the machine used meanwhile, repor
 Figure of merit: the clock time of the first held-out evaluation at or above --target (0.8), daemon / bare
 (goal <= 1.3x); with 48 binary answers an evaluation's noise is about +-0.06. Also printed: the clock per
 iteration, daemon / bare, which does not depend on how fast either learns.
-Run: python bench/learning.py [--iterations 15] [--arm both|bare|daemon] [--quick] [--keep]
+Both arms' learning is noisy (which answers get sampled early decides when the rise starts), so with --runs N
+the whole comparison is repeated N times and the figure of merit is the ratio of the arms' median times;
+`make demo` runs 3.
+Run: python bench/learning.py [--iterations 15] [--runs 1] [--arm both|bare|daemon] [--quick] [--keep]
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import json
+import math
 import os
 import shutil
 import statistics
@@ -327,16 +332,20 @@ async def drive(runners: list[Any], iterations: int) -> None:
 # ---------------------------------------------------------------- output
 
 
-def plot(arms: list[Arm], target: float, path: Path) -> None:
+def plot(runs: list[dict[str, Arm]], target: float, path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4))
-    for arm in arms:
-        ts, ss = [t for t, _, _ in arm.points], [s for _, s, _ in arm.points]
-        ax.step(ts, ss, where="post", marker="o", label=f"{arm.name} ({len(arm.points) - 1} evaluations)")
+    colors = {"bare": "tab:blue", "daemon": "tab:orange"}
+    for i, arms in enumerate(runs):
+        for arm in arms.values():
+            ts, ss = [t for t, _, _ in arm.points], [s for _, s, _ in arm.points]
+            label = f"{arm.name}, run {i + 1}" if len(runs) > 1 else f"{arm.name} ({len(arm.points) - 1} evaluations)"
+            ax.step(ts, ss, where="post", marker="o", markersize=3, color=colors[arm.name],
+                    alpha=1.0 if len(runs) == 1 else 0.4 + 0.6 / len(runs) * (i + 1), label=label)
     ax.axhline(target, color="grey", linestyle="--", linewidth=1, label=f"target {target:g}")
     ax.set(xlabel="wall time, held-out evaluation excluded (s)", ylabel="held-out success",
            title="SmolLM2-135M, 'Answer in one word.', 2 CPU cores", ylim=(0, 1.05))
@@ -373,9 +382,27 @@ def stages(arm: Arm) -> str:
             + "; iteration 1: " + ", ".join(f"{k} {v}" for k, v in first.items()))
 
 
-def report(arms: dict[str, Arm], releases: list[dict[str, Any]], target: float, args: argparse.Namespace) -> None:
-    result: dict[str, Any] = {"bench": "learning", "model": "smollm2", "iterations": args.iterations,
-                              "heldout_answers": args.heldout_n * args.heldout_samples, "target": target, "goal": GOAL}
+def secs(x: float | None) -> str:
+    return "never" if x is None else f"{x:.1f} s"
+
+
+def compare(arms: dict[str, Arm], target: float) -> dict[str, Any]:
+    """One run's figures of merit: time to the target, daemon / bare, and the clock per iteration."""
+    bare, daemon = arms["bare"], arms["daemon"]
+    bare_s, daemon_s = bare.reach(target), daemon.reach(target)
+    ratio = None if bare_s is None or daemon_s is None else daemon_s / bare_s
+    per_it = daemon.clock / bare.clock if bare.clock else None
+    verdict = "n/a" if ratio is None else "meets" if ratio <= GOAL else "misses"
+    print(f"time to held-out {target:g}: bare {secs(bare_s)}, daemon {secs(daemon_s)}; ratio daemon / bare "
+          + (f"{ratio:.2f}x" if ratio is not None else "n/a (an arm never reached the target)")
+          + f" ({verdict} the {GOAL}x goal); per iteration daemon / bare {per_it:.2f}x")
+    return {"bare_reach_s": bare_s, "daemon_reach_s": daemon_s,
+            "ratio": None if ratio is None else round(ratio, 3),
+            "iteration_ratio": None if per_it is None else round(per_it, 3)}
+
+
+def report_run(arms: dict[str, Arm], releases: list[dict[str, Any]], target: float) -> dict[str, Any]:
+    result: dict[str, Any] = {}
     for arm in arms.values():
         result[arm.name] = summarize(arm, target)
     for arm in arms.values():
@@ -388,19 +415,41 @@ def report(arms: dict[str, Arm], releases: list[dict[str, Any]], target: float, 
         result["daemon"]["releases"] = [{"id": r["id"], "status": r["status"], "kind": r["kind"],
                                          "gate": (r["meta"].get("gate") or {}).get("reason")} for r in releases]
     if len(arms) == 2:
-        bare, daemon = arms["bare"], arms["daemon"]
-        bare_s, daemon_s = bare.reach(target), daemon.reach(target)
-        ratio = None if bare_s is None or daemon_s is None else daemon_s / bare_s
-        per_it = daemon.clock / bare.clock if bare.clock else None
-        verdict = "n/a" if ratio is None else "meets" if ratio <= GOAL else "misses"
-        def secs(x: float | None) -> str:
-            return "never" if x is None else f"{x:.1f} s"
+        result.update(compare(arms, target))
+    return result
 
-        print(f"time to held-out {target:g}: bare {secs(bare_s)}, daemon {secs(daemon_s)}; ratio daemon / bare "
-              + (f"{ratio:.2f}x" if ratio is not None else "n/a (an arm never reached the target)")
-              + f" ({verdict} the {GOAL}x goal); per iteration daemon / bare {per_it:.2f}x")
-        result["ratio"] = None if ratio is None else round(ratio, 3)
-        result["iteration_ratio"] = None if per_it is None else round(per_it, 3)
+
+def report(runs: list[tuple[dict[str, Arm], list[dict[str, Any]]]], target: float, args: argparse.Namespace) -> None:
+    """Each run's figures, then over several runs the medians: each arm's median time to the target (a run
+    that never reached it counts as infinitely slow), their ratio, and the median clock-per-iteration ratio."""
+    result: dict[str, Any] = {"bench": "learning", "model": "smollm2", "iterations": args.iterations,
+                              "runs": len(runs), "heldout_answers": args.heldout_n * args.heldout_samples,
+                              "target": target, "goal": GOAL}
+    per_run = []
+    for i, (arms, releases) in enumerate(runs):
+        if len(runs) > 1:
+            print(f"--- run {i + 1} of {len(runs)}")
+        per_run.append(report_run(arms, releases, target))
+    if len(runs) == 1:
+        result.update(per_run[0])
+    else:
+        result["per_run"] = per_run
+        if all("ratio" in r for r in per_run):
+            def median_reach(key: str) -> float | None:
+                value = statistics.median([math.inf if r[key] is None else r[key] for r in per_run])
+                return None if math.isinf(value) else value
+
+            bare_s, daemon_s = median_reach("bare_reach_s"), median_reach("daemon_reach_s")
+            ratio = None if bare_s is None or daemon_s is None else daemon_s / bare_s
+            per_it = statistics.median([r["iteration_ratio"] for r in per_run if r["iteration_ratio"] is not None])
+            verdict = "n/a" if ratio is None else "meets" if ratio <= GOAL else "misses"
+            ratios = ", ".join("n/a" if r["ratio"] is None else f"{r['ratio']:.2f}x" for r in per_run)
+            print(f"over {len(runs)} runs: median time to held-out {target:g}: bare {secs(bare_s)}, daemon "
+                  f"{secs(daemon_s)}; ratio daemon / bare "
+                  + (f"{ratio:.2f}x" if ratio is not None else "n/a") + f" ({verdict} the {GOAL}x goal); "
+                  f"each run: {ratios}; median per-iteration ratio {per_it:.2f}x")
+            result.update({"bare_reach_s": bare_s, "daemon_reach_s": daemon_s,
+                           "ratio": None if ratio is None else round(ratio, 3), "iteration_ratio": round(per_it, 3)})
     print(f"learning curve: {PNG}")
     print(json.dumps(result))
 
@@ -414,26 +463,34 @@ def main() -> None:
     ap.add_argument("--heldout-samples", type=int, default=2, help="answers per held-out question")
     ap.add_argument("--seed", type=int, default=0, help="the bare script's torch seed")
     ap.add_argument("--keep", action="store_true", help="keep the daemon's scratch folder (log, state)")
+    ap.add_argument("--runs", type=int, default=1,
+                    help="independent runs (a fresh reefd, and the bare loop seeded --seed + run): medians over runs")
     args = ap.parse_args()
     args.heldout_n = len(lt.HELDOUT)
     if args.quick:
         args.iterations, args.heldout_n, args.heldout_samples = 2, 8, 1
     heldout = lt.HELDOUT[: args.heldout_n]
     folder = model_folder()
-    runners: list[Any] = []
-    if args.arm in ("both", "bare"):
-        runners.append(BareRunner(folder, heldout, args.heldout_samples, args.seed))
-    daemon = DaemonRunner(folder, heldout, args.heldout_samples, args.keep) if args.arm != "bare" else None
-    try:
-        if daemon is not None:
-            runners.append(daemon)
-        asyncio.run(drive(runners, args.iterations))
-    finally:
-        if daemon is not None:
-            daemon.stop()
-    arms = {r.arm.name: r.arm for r in runners}
-    plot(list(arms.values()), args.target, PNG)
-    report(arms, daemon.releases if daemon else [], args.target, args)
+    runs: list[tuple[dict[str, Arm], list[dict[str, Any]]]] = []
+    for run in range(args.runs):
+        if args.runs > 1:
+            print(f"--- run {run + 1} of {args.runs} (bare seed {args.seed + run})", flush=True)
+        runners: list[Any] = []
+        if args.arm in ("both", "bare"):
+            runners.append(BareRunner(folder, heldout, args.heldout_samples, args.seed + run))
+        daemon = DaemonRunner(folder, heldout, args.heldout_samples, args.keep) if args.arm != "bare" else None
+        try:
+            if daemon is not None:
+                runners.append(daemon)
+            asyncio.run(drive(runners, args.iterations))
+        finally:
+            if daemon is not None:
+                daemon.stop()
+        runs.append(({r.arm.name: r.arm for r in runners}, daemon.releases if daemon else []))
+        del runners  # the bare loop's model and optimizer
+        gc.collect()
+    plot([arms for arms, _ in runs], args.target, PNG)
+    report(runs, args.target, args)
 
 
 if __name__ == "__main__":
