@@ -41,6 +41,9 @@ class Task:
 Scorer = Callable[[str, Task], float]
 """(answer text, task) -> a score in [0, 1]."""
 
+KnownScores = Callable[[str], Awaitable[list[float] | None]]
+"""(gate fingerprint) -> the current side's per-task means under it, measured by an earlier gate, or None."""
+
 Generate = Callable[[list[dict[str, Any]], str | None, GateConfig, int], Awaitable[str]]
 """(messages, adapter name or None for the base model, gate config, seed) -> the answer text.
 
@@ -322,7 +325,7 @@ def _mean(xs: list[float]) -> float:
 
 async def evaluate(cfg: GateConfig, scenarios_dir: Path, generate: Generate, *, current: str | None,
                    candidate: str | None, concurrency: int = 4, context: dict[str, Any] | None = None,
-                   known_current: tuple[str, list[float]] | None = None) -> Verdict:
+                   known_current: KnownScores | None = None) -> Verdict:
     """Judge `candidate` (an adapter name, None for the base model) by the gate `cfg`.
 
     always: passes without generating. floor: passes iff the candidate's mean is at least
@@ -335,9 +338,9 @@ async def evaluate(cfg: GateConfig, scenarios_dir: Path, generate: Generate, *, 
     A task's score is the mean of its cfg.samples answers; a mean is over tasks. Fewer than
     cfg.min_tasks tasks is a failed verdict; configuration problems raise GateError.
 
-    `context` goes into the verdict's fingerprint (see fingerprint()). `known_current` is (fingerprint,
-    per-task means) of the current side measured by an earlier gate: when the fingerprint is this gate's and
-    there is a mean for every task, the current side is not generated again and the verdict says so.
+    `context` goes into the verdict's fingerprint (see fingerprint()). `known_current(fingerprint)` gives the
+    current side's per-task means measured by an earlier gate with this fingerprint, or None: when there is a
+    mean for every task, the current side is not generated again and the verdict says so.
     """
     if concurrency < 1:
         raise ValueError(f"concurrency must be at least 1, not {concurrency}")
@@ -346,8 +349,8 @@ async def evaluate(cfg: GateConfig, scenarios_dir: Path, generate: Generate, *, 
     tasks, score, tasks_sha256 = _prepare(cfg, scenarios_dir)
     n = len(tasks)
     digest = fingerprint(cfg, scenarios_dir, context, tasks_sha256=tasks_sha256)
-    reuse = (known_current is not None and known_current[0] == digest and len(known_current[1]) == n
-             and cfg.kind != "floor")
+    known = await known_current(digest) if known_current is not None and cfg.kind != "floor" else None
+    reuse = known is not None and len(known) == n
 
     def verdict(passed: bool, reason: str, cand: float | None = None, cur: float | None = None,
                 per_task: list[dict[str, float | None]] | None = None) -> Verdict:
@@ -360,8 +363,8 @@ async def evaluate(cfg: GateConfig, scenarios_dir: Path, generate: Generate, *, 
     means = await _answer_all(tasks, sides, cfg, score, generate, concurrency)
     cand_scores, cur_scores = means["candidate"], means.get("current")
     if reuse:
-        assert known_current is not None
-        cur_scores = [float(x) for x in known_current[1]]
+        assert known is not None
+        cur_scores = [float(x) for x in known]
     per_task: list[dict[str, float | None]] = [
         {"candidate": c, "current": cur_scores[i] if cur_scores else None} for i, c in enumerate(cand_scores)]
     cand = _mean(cand_scores)

@@ -247,6 +247,16 @@ class Harness(Mapping[tuple[str, str], Entry]):
 # -- entries
 
 
+def _exact_keys(mapping: Mapping[Any, Any], keys: tuple[str, ...], what: str) -> None:
+    """_Bad unless `mapping` has exactly `keys`."""
+    for key in mapping:
+        if key not in keys:
+            raise _Bad(f"unknown {what} key {_word(key)} (expected {', '.join(keys)})")
+    for key in keys:
+        if key not in mapping:
+            raise _Bad(f"{what} needs {key!r}")
+
+
 def _word(value: object) -> str:
     """`value` for a one-line message: bare when it is a plain token, else a short repr."""
     if isinstance(value, str) and _WORD_RE.fullmatch(value):
@@ -285,13 +295,7 @@ def _check_entry(kind: object, ident: object, config: object) -> Mapping[str, An
     if kind == "config":
         frozen: Mapping[str, Any] = _freeze(config, "config", [_MAX_VALUES], 0)
         return frozen
-    keys = ("description", "body") if kind == "skill" else ("body",)
-    for key in config:
-        if key not in keys:
-            raise _Bad(f"unknown config key {_word(key)} (expected {', '.join(keys)})")
-    for key in keys:
-        if key not in config:
-            raise _Bad(f"config needs {key!r}")
+    _exact_keys(config, ("description", "body") if kind == "skill" else ("body",), "config")
     out = {"body": _body(config["body"])}
     if kind == "skill":
         out = {"description": _description(config["description"]), **out}
@@ -521,12 +525,7 @@ def _skill(text: str, folder: str) -> dict[str, Any]:
     meta = _yaml("\n".join(lines[1:end]))
     if not isinstance(meta, dict):
         raise _Bad("front matter must be a YAML mapping")
-    for key in meta:
-        if key not in _FRONT_KEYS:
-            raise _Bad(f"unknown front matter key {_word(key)} (expected name, description)")
-    for key in _FRONT_KEYS:
-        if key not in meta:
-            raise _Bad(f"front matter needs {key!r}")
+    _exact_keys(meta, _FRONT_KEYS, "front matter")
     if meta["name"] != folder:
         raise _Bad(f"name {_word(meta['name'])} does not match its folder {folder}")
     return {"description": meta["description"], "body": "\n".join(lines[end + 1 :])}

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import json
 import logging
 import os
@@ -134,15 +135,18 @@ class Runner:
         while len(self._scores) > self.SCORES_KEPT:
             self._scores.popitem(last=False)
 
-    def _known_scores(self, binding: Binding, digest: str) -> list[float] | None:
+    async def _known_scores(self, binding: Binding, digest: str) -> list[float] | None:
         """The serving adapter's per-task scores under this gate fingerprint: measured by an earlier gate of this
         process, or kept in release.json by the gate that admitted it (for a rollback or promote, by the gate
         that admitted the release it copies)."""
         known = self._scores.get((_adapter_key(binding), digest))
         if known is not None or binding.artifact is None:
             return known
+        return await asyncio.to_thread(self._admitted_scores, binding.release, digest)
+
+    def _admitted_scores(self, release: str, digest: str) -> list[float] | None:
         try:
-            rel = self.chain.get(binding.release, include_rejected=True)
+            rel = self.chain.get(release, include_rejected=True)
         except ReleaseError:
             return None
         for meta in (rel.meta, rel.meta.get("target_meta") or {}):
@@ -232,9 +236,6 @@ class Runner:
         """Publish (or keep as rejected) the candidate, consume its records, swap, and say how it ended."""
         if verdict.passed:
             rel = await self.publish(job, scenario, head, out, meta, kind)
-            if kind == "adapter" and rel.status == "released":
-                tree = (await asyncio.to_thread(self.chain.artifacts, rel.id)).get("adapter")
-                self._remember(tree, verdict.fingerprint, [p["candidate"] for p in verdict.per_task])
         else:
             rel = await asyncio.to_thread(self.chain.reject, job.scenario, built_on=head.id, kind=kind,
                                           artifact_dir=out, meta=meta)
@@ -246,6 +247,8 @@ class Runner:
             if binding is None or binding.release != rel.id:
                 live = self.registry.scenarios.get(job.scenario)
                 job.error = f"published, but not serving yet: {live.error if live else 'scenario removed'}"
+            elif kind == "adapter":  # the next gate's current side: scores measured on this adapter's tree
+                self._remember(binding.artifact, verdict.fingerprint, [p["candidate"] for p in verdict.per_task])
         job.stage = "done"
         job.state = "published" if rel.status == "released" else "rejected"
 
@@ -339,9 +342,7 @@ class Runner:
         # reused scores stand for re-generated ones only where sampling is reproducible: greedy, or the worker,
         # which samples each request with its own seeded generator
         if cfg.reuse_current and binding is not None and (cfg.temperature == 0 or model["engine"] == "worker"):
-            digest = await asyncio.to_thread(gates.fingerprint, cfg, self.scenarios_dir, context)
-            scores = await asyncio.to_thread(self._known_scores, binding, digest)
-            known = (digest, scores) if scores is not None else None
+            known = functools.partial(self._known_scores, binding)
         with self.registry.using(engine, serving):  # held from before the load: the serving adapter stays
             await engine.load_adapter(name, out)
             try:

@@ -4,6 +4,7 @@ following a rollback or promote to the release it copies. A real release chain; 
 
 from __future__ import annotations
 
+import asyncio
 import os
 from pathlib import Path
 from typing import Any
@@ -38,40 +39,44 @@ def setup(tmp_path: Path) -> tuple[Runner, ReleaseChain, Release, Release]:
     return runner, chain, base, r1
 
 
+def known(runner: Runner, binding: Binding, digest: str) -> list[float] | None:
+    return asyncio.run(runner._known_scores(binding, digest))
+
+
 def bound(chain: ReleaseChain, rel: Release) -> Binding:
     return Binding(rel.id, rel.id, chain.artifacts(rel.id)["adapter"])
 
 
 def test_the_admitting_gate_candidate_column_is_the_serving_release_score(setup: Any) -> None:
     runner, chain, _, r1 = setup
-    assert runner._known_scores(bound(chain, r1), "fp") == [0.25, 1.0]  # not the current column
-    assert runner._known_scores(bound(chain, r1), "other") is None
+    assert known(runner, bound(chain, r1), "fp") == [0.25, 1.0]  # not the current column
+    assert known(runner, bound(chain, r1), "other") is None
 
 
 def test_a_rollback_finds_the_scores_of_the_release_it_copies(setup: Any, tmp_path: Path) -> None:
     runner, chain, _, r1 = setup
     r2 = chain.publish("s", expected_head=r1.id, kind="adapter", artifact_dir=adapter(tmp_path, "a2"),
                        meta={"gate": gate("fp", [0.0, 0.0], [0.25, 1.0])})
-    assert runner._known_scores(bound(chain, r2), "fp") == [0.0, 0.0]
+    assert known(runner, bound(chain, r2), "fp") == [0.0, 0.0]
     back = chain.rollback("s", r1.id, expected_head=r2.id)
     assert back.kind == "rollback" and "gate" not in back.meta
-    assert runner._known_scores(bound(chain, back), "fp") == [0.25, 1.0]
+    assert known(runner, bound(chain, back), "fp") == [0.25, 1.0]
 
 
 def test_measured_scores_are_remembered_by_adapter_tree_and_base(setup: Any) -> None:
     runner, chain, base, r1 = setup
     serving = bound(chain, r1)
     runner._remember(serving.artifact, "fp2", [0.5, 0.0])
-    assert runner._known_scores(serving, "fp2") == [0.5, 0.0]
-    assert runner._known_scores(Binding(base.id), "fp2") is None  # the base model is another side
+    assert known(runner, serving, "fp2") == [0.5, 0.0]
+    assert known(runner, Binding(base.id), "fp2") is None  # the base model is another side
     runner._remember("base", "fp2", [1.0, 1.0])
-    assert runner._known_scores(Binding(base.id), "fp2") == [1.0, 1.0]
+    assert known(runner, Binding(base.id), "fp2") == [1.0, 1.0]
     runner._remember(serving.artifact, "fp3", [0.5, None])  # an unscored task: nothing kept
-    assert runner._known_scores(serving, "fp3") is None
+    assert known(runner, serving, "fp3") is None
 
 
 def test_a_malformed_gate_record_is_not_used(setup: Any, tmp_path: Path) -> None:
     runner, chain, _, r1 = setup
     bad = chain.publish("s", expected_head=r1.id, kind="adapter", artifact_dir=adapter(tmp_path, "a3"),
                         meta={"gate": gate("fp", [1.0, None], [0.0, 0.0])})
-    assert runner._known_scores(bound(chain, bad), "fp") is None
+    assert known(runner, bound(chain, bad), "fp") is None

@@ -411,13 +411,21 @@ def test_paired_counts_wins_and_losses(tmp_path: Path) -> None:
 # ---------------------------------------------------------------- the current side's scores, reused
 
 
+def lookup(known: dict[str, list[float]]) -> Any:
+    """A `known_current` callback over scores measured earlier, by fingerprint."""
+    async def find(digest: str) -> list[float] | None:
+        return known.get(digest)
+
+    return find
+
+
 def test_known_current_scores_stand_in_for_generating_them(tmp_path: Path) -> None:
     tasks = write_tasks(tmp_path, 4)
     cfg = holdout(tasks)
     digest = fingerprint(cfg, tmp_path, {"model": "m"})
     engine = Engine({CAND: {0, 1, 2}, CUR: {0}})
     verdict = asyncio.run(evaluate(cfg, tmp_path, engine, current=CUR, candidate=CAND, context={"model": "m"},
-                                   known_current=(digest, [1.0, 1.0, 0.0, 0.0])))
+                                   known_current=lookup({digest: [1.0, 1.0, 0.0, 0.0]})))
     assert {adapter for _, adapter, _ in engine.calls} == {CAND}  # the current side was not asked
     assert len(engine.calls) == 4
     assert verdict.current_reused and verdict.fingerprint == digest
@@ -432,9 +440,9 @@ def test_known_scores_of_another_gate_are_not_used(tmp_path: Path, known: str) -
     tasks = write_tasks(tmp_path, 3)
     cfg = holdout(tasks)
     digest = fingerprint(cfg, tmp_path)
-    scores = (fingerprint(holdout(tasks, seed=1), tmp_path), [1.0] * 3) if known == "other digest" else (digest, [1.0])
+    scores = {fingerprint(holdout(tasks, seed=1), tmp_path): [1.0] * 3} if known == "other digest" else {digest: [1.0]}
     engine = Engine({CAND: {0}, CUR: {1, 2}})
-    verdict = asyncio.run(evaluate(cfg, tmp_path, engine, current=CUR, candidate=CAND, known_current=scores))
+    verdict = asyncio.run(evaluate(cfg, tmp_path, engine, current=CUR, candidate=CAND, known_current=lookup(scores)))
     assert {adapter for _, adapter, _ in engine.calls} == {CAND, CUR}
     assert not verdict.current_reused and verdict.current_mean == pytest.approx(2 / 3)
 
@@ -444,7 +452,7 @@ def test_a_floor_gate_asks_only_the_candidate_whatever_is_known(tmp_path: Path) 
     cfg = GateConfig(kind="floor", tasks=tasks, floor=0.5)
     engine = Engine({CAND: {0}})
     verdict = asyncio.run(evaluate(cfg, tmp_path, engine, current=CUR, candidate=CAND,
-                                   known_current=(fingerprint(cfg, tmp_path), [1.0, 1.0])))
+                                   known_current=lookup({fingerprint(cfg, tmp_path): [1.0, 1.0]})))
     assert verdict.passed and verdict.current_mean is None and not verdict.current_reused
 
 
