@@ -18,8 +18,7 @@ from pathlib import Path
 
 from aiohttp import web
 
-from reefd import __version__, config, systemd
-from reefd.api.keys import REGISTRY, SCHEDULER
+from reefd import __version__, config, loop, systemd
 from reefd.app import Settings, build_app
 from reefd.auth import load_tokens
 
@@ -102,8 +101,7 @@ async def _reload(app: web.Application, scenarios_dir: Path) -> None:
     systemd.notify("RELOADING=1", f"MONOTONIC_USEC={time.clock_gettime_ns(time.CLOCK_MONOTONIC) // 1000}")
     try:
         scenarios = await asyncio.to_thread(config.load_all, scenarios_dir)  # off the event loop
-        await app[REGISTRY].reload(scenarios)
-        app[SCHEDULER].sync_triggers()
+        await loop.reload(app, scenarios)
         log.info("reloaded scenarios: %s", ", ".join(sorted(scenarios)))
     except config.ConfigError as exc:
         log.error("reload refused, still serving the previous scenarios: %s", exc)
@@ -116,7 +114,7 @@ async def _reload(app: web.Application, scenarios_dir: Path) -> None:
 async def _announce_ready(app: web.Application) -> None:
     """READY=1 once every engine generates; or, past the start-up deadline, with a STATUS=
     naming the engines that do not (so `systemctl start` never hangs on a broken model)."""
-    registry = app[REGISTRY]
+    registry = app[loop.REGISTRY]
     deadline = time.monotonic() + max(
         (s.cfg.model.startup_timeout_s for s in registry.scenarios.values()), default=0)
     while not registry.ready and time.monotonic() < deadline:

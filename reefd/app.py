@@ -1,100 +1,27 @@
-"""The aiohttp app factory: Reef's loop at a glance, each resource a cleanup context.
-
-Serve (OpenAI / Anthropic APIs → scenario engine) → Observe (records + reports in LMDB).
-Grow and Commit (recipes, gates, the release chain) plug in beside these resources.
+"""The aiohttp app factory: the middlewares, the routes by stage of the loop, and the loop's resources
+(reefd/loop.py, where the edges between Serve, Observe, Grow and Commit are wired).
 """
 
 from __future__ import annotations
 
-import asyncio
-import logging
-import shutil
-import time
-from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
-from pathlib import Path
-
-import aiohttp
-import orjson
 from aiohttp import web
 
+from reefd import loop
 from reefd.api import admin, anthropic, openai, reports, responses
 from reefd.api import harness as harness_api
 from reefd.api import jobs as jobs_api
 from reefd.api import releases as release_api
 from reefd.api.errors import error_middleware
-from reefd.api.keys import CHAIN, REGISTRY, SCHEDULER, STARTED_AT, STORE
 from reefd.auth import auth_middleware
-from reefd.config import ScenarioConfig
-from reefd.records import RecordStore
-from reefd.releases import ReleaseChain
-from reefd.scenarios import Registry
-from reefd.schedule import Scheduler
+from reefd.loop import Settings
 
-log = logging.getLogger("reefd")
-HTTP = web.AppKey("http", aiohttp.ClientSession)
-
-
-@dataclass
-class Settings:
-    """How this daemon runs (flags and environment), as opposed to what it serves (scenarios)."""
-
-    state_dir: Path
-    tokens: list[str]
-    records_map_size: int = 1 << 30
-    shutdown_timeout_s: float = 30.0
-    scenarios: dict[str, ScenarioConfig] = field(default_factory=dict)
-    scenarios_dir: Path = Path("scenarios")  # gate task files are relative to it
-    max_jobs: int = 1  # Grow jobs running at once, across every scenario
+__all__ = ["Settings", "build_app"]
 
 
 def build_app(settings: Settings) -> web.Application:
     app = web.Application(middlewares=[error_middleware, auth_middleware(settings.tokens)],
                           client_max_size=64 * 1024 * 1024)
-    app[STARTED_AT] = time.time()
-
-    async def records(app: web.Application) -> AsyncIterator[None]:  # Observe
-        app[STORE] = RecordStore(settings.state_dir / "records",
-                                 map_size=settings.records_map_size)
-        await app[STORE].open()
-        yield
-        await app[STORE].close()
-
-    async def http_client(app: web.Application) -> AsyncIterator[None]:
-        connector = aiohttp.TCPConnector(limit=0, limit_per_host=0)
-        app[HTTP] = aiohttp.ClientSession(connector=connector, trust_env=False,
-                                          json_serialize=lambda o: orjson.dumps(o).decode())
-        yield
-        await app[HTTP].close()
-
-    async def releases(app: web.Application) -> AsyncIterator[None]:  # Commit
-        app[CHAIN] = ReleaseChain(settings.state_dir / "releases.git")
-        for lock in app[CHAIN].clear_stale_locks():  # reefd is the chain's only writer
-            log.warning("removed a stale release lock left by a killed writer: %s", lock)
-        # uploads and materialized adapters an earlier run left behind (they are rebuilt from the chain)
-        for stale in [*(settings.state_dir / "releases.git" / "lfs" / "tmp").iterdir(),
-                      settings.state_dir / "serving"]:
-            if stale.is_dir():
-                await asyncio.to_thread(shutil.rmtree, stale, True)
-            else:
-                stale.unlink(missing_ok=True)
-        yield
-
-    async def engines(app: web.Application) -> AsyncIterator[None]:  # Serve
-        app[REGISTRY] = Registry(settings.scenarios, settings.state_dir, app[HTTP], app[CHAIN],
-                                 settings.scenarios_dir)
-        await app[REGISTRY].start()
-        yield
-        await app[REGISTRY].stop()
-
-    async def grow(app: web.Application) -> AsyncIterator[None]:  # Grow: triggers and jobs
-        app[SCHEDULER] = Scheduler(app[REGISTRY], app[STORE], app[CHAIN], settings.state_dir,
-                                   settings.scenarios_dir, max_jobs=settings.max_jobs)
-        app[SCHEDULER].start()
-        yield
-        await app[SCHEDULER].stop()
-
-    app.cleanup_ctx.extend([records, http_client, releases, engines, grow])
+    loop.install(app, settings)
 
     # Serve: provider-native agent APIs, by header or by path.
     for prefix in ("", "/scenarios/{scenario}"):

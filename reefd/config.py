@@ -1,7 +1,8 @@
-"""Scenario configs: structured dataclasses, composed by Hydra, validated by JSON Schema.
+"""Scenario configs: structured dataclasses, composed by Hydra, validated by JSON Schema at load.
 
-Owns the YAML contract (keys, defaults, allowed values) and turns any mistake into one
-line naming the file and the full key path. Knows nothing about HTTP or engines.
+Owns the scenario's YAML contract and turns any mistake into one line naming the file and the full key path.
+The plug points own their parts of it: `model:` is the engines' ModelConfig, `gate:` is checked by the gate kind
+it names (reefd/gates), `recipe.params` by the recipe. Knows nothing about HTTP, records or the chain.
 """
 
 from __future__ import annotations
@@ -9,7 +10,6 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import re
-import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -19,65 +19,12 @@ import jsonschema
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-ENGINE_KINDS = ["worker", "sglang", "upstream"]
-MODEL_SOURCES = ["tiny", "smollm2"]
-TOOL_PARSERS = ["hermes"]
+from reefd import gates, plugins, recipes, schema
+from reefd.engines import ModelConfig, engine_class
+from reefd.harness import Harness, HarnessError
+from reefd.releases import InvalidName, validate_name
 
-
-@dataclass
-class ModelConfig:
-    """Which model answers a scenario, and which engine runs it."""
-
-    name: str = field(default="", metadata={"description": "Display name of the model."})
-    engine: str = field(
-        default="worker",
-        metadata={"enum": ENGINE_KINDS, "description": "worker: the embedded engine process; "
-                  "sglang: a real SGLang server (launched, or attached by url); "
-                  "upstream: an OpenAI-compatible provider."},
-    )
-    source: str | None = field(
-        default=None,
-        metadata={"enum": [*MODEL_SOURCES, None],
-                  "description": "A built-in model that reefd prepares into STATE/models/<source>."},
-    )
-    path: str | None = field(
-        default=None, metadata={"description": "An HF model folder (overrides source)."}
-    )
-    url: str | None = field(
-        default=None,
-        metadata={"description": "sglang: attach to this server instead of launching one. "
-                  "upstream: the provider's base URL, e.g. https://api.openai.com/v1."},
-    )
-    api_key_env: str | None = field(
-        default=None, metadata={"description": "upstream: environment variable holding the key."}
-    )
-    upstream_model: str | None = field(
-        default=None, metadata={"description": "upstream: the model name sent to the provider."}
-    )
-    tool_parser: str = field(
-        default="hermes",
-        metadata={"enum": TOOL_PARSERS, "description": "How tool calls appear in model output."},
-    )
-    max_batch: int = field(
-        default=8, metadata={"minimum": 1, "description": "Engine batch size (worker)."}
-    )
-    max_new_tokens: int | None = field(
-        default=None, metadata={"minimum": 1,
-                                "description": "Caps generation whatever max_tokens a client asks "
-                                               "for; the answer then ends with a length stop."}
-    )
-    context_length: int | None = field(
-        default=None, metadata={"minimum": 1,
-                                "description": "Prompt plus answer, in tokens (default: the model "
-                                               "folder's max_position_embeddings)."}
-    )
-    launch_args: list[str] = field(
-        default_factory=list,
-        metadata={"description": "Extra command-line arguments for a launched engine."},
-    )
-    startup_timeout_s: float = field(
-        default=600.0, metadata={"exclusiveMinimum": 0, "description": "Engine start deadline."}
-    )
+__all__ = ["ConfigError", "ModelConfig", "ReleaseConfig", "ScenarioConfig", "compose", "json_schema", "load_all"]
 
 
 @dataclass
@@ -108,13 +55,13 @@ class RecipeConfig:
 
     name: str = field(
         default="record",
-        metadata={"description": "A shipped recipe (record, sao, grpo) or a dotted path pkg.mod:Class. "
-                                 "record only records and never trains."},
+        metadata={"description": "A shipped recipe (record, sao, grpo, skillclaw) or a dotted path "
+                                 "pkg.mod:Class. record only records and never trains."},
     )
     backend: str = field(
-        default="local", metadata={"enum": ["local"],
-                                   "description": "Where weight jobs run: local runs `python -m reefd.train` "
-                                                  "as a subprocess."},
+        default="local",
+        metadata={"description": "Where weight jobs run: local runs `python -m reefd.train` as a subprocess; "
+                                 "or pkg.mod:Class, a TrainerBackend of your own."},
     )
     params: dict[str, Any] = field(
         default_factory=dict,
@@ -138,53 +85,6 @@ class TriggerConfig:
     )
     cron: str | None = field(
         default=None, metadata={"description": "A crontab expression (minute hour day month weekday)."}
-    )
-
-
-GATE_KINDS = ["always", "holdout", "floor", "paired"]
-
-
-@dataclass
-class GateConfig:
-    """How a candidate is judged before it may be published."""
-
-    kind: str = field(
-        default="always",
-        metadata={"enum": GATE_KINDS,
-                  "description": "always: pass; holdout: beat the serving release on held-out tasks by "
-                                 "margin; floor: score at least `floor` on the tasks; paired: run each task "
-                                 "with the candidate and with the current release, pass iff wins - losses > "
-                                 "min_win_margin."},
-    )
-    tasks: str | None = field(
-        default=None,
-        metadata={"description": "JSONL task file (relative to the scenarios folder): one object per line "
-                                 "with `prompt` (a string or OpenAI messages) and `answer`."},
-    )
-    scorer: str = field(
-        default="exact",
-        metadata={"description": "exact (answer == text, stripped), regex (answer is a pattern searched in "
-                                 "the text), or a dotted path pkg.mod:fn(text, task) -> float in [0, 1]."},
-    )
-    margin: float = field(default=0.0, metadata={"description": "holdout: required mean improvement."})
-    min_tasks: int = field(default=1, metadata={"minimum": 1, "description": "Fewer tasks: the gate fails."})
-    floor: float | None = field(
-        default=None, metadata={"description": "floor (and optionally holdout): minimum candidate mean."}
-    )
-    max_tokens: int = field(default=32, metadata={"minimum": 1, "description": "Answer length per task."})
-    temperature: float = field(default=0.0, metadata={"minimum": 0, "maximum": 2,
-                                                      "description": "Sampling for both sides (0: greedy)."})
-    samples: int = field(default=1, metadata={"minimum": 1, "description": "Answers per task and side."})
-    seed: int = field(default=0, metadata={"description": "Sampling seed, the same for both sides."})
-    min_win_margin: int = field(default=0, metadata={"description": "paired: wins - losses must exceed this."})
-    reuse_current: bool = field(
-        default=True,
-        metadata={"description": "Weight candidates: take the serving release's per-task scores from the gate "
-                                 "that admitted it, when that gate had the same fingerprint (tasks file bytes, "
-                                 "scorer and its module's source, sampling, seeds, model settings, reefd "
-                                 "version), instead of generating them again (half the gate's work). Only at "
-                                 "temperature 0 or on the worker engine, whose seeded sampling is reproducible. "
-                                 "false: both sides are generated at every gate."},
     )
 
 
@@ -231,7 +131,7 @@ class ReleaseConfig:
 
 @dataclass
 class ScenarioConfig:
-    """One scenario: a model, how it is served, and which release serves (later: recipe, gates, triggers)."""
+    """One scenario: a model, how it is served, which release serves, and how it grows."""
 
     name: str = field(default="", metadata={"description": "Set from the file name."})
     description: str = ""
@@ -240,7 +140,10 @@ class ScenarioConfig:
     release: ReleaseConfig = field(default_factory=ReleaseConfig)
     recipe: RecipeConfig = field(default_factory=RecipeConfig)
     trigger: TriggerConfig = field(default_factory=TriggerConfig)
-    gate: GateConfig = field(default_factory=GateConfig)
+    gate: dict[str, Any] = field(
+        default_factory=lambda: {"kind": "always"},
+        metadata={"description": "How a candidate is judged before it may be published: `kind` and that kind's "
+                                 "own keys (reefd/gates)."})
     harness: HarnessConfig = field(default_factory=HarnessConfig)
 
 
@@ -251,50 +154,13 @@ class ConfigError(Exception):
 # ---------------------------------------------------------------- JSON Schema
 
 
-def _type_schema(tp: Any) -> dict[str, Any]:
-    origin = typing.get_origin(tp)
-    if origin in (typing.Union, types.UnionType):
-        subs = [_type_schema(a) for a in typing.get_args(tp)]
-        return {"anyOf": subs}
-    if origin is list:
-        (item,) = typing.get_args(tp)
-        return {"type": "array", "items": _type_schema(item)}
-    if origin is dict:
-        return {"type": "object"}
-    if dataclasses.is_dataclass(tp):
-        return dataclass_schema(tp)  # type: ignore[arg-type]
-    mapping = {str: "string", int: "integer", float: "number", bool: "boolean",
-               type(None): "null"}
-    if tp in mapping:
-        return {"type": mapping[tp]}
-    raise TypeError(f"no JSON Schema for {tp!r}")
-
-
-def dataclass_schema(cls: type) -> dict[str, Any]:
-    """The JSON Schema of a config dataclass: types, enums, bounds, no unknown keys."""
-    hints = typing.get_type_hints(cls)
-    props: dict[str, Any] = {}
-    for f in dataclasses.fields(cls):
-        sub = _type_schema(hints[f.name])
-        meta = dict(f.metadata)
-        if "enum" in meta:
-            sub = {"enum": meta.pop("enum")}
-        sub.update(meta)
-        if f.default is not dataclasses.MISSING and not dataclasses.is_dataclass(f.default):
-            sub["default"] = f.default
-        props[f.name] = sub
-    schema: dict[str, Any] = {"type": "object", "properties": props, "additionalProperties": False}
-    if cls.__doc__:
-        schema["description"] = cls.__doc__.strip()
-    return schema
-
-
 def json_schema() -> dict[str, Any]:
     """The schema of a composed scenario, printed by `reefd schema` for editors."""
-    schema = dataclass_schema(ScenarioConfig)
-    schema["$schema"] = "https://json-schema.org/draft/2020-12/schema"
-    schema["title"] = "Reef scenario (composed)"
-    return schema
+    out = schema.dataclass_schema(ScenarioConfig)
+    out["properties"]["gate"] = gates.json_schema()
+    out["$schema"] = "https://json-schema.org/draft/2020-12/schema"
+    out["title"] = "Reef scenario (composed)"
+    return out
 
 
 _VALIDATOR = jsonschema.Draft202012Validator(json_schema())
@@ -304,7 +170,12 @@ def _semantic_errors(cfg: dict[str, Any]) -> list[tuple[str, str]]:
     """Cross-field rules that JSON Schema would express only clumsily."""
     m = cfg["model"]
     errs: list[tuple[str, str]] = []
-    if m["engine"] == "upstream":
+    if m["engine"] not in plugins.ENGINES:  # a dotted path: the engine's class must at least import
+        try:
+            engine_class(m["engine"])
+        except plugins.PluginError as exc:
+            errs.append(("model.engine", str(exc)))
+    elif m["engine"] == "upstream":
         if not m["url"]:
             errs.append(("model.url", "an upstream model needs its provider's base URL"))
     elif m["engine"] == "worker" and not (m["source"] or m["path"]):
@@ -332,8 +203,7 @@ def _omegaconf_message(exc: OmegaConfBaseException) -> str:
     msg = str(exc).split("\n")[0]
     unknown = re.match(r"Key '([^']+)' not in '(\w+)'", msg)
     if unknown:
-        groups = (ModelConfig, ServeConfig, ReleaseConfig, RecipeConfig, TriggerConfig, GateConfig, HarnessConfig,
-                  ScenarioConfig)
+        groups = (ModelConfig, ServeConfig, ReleaseConfig, RecipeConfig, TriggerConfig, HarnessConfig, ScenarioConfig)
         cls = {c.__name__: c for c in groups}.get(unknown.group(2))
         known = [f.name for f in dataclasses.fields(cls)] if cls else []
         hint = difflib.get_close_matches(unknown.group(1), known, n=1)
@@ -346,8 +216,6 @@ def compose(path: Path) -> ScenarioConfig:
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
-
-    from reefd.releases import InvalidName, validate_name
 
     label = str(path)
     try:
@@ -369,11 +237,10 @@ def compose(path: Path) -> ScenarioConfig:
         data = typing.cast(dict[str, Any], OmegaConf.to_container(merged, resolve=True))
     except OmegaConfBaseException as exc:
         raise ConfigError(f"{label}: {_omegaconf_message(exc)}") from exc
-    errors = sorted(_VALIDATOR.iter_errors(data), key=lambda e: list(e.absolute_path))
-    if errors:
-        err = errors[0]
-        where = ".".join(str(p) for p in err.absolute_path) or "(top level)"
-        raise ConfigError(f"{label}: {where}: {err.message}")
+    found = schema.first_error(_VALIDATOR, data)
+    if found is not None:
+        where, message = found
+        raise ConfigError(f"{label}: {where or '(top level)'}: {message}")
     for where, msg in _semantic_errors(data):
         raise ConfigError(f"{label}: {where}: {msg}")
     cfg = from_dict(data)
@@ -384,14 +251,16 @@ def compose(path: Path) -> ScenarioConfig:
 
 
 def _grow_problem(cfg: ScenarioConfig, scenarios_dir: Path) -> str | None:
-    """The recipe's params, the cron expression and the gate's task file, checked now rather than at the
-    first job (the recipe, trigger and gate modules own those rules)."""
-    from reefd import gates, recipes
-
+    """The recipe and its params, the trainer backend, the cron expression, the gate (its task file and scorer)
+    and the harness folder, checked now rather than at the first job (each plug point owns its rules)."""
     try:
         recipes.build(cfg.recipe.name, cfg.recipe.params)
     except recipes.RecipeError as exc:
         return f"recipe: {exc}" if not str(exc).startswith("recipe.") else str(exc)
+    try:
+        plugins.resolve(plugins.BACKENDS, cfg.recipe.backend, "trainer backend")
+    except plugins.PluginError as exc:
+        return f"recipe.backend: {exc}"
     if cfg.trigger.cron is not None:
         from apscheduler.triggers.cron import CronTrigger
 
@@ -399,12 +268,13 @@ def _grow_problem(cfg: ScenarioConfig, scenarios_dir: Path) -> str | None:
             CronTrigger.from_crontab(cfg.trigger.cron, timezone="UTC")
         except ValueError as exc:
             return f"trigger.cron: {cfg.trigger.cron!r} is not a crontab expression ({exc})"
-    gate = gates.check_config(cfg.gate, scenarios_dir)
-    if gate is not None:
-        return gate if gate.startswith("gate.") else f"gate: {gate}"
+    try:
+        problem = gates.build(cfg.gate, scenarios_dir).check()
+    except gates.GateError as exc:
+        problem = str(exc)
+    if problem is not None:
+        return problem if problem.startswith("gate") else f"gate: {problem}"
     if cfg.harness.dir is not None:
-        from reefd.harness import Harness, HarnessError
-
         try:
             Harness.from_dir(scenarios_dir / cfg.harness.dir)
         except (HarnessError, OSError) as exc:
@@ -421,7 +291,7 @@ def from_dict(data: dict[str, Any]) -> ScenarioConfig:
         release=ReleaseConfig(**data["release"]),
         recipe=RecipeConfig(**data["recipe"]),
         trigger=TriggerConfig(**data["trigger"]),
-        gate=GateConfig(**data["gate"]),
+        gate=dict(data["gate"]),
         harness=HarnessConfig(**data["harness"]),
     )
 

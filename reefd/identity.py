@@ -9,7 +9,7 @@ import hashlib
 from pathlib import Path
 from typing import Any
 
-from reefd.config import ModelConfig
+from reefd.engines import ModelConfig
 
 WEIGHT_PATTERNS = ("*.safetensors", "*.bin", "*.pt", "*.pth")
 

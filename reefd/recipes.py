@@ -1,48 +1,26 @@
-"""The recipe contract and the registry: how a scenario's records and reports become a candidate release.
+"""The recipe contract and its registry: how a scenario's records and reports become a candidate release.
 
-A recipe is a class named in the scenario's `recipe:` group, by a shipped name (`record`, `sao`,
-`grpo`) or by dotted path (`pkg.mod:Class`). reefd runs it inside the daemon (so it must not
-import torch at module level); weight candidates are trained by a separate trainer process.
-
-    class MyRecipe:
-        Config = MyConfig                  # a dataclass: `recipe.params` is validated into it
-        trains = True                      # False: the recipe only records (no jobs run)
-        def __init__(self, cfg: MyConfig) -> None: ...
-        def sample(self, record, reports) -> Sample | None      # eligibility: a scored rollout, or None
-        def ready(self, samples: list[Sample]) -> bool           # is a batch ready (count triggers ask this)
-        def candidate(self, samples, harness) -> WeightJob      # the batch -> a trainer job spec, or
-                                                                # -> HarnessJob for a harness recipe, which also has
-        def edit(self, answer, harness) -> list[mutation]       # the proposer's answer -> harness mutations
-
-Guarantees reefd gives a recipe: `sample` sees each record with all its reports (oldest first) and
-is never shown a record already consumed by a published or rejected candidate; `candidate` gets
-the samples in receipt order. Once a job's candidate is published or rejected, every record of
-its batch is consumed (never trained on again) and the release lists their receipts and report
-ids for lineage. A recipe's methods are pure: no I/O, no engine calls.
+A recipe is a class named in the scenario's `recipe:` group, by a shipped name (`record`, `sao`, `grpo`,
+`skillclaw`; see reefd/plugins.py) or by dotted path (`pkg.mod:Class`). reefd runs it inside the daemon (so it
+must not import torch at module level); a weight recipe's loss runs in the trainer process, as the objective its
+WeightJob names (reefd/train/objective.py). Knows nothing about engines, the chain or HTTP.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import hashlib
-import importlib
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
-import jsonschema
-
-from reefd.config import dataclass_schema
+from reefd import plugins, schema
 
 if TYPE_CHECKING:
     from reefd.harness import Harness
 
-SHIPPED = {
-    "record": "reefd.recipes:RecordOnly",
-    "sao": "recipes.sao.recipe:SAO",
-    "grpo": "recipes.sao.recipe:GRPO",
-    "skillclaw": "recipes.skillclaw.recipe:SkillClaw",
-}
+PRODUCES = ("weights", "harness", "nothing")
 
 
 class RecipeError(ValueError):
@@ -64,46 +42,55 @@ class Sample:
 
 
 @dataclass
+class WeightJob:
+    """A candidate to train: the trainer spec's recipe-owned part (reefd/train/spec.py has the rest)."""
+
+    objective: str  # pkg.mod:Class of the recipe's trainer-side Objective, e.g. recipes.sao.objective:SAO
+    samples: list[Sample]
+    lora: dict[str, Any]
+    optim: dict[str, Any]
+    settings: dict[str, Any] = field(default_factory=dict)  # the objective's settings (its Settings dataclass)
+    seed: int = 0
+
+
+@dataclass
 class HarnessJob:
-    """A harness candidate to propose: reefd sends `messages` to the proposer model and gives its answer to the
-    recipe's `edit`, which turns it into harness mutations (see reefd/harness.py)."""
+    """A harness candidate to propose: reefd sends `messages` to the proposer model and hands its answer to
+    `edit`, which turns it into harness mutations (see reefd/harness.py) or raises RecipeError for a malformed or
+    unsafe answer (the candidate is then skipped with that reason, and nothing is published)."""
 
     messages: list[dict[str, Any]]
     samples: list[Sample]
+    edit: Callable[[str, Harness], list[dict[str, Any]]]
     max_tokens: int = 2048
     temperature: float = 0.0
     proposer: dict[str, Any] | None = None  # a `model:` config (engine, source/path/url, ...); None: the scenario's
 
 
-@dataclass
-class WeightJob:
-    """A candidate to train: the trainer spec's recipe-owned part (see reefd/train for the rest)."""
-
-    algorithm: str
-    samples: list[Sample]
-    lora: dict[str, Any]
-    optim: dict[str, Any]
-    settings: dict[str, Any] = field(default_factory=dict)  # algorithm settings, e.g. the clipping band
-
-
 class Recipe(Protocol):
+    """A way of growing a scenario. `Config` is a dataclass (`recipe.params` is validated into it) and reefd builds
+    a recipe as `Class(config)`; `produces` says what its candidates are: "weights" (a WeightJob, trained by the
+    scenario's trainer backend), "harness" (a HarnessJob, proposed by a model) or "nothing" (no jobs run).
+
+    Guarantees reefd gives a recipe: `sample` sees each record with all its reports (oldest first) and is never
+    shown a record already consumed by a published or rejected candidate; `candidate` gets the samples in
+    receipt order, and the serving harness (or None). Once a job's candidate is published or rejected, every
+    record of its batch is consumed (never trained on again) and the release lists their receipts and report ids.
+    A recipe's methods are pure: no I/O, no engine calls.
+    """
+
     Config: ClassVar[type]
-    trains: ClassVar[bool]
+    produces: ClassVar[str]
 
-    def sample(self, record: dict[str, Any], reports: list[dict[str, Any]]) -> Sample | None: ...
+    def sample(self, record: dict[str, Any], reports: list[dict[str, Any]]) -> Sample | None:
+        """Eligibility: the record as a sample, or None when it is not one."""
+        ...
 
-    def ready(self, samples: list[Sample]) -> bool: ...
+    def ready(self, samples: list[Sample]) -> bool:
+        """Is a batch ready (count triggers ask this)."""
+        ...
 
     def candidate(self, samples: list[Sample], harness: Harness | None = None) -> WeightJob | HarnessJob: ...
-
-
-class HarnessRecipe(Recipe, Protocol):
-    """A recipe whose candidates are harness edits (its `candidate` returns a HarnessJob)."""
-
-    def edit(self, answer: str, harness: Harness) -> list[dict[str, Any]]:
-        """The proposer's answer -> harness mutations; RecipeError for a malformed or unsafe answer (the candidate
-        is then skipped with that reason, and nothing is published)."""
-        ...
 
 
 @dataclass
@@ -115,7 +102,7 @@ class RecordOnly:
     """The default: record every turn, never train."""
 
     Config = RecordOnlyConfig
-    trains = False
+    produces = "nothing"
 
     def __init__(self, cfg: RecordOnlyConfig) -> None:
         self.cfg = cfg
@@ -147,31 +134,27 @@ def scored_rollout(record: dict[str, Any], reports: list[dict[str, Any]]) -> Sam
 
 
 def resolve(name: str) -> Any:
-    """The recipe class for a shipped name or a `pkg.mod:Class` path."""
-    path = SHIPPED.get(name, name)
-    module_name, sep, attr = path.partition(":")
-    if not sep or not module_name or not attr:
-        raise RecipeError(f"unknown recipe {name!r}: use one of {', '.join(sorted(SHIPPED))} or pkg.mod:Class")
+    """The recipe class for a shipped name or a `pkg.mod:Class` path, checked against the Recipe protocol."""
     try:
-        cls = getattr(importlib.import_module(module_name), attr)
-    except (ImportError, AttributeError) as exc:
-        raise RecipeError(f"recipe {name!r} cannot be imported: {exc}") from None
-    for needed in ("Config", "sample", "ready", "candidate"):
-        if not hasattr(cls, needed):
-            raise RecipeError(f"recipe {name!r} has no {needed!r}: see reefd/recipes.py for the contract")
+        cls = plugins.resolve(plugins.RECIPES, name, "recipe")
+    except plugins.PluginError as exc:
+        raise RecipeError(str(exc)) from None
+    missing = plugins.missing(Recipe, cls)
+    if missing:
+        raise RecipeError(f"recipe {name!r} has no {missing[0]!r}: see reefd/recipes.py for the contract")
     if not dataclasses.is_dataclass(cls.Config):
         raise RecipeError(f"recipe {name!r}: its Config must be a dataclass")
+    if cls.produces not in PRODUCES:
+        raise RecipeError(f"recipe {name!r}: produces is {cls.produces!r}, not one of {', '.join(PRODUCES)}")
     return cls
 
 
 def build(name: str, params: dict[str, Any]) -> Recipe:
     """An instance of the recipe, its `params` validated against its Config (errors name `recipe.params.KEY`)."""
     cls = resolve(name)
-    validator = jsonschema.Draft202012Validator(dataclass_schema(cls.Config))
-    errors = sorted(validator.iter_errors(params), key=lambda e: list(e.absolute_path))
-    if errors:
-        err = errors[0]
-        where = ".".join(["recipe.params", *(str(p) for p in err.absolute_path)])
-        raise RecipeError(f"{where}: {err.message}")
-    recipe: Recipe = cls(cls.Config(**params))
+    try:
+        cfg = schema.parse(cls.Config, params, "recipe.params")
+    except schema.SchemaError as exc:
+        raise RecipeError(str(exc)) from None
+    recipe: Recipe = cls(cfg)
     return recipe

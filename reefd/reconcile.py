@@ -1,7 +1,8 @@
 """The reconciler: declared release (YAML pin, else the chain head) ↔ release chain ↔ serving engine.
 
-It runs at start, after each publish through reefd, on SIGHUP, and whenever it sees a head move
-(it polls the refs, so a publisher in another process is noticed too). For each scenario it:
+It runs when told to (reefd/loop.py wires it): at start, after every commit through reefd (before the caller is
+answered), and on SIGHUP; a reconcile that failed is tried again every RETRY_S. reefd is the chain's only
+writer, so nothing else moves a head. For each scenario it:
 
 1. records the base release on a scenario's first start;
 2. if the YAML pins a release whose artifacts differ from the head's, appends a rollback release
@@ -22,31 +23,17 @@ import shutil
 import tempfile
 import time
 from collections.abc import Coroutine
-from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from reefd import releases
 from reefd.engines import Engine, EngineError, EngineUnavailable
 from reefd.harness import Harness, HarnessError
 from reefd.identity import model_identity
-from reefd.releases import HeadConflict, Release, ReleaseChain, ReleaseError, UnknownRelease, WrongScenario
-
-if TYPE_CHECKING:
-    from reefd.scenarios import Registry, Scenario
+from reefd.releases import Candidate, HeadConflict, Release, ReleaseChain, ReleaseError, UnknownRelease, WrongScenario
+from reefd.scenarios import Binding, Registry, Scenario
 
 log = logging.getLogger("reefd.reconcile")
-
-
-@dataclass(frozen=True)
-class Binding:
-    """What serves a scenario's new requests: a release, the engine's name for its adapter (if it has one), and
-    its harness (if it has one)."""
-
-    release: str
-    adapter: str | None = None
-    artifact: str | None = None  # the adapter's tree id: releases with equal trees share one loaded adapter
-    harness: Harness | None = None
-    harness_tree: str | None = None
 
 
 def read_harness(chain: ReleaseChain, release_id: str) -> Harness | None:
@@ -62,7 +49,6 @@ def read_harness(chain: ReleaseChain, release_id: str) -> Harness | None:
 
 
 class Reconciler:
-    POLL_S = 2.0
     RETRY_S = 30.0  # a swap that failed is tried again this often (an engine restarting, a corrupt object)
 
     def __init__(self, registry: Registry, chain: ReleaseChain, state_dir: Path, scenarios_dir: Path):
@@ -72,10 +58,16 @@ class Reconciler:
         self.scenarios_dir = scenarios_dir
         self._locks: dict[str, asyncio.Lock] = {}
         self._tasks: set[asyncio.Task[None]] = set()
-        self._heads: dict[str, str | None] = {}  # the head each scenario was last reconciled to (successfully)
-        self._failed: dict[str, float] = {}  # scenario -> monotonic time of its last failed reconcile
+        self._retries: dict[str, asyncio.TimerHandle] = {}  # scenario -> its next try after a failure
 
     # ------------------------------------------------------------ triggers
+
+    def start(self) -> None:
+        self.kick_all()
+
+    def kick_all(self) -> None:
+        for name in self.registry.scenarios:
+            self.kick(name)
 
     def kick(self, name: str) -> None:
         """Reconcile `name` in the background."""
@@ -85,6 +77,10 @@ class Reconciler:
         scenario = self.registry.scenarios.get(name)
         if scenario is not None:
             await self.reconcile(scenario)
+
+    async def bind(self, scenario: Scenario) -> None:
+        """Bind a scenario a reload has not installed yet (it moves to a new engine) to its declared release."""
+        await self.reconcile(scenario, pending=True)
 
     def _spawn(self, coro: Coroutine[Any, Any, None], name: str) -> None:
         task = asyncio.create_task(coro, name=name)
@@ -96,35 +92,12 @@ class Reconciler:
         if not task.cancelled() and task.exception() is not None:
             log.error("%s failed", task.get_name(), exc_info=task.exception())
 
-    def start(self) -> None:
-        for name in self.registry.scenarios:
-            self.kick(name)
-        self._spawn(self._watch(), "reconcile-watch")
-
     async def stop(self) -> None:
+        for handle in self._retries.values():
+            handle.cancel()
         for task in list(self._tasks):
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
-
-    async def _watch(self) -> None:
-        """Notice heads moved by anyone (another process included) and swap to them."""
-        while True:
-            await asyncio.sleep(self.POLL_S)
-            for name, scenario in list(self.registry.scenarios.items()):
-                lock = self._locks.get(name)
-                if lock is not None and lock.locked():
-                    continue
-                try:
-                    head = await asyncio.to_thread(self.chain.head, name)
-                except Exception as exc:  # a damaged ref must not stop the watch for every scenario
-                    log.warning("%s: cannot read the chain head: %s", name, exc)
-                    continue
-                failed = self._failed.get(name)
-                if failed is not None:
-                    if time.monotonic() - failed >= self.RETRY_S:
-                        self.kick(name)
-                elif scenario.binding is None or (head is not None and head.id != self._heads.get(name)):
-                    self.kick(name)
 
     # ------------------------------------------------------------ the loop
 
@@ -138,18 +111,21 @@ class Reconciler:
             scenario = live
         lock = self._locks.setdefault(scenario.name, asyncio.Lock())
         async with lock:
+            retry = self._retries.pop(scenario.name, None)
+            if retry is not None:
+                retry.cancel()
             try:
                 head, problem = await self._declared_head(scenario)
                 await self._serve(scenario, head)
-                self._heads[scenario.name] = head.id
-                self._failed.pop(scenario.name, None)
                 scenario.error = problem
                 if problem:
                     log.error("%s: %s", scenario.name, problem)
             except asyncio.CancelledError:
                 raise
-            except Exception as exc:  # recorded on the scenario (status shows it) and retried every RETRY_S
-                self._failed[scenario.name] = time.monotonic()
+            except Exception as exc:  # recorded on the scenario (status shows it) and tried again in RETRY_S
+                if not pending:
+                    self._retries[scenario.name] = asyncio.get_running_loop().call_later(
+                        self.RETRY_S, self.kick, scenario.name)
                 scenario.error = str(exc) or type(exc).__name__
                 expected = (EngineError, EngineUnavailable, ReleaseError, HarnessError, OSError)
                 log.error("%s: %s", scenario.name, exc, exc_info=not isinstance(exc, expected))
@@ -159,31 +135,31 @@ class Reconciler:
         """The chain head after recording the base and applying the pin (appending a rollback if needed),
         and what is wrong with the pin if it cannot be applied (the head then serves)."""
         name, pin = scenario.name, scenario.cfg.release.pin
-        while True:
-            head = await asyncio.to_thread(self.chain.head, name)
-            if head is None:
-                head = await self._record_base(scenario)
-            elif pin is None and scenario.cfg.harness.dir and \
-                    "harness" not in await asyncio.to_thread(self.chain.artifacts, head.id):
-                head = await self._import_harness(scenario, head)  # a harness added to a scenario that had none
-            if pin is None or pin == head.id:
-                return head, None
-            try:
-                target = await asyncio.to_thread(self.chain.target, name, pin)
-            except UnknownRelease:
-                return head, f"release.pin: {pin} is not a release of scenario {name!r}; serving the chain head"
-            except WrongScenario as exc:
-                return head, f"release.pin: {exc}; serving the chain head"
-            if await self._same_artifacts(target.id, head.id):
-                return head, None
-            try:
-                rel = await asyncio.to_thread(
-                    self.chain.rollback, name, pin, expected_head=head.id,
-                    meta={"source": "pin", "summary": f"release.pin in the scenario file: {pin}"})
-            except HeadConflict:
-                continue  # the head moved meanwhile: look again
-            log.info("%s: pinned to %s; appended rollback release %s", name, pin, rel.id)
-            return rel, None
+        head = await asyncio.to_thread(self.chain.head, name)
+        if head is None:
+            head = await self._record_base(scenario)
+        elif pin is None and scenario.cfg.harness.dir and \
+                "harness" not in await asyncio.to_thread(self.chain.artifacts, head.id):
+            head = await self._import_harness(scenario, head)  # a harness added to a scenario that had none
+        if pin is None or pin == head.id:
+            return head, None
+        try:
+            target = await asyncio.to_thread(self.chain.target, name, pin)
+        except UnknownRelease:
+            return head, f"release.pin: {pin} is not a release of scenario {name!r}; serving the chain head"
+        except WrongScenario as exc:
+            return head, f"release.pin: {exc}; serving the chain head"
+        if await self._same_artifacts(target.id, head.id):
+            return head, None
+        rel = await self._commit(scenario, Candidate(
+            "rollback", {"source": "pin", "summary": f"release.pin in the scenario file: {pin}"}, target=pin,
+            built_on=head.id), on_conflict="rebase")  # the head moved meanwhile: the pin still wins
+        log.info("%s: pinned to %s; appended rollback release %s", name, pin, rel.id)
+        return rel, None
+
+    async def _commit(self, scenario: Scenario, cand: Candidate, on_conflict: str = "discard") -> Release:
+        return await asyncio.to_thread(releases.commit, self.chain, scenario.name, cand, pin=scenario.cfg.release.pin,
+                                       on_conflict=on_conflict)
 
     async def _same_artifacts(self, a: str, b: str) -> bool:
         return bool(await asyncio.to_thread(self.chain.artifacts, a)
@@ -204,12 +180,11 @@ class Reconciler:
             if harness is not None:
                 meta["summary"] = f"base harness from {scenario.cfg.harness.dir}"
             try:
-                head = await asyncio.to_thread(
-                    self.chain.publish, scenario.name, expected_head=None, kind="base",
-                    artifact_dir=harness, meta=meta, folder="harness")
+                head = await self._commit(scenario, Candidate("base", meta, artifact=harness, folder="harness",
+                                                              exact=True))
                 log.info("%s: recorded base release %s", scenario.name, head.id)
                 return head
-            except HeadConflict:  # another process recorded it first: serve that
+            except HeadConflict:  # recorded meanwhile (a reload's reconcile, say): serve that
                 again = await asyncio.to_thread(self.chain.head, scenario.name)
                 assert again is not None
                 return again
@@ -226,9 +201,9 @@ class Reconciler:
     async def _import_harness(self, scenario: Scenario, head: Release) -> Release:
         with tempfile.TemporaryDirectory(dir=self.chain.path / "lfs" / "tmp") as tmp:
             folder = await self._base_harness(scenario, Path(tmp))
-            rel = await asyncio.to_thread(
-                self.chain.publish, scenario.name, expected_head=head.id, kind="harness", artifact_dir=folder,
-                meta={"source": "import", "summary": f"harness imported from {scenario.cfg.harness.dir}"})
+            rel = await self._commit(scenario, Candidate(
+                "harness", {"source": "import", "summary": f"harness imported from {scenario.cfg.harness.dir}"},
+                artifact=folder, built_on=head.id, exact=True))
         log.info("%s: imported its harness as release %s", scenario.name, rel.id)
         return rel
 
@@ -250,7 +225,7 @@ class Reconciler:
             binding = Binding(rel.id, current.adapter, tree, harness, harness_tree)
         else:
             binding = Binding(rel.id, rel.id, tree, harness, harness_tree)
-            if rel.id not in getattr(engine, "adapters", {}):
+            if rel.id not in engine.adapters:
                 await self._wait_ready(scenario)
                 folder = await asyncio.to_thread(self._materialize, scenario.name, rel.id)
                 await engine.load_adapter(rel.id, folder)
@@ -297,7 +272,7 @@ class Reconciler:
         while self.registry.in_flight(engine, name) and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
         if any(s.engine is engine and s.binding is not None and s.binding.adapter == name
-               for s in self.registry.scenarios.values()) or name not in getattr(engine, "adapters", {}):
+               for s in self.registry.scenarios.values()) or name not in engine.adapters:
             return  # served again meanwhile, or already gone
         try:
             await engine.unload_adapter(name)

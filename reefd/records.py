@@ -42,9 +42,9 @@ class StoreClosed(StorageError):
 class UnknownReceipt(Exception):
     """A report references a receipt that does not exist or belongs to another scenario."""
 
-    def __init__(self, receipt: str) -> None:
+    def __init__(self, receipt: str, scenario: str = "") -> None:
         super().__init__(f"unknown receipt {receipt!r} for this scenario")
-        self.receipt = receipt
+        self.receipt, self.scenario = receipt, scenario
 
 
 class ReportConflict(Exception):
@@ -135,6 +135,7 @@ class RecordStore:
         self._stopped: asyncio.Future[None] | None = None
         self._closing: asyncio.Future[None] | None = None
         self.stats = {"commits": 0, "ops": 0, "grows": 0, "largest_batch": 0}
+        self._listeners: list[Callable[[str], None]] = []
 
     # --- lifecycle ---------------------------------------------------------------------------
 
@@ -187,6 +188,7 @@ class RecordStore:
             raise ValueError(f"record id must be a receipt from new_receipt(), got {receipt!r}")
         scenario = _scenario_key(record.get("scenario"))
         await self._submit(self._apply_record, str(receipt).encode(), scenario, record)
+        self._written(record["scenario"])
 
     async def put_report(self, scenario: str, body: dict[str, Any]) -> tuple[dict[str, Any], bool]:
         """Attach a report to records of `scenario`; returns (stored report, created). Durable on return."""
@@ -202,7 +204,21 @@ class RecordStore:
         }
         packed = _pack(report)  # serialisation errors surface here, before the writer sees the op
         result: tuple[dict[str, Any], bool] = await self._submit(self._apply_report, scenario_key, report, packed)
+        self._written(scenario)
         return result
+
+    def subscribe(self, listener: Callable[[str], None]) -> Callable[[], None]:
+        """Call `listener(scenario)` on the event loop after each record or report of that scenario is durable;
+        returns the function that unsubscribes it. A listener must be quick and must not raise."""
+        self._listeners.append(listener)
+        return lambda: self._listeners.remove(listener)
+
+    def _written(self, scenario: str) -> None:
+        for listener in list(self._listeners):
+            try:
+                listener(scenario)
+            except Exception:  # a listener's bug must not fail a write that is already durable
+                log.exception("a record store listener failed")
 
     async def mark_consumed(self, scenario: str, receipts: list[str], by: str) -> None:
         """Record that a job's candidate (`by`) consumed these records: recipes never see them again. Durable."""
@@ -292,7 +308,7 @@ class RecordStore:
         references = list(dict.fromkeys(report["references"]))
         for ref in references:
             if not _is_receipt(ref) or txn.get(scenario + b"\0" + ref.encode(), db=db["by_scenario"]) is None:
-                raise UnknownReceipt(ref)
+                raise UnknownReceipt(ref, report["scenario"])
         raw_seq = txn.get(b"report_seq", db=db["meta"])
         seq = _SEQ.unpack(raw_seq)[0] + 1 if raw_seq else 1
         txn.put(b"report_seq", _SEQ.pack(seq), db=db["meta"])

@@ -1,38 +1,36 @@
-"""The append-only release chain: a bare git repo (pygit2) with Git LFS objects and a CAS head per scenario.
+"""The append-only release chain: a bare git repo (pygit2) with Git LFS objects and a CAS head per scenario, and
+`commit`, the one function through which every release is written (the commit policy).
 
-Knows git, LFS pointers and release.json; knows nothing about HTTP, engines, gates or training.
+Knows git, release.json and the commit policy (pin, expected head, discard or rebase, rejection); knows nothing
+about HTTP, engines, gates or training. Blocking: callers on an event loop run it in a thread.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import functools
-import hashlib
 import json
 import os
 import re
-import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
 import pygit2
 
+from reefd.trees import GITATTRIBUTES, METADATA, Trees
+
 KINDS = ("base", "adapter", "weights", "harness", "rollback", "promote")
 ARTIFACT_FOLDER = {"base": "weights", "adapter": "adapter", "weights": "weights", "harness": "harness"}
-LFS_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
-GITATTRIBUTES = "".join(f"*{s} filter=lfs diff=lfs merge=lfs -text\n" for s in LFS_SUFFIXES).encode()
-LFS_POINTER = "version https://git-lfs.github.com/spec/v1\noid sha256:{oid}\nsize {size}\n"
+COPIES = ("rollback", "promote")
+REBASE_ATTEMPTS = 5  # on_conflict: rebase follows a moving head this many times at most, for every caller
 FAULT_ENV = "REEF_RELEASE_FAULT"  # after_lfs | after_commit | before_ref: os._exit(137) there (crash tests)
 _NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 _ID_RE = re.compile(r"r(0|[1-9][0-9]{0,8})-([0-9a-f]{7})")
-_POINTER_RE = re.compile(rb"version https://git-lfs\.github\.com/spec/v1\noid sha256:([0-9a-f]{64})\nsize ([0-9]+)\n")
 _SIG = pygit2.Signature("reefd", "reefd@localhost")
-_CHUNK = 1 << 20
 
 pygit2.option(pygit2.enums.Option.ENABLE_FSYNC_GITDIR, True)  # loose objects and refs reach disk before we move on
 
@@ -44,6 +42,10 @@ class ReleaseError(Exception):
 class InvalidName(ReleaseError, ValueError):
     """A scenario name that could escape the ref namespace or the filesystem."""
 
+    def __init__(self, name: object) -> None:
+        super().__init__(f"invalid scenario name: {name!r}")
+        self.name = name
+
 
 class UnknownRelease(ReleaseError, KeyError):
     """No release with this id is reachable from its scenario's head."""
@@ -53,12 +55,32 @@ class WrongScenario(ReleaseError, ValueError):
     """The target release belongs to another scenario."""
 
 
+class NothingToRollBack(UnknownRelease):
+    """A plain rollback of a scenario whose head is its first release."""
+
+
 class HeadConflict(ReleaseError):
     """The scenario head is not what the publisher expected; nothing was overwritten."""
 
     def __init__(self, scenario: str, expected: str | None, actual: str | None) -> None:
         super().__init__(f"scenario {scenario!r}: expected head {expected}, found {actual}")
         self.scenario, self.expected, self.actual = scenario, expected, actual
+
+
+class Pinned(ReleaseError):
+    """The scenario's file pins its release (release.pin): it takes no other release."""
+
+    def __init__(self, scenario: str, pin: str) -> None:
+        super().__init__(f"scenario {scenario!r} is pinned to {pin}")
+        self.scenario, self.pin = scenario, pin
+
+
+class NoRelease(ReleaseError):
+    """The scenario has no release yet (its base is recorded at its first start)."""
+
+    def __init__(self, scenario: str) -> None:
+        super().__init__(f"scenario {scenario!r} has no base release yet")
+        self.scenario = scenario
 
 
 @dataclass(frozen=True)
@@ -76,7 +98,7 @@ class Release:
 
 def validate_name(name: str) -> str:
     if not isinstance(name, str) or not _NAME_RE.fullmatch(name) or ".." in name or name.endswith((".lock", ".")):
-        raise InvalidName(f"invalid scenario name: {name!r}")
+        raise InvalidName(name)
     return name
 
 
@@ -86,10 +108,6 @@ def head_ref(scenario: str) -> str:
 
 def rejected_prefix(scenario: str) -> str:
     return f"refs/reef/scenarios/{validate_name(scenario)}/rejected/"
-
-
-def is_lfs_path(name: str) -> bool:
-    return name.endswith(LFS_SUFFIXES)
 
 
 def _fault(point: str) -> None:
@@ -112,14 +130,6 @@ def _locked(method: F) -> F:
     return wrapper  # type: ignore[return-value]
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 class ReleaseChain:
     """Releases of every scenario in one bare repo at `path` (created if missing)."""
 
@@ -129,9 +139,8 @@ class ReleaseChain:
             self.repo = pygit2.Repository(str(self.path))
         else:
             self.repo = pygit2.init_repository(str(self.path), bare=True)
-        self.lfs_dir = self.path / "lfs" / "objects"
+        self.trees = Trees(self.repo, self.path)
         self._lock = threading.RLock()
-        (self.path / "lfs" / "tmp").mkdir(parents=True, exist_ok=True)
 
     # ---- reading -------------------------------------------------------------------------------------------------
     @_locked
@@ -227,7 +236,7 @@ class ReleaseChain:
         entries = self._entries(parent)
         if artifact_dir is not None:
             name = folder or ARTIFACT_FOLDER[kind]
-            entries[name] = (self._store_dir(Path(artifact_dir)), pygit2.enums.FileMode.TREE)
+            entries[name] = (self.trees.store(Path(artifact_dir)), pygit2.enums.FileMode.TREE)
         return self._append(scenario, parent, kind, entries, meta)
 
     @_locked
@@ -243,7 +252,8 @@ class ReleaseChain:
     def rollback_target(head: Release) -> str:
         """Where a plain rollback goes: the head's parent."""
         if head.parent is None:
-            raise UnknownRelease(f"{head.id} is the scenario's first release; there is nothing to roll back to")
+            raise NothingToRollBack(f"{head.id} is the first release of {head.scenario!r}; there is nothing to roll "
+                                    "back to")
         return head.parent
 
     @_locked
@@ -277,7 +287,7 @@ class ReleaseChain:
         parent = self.get(built_on) if built_on is not None else None
         entries = self._entries(parent)
         if artifact_dir is not None:
-            entries[ARTIFACT_FOLDER[kind]] = (self._store_dir(Path(artifact_dir)), pygit2.enums.FileMode.TREE)
+            entries[ARTIFACT_FOLDER[kind]] = (self.trees.store(Path(artifact_dir)), pygit2.enums.FileMode.TREE)
         oid = self._commit(scenario, parent, kind, entries, meta)
         rel = dataclasses.replace(self._release(self.repo[oid].peel(pygit2.Commit)), status="rejected")
         self.repo.references.create(rejected_prefix(scenario) + rel.id, oid, force=False)
@@ -294,7 +304,7 @@ class ReleaseChain:
         if rel is None:
             return {}
         tree = self.repo[rel.commit].peel(pygit2.Commit).tree
-        return {str(e.name): (e.id, e.filemode) for e in tree if e.name not in ("release.json", ".gitattributes")}
+        return {str(e.name): (e.id, e.filemode) for e in tree if e.name not in METADATA}
 
     def _append(
         self,
@@ -353,138 +363,41 @@ class ReleaseChain:
         head = self.head(scenario)
         return head.id if head else None
 
-    # ---- artifacts and LFS ---------------------------------------------------------------------------------------
-    def _store_dir(self, src: Path) -> pygit2.Oid:
-        """Write `src` as a tree; LFS-pattern files go to lfs/objects (fsynced) and become pointer blobs."""
-        tb = self.repo.TreeBuilder()
-        for child in sorted(src.iterdir()):
-            if child.is_symlink():
-                raise ValueError(f"symlinks are not allowed in artifacts: {child}")
-            if child.is_dir():
-                tb.insert(child.name, self._store_dir(child), pygit2.enums.FileMode.TREE)
-            elif child.is_file():
-                if is_lfs_path(child.name):
-                    oid, size = self._store_lfs(child)
-                    blob = self.repo.create_blob(LFS_POINTER.format(oid=oid, size=size).encode())
-                else:
-                    blob = self.repo.create_blob(child.read_bytes())
-                tb.insert(child.name, blob, pygit2.enums.FileMode.BLOB)
-        return tb.write()
+    # ---- contents ------------------------------------------------------------------------------------------------
+    def _tree(self, release_id: str, *, include_rejected: bool = True) -> pygit2.Tree:
+        return self.repo[self.get(release_id, include_rejected=include_rejected).commit].peel(pygit2.Commit).tree
 
     def lfs_object(self, oid: str) -> Path:
-        return self.lfs_dir / oid[0:2] / oid[2:4] / oid
-
-    def _store_lfs(self, src: Path) -> tuple[str, int]:
-        h, size = hashlib.sha256(), 0
-        fd, tmp = tempfile.mkstemp(dir=self.path / "lfs" / "tmp")
-        try:
-            with os.fdopen(fd, "wb") as out, src.open("rb") as f:
-                for chunk in iter(lambda: f.read(_CHUNK), b""):
-                    h.update(chunk)
-                    size += len(chunk)
-                    out.write(chunk)
-                out.flush()
-                os.fsync(out.fileno())
-            dest = self.lfs_object(h.hexdigest())
-            dest.parent.mkdir(parents=True, exist_ok=True)
-            os.replace(tmp, dest)
-            _fsync_dir(dest.parent)
-        finally:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
-        return h.hexdigest(), size
+        return self.trees.lfs_object(oid)
 
     @_locked
     def lfs_pointers(self, release_id: str) -> dict[str, tuple[str, int]]:
         """Path -> (sha256 oid, size) of every LFS pointer in a release's tree."""
-        tree = self.repo[self.get(release_id).commit].peel(pygit2.Commit).tree
-        return {p: (oid, n) for p, _, oid, n in self._walk(tree) if oid is not None}
-
-    def _walk(self, tree: pygit2.Tree, prefix: str = "") -> Iterator[tuple[str, bytes, str | None, int]]:
-        """Yield (path, blob data, lfs oid or None, lfs size) for every file."""
-        for e in tree:
-            name, obj = str(e.name), self.repo[e.id]
-            if isinstance(obj, pygit2.Tree):
-                yield from self._walk(obj, f"{prefix}{name}/")
-            else:
-                data = obj.peel(pygit2.Blob).data
-                m = _POINTER_RE.fullmatch(data) if is_lfs_path(name) else None
-                yield (f"{prefix}{name}", data, m.group(1).decode() if m else None, int(m.group(2)) if m else 0)
+        return {p: (oid, n) for p, _, oid, n in self.trees.walk(self._tree(release_id, include_rejected=False))
+                if oid is not None}
 
     @_locked
     def materialize(self, release_id: str, dest: Path, folder: str | None = None) -> Path:
         """Write a release's files (LFS content restored and verified) into `dest`, which must be empty or missing;
         with `folder` (e.g. "adapter"), only that folder's contents."""
-        dest = Path(dest)
-        if dest.exists() and any(dest.iterdir()):
-            raise FileExistsError(f"{dest} is not empty")
-        tree = self.repo[self.get(release_id, include_rejected=True).commit].peel(pygit2.Commit).tree
+        tree = self._tree(release_id)
         if folder is not None:
             tree = self.repo[tree[folder].id].peel(pygit2.Tree)
-        dest.mkdir(parents=True, exist_ok=True)
-        for rel_path, data, oid, size in self._walk(tree):
-            out = dest / rel_path
-            out.parent.mkdir(parents=True, exist_ok=True)
-            if oid is None:
-                out.write_bytes(data)
-                continue
-            h = hashlib.sha256()
-            with self.lfs_object(oid).open("rb") as f, out.open("wb") as w:
-                for chunk in iter(lambda: f.read(_CHUNK), b""):
-                    h.update(chunk)
-                    w.write(chunk)
-            if h.hexdigest() != oid or out.stat().st_size != size:
-                raise ReleaseError(f"LFS object {oid} is corrupt ({rel_path})")
-        return dest
+        return self.trees.materialize(tree, Path(dest))
 
     @_locked
     def diff(self, a: str, b: str) -> dict[str, Any]:
-        """Metadata and per-file differences from release `a` to release `b` (files keyed by sha256 / LFS oid),
-        with a unified diff for every changed text file (LFS files and binary files are compared by hash only)."""
+        """Metadata and per-file differences from release `a` to release `b` (see Trees.diff)."""
         ra, rb = self.get(a, include_rejected=True), self.get(b, include_rejected=True)
-        fa, fb = self._digests(ra), self._digests(rb)
         keys = set(ra.meta) | set(rb.meta)
-        added, removed = sorted(set(fb) - set(fa)), sorted(set(fa) - set(fb))
-        changed = sorted(p for p in set(fa) & set(fb) if fa[p] != fb[p])
-        ta, tb = self._texts(ra), self._texts(rb)
-        text = {}
-        for path in sorted([*added, *removed, *changed]):
-            if (path in ta or path not in fa) and (path in tb or path not in fb) and (path in ta or path in tb):
-                lines = difflib.unified_diff(ta.get(path, "").splitlines(keepends=True),
-                                             tb.get(path, "").splitlines(keepends=True),
-                                             f"a/{path}" if path in fa else "/dev/null",
-                                             f"b/{path}" if path in fb else "/dev/null")
-                text[path] = "".join(line if line.endswith("\n") else line + "\n\\ No newline at end of file\n"
-                                     for line in lines)
-        return {
-            "kind": (ra.kind, rb.kind),
-            "meta": {k: (ra.meta.get(k), rb.meta.get(k)) for k in sorted(keys) if ra.meta.get(k) != rb.meta.get(k)},
-            "added": added,
-            "removed": removed,
-            "changed": changed,
-            "text": text,
-        }
-
-    def _texts(self, rel: Release, limit: int = 1 << 20) -> dict[str, str]:
-        """Path -> content of the release's small UTF-8 text files (not LFS)."""
-        tree = self.repo[rel.commit].peel(pygit2.Commit).tree
-        out = {}
-        for p, data, oid, _ in self._walk(tree):
-            if oid is None and p not in ("release.json", ".gitattributes") and len(data) <= limit \
-                    and b"\0" not in data:
-                try:
-                    out[p] = data.decode("utf-8")
-                except UnicodeDecodeError:
-                    continue
-        return out
+        return {"kind": (ra.kind, rb.kind),
+                "meta": {k: (ra.meta.get(k), rb.meta.get(k)) for k in sorted(keys) if ra.meta.get(k) != rb.meta.get(k)},
+                **self.trees.diff(self._tree(a), self._tree(b))}
 
     @_locked
     def files(self, release_id: str) -> list[dict[str, Any]]:
         """Every file of a release: path, size, sha256 (the LFS oid for LFS files), lfs."""
-        tree = self.repo[self.get(release_id, include_rejected=True).commit].peel(pygit2.Commit).tree
-        return [{"path": p, "size": size if oid else len(data), "lfs": oid is not None,
-                 "sha256": oid or hashlib.sha256(data).hexdigest()}
-                for p, data, oid, size in self._walk(tree)]
+        return self.trees.files(self._tree(release_id))
 
     def clear_stale_locks(self) -> list[Path]:
         """Remove head lock files a killed writer left behind. Only for the repo's sole writer
@@ -495,7 +408,108 @@ class ReleaseChain:
             lock.unlink(missing_ok=True)
         return stale
 
-    def _digests(self, rel: Release) -> dict[str, str]:
-        tree = self.repo[rel.commit].peel(pygit2.Commit).tree
-        return {p: oid or hashlib.sha256(data).hexdigest()
-                for p, data, oid, _ in self._walk(tree) if p not in ("release.json", ".gitattributes")}
+
+# ---- the commit policy ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """What a caller asks the chain to append: an artifact folder (adapter, harness, weights; a base release may
+    carry a harness), or a copy of another release's tree (rollback, promote)."""
+
+    kind: str
+    meta: dict[str, Any]  # release.json's meta: source, summary, metrics, the receipts it learned from, ...
+    artifact: Path | None = None  # the folder stored as the kind's artifact
+    folder: str | None = None  # store `artifact` under this folder name instead of the kind's
+    target: str | None = None  # rollback and promote: the release whose tree is carried (rollback: None = parent)
+    built_on: str | None = None  # the head the candidate was made on; None: the head when it is committed
+    exact: bool = False  # built_on was named by the caller (an expected head): a moved head refuses it
+    verdict: dict[str, Any] | None = None  # the gate's verdict (meta["gate"]); a failing one is never released
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What a commit would do now: append on `head` (None: the scenario's first release), carrying `target`'s
+    tree for a copy."""
+
+    head: Release | None
+    target: Release | None
+
+
+def plan(chain: ReleaseChain, scenario: str, cand: Candidate, *, pin: str | None) -> Plan:
+    """Check a candidate against the scenario's head and pin without writing anything (a dry run, or a refusal
+    before an upload). Pinned: a pinned scenario takes only its first release and the copy of the pinned one;
+    NoRelease: only a base may be a scenario's first release; HeadConflict: an exact candidate whose head moved;
+    UnknownRelease, WrongScenario, NothingToRollBack: a copy's target."""
+    head = chain.head(scenario)
+    if head is None and cand.kind != "base":
+        raise NoRelease(scenario)
+    copy_of = None
+    if cand.kind in COPIES and head is not None:
+        copy_of = cand.target or chain.rollback_target(head)
+    if pin is not None and head is not None and not (cand.kind == "rollback" and copy_of == pin):
+        raise Pinned(scenario, pin)
+    if cand.exact and (head.id if head else None) != cand.built_on:
+        raise HeadConflict(scenario, cand.built_on, head.id if head else None)
+    target = None
+    if copy_of is not None:
+        target = chain.target(scenario, copy_of, include_rejected=cand.kind == "promote")
+    return Plan(head, target)
+
+
+def commit(chain: ReleaseChain, scenario: str, cand: Candidate, *, pin: str | None, on_conflict: str,
+           keep_refused: bool = False) -> Release:
+    """Append `cand` to the scenario's chain: the whole commit policy, for every caller (the publish, rollback and
+    promote routes, Grow jobs, the reconciler's base release and pin).
+
+    - A verdict goes into release.json as meta["gate"]; a failed one is kept as a rejected candidate, never served.
+    - `plan`: the pin, the head, a copy's target.
+    - The head moves by compare-and-swap on the head the candidate was built on. If another writer moved it
+      meanwhile and `on_conflict` is "rebase" (and the candidate is not `exact`), the candidate is appended on the
+      new head instead (meta: rebased_from, built_on), at most REBASE_ATTEMPTS times; else it is refused.
+    - A refusal (Pinned, or HeadConflict) raises; with `keep_refused` the candidate is kept as rejected instead,
+      with meta["refused"] saying why, and returned (status "rejected").
+    """
+    meta = {**cand.meta, "gate": cand.verdict} if cand.verdict is not None else dict(cand.meta)
+    built_on = cand.built_on
+    if cand.verdict is not None and cand.verdict.get("verdict") != "pass":
+        return _keep(chain, scenario, cand, built_on, meta)
+    try:
+        head = plan(chain, scenario, cand, pin=pin).head
+        if built_on is None and not cand.exact:
+            built_on = head.id if head is not None else None
+        for attempt in range(1, REBASE_ATTEMPTS + 1):
+            try:
+                return _append(chain, scenario, cand, built_on, meta)
+            except HeadConflict as exc:
+                if cand.exact or on_conflict != "rebase" or exc.actual is None or attempt == REBASE_ATTEMPTS:
+                    raise
+                meta = {**meta, "rebased_from": meta.get("rebased_from", built_on)}
+                built_on = exc.actual
+        raise AssertionError("unreachable")
+    except (Pinned, HeadConflict) as exc:
+        if not keep_refused or cand.kind in COPIES:
+            raise
+        why = (f"the scenario is pinned to {exc.pin}" if isinstance(exc, Pinned)
+               else f"the head moved to {exc.actual} while the candidate was built")
+        return _keep(chain, scenario, cand, cand.built_on, {**meta, "refused": why})
+
+
+def _append(chain: ReleaseChain, scenario: str, cand: Candidate, built_on: str | None,
+            meta: dict[str, Any]) -> Release:
+    if cand.kind == "rollback":
+        return chain.rollback(scenario, cand.target, expected_head=built_on, meta=meta)
+    if cand.kind == "promote":
+        assert cand.target is not None
+        return chain.promote(scenario, cand.target, expected_head=built_on, meta=meta)
+    if cand.artifact is not None:
+        meta = {**meta, "built_on": built_on}
+    return chain.publish(scenario, expected_head=built_on, kind=cand.kind, artifact_dir=cand.artifact, meta=meta,
+                         folder=cand.folder)
+
+
+def _keep(chain: ReleaseChain, scenario: str, cand: Candidate, built_on: str | None, meta: dict[str, Any]) -> Release:
+    """A candidate that is not released, kept for the record on the head it was built on."""
+    if cand.artifact is not None:
+        meta = {"built_on": built_on, **meta}
+    return chain.reject(scenario, built_on=built_on, kind=cand.kind, artifact_dir=cand.artifact, meta=meta)

@@ -1,8 +1,8 @@
-"""The scenario registry: composed configs bound to running engines, and request routing.
+"""The scenario registry: composed configs bound to running engines, and what serves each scenario now.
 
-A request names its scenario with `x-reef-scenario: NAME` or the path form
-`/scenarios/NAME/v1/...`. Scenarios whose models are identical share one engine.
-Knows nothing about wire formats or records.
+Scenarios whose models are identical share one engine. A request takes its scenario's `Binding` when it starts
+(`serving`) and keeps it, so neither a reload nor a release swap takes its engine or adapter away mid-answer.
+Knows nothing about HTTP, wire formats, records or the chain (the reconciler sets the bindings).
 """
 
 from __future__ import annotations
@@ -14,22 +14,45 @@ import json
 import logging
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import aiohttp
-from aiohttp import web
 
-from reefd.api.errors import ApiError
-from reefd.config import ScenarioConfig, to_dict
-from reefd.engines import Engine, build_engine
-from reefd.reconcile import Binding, Reconciler
-from reefd.releases import ReleaseChain
+from reefd.config import ScenarioConfig
+from reefd.engines import Engine, ModelConfig, build_engine
+from reefd.harness import Harness
 
 log = logging.getLogger("reefd")
 
-SCENARIO_HEADER = "x-reef-scenario"
+
+class UnknownScenario(LookupError):
+    """No scenario of that name is served."""
+
+    def __init__(self, name: str, known: list[str]) -> None:
+        super().__init__(f"unknown scenario {name!r}")
+        self.name, self.known = name, known
+
+
+class NotServing(RuntimeError):
+    """The scenario has no release bound yet (or could not bind the one declared): retry shortly."""
+
+    def __init__(self, name: str, why: str | None) -> None:
+        super().__init__(f"scenario {name!r} is not serving yet" + (f": {why}" if why else ""))
+        self.name, self.why = name, why
+
+
+@dataclass(frozen=True)
+class Binding:
+    """What serves a scenario's new requests: a release, the engine's name for its adapter (if it has one), and
+    its harness (if it has one)."""
+
+    release: str
+    adapter: str | None = None
+    artifact: str | None = None  # the adapter's tree id: releases with equal trees share one loaded adapter
+    harness: Harness | None = None
+    harness_tree: str | None = None
 
 
 @dataclass
@@ -49,8 +72,8 @@ class Scenario:
         return self.binding.release if self.binding else None
 
 
-def _model_key(cfg: ScenarioConfig) -> str:
-    return json.dumps(to_dict(cfg)["model"], sort_keys=True)
+def _model_key(cfg: ModelConfig) -> str:
+    return json.dumps(asdict(cfg), sort_keys=True)
 
 
 async def _until(condition: Callable[[], bool], timeout_s: float) -> None:
@@ -59,11 +82,13 @@ async def _until(condition: Callable[[], bool], timeout_s: float) -> None:
         await asyncio.sleep(0.25)
 
 
+Bind = Callable[[Scenario], Awaitable[object]]
+"""Binds a scenario that is not installed yet to its declared release (the reconciler's `bind`)."""
+
+
 class Registry:
-    def __init__(self, configs: dict[str, ScenarioConfig], state_dir: Path,
-                 session: aiohttp.ClientSession, chain: ReleaseChain, scenarios_dir: Path = Path("scenarios")):
+    def __init__(self, configs: dict[str, ScenarioConfig], state_dir: Path, session: aiohttp.ClientSession):
         self.state_dir = state_dir
-        self.chain = chain
         self.session = session
         self.engines: dict[str, Engine] = {}
         self.scenarios: dict[str, Scenario] = {}
@@ -71,14 +96,14 @@ class Registry:
         self._inflight: Counter[int] = Counter()  # requests per engine (by id), for draining
         self._uses: Counter[tuple[int, str | None]] = Counter()  # requests per (engine, adapter)
         self._reloading = asyncio.Lock()
-        self.reconciler = Reconciler(self, chain, state_dir, scenarios_dir)
+        self._retiring: set[asyncio.Task[None]] = set()  # engines no scenario uses, stopping once drained
 
     def _bind(self, configs: dict[str, ScenarioConfig]) -> tuple[dict[str, Scenario], list[str]]:
         """Scenarios bound to engines (building engines for new models), and the new engines' keys."""
         fresh: list[str] = []
         scenarios = {}
         for name, cfg in sorted(configs.items()):
-            key = _model_key(cfg)
+            key = _model_key(cfg.model)
             if key not in self.engines:
                 self.engines[key] = build_engine(cfg.model, self.state_dir, self.session)
                 fresh.append(key)
@@ -91,17 +116,22 @@ class Registry:
     async def start(self) -> None:
         for engine in self.engines.values():
             await engine.start()
-        self.reconciler.start()
+
+    async def stop(self) -> None:
+        for task in list(self._retiring):
+            task.cancel()
+        await asyncio.gather(*self._retiring, return_exceptions=True)
+        for engine in self.engines.values():
+            await engine.stop()
 
     @contextlib.contextmanager
     def serving(self, scenario: Scenario) -> Iterator[Binding]:
-        """Take the scenario's current binding for one request and count the request in flight on it,
-        so neither a reload nor a release swap takes its engine or adapter away mid-answer."""
+        """Take the scenario's current binding for one request and count the request in flight on it, so neither
+        a reload nor a release swap takes its engine or adapter away mid-answer. NotServing before a release is
+        bound."""
         binding = scenario.binding
         if binding is None:  # the chain has not named this scenario's release yet
-            why = f": {scenario.error}" if scenario.error else "; retry shortly"
-            raise ApiError(503, f"scenario {scenario.name!r} is not serving yet{why}",
-                           code="engine_unavailable", headers={"Retry-After": "2"})
+            raise NotServing(scenario.name, scenario.error)
         use = (id(scenario.engine), binding.adapter)
         self._inflight[use[0]] += 1
         self._uses[use] += 1
@@ -124,13 +154,29 @@ class Registry:
         """Requests running on `engine` with `adapter`."""
         return self._uses[(id(engine), adapter)]
 
-    async def reload(self, configs: dict[str, ScenarioConfig]) -> None:
+    @contextlib.asynccontextmanager
+    async def borrow(self, cfg: ModelConfig) -> AsyncIterator[Engine]:
+        """The engine for `cfg` (a recipe's proposer model): a scenario's, when one serves that model, else a
+        temporary one, started now and stopped on exit."""
+        key = _model_key(cfg)
+        engine = self.engines.get(key)
+        if engine is not None:
+            yield engine
+            return
+        engine = build_engine(cfg, self.state_dir, self.session)
+        await engine.start()
+        try:
+            yield engine
+        finally:
+            await engine.stop()
+
+    async def reload(self, configs: dict[str, ScenarioConfig], bind: Bind) -> None:
         """Apply a re-read scenario folder without dropping requests.
 
-        New engines start and get until their start-up deadline to generate before any route
-        moves to them; a scenario whose new engine fails keeps its old binding. Requests in
-        flight keep the engine they resolved, and an engine no scenario uses any more is
-        stopped only once its requests have finished.
+        New engines start and get until their start-up deadline to generate before any route moves to them:
+        `bind` gives a scenario moving to a new engine its release there first, and one whose new engine fails
+        keeps its old binding. Requests in flight keep the engine they resolved, and an engine no scenario uses
+        any more is stopped in the background once its requests have finished.
         """
         async with self._reloading:
             scenarios, fresh = self._bind(configs)
@@ -145,7 +191,7 @@ class Registry:
                 if old is None or old.engine is scenario.engine:
                     continue
                 if scenario.engine.ready:  # bind its release on the new engine before the route moves
-                    await self.reconciler.reconcile(scenario, pending=True)
+                    await bind(scenario)
                 if not scenario.engine.ready or (scenario.binding is None and old.binding is not None):
                     log.error("reload: scenario %s keeps its previous model; the new one is %s%s",
                               name, scenario.engine.describe()["state"],
@@ -156,41 +202,29 @@ class Registry:
                 if old is not None and old is not scenario and old.engine is scenario.engine:
                     scenario.binding, scenario.error = old.binding, old.error
             self.scenarios = scenarios
-            for name in scenarios:  # a changed pin, a new scenario: reconcile against the new files
-                self.reconciler.kick(name)
             used = {id(s.engine) for s in scenarios.values()}
+            drain = max((s.cfg.serve.request_timeout_s for s in scenarios.values()), default=600.0)
             for key, engine in list(self.engines.items()):
                 if id(engine) not in used:
                     del self.engines[key]
-                    drain = max((s.cfg.serve.request_timeout_s for s in scenarios.values()),
-                                default=600.0)
-                    await _until(functools.partial(self._idle, engine), drain)
-                    await engine.stop()
+                    task = asyncio.create_task(self._retire(engine, drain), name=f"retire-engine-{key[:40]}")
+                    self._retiring.add(task)
+                    task.add_done_callback(self._retiring.discard)
+
+    async def _retire(self, engine: Engine, drain_s: float) -> None:
+        await _until(functools.partial(self._idle, engine), drain_s)
+        await engine.stop()
 
     def _idle(self, engine: Engine) -> bool:
         return self._inflight[id(engine)] == 0
-
-    async def stop(self) -> None:
-        await self.reconciler.stop()
-        for engine in self.engines.values():
-            await engine.stop()
 
     @property
     def ready(self) -> bool:
         return all(s.engine.ready and s.binding for s in self.scenarios.values())
 
     def get(self, name: str) -> Scenario:
+        """UnknownScenario when no scenario of that name is served."""
         try:
             return self.scenarios[name]
         except KeyError:
-            known = ", ".join(sorted(self.scenarios)) or "(none)"
-            raise ApiError(404, f"unknown scenario {name!r}; known scenarios: {known}",
-                           param=SCENARIO_HEADER, code="scenario_not_found") from None
-
-    def resolve(self, request: web.Request) -> Scenario:
-        name = request.match_info.get("scenario") or request.headers.get(SCENARIO_HEADER)
-        if not name:
-            raise ApiError(400, f"missing the {SCENARIO_HEADER} header: it names the scenario "
-                           f"that serves this request (known: {', '.join(sorted(self.scenarios))})",
-                           param=SCENARIO_HEADER, code="scenario_missing")
-        return self.get(name.strip())
+            raise UnknownScenario(name, sorted(self.scenarios)) from None

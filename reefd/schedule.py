@@ -2,9 +2,10 @@
 most, a deployment-wide bound on concurrent jobs, and a fair queue.
 
 Interval and cron triggers are APScheduler 3.x jobs on the daemon's event loop. The count trigger is
-checked after records and reports arrive (debounced). A trigger for a scenario that already has a
-queued or running job joins that job instead of starting another. Waiting scenarios are served in
-the order they asked (first come, first served), so a busy scenario cannot starve another.
+checked after records and reports become durable (`check`, which reefd/loop.py subscribes to the record
+store), debounced. A trigger for a scenario that already has a queued or running job joins that job
+instead of starting another. Waiting scenarios are served in the order they asked (first come, first
+served), so a busy scenario cannot starve another. Running a job is the runner's (reefd/runner.py).
 """
 
 from __future__ import annotations
@@ -15,40 +16,27 @@ import logging
 import time
 import warnings
 from collections import deque
-from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from reefd.jobs import ACTIVE, Job, JobStore, Runner
+from reefd.jobs import Job, JobStore
 from reefd.recipes import RecipeError, build
-from reefd.trainers import LocalTrainers
-
-if TYPE_CHECKING:
-    from reefd.records import RecordStore
-    from reefd.releases import ReleaseChain
-    from reefd.scenarios import Registry
+from reefd.records import RecordStore
+from reefd.runner import Runner, eligible
+from reefd.scenarios import Registry
 
 log = logging.getLogger("reefd.schedule")
-
-
-def _trains_weights(name: str, params: dict[str, Any]) -> bool:
-    """Whether the recipe's jobs run a trainer (a weight recipe, not a harness one or `record`)."""
-    try:
-        recipe = build(name, params)
-    except RecipeError:
-        return False
-    return recipe.trains and not hasattr(recipe, "edit")
 
 
 class Scheduler:
     COUNT_DEBOUNCE_S = 0.2
     FAILURE_COOLDOWN_S = 60.0  # a failed or skipped job's records stay eligible: count triggers wait this long
 
-    def __init__(self, registry: Registry, store: RecordStore, chain: ReleaseChain, state_dir: Path,
-                 scenarios_dir: Path, max_jobs: int = 1) -> None:
+    def __init__(self, registry: Registry, store: RecordStore, jobs: JobStore, runner: Runner,
+                 max_jobs: int = 1) -> None:
         self.registry = registry
-        self.jobs = JobStore(state_dir / "jobs")
-        self.trainers = LocalTrainers(state_dir / "jobs" / "trainer.log", keep=max_jobs)
-        self.runner = Runner(registry, store, chain, self.jobs, scenarios_dir, self.trainers)
+        self.store = store
+        self.jobs = jobs
+        self.runner = runner
         self.max_jobs = max_jobs
         self._queue: deque[Job] = deque()
         self._running: dict[str, asyncio.Task[None]] = {}  # scenario -> its running job's task
@@ -60,8 +48,8 @@ class Scheduler:
 
     # ------------------------------------------------------------ lifecycle
 
-    def start(self) -> None:
-        for job in self.jobs.recover():
+    async def start(self) -> None:
+        for job in await asyncio.to_thread(self.jobs.recover):
             log.warning("%s %s: marked failed: %s", job.scenario, job.id, job.error)
         with warnings.catch_warnings():  # tzlocal's deprecation chatter on import
             warnings.simplefilter("ignore", DeprecationWarning)
@@ -82,7 +70,6 @@ class Scheduler:
         for task in [*self._tasks, *self._running.values()]:
             task.cancel()
         await asyncio.gather(*self._tasks, *self._running.values(), return_exceptions=True)
-        await self.trainers.close()
 
     def _spawn(self, coro: Any) -> None:
         task = asyncio.create_task(coro)
@@ -90,13 +77,10 @@ class Scheduler:
         task.add_done_callback(self._tasks.discard)
 
     def sync_triggers(self) -> None:
-        """(Re)declare the interval and cron triggers of every scenario (at start and after SIGHUP), and start a
-        trainer process ahead of the first job when a scenario trains weights."""
+        """(Re)declare the interval and cron triggers of every scenario (at start and after SIGHUP)."""
         from apscheduler.triggers.cron import CronTrigger
         from apscheduler.triggers.interval import IntervalTrigger
 
-        if any(_trains_weights(s.cfg.recipe.name, s.cfg.recipe.params) for s in self.registry.scenarios.values()):
-            self.trainers.prewarm()
         self._aps.remove_all_jobs()
         for name, scenario in self.registry.scenarios.items():
             trig = scenario.cfg.trigger
@@ -110,7 +94,7 @@ class Scheduler:
     async def _fire(self, scenario: str, reason: str) -> None:
         """APScheduler runs coroutines on the daemon's loop (plain functions would run in a thread)."""
         if scenario in self.registry.scenarios:
-            self.submit(scenario, reason)
+            await self.submit(scenario, reason)
 
     # ------------------------------------------------------------ triggers
 
@@ -128,7 +112,7 @@ class Scheduler:
 
     async def _count_check(self, scenario: str) -> None:
         s = self.registry.scenarios.get(scenario)
-        if s is None or s.cfg.trigger.every_n_records is None or self.active(scenario):
+        if s is None or s.cfg.trigger.every_n_records is None or self.jobs.active(scenario):
             return
         if time.monotonic() < self._cooldown.get(scenario, 0.0):
             return
@@ -136,22 +120,20 @@ class Scheduler:
             recipe = build(s.cfg.recipe.name, s.cfg.recipe.params)
         except RecipeError:
             return
-        if not recipe.trains:
+        if recipe.produces == "nothing":
             return
-        samples = await asyncio.to_thread(self.runner.batch, recipe, scenario)
+        samples = await asyncio.to_thread(eligible, self.store, recipe, scenario)
         if len(samples) >= s.cfg.trigger.every_n_records and recipe.ready(samples):
-            self.submit(scenario, "count")
+            await self.submit(scenario, "count")
 
-    def active(self, scenario: str) -> Job | None:
-        return next((j for j in self.jobs.list(scenario) if j.state in ACTIVE), None)
-
-    def submit(self, scenario: str, reason: str) -> Job:
+    async def submit(self, scenario: str, reason: str) -> Job:
         """Queue a job for `scenario`, or return the one already queued or running (triggers coalesce)."""
-        current = self.active(scenario)
+        current = self.jobs.active(scenario)
         if current is not None:
             return current
         s = self.registry.scenarios[scenario]
-        job = self.jobs.new(scenario, reason, s.cfg.recipe.name)
+        job = self.jobs.new(scenario, reason, s.cfg.recipe.name)  # listed now: a trigger meanwhile joins it
+        await asyncio.to_thread(self.jobs.save, job)
         self._queue.append(job)
         log.info("%s %s: queued (%s)", scenario, job.id, reason)
         self._wake.set()

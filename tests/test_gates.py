@@ -6,13 +6,14 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+from collections.abc import Awaitable
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from reefd.config import GateConfig
-from reefd.gates import GateError, Generate, Task, Verdict, check_config, evaluate, fingerprint, load_tasks, scorer
+from reefd import gates
+from reefd.gates import GateError, Generate, Sampling, Task, Verdict, build, load_tasks, scorer
 
 CAND, CUR = "cand", "cur"
 NOT_CALLABLE = 42
@@ -42,6 +43,28 @@ def write_tasks(folder: Path, n: int, name: str = "tasks.jsonl") -> str:
     return name
 
 
+def config(**kw: Any) -> dict[str, Any]:
+    """A scenario's `gate:` mapping (kind always unless given)."""
+    return {"kind": "always", **kw}
+
+
+def evaluate(cfg: dict[str, Any], folder: Path, generate: Generate, **kw: Any) -> Awaitable[Verdict]:
+    """The gate that the mapping `cfg` declares (tasks relative to `folder`), judging with `generate`."""
+    return build(cfg, folder).evaluate(generate, **kw)
+
+
+def check_config(cfg: dict[str, Any], folder: Path) -> str | None:
+    """What `reefd --check` reports about a `gate:` mapping."""
+    try:
+        return build(cfg, folder).check()
+    except GateError as exc:
+        return str(exc)
+
+
+def fingerprint(cfg: dict[str, Any], folder: Path, context: dict[str, Any] | None = None) -> str:
+    return gates.fingerprint(build(cfg, folder).cfg, folder, context)  # type: ignore[attr-defined]
+
+
 class Engine:
     """Scripted answers: adapter -> the task indices it gets right; records every call in order."""
 
@@ -52,7 +75,7 @@ class Engine:
         self.in_flight = 0
         self.max_in_flight = 0
 
-    async def __call__(self, messages: list[dict[str, Any]], adapter: str | None, cfg: GateConfig,
+    async def __call__(self, messages: list[dict[str, Any]], adapter: str | None, cfg: Sampling,
                        seed: int) -> str:
         i = int(messages[-1]["content"][1:])
         self.calls.append((i, adapter, seed))
@@ -64,14 +87,14 @@ class Engine:
         return f" a{i}\n" if i in self.right[adapter] else self.wrong
 
 
-def run(cfg: GateConfig, folder: Path, engine: Generate, concurrency: int = 4,
+def run(cfg: Sampling, folder: Path, engine: Generate, concurrency: int = 4,
         current: str | None = CUR, candidate: str | None = CAND) -> Verdict:
     return asyncio.run(evaluate(cfg, folder, engine, current=current, candidate=candidate,
                                 concurrency=concurrency))
 
 
-def holdout(tasks: str, **kw: Any) -> GateConfig:
-    return GateConfig(kind="holdout", tasks=tasks, **kw)
+def holdout(tasks: str, **kw: Any) -> dict[str, Any]:
+    return config(kind="holdout", tasks=tasks, **kw)
 
 
 # ---------------------------------------------------------------- kinds and pass rules
@@ -79,7 +102,7 @@ def holdout(tasks: str, **kw: Any) -> GateConfig:
 
 def test_always_passes_without_generating(tmp_path: Path) -> None:
     engine = Engine({})
-    verdict = run(GateConfig(kind="always"), tmp_path, engine)
+    verdict = run(config(kind="always"), tmp_path, engine)
     assert verdict.passed and verdict.kind == "always" and verdict.tasks == 0
     assert verdict.candidate_mean is None and verdict.current_mean is None
     assert engine.calls == []
@@ -148,20 +171,20 @@ def test_too_few_tasks_is_a_failed_verdict(tmp_path: Path) -> None:
 def test_floor_kind_asks_only_the_candidate(tmp_path: Path) -> None:
     tasks = write_tasks(tmp_path, 4)
     engine = Engine({CAND: {0, 1, 2}})
-    verdict = run(GateConfig(kind="floor", tasks=tasks, floor=0.75), tmp_path, engine)
+    verdict = run(config(kind="floor", tasks=tasks, floor=0.75), tmp_path, engine)
     assert verdict.passed, verdict.reason
     assert verdict.reason == "candidate 0.750 on 4 tasks, floor 0.75 met"
     assert verdict.current_mean is None
     assert verdict.per_task[3] == {"candidate": 0.0, "current": None}
     assert {adapter for _, adapter, _ in engine.calls} == {CAND}
-    missed = run(GateConfig(kind="floor", tasks=tasks, floor=0.8), tmp_path, engine)
+    missed = run(config(kind="floor", tasks=tasks, floor=0.8), tmp_path, engine)
     assert not missed.passed and missed.reason.endswith("floor 0.8 missed")
 
 
 def test_floor_kind_without_floor_is_a_config_error(tmp_path: Path) -> None:
     tasks = write_tasks(tmp_path, 1)
     with pytest.raises(GateError, match=r"^gate\.floor: a floor gate needs a floor$"):
-        run(GateConfig(kind="floor", tasks=tasks), tmp_path, Engine({}))
+        run(config(kind="floor", tasks=tasks), tmp_path, Engine({}))
 
 
 def test_missing_tasks_file_is_a_config_error(tmp_path: Path) -> None:
@@ -176,7 +199,7 @@ def test_samples_are_averaged_with_shared_seeds(tmp_path: Path) -> None:
     tasks = write_tasks(tmp_path, 3)
 
     class Seeded(Engine):
-        async def __call__(self, messages: list[dict[str, Any]], adapter: str | None, cfg: GateConfig,
+        async def __call__(self, messages: list[dict[str, Any]], adapter: str | None, cfg: Sampling,
                            seed: int) -> str:
             assert (cfg.max_tokens, cfg.temperature) == (7, 0.8)
             text = await super().__call__(messages, adapter, cfg, seed)
@@ -210,7 +233,7 @@ def test_engine_errors_propagate_and_stop_the_rest(tmp_path: Path) -> None:
     tasks = write_tasks(tmp_path, 20)
     engine = Engine({CAND: set(range(20)), CUR: set()})
 
-    async def flaky(messages: list[dict[str, Any]], adapter: str | None, cfg: GateConfig, seed: int) -> str:
+    async def flaky(messages: list[dict[str, Any]], adapter: str | None, cfg: Sampling, seed: int) -> str:
         if seed == 3:
             raise TimeoutError("engine call deadline")
         return await engine(messages, adapter, cfg, seed)
@@ -224,7 +247,7 @@ def test_generate_gets_a_copy_of_the_messages(tmp_path: Path) -> None:
     tasks = write_tasks(tmp_path, 1)
     engine = Engine({CAND: {0}, CUR: {0}})
 
-    async def mutating(messages: list[dict[str, Any]], adapter: str | None, cfg: GateConfig, seed: int) -> str:
+    async def mutating(messages: list[dict[str, Any]], adapter: str | None, cfg: Sampling, seed: int) -> str:
         text = await engine(messages, adapter, cfg, seed)
         messages.append({"role": "assistant", "content": text})
         return text
@@ -235,7 +258,7 @@ def test_generate_gets_a_copy_of_the_messages(tmp_path: Path) -> None:
 
 def test_concurrency_must_be_positive(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="concurrency"):
-        run(GateConfig(kind="always"), tmp_path, Engine({}), concurrency=0)
+        run(config(kind="always"), tmp_path, Engine({}), concurrency=0)
 
 
 # ---------------------------------------------------------------- scorers
@@ -265,7 +288,7 @@ def test_regex_scorer_searches_and_names_a_bad_pattern() -> None:
 def test_regex_scorer_in_a_gate(tmp_path: Path) -> None:
     lines = [{"prompt": "q0", "answer": r"^\s*a0\b"}, {"prompt": "q1", "answer": "a1$"}]
     (tmp_path / "re.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines), encoding="utf-8")
-    verdict = run(GateConfig(kind="floor", tasks="re.jsonl", scorer="regex", floor=1.0), tmp_path,
+    verdict = run(config(kind="floor", tasks="re.jsonl", scorer="regex", floor=1.0), tmp_path,
                   Engine({CAND: {0, 1}}))
     assert verdict.passed, verdict.reason
 
@@ -274,7 +297,7 @@ def test_dotted_path_scorer(tmp_path: Path) -> None:
     fn = scorer("tests.test_gates:length_score")
     assert fn("ab", task("abcd")) == 0.5
     tasks = write_tasks(tmp_path, 2)
-    verdict = run(GateConfig(kind="floor", tasks=tasks, scorer="tests.test_gates:length_score", floor=0.5),
+    verdict = run(config(kind="floor", tasks=tasks, scorer="tests.test_gates:length_score", floor=0.5),
                   tmp_path, Engine({CAND: {0}}, wrong="x"))
     assert verdict.per_task == [{"candidate": 1.0, "current": None}, {"candidate": 0.5, "current": None}]
     assert verdict.passed
@@ -364,22 +387,27 @@ def test_as_meta_is_json_for_release_meta(tmp_path: Path) -> None:
     }
     failed = run(holdout(tasks, min_tasks=5), tmp_path, Engine({}))
     assert failed.as_meta()["verdict"] == "fail"
-    always = run(GateConfig(kind="always"), tmp_path, Engine({})).as_meta()
+    always = run(config(kind="always"), tmp_path, Engine({})).as_meta()
     assert always["verdict"] == "pass" and always["candidate_mean"] is None and always["per_task"] == []
 
 
 def test_check_config(tmp_path: Path) -> None:
     tasks = write_tasks(tmp_path, 2)
     (tmp_path / "bad.jsonl").write_text("{oops\n", encoding="utf-8")
-    assert check_config(GateConfig(), tmp_path) is None
-    assert check_config(GateConfig(kind="always", tasks="nowhere.jsonl"), tmp_path) is None
+    assert check_config(config(), tmp_path) is None
+    assert check_config(config(kind="always", tasks="x.jsonl"), tmp_path) == \
+        "gate: Additional properties are not allowed ('tasks' was unexpected)"  # each kind has its own keys
+    assert check_config(config(kind="floor", tasks=tasks, floor=0.5, margin=0.1), tmp_path) == \
+        "gate: Additional properties are not allowed ('margin' was unexpected)"
+    assert check_config(config(kind="nope"), tmp_path) == \
+        "gate.kind: unknown gate kind 'nope': use one of always, floor, holdout, paired or pkg.mod:Class"
     assert check_config(holdout(tasks), tmp_path) is None
-    assert check_config(GateConfig(kind="floor", tasks=tasks, floor=0.5, scorer="regex"), tmp_path) is None
-    assert check_config(GateConfig(kind="holdout"), tmp_path) == "gate.tasks: a holdout gate needs a tasks file"
-    assert check_config(GateConfig(kind="floor"), tmp_path) == "gate.tasks: a floor gate needs a tasks file"
+    assert check_config(config(kind="floor", tasks=tasks, floor=0.5, scorer="regex"), tmp_path) is None
+    assert check_config(config(kind="holdout"), tmp_path) == "gate.tasks: a holdout gate needs a tasks file"
+    assert check_config(config(kind="floor"), tmp_path) == "gate.tasks: a floor gate needs a tasks file"
     assert check_config(holdout("nowhere.jsonl"), tmp_path) == \
         f"gate.tasks: {tmp_path / 'nowhere.jsonl'}: tasks file not found"
-    assert check_config(GateConfig(kind="floor", tasks=tasks), tmp_path) == "gate.floor: a floor gate needs a floor"
+    assert check_config(config(kind="floor", tasks=tasks), tmp_path) == "gate.floor: a floor gate needs a floor"
     assert check_config(holdout(tasks, floor=1.5), tmp_path) == "gate.floor: 1.5 is outside [0, 1], where scores lie"
     problem = check_config(holdout(tasks, scorer="tests.no_such_module:fn"), tmp_path)
     assert problem is not None and problem.startswith("gate.scorer: scorer 'tests.no_such_module:fn': cannot import")
@@ -395,16 +423,16 @@ def test_paired_counts_wins_and_losses(tmp_path: Path) -> None:
     path.write_text("".join(json.dumps({"prompt": f"q{i}", "answer": "yes"}) + "\n" for i in range(5)))
 
     def gen(answers: dict[str, list[str]]) -> Any:
-        async def generate(messages: list[dict[str, Any]], side: str | None, cfg: GateConfig, seed: int) -> str:
+        async def generate(messages: list[dict[str, Any]], side: str | None, cfg: Sampling, seed: int) -> str:
             return answers[str(side)][int(messages[-1]["content"][1:])]
         return generate
 
-    cfg = GateConfig(kind="paired", tasks="t.jsonl", min_win_margin=0)
+    cfg = config(kind="paired", tasks="t.jsonl", min_win_margin=0)
     answers = {"cand": ["yes", "yes", "yes", "no", "no"], "cur": ["no", "no", "yes", "yes", "no"]}  # 2 wins 1 loss
     verdict = asyncio.run(evaluate(cfg, tmp_path, gen(answers), current="cur", candidate="cand"))
     assert verdict.passed and verdict.reason == (
         "paired on 5 tasks: 2 wins, 1 losses, 2 ties; wins - losses +1 (needs > +0)")
-    strict = GateConfig(kind="paired", tasks="t.jsonl", min_win_margin=1)
+    strict = config(kind="paired", tasks="t.jsonl", min_win_margin=1)
     assert not asyncio.run(evaluate(strict, tmp_path, gen(answers), current="cur", candidate="cand")).passed
 
 
@@ -449,7 +477,7 @@ def test_known_scores_of_another_gate_are_not_used(tmp_path: Path, known: str) -
 
 def test_a_floor_gate_asks_only_the_candidate_whatever_is_known(tmp_path: Path) -> None:
     tasks = write_tasks(tmp_path, 2)
-    cfg = GateConfig(kind="floor", tasks=tasks, floor=0.5)
+    cfg = config(kind="floor", tasks=tasks, floor=0.5)
     engine = Engine({CAND: {0}})
     verdict = asyncio.run(evaluate(cfg, tmp_path, engine, current=CUR, candidate=CAND,
                                    known_current=lookup({fingerprint(cfg, tmp_path): [1.0, 1.0]})))

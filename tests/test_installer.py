@@ -1,4 +1,5 @@
-"""reefd/installer.py: the sh installer and the reef-NAME wrapper it writes, run for real under a temporary HOME.
+"""reefd/harness/installer.py: the sh installer and the reef-NAME wrapper it writes, run for real under a
+temporary HOME; and its sh/*.sh fragments, each shellchecked on its own.
 
 The scripts run with /bin/sh against a fake reefd: a real HTTP server on loopback that serves the harness
 contract's endpoints (releases, install, records, report) and records what it was sent. The agents are stubs on
@@ -25,7 +26,8 @@ from urllib.parse import parse_qsl, urlsplit
 import pexpect
 import pytest
 
-from reefd.installer import ADAPTERS, installer
+import reefd.harness
+from reefd.harness.installer import ADAPTERS, installer
 from tests.served import in_thread
 
 TOKEN = "reef-secret-9f3c2a71d04e"  # a value that must never land in any file
@@ -248,6 +250,15 @@ def test_installer_and_wrapper_pass_shellcheck(box: Box, adapter: str) -> None:
     for path in (script, box.home / ".local/bin/reef-hello"):
         checked = subprocess.run([shellcheck(), "-s", "sh", str(path)], capture_output=True, text=True, check=False)
         assert checked.returncode == 0, checked.stdout
+
+
+def test_every_shell_fragment_passes_shellcheck_on_its_own() -> None:
+    folder = Path(reefd.harness.__file__).parent / "sh"
+    fragments = sorted(folder.glob("*.sh"))
+    assert {f"launch_{a}.sh" for a in ADAPTERS} <= {p.name for p in fragments}
+    checked = subprocess.run([shellcheck(), "-s", "sh", *map(str, fragments)], capture_output=True, text=True,
+                             check=False)
+    assert checked.returncode == 0, checked.stdout
 
 
 # --- install, update, rollback, uninstall ------------------------------------------------------------------

@@ -142,7 +142,7 @@ def test_config_validates_the_proposer_model() -> None:
         build(PATH, {"proposer": {"engine": "gpt"}})
     with pytest.raises(RecipeError, match=r"recipe.params.max_edits: 0 is less than the minimum of 1"):
         build(PATH, {"max_edits": 0})
-    assert SkillClaw.kind == "harness" and SkillClaw.trains and SkillClaw.Config is SkillClawConfig
+    assert SkillClaw.produces == "harness" and SkillClaw.Config is SkillClawConfig
 
 
 # ---------------------------------------------------------------- answers -> mutations
@@ -303,7 +303,7 @@ def test_readme_scenario_composes(tmp_path: Path) -> None:
     pool().render(scen / "coder" / "harness")
     (scen / "coder" / "tasks.jsonl").write_text('{"prompt": "2+2?", "answer": "4"}\n')
     cfg = config.compose(scen / "coder.yaml")
-    assert (cfg.recipe.name, cfg.gate.kind, cfg.gate.min_win_margin, cfg.harness.dir) == (
+    assert (cfg.recipe.name, cfg.gate["kind"], cfg.gate["min_win_margin"], cfg.harness.dir) == (
         "skillclaw", "paired", 0, "coder/harness")
     r = build(cfg.recipe.name, cfg.recipe.params)
     assert isinstance(r, SkillClaw) and (r.cfg.batch_size, r.cfg.max_edits, r.cfg.low_score) == (8, 2, 0.5)

@@ -1,8 +1,8 @@
 """SAO and its GRPO control as Reef recipes: scored rollouts in the records -> a LoRA trainer job.
 
 This is the daemon side (no torch): which records count, when a batch is ready, and the trainer
-spec. The loss and the critic run in the trainer process (recipes/sao/loss.py); the parameters are
-explained in recipes/sao/README.md.
+spec. The loss and the critic run in the trainer process, as the objective the spec names
+(recipes/sao/objective.py); the parameters are explained in recipes/sao/README.md.
 """
 
 from __future__ import annotations
@@ -43,8 +43,8 @@ class SAO:
     """Single-rollout: each scored rollout stands alone, its advantage from the critic (reward - V)."""
 
     Config = SAOConfig
-    trains = True
-    algorithm = "sao"
+    produces = "weights"
+    objective = "recipes.sao.objective:SAO"
 
     def __init__(self, cfg: SAOConfig) -> None:
         self.cfg = cfg
@@ -58,14 +58,14 @@ class SAO:
     def candidate(self, samples: list[Sample], harness: Harness | None = None) -> WeightJob:
         c = self.cfg
         return WeightJob(
-            algorithm=self.algorithm, samples=samples[: c.batch_size],
+            objective=self.objective, samples=samples[: c.batch_size],
             lora={"r": c.lora_r, "alpha": c.lora_alpha, "dropout": 0.0, "target_modules": list(c.target_modules)},
             optim={"lr": c.lr, "weight_decay": c.weight_decay, "epochs": c.epochs, "micro_batch": c.micro_batch,
                    "max_grad_norm": c.max_grad_norm},
-            settings={"eps_low": c.eps_low, "eps_high": c.eps_high, "critic_lr": c.critic_lr, "seed": c.seed})
+            settings={"eps_low": c.eps_low, "eps_high": c.eps_high, "critic_lr": c.critic_lr}, seed=c.seed)
 
 
 class GRPO(SAO):
     """The control: the same ratio primitive and band, advantages relative to the rollouts of the same prompt."""
 
-    algorithm = "grpo"
+    objective = "recipes.sao.objective:GRPO"

@@ -1,7 +1,7 @@
 """SkillClaw as a harness recipe: turns with low scores or feedback -> a proposer prompt -> skill-pool mutations.
 
 Owns eligibility, the prompt and the answer's contract (schema, safety rules, mutations); it does not call the
-proposer, gate or publish (reefd/jobs.py), nor read harness files (reefd/harness.py). See README.md."""
+proposer, gate or publish (reefd/runner.py), nor read harness files (reefd/harness.py). See README.md."""
 
 from __future__ import annotations
 
@@ -14,9 +14,10 @@ from typing import Any
 
 import jsonschema
 
-from reefd.config import ModelConfig, dataclass_schema
+from reefd.engines import ModelConfig
 from reefd.harness import ID_PATTERN, MAX_BODY_BYTES, MAX_DESCRIPTION_CHARS, Harness, HarnessError
 from reefd.recipes import HarnessJob, RecipeError, Sample
+from reefd.schema import dataclass_schema, first_error
 
 ACTIONS = ("improve_skill", "optimize_description", "create_skill", "skip")
 CUT_MARK = "characters not shown"  # the prompt's truncation mark; an answer's body must never contain it
@@ -125,15 +126,14 @@ class SkillClaw:
     """Feedback on agent turns -> improve_skill / optimize_description / create_skill decisions on the pool."""
 
     Config = SkillClawConfig
-    trains = True
-    kind = "harness"
+    produces = "harness"
 
     def __init__(self, cfg: SkillClawConfig) -> None:
         if cfg.proposer is not None:
-            err = jsonschema.exceptions.best_match(_PROPOSER.iter_errors(cfg.proposer))
-            if err is not None:
-                where = ".".join(["recipe.params.proposer", *(str(p) for p in err.absolute_path)])
-                raise RecipeError(f"{where}: {err.message}")
+            found = first_error(_PROPOSER, cfg.proposer)
+            if found is not None:
+                where = ".".join(p for p in ("recipe.params.proposer", found[0]) if p)
+                raise RecipeError(f"{where}: {found[1]}")
         self.cfg = cfg
 
     # ------------------------------------------------------------ batch
@@ -167,7 +167,8 @@ class SkillClaw:
                                schema=json.dumps(ANSWER_SCHEMA), example=json.dumps(EXAMPLE, indent=1))
         return HarnessJob(messages=[{"role": "system", "content": system},
                                     {"role": "user", "content": self._evidence(batch, harness)}],
-                          samples=batch, max_tokens=self.cfg.max_tokens, temperature=self.cfg.temperature,
+                          samples=batch, edit=self.edit, max_tokens=self.cfg.max_tokens,
+                          temperature=self.cfg.temperature,
                           proposer=dict(self.cfg.proposer) if self.cfg.proposer is not None else None)
 
     def _evidence(self, batch: list[Sample], harness: Harness) -> str:

@@ -12,7 +12,7 @@ from aiohttp import web
 
 from reefd import __version__
 from reefd.api.errors import ApiError, json_response
-from reefd.api.keys import CHAIN, REGISTRY, STARTED_AT, STORE
+from reefd.loop import CHAIN, RECONCILER, RECORDS, REGISTRY, STARTED_AT
 
 MAX_LIMIT = 1000
 
@@ -31,14 +31,14 @@ async def readyz(request: web.Request) -> web.Response:
 
 async def status(request: web.Request) -> web.Response:
     registry = request.app[REGISTRY]
-    counts = request.app[STORE].counts()
+    counts = request.app[RECORDS].counts()
     scenarios = []
     chain = request.app[CHAIN]
     heads = await asyncio.to_thread(lambda: {name: chain.head(name) for name in registry.scenarios})
     for name, s in sorted(registry.scenarios.items()):
         c = counts.get(name, {})
         head = heads[name]
-        drift = await asyncio.to_thread(registry.reconciler.drift, s, head)
+        drift = await asyncio.to_thread(request.app[RECONCILER].drift, s, head)
         scenarios.append({"name": name, "model": s.cfg.model.name,
                           "engine": s.engine.describe(), "release": s.release,
                           "releases": {"declared": s.cfg.release.pin, "head": head.id if head else None,
@@ -52,7 +52,7 @@ async def status(request: web.Request) -> web.Response:
 
 async def get_record(request: web.Request) -> web.Response:
     receipt = request.match_info["receipt"]
-    record = request.app[STORE].get_record(receipt)
+    record = request.app[RECORDS].get_record(receipt)
     if record is None:
         raise ApiError(404, f"no record with receipt {receipt!r}", code="record_not_found")
     return json_response(record)
@@ -77,7 +77,7 @@ async def list_records(request: web.Request) -> web.Response:
     if after is not None and len(after) > 64:
         raise ApiError(400, "after: not a receipt", param="after")
     # unpacking up to a thousand records is off the event loop, so streams keep flowing
-    rows = await asyncio.to_thread(request.app[STORE].list_records, scenario.name, after=after,
+    rows = await asyncio.to_thread(request.app[RECORDS].list_records, scenario.name, after=after,
                                    limit=limit + 1, session=request.query.get("session") or None)
     data = rows[:limit]
     return json_response({"object": "list", "data": data, "has_more": len(rows) > limit,

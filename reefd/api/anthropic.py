@@ -14,10 +14,9 @@ import orjson
 from aiohttp import web
 
 from reefd.api.errors import ApiError, anthropic_body, check, json_response, read_json
-from reefd.api.keys import REGISTRY, STORE
-from reefd.api.turns import engine_failure, serve_turn
+from reefd.api.turns import scenario_of, serve_turn
 from reefd.chat import ChatRequest, Completion
-from reefd.engines import EngineError, EngineUnavailable
+from reefd.loop import RECORDS, REGISTRY
 
 _TEXT_BLOCK = {"type": "object", "required": ["type", "text"],
                "properties": {"type": {"const": "text"}, "text": {"type": "string"}}}
@@ -237,22 +236,18 @@ class AnthropicWire:
 
 async def messages(request: web.Request) -> web.StreamResponse:
     registry = request.app[REGISTRY]
-    scenario = registry.resolve(request)
+    scenario = scenario_of(request)
     body = await read_json(request)
     check(_VALIDATOR, body)
     chat = to_chat_request(body)
     with registry.serving(scenario) as binding:
-        return await serve_turn(request, scenario, binding, request.app[STORE],
+        return await serve_turn(request, scenario, binding, request.app[RECORDS],
                                 lambda receipt: AnthropicWire(receipt, scenario.name),
                                 body, chat, bool(body.get("stream")))
 
 
 async def count_tokens(request: web.Request) -> web.Response:
-    scenario = request.app[REGISTRY].resolve(request)
+    scenario = scenario_of(request)
     body = await read_json(request)
     check(_COUNT_VALIDATOR, body)
-    try:
-        n = scenario.engine.count_tokens(to_chat_request(body))
-    except (EngineUnavailable, EngineError) as exc:
-        raise engine_failure(exc) from exc
-    return json_response({"input_tokens": n})
+    return json_response({"input_tokens": scenario.engine.count_tokens(to_chat_request(body))})

@@ -1,7 +1,8 @@
-"""Errors on the wire: one exception type, rendered in the caller's provider format.
+"""Errors on the wire: one exception type, rendered in the caller's provider format, and the one place where
+the domain's errors (unknown scenario, not serving, head conflict, pinned, engine and storage failures, ...)
+become statuses and messages.
 
-`/v1/messages*` callers get Anthropic's shape; everyone else gets OpenAI's. Knows nothing
-about scenarios or engines.
+`/v1/messages*` callers get Anthropic's shape; everyone else gets OpenAI's.
 """
 
 from __future__ import annotations
@@ -15,6 +16,22 @@ from typing import Any
 import jsonschema
 import orjson
 from aiohttp import web
+
+from reefd.engines import EngineError, EngineUnavailable
+from reefd.recipes import RecipeError
+from reefd.records import ReportConflict, StorageError, UnknownReceipt
+from reefd.releases import (
+    HeadConflict,
+    InvalidName,
+    NoRelease,
+    NothingToRollBack,
+    Pinned,
+    UnknownRelease,
+    WrongScenario,
+)
+from reefd.scenarios import NotServing, UnknownScenario
+
+SCENARIO_HEADER = "x-reef-scenario"
 
 log = logging.getLogger("reefd.api")
 
@@ -40,6 +57,53 @@ class ApiError(Exception):
         self.param = param
         self.code = code
         self.headers = headers or {}
+
+
+def from_domain(exc: Exception) -> ApiError | None:
+    """The answer for an error the domain raised (None: not one of those; a bug, then)."""
+    match exc:
+        case UnknownScenario(name=name, known=known):
+            return ApiError(404, f"unknown scenario {name!r}; known scenarios: {', '.join(known) or '(none)'}",
+                            param=SCENARIO_HEADER, code="scenario_not_found")
+        case NotServing(name=name, why=why):
+            return ApiError(503, f"scenario {name!r} is not serving yet{f': {why}' if why else '; retry shortly'}",
+                            code="engine_unavailable", headers={"Retry-After": "2"})
+        case NoRelease(scenario=name):
+            return ApiError(503, f"scenario {name!r} has no base release yet; retry shortly",
+                            code="engine_unavailable", headers={"Retry-After": "2"})
+        case HeadConflict(scenario=name, expected=expected, actual=actual):
+            return ApiError(409, f"the head of {name!r} is {actual}, not {expected}: another release was published "
+                            "meanwhile; nothing was written", code="head_conflict", param="expected_head")
+        case Pinned(scenario=name, pin=pin):
+            return ApiError(409, f"scenario {name!r} is pinned to {pin} by its file (release.pin); set "
+                            "release.pin: null and reload reefd before publishing, rolling back or promoting",
+                            code="scenario_pinned")
+        case NothingToRollBack():
+            return ApiError(400, str(exc.args[0]), code="invalid_request", param="to")
+        case WrongScenario():
+            return ApiError(400, str(exc), code="wrong_scenario")
+        case UnknownRelease():
+            arg = str(exc.args[0]) if exc.args else ""
+            return ApiError(404, arg if " " in arg else f"no release {arg!r}", code="release_not_found")
+        case InvalidName(name=name):
+            return ApiError(400, f"{name!r} is not a scenario name (1-64 letters, digits, '.', '_' or '-'; no '..')",
+                            code="invalid_scenario_name", param="name")
+        case EngineUnavailable():
+            return ApiError(503, str(exc), code="engine_unavailable", headers={"Retry-After": str(exc.retry_after)})
+        case EngineError():
+            return ApiError(exc.status, str(exc), code=exc.code, param=exc.param)
+        case StorageError():
+            return ApiError(503, f"not stored: the record store cannot make writes durable ({exc})",
+                            code="storage_unavailable", headers={"Retry-After": "5"})
+        case UnknownReceipt(receipt=receipt, scenario=scenario):
+            return ApiError(404, f"references: unknown receipt {receipt!r} in scenario {scenario!r}",
+                            param="references", code="receipt_not_found")
+        case ReportConflict(report_id=report_id):
+            return ApiError(409, f"report_id {report_id!r} was already used with a different body", param="report_id",
+                            code="report_conflict")
+        case RecipeError():
+            return ApiError(400, str(exc), code="invalid_recipe")
+    return None
 
 
 def is_anthropic(request: web.Request) -> bool:
@@ -87,7 +151,10 @@ async def error_middleware(request: web.Request,
                    405: f"method {request.method} not allowed on {request.path}"
                    }.get(exc.status, exc.reason)
         return render(request, ApiError(exc.status, message))
-    except Exception:
+    except Exception as exc:
+        mapped = from_domain(exc)
+        if mapped is not None:
+            return render(request, mapped)
         log.exception("unhandled error on %s %s", request.method, request.path)
         return render(request, ApiError(500, "internal server error"))
 

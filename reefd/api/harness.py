@@ -1,8 +1,8 @@
 """The harness over HTTP: its files for a release, its releases, and installers for coding agents.
 
 `curl -fsS -H "Authorization: Bearer $REEF_TOKEN" 'http://HOST:8900/reef/harness/install?adapter=claude' | sh`
-Knows the wire shapes; the chain stores harness trees, reefd/harness.py parses them, reefd/installer.py writes
-the scripts.
+Knows the wire shapes; the chain stores harness trees, reefd/harness parses them, reefd/harness/installer.py
+writes the scripts.
 """
 
 from __future__ import annotations
@@ -13,13 +13,14 @@ from typing import Any
 
 from aiohttp import web
 
-from reefd.api.errors import ApiError, json_response
-from reefd.api.keys import CHAIN, REGISTRY
+from reefd.api.errors import SCENARIO_HEADER, ApiError, json_response
 from reefd.api.turns import RELEASE_HEADER
 from reefd.harness import Harness
+from reefd.harness.installer import ADAPTERS, installer
+from reefd.loop import CHAIN, REGISTRY
 from reefd.reconcile import read_harness
 from reefd.releases import Release, ReleaseChain, UnknownRelease, WrongScenario
-from reefd.scenarios import SCENARIO_HEADER, Scenario
+from reefd.scenarios import Scenario
 
 
 def _scenario(request: web.Request) -> Scenario:
@@ -115,8 +116,6 @@ async def releases(request: web.Request) -> web.Response:
 
 async def install(request: web.Request) -> web.Response:
     """A POSIX sh installer for one agent (`?adapter=`), with the current harness inline."""
-    from reefd.installer import ADAPTERS, installer
-
     adapter = request.query.get("adapter", "")
     if adapter not in ADAPTERS:
         raise ApiError(400, f"unknown adapter {adapter!r}; known adapters: {', '.join(ADAPTERS)}",

@@ -1,6 +1,6 @@
 """Grow jobs over HTTP: start one (`reefctl train`), list them, follow one.
 
-Knows the admin wire shapes; reefd/schedule.py decides when jobs run and reefd/jobs.py runs them.
+Knows the admin wire shapes; reefd/schedule.py decides when jobs run and reefd/runner.py runs them.
 """
 
 from __future__ import annotations
@@ -8,23 +8,20 @@ from __future__ import annotations
 from aiohttp import web
 
 from reefd.api.errors import ApiError, json_response
-from reefd.api.keys import REGISTRY, SCHEDULER
-from reefd.recipes import RecipeError, build
+from reefd.loop import REGISTRY, SCHEDULER
+from reefd.recipes import build
 
 
 async def train(request: web.Request) -> web.Response:
     """Queue a job now (202), or return the scenario's queued or running job (200): one per scenario."""
     scenario = request.app[REGISTRY].get(request.match_info["name"])
-    try:
-        recipe = build(scenario.cfg.recipe.name, scenario.cfg.recipe.params)
-    except RecipeError as exc:
-        raise ApiError(400, str(exc), code="invalid_recipe") from None
-    if not recipe.trains:
+    recipe = build(scenario.cfg.recipe.name, scenario.cfg.recipe.params)
+    if recipe.produces == "nothing":
         raise ApiError(400, f"scenario {scenario.name!r} uses the {scenario.cfg.recipe.name!r} recipe, which does "
                        "not train; set recipe.name in its file (e.g. sao)", code="recipe_does_not_train")
     scheduler = request.app[SCHEDULER]
-    existing = scheduler.active(scenario.name)
-    job = scheduler.submit(scenario.name, "manual")
+    existing = scheduler.jobs.active(scenario.name)
+    job = await scheduler.submit(scenario.name, "manual")
     return json_response(job.as_json(), status=200 if existing is job else 202)
 
 

@@ -14,10 +14,10 @@ import orjson
 from aiohttp import web
 
 from reefd.api.errors import ApiError, check, json_response, openai_body, read_json
-from reefd.api.keys import REGISTRY, STARTED_AT, STORE
-from reefd.api.turns import serve_turn
+from reefd.api.turns import scenario_of, serve_turn
 from reefd.chat import ChatRequest, Completion
 from reefd.config import ScenarioConfig
+from reefd.loop import RECORDS, REGISTRY, STARTED_AT
 
 _NUM = {"type": "number"}
 _CONTENT_PART = {"type": "object", "required": ["type"],
@@ -172,13 +172,13 @@ class OpenAIWire:
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     registry = request.app[REGISTRY]
-    scenario = registry.resolve(request)
+    scenario = scenario_of(request)
     body = await read_json(request)
     chat = to_chat_request(body, scenario.cfg)
     stream = bool(body.get("stream"))
     include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
     with registry.serving(scenario) as binding:
-        return await serve_turn(request, scenario, binding, request.app[STORE],
+        return await serve_turn(request, scenario, binding, request.app[RECORDS],
                                 lambda receipt: OpenAIWire(receipt, scenario.name, include_usage),
                                 body, chat, stream)
 

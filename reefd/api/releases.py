@@ -1,7 +1,7 @@
 """The release chain over HTTP: history, show, diff, and the operator's writes (publish, rollback, promote).
 
-Every write is a compare-and-swap on the scenario's head: a 409 means nothing was written. After a
-write the reconciler swaps the engine to the new head before the answer goes out, so the answer's
+Every write goes through the chain's commit policy (reefd/releases.py `commit`, via reefd/loop.py `commit`, which
+then hot-swaps): a compare-and-swap on the scenario's head, so a 409 means nothing was written, and the answer's
 `serving` is what new requests get. Knows the admin wire shapes; the chain and the reconciler do the work.
 """
 
@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import shutil
 import tarfile
 import tempfile
@@ -17,18 +18,11 @@ from typing import Any
 
 from aiohttp import web
 
+from reefd import loop, releases
 from reefd.adapters import InvalidAdapter, check_adapter
 from reefd.api.errors import ApiError, json_response, read_json
-from reefd.api.keys import CHAIN, REGISTRY
-from reefd.releases import (
-    HeadConflict,
-    InvalidName,
-    Release,
-    ReleaseChain,
-    UnknownRelease,
-    WrongScenario,
-    validate_name,
-)
+from reefd.loop import CHAIN, REGISTRY
+from reefd.releases import Candidate, Release, validate_name
 from reefd.scenarios import Scenario
 
 MAX_UPLOAD = 8 << 30  # an artifact upload's size limit (LoRA adapters are megabytes; this leaves room)
@@ -41,40 +35,7 @@ def release_json(rel: Release) -> dict[str, Any]:
 
 
 def _scenario(request: web.Request) -> Scenario:
-    name = request.match_info["name"]
-    try:
-        validate_name(name)
-    except InvalidName:
-        raise ApiError(400, f"{name!r} is not a scenario name (1-64 letters, digits, '.', '_' or '-'; no '..')",
-                       code="invalid_scenario_name", param="name") from None
-    return request.app[REGISTRY].get(name)
-
-
-def _unknown(release_id: object) -> ApiError:
-    return ApiError(404, f"no release {release_id!r}", code="release_not_found")
-
-
-async def _call(fn: Any, *args: Any, **kwargs: Any) -> Any:
-    """A chain call off the event loop, its errors turned into admin API errors."""
-    try:
-        return await asyncio.to_thread(fn, *args, **kwargs)
-    except HeadConflict as exc:
-        raise ApiError(409, f"the head of {exc.scenario!r} is {exc.actual}, not {exc.expected}: "
-                       "another release was published meanwhile; nothing was written",
-                       code="head_conflict", param="expected_head") from None
-    except WrongScenario as exc:
-        raise ApiError(400, str(exc), code="wrong_scenario") from None
-    except UnknownRelease as exc:
-        raise ApiError(404, str(exc.args[0]) if exc.args and " " in str(exc.args[0]) else
-                       f"no release {exc.args[0] if exc.args else ''!r}", code="release_not_found") from None
-
-
-def _writable(scenario: Scenario) -> None:
-    pin = scenario.cfg.release.pin
-    if pin is not None:
-        raise ApiError(409, f"scenario {scenario.name!r} is pinned to {pin} by its file (release.pin); "
-                       "set release.pin: null and reload reefd before publishing, rolling back or promoting",
-                       code="scenario_pinned")
+    return request.app[REGISTRY].get(validate_name(request.match_info["name"]))
 
 
 def _release_id(value: Any, field: str) -> str | None:
@@ -92,24 +53,24 @@ def _flag(value: Any, field: str) -> bool:
     return value
 
 
-async def _expected_head(chain: ReleaseChain, scenario: Scenario, given: str | None) -> Release:
-    head = await _call(chain.head, scenario.name)
-    if head is None:
-        raise ApiError(503, f"scenario {scenario.name!r} has no base release yet; retry shortly",
-                       code="engine_unavailable", headers={"Retry-After": "2"})
-    if given is not None and given != head.id:
-        raise ApiError(409, f"the head of {scenario.name!r} is {head.id}, not {given}; nothing was written",
-                       code="head_conflict", param="expected_head")
-    return head
+async def _plan(request: web.Request, scenario: Scenario, cand: Candidate) -> releases.Plan:
+    """What committing `cand` would do now, refused (pinned, stale expected head, unknown target) before any
+    work; the candidate then commits on the head seen here unless the caller named one."""
+    return await asyncio.to_thread(releases.plan, request.app[CHAIN], scenario.name, cand,
+                                   pin=scenario.cfg.release.pin)
 
 
 async def _written(request: web.Request, scenario: Scenario, rel: Release, **extra: Any) -> dict[str, Any]:
-    """Swap the engine to the new head, then say what serves."""
-    await request.app[REGISTRY].reconciler.reconcile(scenario)
-    out = {"release": release_json(rel), "serving": scenario.release, **extra}
-    if scenario.error:
-        out["error"] = scenario.error
+    """The answer after a commit (which swapped the engine before returning): the release and what serves."""
+    live = request.app[REGISTRY].scenarios.get(scenario.name, scenario)
+    out = {"release": release_json(rel), "serving": live.release, **extra}
+    if live.error:
+        out["error"] = live.error
     return out
+
+
+def _copy(kind: str, target: str | None, expected: str | None, meta: dict[str, Any]) -> Candidate:
+    return Candidate(kind, meta, target=target, built_on=expected, exact=expected is not None)
 
 
 # ---------------------------------------------------------------- reads
@@ -120,21 +81,18 @@ async def history(request: web.Request) -> web.Response:
     scenario = _scenario(request)
     chain = request.app[CHAIN]
     everything = request.query.get("all", "") in ("1", "true", "yes")
-    releases = await _call(chain.history, scenario.name, include_rejected=everything)
-    head = next((r.id for r in releases if r.status == "released"), None)
+    found = await asyncio.to_thread(chain.history, scenario.name, include_rejected=everything)
+    head = next((r.id for r in found if r.status == "released"), None)
     return json_response({"object": "list", "scenario": scenario.name, "serving": scenario.release,
                           "head": head, "declared": scenario.cfg.release.pin,
-                          "data": [release_json(r) for r in releases]})
+                          "data": [release_json(r) for r in found]})
 
 
 async def show(request: web.Request) -> web.Response:
     chain = request.app[CHAIN]
     release_id = request.match_info["release"]
-    try:
-        rel = await asyncio.to_thread(chain.get, release_id, include_rejected=True)
-        files = await asyncio.to_thread(chain.files, release_id)
-    except UnknownRelease:
-        raise _unknown(release_id) from None
+    rel = await asyncio.to_thread(chain.get, release_id, include_rejected=True)
+    files = await asyncio.to_thread(chain.files, release_id)
     return json_response({**release_json(rel), "files": files})
 
 
@@ -143,60 +101,44 @@ async def diff(request: web.Request) -> web.Response:
     if not a or not b:
         raise ApiError(400, "diff needs two releases: ?a=RELEASE&b=RELEASE", code="invalid_request",
                        param="a" if not a else "b")
-    try:
-        out = await asyncio.to_thread(request.app[CHAIN].diff, a, b)
-    except UnknownRelease as exc:
-        raise _unknown(exc.args[0] if exc.args else a) from None
+    out = await asyncio.to_thread(request.app[CHAIN].diff, a, b)
     return json_response({"a": a, "b": b, **out})
 
 
 # ---------------------------------------------------------------- writes
 
 
-async def rollback(request: web.Request) -> web.Response:
-    """Append a release carrying an older release's tree (default: the head's parent)."""
+async def _copy_release(request: web.Request, kind: str, target_field: str, summary: str) -> web.Response:
+    """Rollback or promote: append a release carrying another release's tree."""
     scenario = _scenario(request)
     body = await read_json(request)
-    to = _release_id(body.get("to"), "to")
+    to = _release_id(body.get(target_field), target_field)
+    if kind == "promote" and to is None:
+        raise ApiError(400, "release: required (the release or candidate to promote)", param="release",
+                       code="invalid_request")
     dry_run = _flag(body.get("dry_run", False), "dry_run")
-    _writable(scenario)
-    chain = request.app[CHAIN]
-    head = await _expected_head(chain, scenario, _release_id(body.get("expected_head"), "expected_head"))
-    if to is None:
-        if head.parent is None:
-            raise ApiError(400, f"{head.id} is the first release of {scenario.name!r}; there is nothing to "
-                           "roll back to", code="invalid_request", param="to")
-        to = head.parent
-    target = await _call(chain.target, scenario.name, to)
+    expected = _release_id(body.get("expected_head"), "expected_head")
+    plan = await _plan(request, scenario, _copy(kind, to, expected, {}))
+    assert plan.head is not None and plan.target is not None
     if dry_run:
-        return json_response({"dry_run": True, "release": None, "from": head.id, "to": target.id,
+        return json_response({"dry_run": True, "release": None, "from": plan.head.id, "to": plan.target.id,
                               "serving": scenario.release})
-    rel = await _call(chain.rollback, scenario.name, target.id, expected_head=head.id,
-                      meta={"source": "reefctl", "summary": f"rollback to {target.id}"})
-    return json_response({"dry_run": False, "from": head.id, "to": target.id,
+    meta = {"summary": f"{summary} {plan.target.id}"} if kind == "promote" else \
+        {"source": "reefctl", "summary": f"{summary} {plan.target.id}"}
+    cand = _copy(kind, plan.target.id, expected or plan.head.id, meta)
+    rel = await loop.commit(request.app, scenario, dataclasses.replace(cand, exact=expected is not None))
+    return json_response({"dry_run": False, "from": rel.parent, "to": plan.target.id,
                           **await _written(request, scenario, rel)})
+
+
+async def rollback(request: web.Request) -> web.Response:
+    """Append a release carrying an older release's tree (default: the head's parent)."""
+    return await _copy_release(request, "rollback", "to", "rollback to")
 
 
 async def promote(request: web.Request) -> web.Response:
     """Append a release carrying the tree of an older release or of a rejected candidate."""
-    scenario = _scenario(request)
-    body = await read_json(request)
-    to = _release_id(body.get("release"), "release")
-    if to is None:
-        raise ApiError(400, "release: required (the release or candidate to promote)", param="release",
-                       code="invalid_request")
-    dry_run = _flag(body.get("dry_run", False), "dry_run")
-    _writable(scenario)
-    chain = request.app[CHAIN]
-    head = await _expected_head(chain, scenario, _release_id(body.get("expected_head"), "expected_head"))
-    target = await _call(chain.target, scenario.name, to, include_rejected=True)
-    if dry_run:
-        return json_response({"dry_run": True, "release": None, "from": head.id, "to": target.id,
-                              "serving": scenario.release})
-    rel = await _call(chain.promote, scenario.name, target.id, expected_head=head.id,
-                      meta={"summary": f"promote {target.id}"})
-    return json_response({"dry_run": False, "from": head.id, "to": target.id,
-                          **await _written(request, scenario, rel)})
+    return await _copy_release(request, "promote", "release", "promote")
 
 
 async def publish(request: web.Request) -> web.Response:
@@ -208,8 +150,9 @@ async def publish(request: web.Request) -> web.Response:
         raise ApiError(400, f"kind: {kind!r} cannot be published here (supported: {', '.join(PUBLISH_KINDS)})",
                        param="kind", code="invalid_request")
     expected = _release_id(request.query.get("expected_head") or None, "expected_head")
-    summary = request.query.get("summary", "")
-    _writable(scenario)
+    cand = Candidate(kind, {"source": "publish", "summary": request.query.get("summary", "")}, built_on=expected,
+                     exact=expected is not None)
+    head = (await _plan(request, scenario, cand)).head  # refused (pinned, stale head) before the upload
     if scenario.cfg.model.engine == "upstream":
         raise ApiError(400, f"scenario {scenario.name!r} is served by an upstream provider, which cannot "
                        "serve LoRA adapters", code="invalid_adapter")
@@ -226,31 +169,14 @@ async def publish(request: web.Request) -> web.Response:
         except InvalidAdapter as exc:
             problem = str(exc).replace(f"{folder}/", "").replace(str(folder), "the adapter folder")
             raise ApiError(400, f"not published: {problem}", code="invalid_adapter") from None
-        head = await _expected_head(chain, scenario, expected)
-        base = (await _call(chain.history, scenario.name))[-1]
-        meta = {"source": "publish", "summary": summary, "base_identity": base.meta.get("identity"),
-                "warnings": warnings}
-        rebase = expected is None and scenario.cfg.release.on_conflict == "rebase"
-        rel = await _call(_append, chain, scenario.name, head, folder, meta, rebase)
+        base = (await asyncio.to_thread(chain.history, scenario.name))[-1]
+        meta = {**cand.meta, "base_identity": base.meta.get("identity"), "warnings": warnings}
+        assert head is not None
+        rel = await loop.commit(request.app, scenario, dataclasses.replace(
+            cand, meta=meta, artifact=folder, built_on=expected or head.id))
     finally:
         await asyncio.to_thread(shutil.rmtree, tmp, True)
     return json_response(await _written(request, scenario, rel, warnings=warnings), status=201)
-
-
-def _append(chain: ReleaseChain, scenario: str, head: Release, folder: Path, meta: dict[str, Any],
-            rebase: bool, attempts: int = 5) -> Release:
-    """Publish on `head`. When another writer moved the head first: with `rebase`, the same adapter goes on
-    the new head (a few times at most); else HeadConflict, and nothing was written."""
-    for attempt in range(attempts):
-        try:
-            return chain.publish(scenario, expected_head=head.id, kind="adapter", artifact_dir=folder,
-                                 meta={**meta, "built_on": head.id})
-        except HeadConflict:
-            moved = chain.head(scenario)
-            if not rebase or moved is None or attempt == attempts - 1:
-                raise
-            head = moved
-    raise AssertionError("unreachable")
 
 
 async def _receive_tar(request: web.Request, tmp: Path) -> Path:

@@ -1,6 +1,6 @@
 """`POST /reef/report`: feedback attached to receipts, validated, idempotent by report_id.
 
-Knows the report body's schema and its HTTP answers; storage rules live in records.py.
+Knows the report body's schema; storage rules live in records.py, and its errors' answers in api/errors.py.
 """
 
 from __future__ import annotations
@@ -10,9 +10,9 @@ from typing import Any
 import jsonschema
 from aiohttp import web
 
-from reefd.api.errors import ApiError, check, json_response, read_json
-from reefd.api.keys import REGISTRY, SCHEDULER, STORE
-from reefd.records import ReportConflict, StorageError, UnknownReceipt
+from reefd.api.errors import check, json_response, read_json
+from reefd.api.turns import scenario_of
+from reefd.loop import RECORDS
 
 REPORT_SCHEMA: dict[str, Any] = {
     "type": "object", "required": ["references"], "additionalProperties": False,
@@ -29,20 +29,8 @@ _VALIDATOR = jsonschema.Draft202012Validator(REPORT_SCHEMA)
 
 
 async def report(request: web.Request) -> web.Response:
-    scenario = request.app[REGISTRY].resolve(request)
+    scenario = scenario_of(request)
     body = await read_json(request)
     check(_VALIDATOR, body)
-    try:
-        stored, _created = await request.app[STORE].put_report(scenario.name, body)
-        request.app[SCHEDULER].check(scenario.name)
-    except UnknownReceipt as exc:
-        raise ApiError(404, f"references: unknown receipt {exc.receipt!r} in scenario "
-                       f"{scenario.name!r}", param="references", code="receipt_not_found"
-                       ) from exc
-    except ReportConflict as exc:
-        raise ApiError(409, f"report_id {body.get('report_id')!r} was already used with a "
-                       "different body", param="report_id", code="report_conflict") from exc
-    except StorageError as exc:
-        raise ApiError(503, f"the report could not be stored durably: {exc}",
-                       headers={"Retry-After": "5"}) from exc
+    stored, _created = await request.app[RECORDS].put_report(scenario.name, body)
     return json_response({"object": "reef.report", **stored})

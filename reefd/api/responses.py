@@ -15,11 +15,11 @@ import orjson
 from aiohttp import web
 
 from reefd.api.errors import ApiError, check, json_response, openai_body, read_json
-from reefd.api.keys import REGISTRY, STORE
-from reefd.api.turns import engine_failure, serve_turn
+from reefd.api.turns import scenario_of, serve_turn
 from reefd.chat import ChatRequest, Completion
 from reefd.config import ScenarioConfig
-from reefd.records import RecordStore, StorageError
+from reefd.loop import RECORDS, REGISTRY
+from reefd.records import RecordStore
 from reefd.scenarios import Scenario
 
 log = logging.getLogger("reefd.api")
@@ -156,10 +156,7 @@ def stored(store: RecordStore, scenario: Scenario, response_id: str) -> dict[str
     """The record behind a stored response of this scenario, or None."""
     if not response_id.startswith("resp_"):
         return None
-    try:
-        record = store.get_record(response_id.removeprefix("resp_"))
-    except StorageError as exc:
-        raise engine_failure(exc) from exc
+    record = store.get_record(response_id.removeprefix("resp_"))
     if (record is None or record.get("api") != API or record.get("scenario") != scenario.name
             or record["request"].get("store") is False or "response" not in record):
         return None
@@ -303,10 +300,10 @@ class ResponsesWire:
 
 async def create(request: web.Request) -> web.StreamResponse:
     registry = request.app[REGISTRY]
-    scenario = registry.resolve(request)
+    scenario = scenario_of(request)
     body = await read_json(request)
     check(_VALIDATOR, body)
-    store = request.app[STORE]
+    store = request.app[RECORDS]
     chat = to_chat_request(body, scenario.cfg, _prior(store, scenario, body))
     with registry.serving(scenario) as binding:
         return await serve_turn(request, scenario, binding, store,
@@ -315,9 +312,9 @@ async def create(request: web.Request) -> web.StreamResponse:
 
 
 async def retrieve(request: web.Request) -> web.Response:
-    scenario = request.app[REGISTRY].resolve(request)
+    scenario = scenario_of(request)
     response_id = request.match_info["response_id"]
-    record = stored(request.app[STORE], scenario, response_id)
+    record = stored(request.app[RECORDS], scenario, response_id)
     if record is None:
         raise ApiError(404, f"Response with id {response_id!r} not found.", code="response_not_found")
     return json_response(record["response"])

@@ -15,14 +15,13 @@ from typing import Any, Protocol
 
 from aiohttp import web
 
-from reefd.api.errors import ApiError, json_response
-from reefd.api.keys import SCHEDULER
+from reefd.api.errors import SCENARIO_HEADER, ApiError, from_domain, json_response
 from reefd.chat import ChatRequest, Completion, add_system_text
 from reefd.engines import EngineError, EngineUnavailable, Prompt
+from reefd.loop import REGISTRY
 from reefd.receipts import new_receipt
-from reefd.reconcile import Binding
 from reefd.records import RecordStore, StorageError
-from reefd.scenarios import Scenario
+from reefd.scenarios import Binding, Scenario
 
 log = logging.getLogger("reefd.api")
 
@@ -53,13 +52,20 @@ FAILURES = (EngineUnavailable, EngineError, StorageError)
 
 def engine_failure(exc: EngineUnavailable | EngineError | StorageError) -> ApiError:
     """The status a caller gets when the engine or the record store cannot serve the turn."""
-    if isinstance(exc, EngineUnavailable):
-        return ApiError(503, str(exc), code="engine_unavailable",
-                        headers={"Retry-After": str(exc.retry_after)})
-    if isinstance(exc, EngineError):
-        return ApiError(exc.status, str(exc), code=exc.code, param=exc.param)
-    return ApiError(503, f"the record could not be stored durably: {exc}",
-                    code="storage_unavailable", headers={"Retry-After": "5"})
+    err = from_domain(exc)
+    assert err is not None
+    return err
+
+
+def scenario_of(request: web.Request) -> Scenario:
+    """The scenario a request names: by path (/scenarios/NAME/...), else by the x-reef-scenario header."""
+    registry = request.app[REGISTRY]
+    name = request.match_info.get("scenario") or request.headers.get(SCENARIO_HEADER)
+    if not name:
+        raise ApiError(400, f"missing the {SCENARIO_HEADER} header: it names the scenario that serves this "
+                       f"request (known: {', '.join(sorted(registry.scenarios))})", param=SCENARIO_HEADER,
+                       code="scenario_missing")
+    return registry.get(name.strip())
 
 
 SESSION_HEADERS = ("x-reef-session",  # Reef's own, then what agents send of themselves:
@@ -142,7 +148,6 @@ async def serve_turn(request: web.Request, scenario: Scenario, binding: Binding,
         answer = wire.response(completion)
         finish_record(record, completion, answer, started, None)
         await store.put_record(record)
-        request.app[SCHEDULER].check(scenario.name)
     except FAILURES as exc:
         raise engine_failure(exc) from exc
     finally:
@@ -182,7 +187,6 @@ async def _stream(request: web.Request, store: RecordStore, wire: Wire,
         answer = wire.response(completion)
         finish_record(record, completion, answer, started, ttft)
         await store.put_record(record)  # durable before the terminal event, always
-        request.app[SCHEDULER].check(record["scenario"])
         await resp.write(wire.stream_terminal())
     except ConnectionError:
         log.info("client went away during stream %s", record["id"])

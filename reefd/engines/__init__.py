@@ -1,4 +1,5 @@
-"""Engines: the data plane behind a scenario, and the registry that maps `model.engine` to one.
+"""Engines: the data plane behind a scenario. `model.engine` names one (reefd/plugins.py keeps the names), and
+`ModelConfig` is its configuration, the `model:` group of a scenario.
 
 An engine turns a ChatRequest into text deltas and a final Completion. Knows nothing about
 provider wire formats or records.
@@ -6,15 +7,76 @@ provider wire formats or records.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from collections.abc import AsyncIterator, Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
 import aiohttp
 
+from reefd import plugins
 from reefd.chat import ChatRequest, Completion
-from reefd.config import ModelConfig
+
+MODEL_SOURCES = ["tiny", "smollm2"]
+TOOL_PARSERS = ["hermes"]
+
+
+@dataclass
+class ModelConfig:
+    """Which model answers a scenario, and which engine runs it."""
+
+    name: str = field(default="", metadata={"description": "Display name of the model."})
+    engine: str = field(
+        default="worker",
+        metadata=plugins.name_schema(plugins.ENGINES, "worker: the embedded engine process; sglang: a real SGLang "
+                                     "server (launched, or attached by url); upstream: an OpenAI-compatible "
+                                     "provider; or pkg.mod:Class, an Engine of your own."),
+    )
+    source: str | None = field(
+        default=None,
+        metadata={"enum": [*MODEL_SOURCES, None],
+                  "description": "A built-in model that reefd prepares into STATE/models/<source>."},
+    )
+    path: str | None = field(
+        default=None, metadata={"description": "An HF model folder (overrides source)."}
+    )
+    url: str | None = field(
+        default=None,
+        metadata={"description": "sglang: attach to this server instead of launching one. "
+                  "upstream: the provider's base URL, e.g. https://api.openai.com/v1."},
+    )
+    api_key_env: str | None = field(
+        default=None, metadata={"description": "upstream: environment variable holding the key."}
+    )
+    upstream_model: str | None = field(
+        default=None, metadata={"description": "upstream: the model name sent to the provider."}
+    )
+    tool_parser: str = field(
+        default="hermes",
+        metadata={"enum": TOOL_PARSERS, "description": "How tool calls appear in model output."},
+    )
+    max_batch: int = field(
+        default=8, metadata={"minimum": 1, "description": "Engine batch size (worker)."}
+    )
+    max_new_tokens: int | None = field(
+        default=None, metadata={"minimum": 1,
+                                "description": "Caps generation whatever max_tokens a client asks "
+                                               "for; the answer then ends with a length stop."}
+    )
+    context_length: int | None = field(
+        default=None, metadata={"minimum": 1,
+                                "description": "Prompt plus answer, in tokens (default: the model "
+                                               "folder's max_position_embeddings)."}
+    )
+    launch_args: list[str] = field(
+        default_factory=list,
+        metadata={"description": "Extra command-line arguments for a launched engine."},
+    )
+    startup_timeout_s: float = field(
+        default=600.0, metadata={"exclusiveMinimum": 0, "description": "Engine start deadline."}
+    )
+
+
 
 
 @dataclass
@@ -63,9 +125,11 @@ class ContextLengthExceeded(EngineError):
 
 
 class Engine(Protocol):
-    """What a scenario needs from its engine.
+    """What a scenario needs from its engine; reefd builds one as `Class(model_config, state_dir, http_session)`
+    for each distinct `model:` config, and scenarios with equal configs share it.
 
-    `adapter` names a LoRA adapter loaded with `load_adapter` (None: the base model).
+    `adapter` names a LoRA adapter loaded with `load_adapter` (None: the base model); `adapters` maps the
+    names loaded now to their folders.
 
     `generate` may first yield a Prompt, then yields str text deltas (tool-call markup already held back) and ends with
     exactly one Completion; it raises EngineUnavailable before yielding anything when the
@@ -74,6 +138,7 @@ class Engine(Protocol):
     """
 
     kind: str
+    adapters: Mapping[str, Path]
 
     @property
     def ready(self) -> bool: ...
@@ -104,13 +169,16 @@ class Engine(Protocol):
         ...
 
 
-def build_engine(cfg: ModelConfig, state_dir: Path, session: aiohttp.ClientSession) -> Engine:
-    """The registry: `model.engine` in YAML → engine class."""
-    from reefd.engines.sglang import SGLangEngine
-    from reefd.engines.upstream import UpstreamEngine
+def engine_class(name: str) -> Any:
+    """The engine class `model.engine` names (PluginError when it cannot be found or is not an Engine)."""
+    cls = plugins.resolve(plugins.ENGINES, name, "engine")
+    missing = plugins.missing(Engine, cls, instance_attrs=("kind", "adapters"))
+    if missing:
+        raise plugins.PluginError(f"engine {name!r} is not an Engine (no {', '.join(missing)}); see reefd/engines")
+    return cls
 
-    if cfg.engine == "upstream":
-        return UpstreamEngine(cfg, session)
-    if cfg.engine in ("worker", "sglang"):
-        return SGLangEngine(cfg, state_dir, session)
-    raise ValueError(f"unknown engine {cfg.engine!r}")
+
+def build_engine(cfg: ModelConfig, state_dir: Path, session: aiohttp.ClientSession) -> Engine:
+    """The engine for a `model:` config."""
+    engine: Engine = engine_class(cfg.engine)(cfg, state_dir, session)
+    return engine

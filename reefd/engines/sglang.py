@@ -22,8 +22,7 @@ import aiohttp
 import orjson
 
 from reefd.chat import ChatRequest, ChatTemplate, Completion, TemplateError, parse_tool_calls
-from reefd.config import ModelConfig
-from reefd.engines import ContextLengthExceeded, EngineError, EngineUnavailable, Prompt, retry_after
+from reefd.engines import ContextLengthExceeded, EngineError, EngineUnavailable, ModelConfig, Prompt, retry_after
 from reefd.engines.stream import StreamGuard
 from reefd.engines.supervisor import Supervisor, die_with_parent
 

@@ -16,8 +16,7 @@ import aiohttp
 import orjson
 
 from reefd.chat import ChatRequest, Completion
-from reefd.config import ModelConfig
-from reefd.engines import EngineError, EngineUnavailable, retry_after
+from reefd.engines import EngineError, EngineUnavailable, ModelConfig, retry_after
 
 
 def upstream_body(req: ChatRequest, model: str, stream: bool) -> dict[str, Any]:
@@ -52,9 +51,10 @@ def _merge_tool_deltas(calls: dict[int, dict[str, Any]], deltas: list[dict[str, 
 class UpstreamEngine:
     kind = "upstream"
 
-    def __init__(self, cfg: ModelConfig, session: aiohttp.ClientSession):
+    def __init__(self, cfg: ModelConfig, state_dir: Path, session: aiohttp.ClientSession):
         assert cfg.url
         self.cfg = cfg
+        self.adapters: dict[str, Path] = {}  # a provider serves no LoRA adapters
         self.session = session
         self.url = cfg.url.rstrip("/") + "/chat/completions"
         self.model = cfg.upstream_model or cfg.name

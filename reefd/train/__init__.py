@@ -1,7 +1,8 @@
 """Trainer jobs: `python -m reefd.train --spec FILE` turns scored rollouts into a PEFT LoRA candidate.
 
-`spec` (the job's JSON contract) is torch-free so reefd can import it; `loop` and `job` import
-torch and run only in the trainer's own process. The losses live with their recipes (`recipes.sao`).
+Two sides. The daemon's: `backends` (where a job runs: the TrainerBackend plug point) and `spec` (the job's JSON
+contract) are torch-free, so reefd imports them. The trainer process's: `loop`, `batch` and `objective` import
+torch. The losses live with their recipes, as the objective a spec names (e.g. `recipes.sao.objective:SAO`).
 """
 
 

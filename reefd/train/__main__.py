@@ -5,7 +5,8 @@ local backend runs it: importing torch, transformers and peft takes seconds, onc
 
 Owns the job's contract with reefd: the event lines, the exit statuses (0 done, 1 error, 2 bad spec,
 3 non-finite loss, 143 SIGTERM, 137 injected crash) and the atomic output folder (written beside
-output_dir, fsynced, renamed into place). The training itself is `loop.train`.
+output_dir, fsynced, renamed into place). The training itself is `loop.train`, with the objective the
+spec names.
 """
 
 from __future__ import annotations
@@ -114,11 +115,11 @@ def job(path: str, fault: str | None) -> int:
 def run(spec: TrainSpec, fault: str | None) -> int:
     from reefd.train.loop import train  # torch: only in this process, only after the spec is good
 
-    result = train(spec, emit, fault)
-    metrics = result.metrics
+    trained = train(spec, emit, fault)
+    metrics = trained.metrics
     with staged(spec.output_dir) as folder:
-        result.save(folder)
-        report = {"job": spec.job, "algorithm": spec.algorithm, "metrics": metrics}
+        trained.save(folder)
+        report = {"job": spec.job, "objective": spec.objective, "metrics": metrics}
         (folder / "metrics.json").write_text(json.dumps(report, indent=2, allow_nan=False) + "\n")
     emit({"event": "done", "adapter": str(spec.output_dir), "metrics": metrics})
     return 0

@@ -2,7 +2,8 @@
 
 Torch-free (reefd may import it to check a spec before it starts a job). A bad spec raises
 `SpecError` with the path of the offending field, e.g. `samples[3].logprobs: 12 values for 13
-completion tokens`. It knows nothing about models or losses; defaults for optional blocks live here.
+completion tokens`. It knows nothing about models or losses: the objective that a spec names checks its
+own `settings` (reefd/train/objective.py); defaults for the other blocks live here.
 """
 
 from __future__ import annotations
@@ -14,9 +15,8 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-ALGORITHMS = ("sao", "grpo")
-TOP_KEYS = {"job", "algorithm", "base_model", "init_adapter", "output_dir", "samples", "lora", "optim", "seed",
-            *ALGORITHMS}  # the settings block is "sao" (the contract) or the algorithm's own name
+TOP_KEYS = {"job", "objective", "settings", "base_model", "init_adapter", "output_dir", "samples", "lora", "optim",
+            "seed"}
 SAMPLE_KEYS = {"receipt", "prompt_ids", "completion_ids", "logprobs", "reward", "group", "reports"}
 
 
@@ -25,8 +25,8 @@ class SpecError(ValueError):
 
 
 @dataclass(frozen=True)
-class Sample:
-    """One scored rollout, exactly as the engine produced it (logprobs may hold None)."""
+class Rollout:
+    """One scored rollout of the job, exactly as the engine produced it (logprobs may hold None)."""
 
     prompt_ids: list[int]
     completion_ids: list[int]
@@ -40,9 +40,9 @@ class Sample:
 class LoraSpec:
     """A fresh adapter's shape; ignored when the job continues from `init_adapter`."""
 
-    r: int = 8
-    alpha: int = 16
-    dropout: float = 0.0
+    r: int = field(default=8, metadata={"exclusiveMinimum": 0})
+    alpha: int = field(default=16, metadata={"exclusiveMinimum": 0})
+    dropout: float = field(default=0.0, metadata={"minimum": 0, "exclusiveMaximum": 1})
     target_modules: list[str] = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
 
 
@@ -50,44 +50,24 @@ class LoraSpec:
 class OptimSpec:
     """AdamW on the LoRA weights: one optimizer step per micro-batch, `epochs` passes over the samples."""
 
-    lr: float = 5e-4
-    weight_decay: float = 0.0
-    epochs: int = 1
-    micro_batch: int = 8
-    max_grad_norm: float = 1.0
-
-
-@dataclass(frozen=True)
-class SaoSpec:
-    """Loss and critic settings (recipes/sao/README.md says where each default comes from).
-
-    eps_low/eps_high: the DIS trust band (1 - eps_low, 1 + eps_high) on r = p_theta / p_rollout.
-    critic_lr, critic_updates: the value head's AdamW lr and its updates per policy step (K).
-    gae_alpha: length-adaptive GAE, lambda = 1 - 1 / (gae_alpha * completion length).
-    normalize_advantages: whiten the advantages of each micro-batch (off in the paper's recipe).
-    grpo_eps: the GRPO control's std floor, A = (r - mean) / (std + grpo_eps).
-    """
-
-    eps_low: float = 0.3
-    eps_high: float = 5.0
-    critic_lr: float = 1e-3
-    critic_updates: int = 2
-    gae_alpha: float = 1.5
-    normalize_advantages: bool = False
-    grpo_eps: float = 1e-6
+    lr: float = field(default=5e-4, metadata={"exclusiveMinimum": 0})
+    weight_decay: float = field(default=0.0, metadata={"minimum": 0})
+    epochs: int = field(default=1, metadata={"minimum": 1})
+    micro_batch: int = field(default=8, metadata={"minimum": 1})
+    max_grad_norm: float = field(default=1.0, metadata={"exclusiveMinimum": 0})
 
 
 @dataclass(frozen=True)
 class TrainSpec:
     job: str
-    algorithm: str
+    objective: str  # pkg.mod:Class of the recipe's Objective (reefd/train/objective.py)
+    settings: dict[str, Any]  # the objective's own settings, checked against its Settings by the objective loader
     base_model: Path
     init_adapter: Path | None
     output_dir: Path
-    samples: list[Sample]
+    samples: list[Rollout]
     lora: LoraSpec
     optim: OptimSpec
-    sao: SaoSpec
     seed: int = 0
 
     @property
@@ -109,48 +89,36 @@ def load_spec(path: str | os.PathLike[str]) -> TrainSpec:
 
 def parse_spec(raw: Any) -> TrainSpec:
     obj = _object(raw, "spec", TOP_KEYS)
-    for key in ("job", "algorithm", "base_model", "output_dir", "samples"):
+    for key in ("job", "objective", "base_model", "output_dir", "samples"):
         if key not in obj:
             raise SpecError(f"{key}: missing")
-    algorithm = _str(obj["algorithm"], "algorithm")
-    if algorithm not in ALGORITHMS:
-        raise SpecError(f"algorithm: {algorithm!r} is not one of {', '.join(ALGORITHMS)}")
-    samples = [_sample(s, f"samples[{i}]", algorithm) for i, s in enumerate(_list(obj["samples"], "samples"))]
+    objective = _str(obj["objective"], "objective")
+    if ":" not in objective:
+        raise SpecError(f"objective: {objective!r} is not a dotted path pkg.mod:Class")
+    samples = [_sample(s, f"samples[{i}]") for i, s in enumerate(_list(obj["samples"], "samples"))]
     if not samples:
         raise SpecError("samples: empty (nothing to train on)")
     seed = obj.get("seed", 0)
     if not _is_int(seed) or seed < 0:
         raise SpecError(f"seed: {seed!r} is not a non-negative integer")
-    settings_key, settings = _settings(obj, algorithm, seed)
+    settings = obj.get("settings") or {}
+    if not isinstance(settings, dict):
+        raise SpecError(f"settings: expected a JSON object, got {type(settings).__name__}")
     return TrainSpec(
         job=_str(obj["job"], "job"),
-        algorithm=algorithm,
+        objective=objective,
+        settings=dict(settings),
         base_model=_model_dir(obj["base_model"]),
         init_adapter=_adapter_dir(obj.get("init_adapter")),
         output_dir=_output_dir(obj["output_dir"]),
         samples=samples,
-        lora=_block(LoraSpec, obj.get("lora"), "lora"),
-        optim=_block(OptimSpec, obj.get("optim"), "optim"),
-        sao=_block(SaoSpec, settings, settings_key),
+        lora=block(LoraSpec, obj.get("lora"), "lora"),
+        optim=block(OptimSpec, obj.get("optim"), "optim"),
         seed=seed,
     )
 
 
-def _settings(obj: dict[str, Any], algorithm: str, seed: int) -> tuple[str, Any]:
-    """The loss/critic block, under "sao" or the algorithm's name; a `seed` in it must match the top level."""
-    present = [key for key in ALGORITHMS if obj.get(key) is not None]
-    if len(present) > 1 or (present and present[0] != "sao" and present[0] != algorithm):
-        raise SpecError(f"{present[-1]}: settings for {algorithm} go in one block, 'sao' or {algorithm!r}")
-    key = present[0] if present else "sao"
-    block = obj.get(key)
-    if isinstance(block, dict) and "seed" in block:
-        if block["seed"] != seed:
-            raise SpecError(f"{key}.seed: {block['seed']!r} differs from seed {seed!r}")
-        block = {k: v for k, v in block.items() if k != "seed"}
-    return key, block
-
-
-def _sample(raw: Any, where: str, algorithm: str) -> Sample:
+def _sample(raw: Any, where: str) -> Rollout:
     obj = _object(raw, where, SAMPLE_KEYS)
     for key in ("prompt_ids", "completion_ids", "logprobs", "reward"):
         if key not in obj:
@@ -167,26 +135,24 @@ def _sample(raw: Any, where: str, algorithm: str) -> Sample:
     if not (_is_number(reward) and math.isfinite(reward)):
         raise SpecError(f"{where}.reward: {reward!r} is not a finite number")
     group = obj.get("group")
-    if group is not None:
-        group = _str(group, f"{where}.group")
-    elif algorithm == "grpo":
-        raise SpecError(f"{where}.group: missing (grpo needs a group key per sample)")
     receipt = obj.get("receipt")
     reports = obj.get("reports", [])  # the reports that scored it: bookkeeping, not used in training
     if not (isinstance(reports, list) and all(isinstance(r, str) for r in reports)):
         raise SpecError(f"{where}.reports: expected a list of report ids")
-    return Sample(
+    return Rollout(
         prompt_ids=prompt,
         completion_ids=completion,
         logprobs=[None if lp is None else float(lp) for lp in logprobs],
         reward=float(reward),
-        group=group,
+        group=None if group is None else _str(group, f"{where}.group"),
         receipt=None if receipt is None else _str(receipt, f"{where}.receipt"),
     )
 
 
-def _block(cls: Any, raw: Any, where: str) -> Any:
-    """A settings block: every key known, every value of its default's type (ints widen to float)."""
+def block(cls: Any, raw: Any, where: str) -> Any:
+    """A settings block (a frozen dataclass with defaults): every key known, every value of its default's type
+    (ints widen to float), within the bounds its fields' metadata states (minimum, exclusiveMinimum, maximum,
+    exclusiveMaximum)."""
     if raw is None:
         return cls()
     defaults = cls()
@@ -211,26 +177,24 @@ def _block(cls: Any, raw: Any, where: str) -> Any:
             if not items or not all(isinstance(v, str) and v for v in items):
                 raise SpecError(f"{path}: expected a non-empty list of names")
         values[key] = value
-    block = cls(**values)
-    _check_ranges(block, where)
-    return block
+    out = cls(**values)
+    _check_ranges(out, where)
+    return out
 
 
-def _check_ranges(block: Any, where: str) -> None:
-    rules: dict[str, tuple[str, Any]] = {
-        "r": ("> 0", lambda v: v > 0), "alpha": ("> 0", lambda v: v > 0),
-        "dropout": ("in [0, 1)", lambda v: 0 <= v < 1), "lr": ("> 0", lambda v: v > 0),
-        "weight_decay": (">= 0", lambda v: v >= 0), "epochs": (">= 1", lambda v: v >= 1),
-        "micro_batch": (">= 1", lambda v: v >= 1), "max_grad_norm": ("> 0", lambda v: v > 0),
-        "eps_low": ("in (0, 1]", lambda v: 0 < v <= 1), "eps_high": ("> 0", lambda v: v > 0),
-        "critic_lr": ("> 0", lambda v: v > 0), "critic_updates": (">= 1", lambda v: v >= 1),
-        "gae_alpha": ("> 0", lambda v: v > 0), "grpo_eps": ("> 0", lambda v: v > 0),
-    }  # fmt: skip
-    for f in fields(block):
-        if f.name in rules:
-            text, ok = rules[f.name]
-            if not ok(getattr(block, f.name)):
-                raise SpecError(f"{where}.{f.name}: {getattr(block, f.name)!r} is not {text}")
+_BOUNDS: dict[str, tuple[str, Any]] = {
+    "minimum": (">=", lambda v, b: v >= b), "exclusiveMinimum": (">", lambda v, b: v > b),
+    "maximum": ("<=", lambda v, b: v <= b), "exclusiveMaximum": ("<", lambda v, b: v < b),
+}
+
+
+def _check_ranges(values: Any, where: str) -> None:
+    for f in fields(values):
+        for bound, (text, ok) in _BOUNDS.items():
+            limit = f.metadata.get(bound)
+            value = getattr(values, f.name)
+            if limit is not None and value is not None and not ok(value, limit):
+                raise SpecError(f"{where}.{f.name}: {value!r} is not {text} {limit}")
 
 
 def _model_dir(raw: Any) -> Path:

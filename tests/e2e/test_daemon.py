@@ -44,8 +44,11 @@ def test_bad_config_exits_2_with_one_line_naming_file_and_key(tmp_path: Path) ->
 def test_schema_command_prints_json_schema() -> None:
     out = reefd("schema")
     schema = json.loads(out.stdout)
-    assert schema["properties"]["model"]["properties"]["engine"]["enum"] == [
-        "worker", "sglang", "upstream"]
+    shipped, dotted = schema["properties"]["model"]["properties"]["engine"]["anyOf"]
+    assert shipped["enum"] == ["worker", "sglang", "upstream"]
+    assert dotted["pattern"] == r"^[A-Za-z_][\w.]*:[A-Za-z_][\w.]*$"  # pkg.mod:Class, an engine of your own
+    gate = schema["properties"]["gate"]
+    assert {b["if"]["properties"]["kind"]["const"] for b in gate["allOf"]} == {"always", "holdout", "floor", "paired"}
 
 
 def test_generated_token_is_private_and_never_logged(fresh_daemon: Daemon) -> None:

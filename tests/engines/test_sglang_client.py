@@ -17,8 +17,7 @@ import pytest
 from aiohttp import web
 
 from reefd.chat import ChatRequest, Completion
-from reefd.config import ModelConfig
-from reefd.engines import EngineUnavailable, Prompt
+from reefd.engines import EngineUnavailable, ModelConfig, Prompt
 from reefd.engines.sglang import SGLangEngine
 
 pytestmark = pytest.mark.contract

@@ -22,6 +22,7 @@ from tests.served import ROOT
 # peft 0.21 still reads transformers' deprecated `is_gradient_checkpointing` (a FutureWarning)
 pytestmark = pytest.mark.filterwarnings("ignore:.*is_gradient_checkpointing.*:FutureWarning")
 
+SAO, GRPO = "recipes.sao.objective:SAO", "recipes.sao.objective:GRPO"
 PROMPT = [11, 12, 13, 14]
 GOOD, BAD = 100, 200  # the first completion token that earns reward 1, and one that earns 0
 
@@ -73,11 +74,11 @@ def toy_samples(model: Any, n: int = 8) -> list[dict[str, Any]]:
 
 def make_spec(tiny_model: Path, out: Path, samples: list[dict[str, Any]], **over: Any) -> dict[str, Any]:
     spec: dict[str, Any] = {
-        "job": "j-test", "algorithm": "sao", "base_model": str(tiny_model), "init_adapter": None,
+        "job": "j-test", "objective": SAO, "base_model": str(tiny_model), "init_adapter": None,
         "output_dir": str(out), "samples": samples,
         "lora": {"r": 8, "alpha": 16, "dropout": 0.0, "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj"]},
         "optim": {"lr": 5e-3, "weight_decay": 0.0, "epochs": 2, "micro_batch": 4, "max_grad_norm": 1.0},
-        "sao": {"eps_low": 0.3, "eps_high": 5.0, "critic_lr": 1e-3}, "seed": 0,
+        "settings": {"eps_low": 0.3, "eps_high": 5.0, "critic_lr": 1e-3}, "seed": 0,
     }  # fmt: skip
     spec.update(over)
     return spec
@@ -126,11 +127,11 @@ def test_progress_lines(trained: tuple[Job, Path]) -> None:
     assert json.loads((out / "metrics.json").read_text())["metrics"] == metrics
 
 
-@pytest.mark.parametrize("algorithm", ["sao", "grpo"])
-def test_a_few_steps_raise_the_rewarded_token(algorithm: str, tiny_model: Path, base: Any, tmp_path: Path) -> None:
+@pytest.mark.parametrize("objective", [SAO, GRPO])
+def test_a_few_steps_raise_the_rewarded_token(objective: str, tiny_model: Path, base: Any, tmp_path: Path) -> None:
     """Reward 1 for completions that start with GOOD, 0 otherwise: GOOD becomes likelier after PROMPT."""
     samples = toy_samples(base)
-    spec = make_spec(tiny_model, tmp_path / "out", samples, algorithm=algorithm,
+    spec = make_spec(tiny_model, tmp_path / "out", samples, objective=objective,
                      optim={"lr": 5e-3, "epochs": 3, "micro_batch": 8})
     job = run_job(spec, tmp_path)
     assert job.returncode == 0, job.stderr
@@ -138,7 +139,7 @@ def test_a_few_steps_raise_the_rewarded_token(algorithm: str, tiny_model: Path, 
     after = torch.log_softmax(peft_logits(tiny_model, tmp_path / "out"), -1)
     assert after[GOOD] - before[GOOD] > 0.5
     assert after[BAD] < before[BAD]
-    assert (tmp_path / "out" / "critic.safetensors").exists() == (algorithm == "sao")
+    assert (tmp_path / "out" / "critic.safetensors").exists() == (objective == SAO)
 
 
 def test_continuing_from_an_adapter(trained: tuple[Job, Path], tiny_model: Path, base: Any, tmp_path: Path) -> None:
@@ -146,7 +147,7 @@ def test_continuing_from_an_adapter(trained: tuple[Job, Path], tiny_model: Path,
     _, first = trained
     spec = make_spec(tiny_model, tmp_path / "next", toy_samples(base), init_adapter=str(first),
                      lora={"r": 2, "target_modules": ["q_proj"]},  # ignored when continuing
-                     optim={"lr": 1e-7, "epochs": 1, "micro_batch": 4}, sao={"critic_lr": 1e-7})
+                     optim={"lr": 1e-7, "epochs": 1, "micro_batch": 4}, settings={"critic_lr": 1e-7})
     job = run_job(spec, tmp_path)
     assert job.returncode == 0, job.stderr
     old = load_file(first / "adapter_model.safetensors")
@@ -171,10 +172,16 @@ def test_same_spec_same_adapter(trained: tuple[Job, Path], tiny_model: Path, bas
 
 
 @pytest.mark.parametrize(("change", "reason"), [
-    ({"algorithm": "ppo"}, "algorithm: 'ppo' is not one of sao, grpo"),
+    ({"objective": "recipes.sao.objective:PPO"}, "objective: objective 'recipes.sao.objective:PPO' cannot be "
+                                                  "imported: module 'recipes.sao.objective' has no attribute 'PPO'"),
+    ({"objective": "ppo"}, "objective: 'ppo' is not a dotted path pkg.mod:Class"),
+    ({"objective": "recipes.sao.loss:whiten"}, "objective: recipes.sao.loss:whiten is not an Objective (no "),
     ({"samples": []}, "samples: empty"),
     ({"optim": {"lr": -1}}, "optim.lr: -1.0 is not > 0"),
-    ({"sao": {"eps_lo": 0.2}}, "sao: unknown key 'eps_lo'"),
+    ({"settings": {"eps_lo": 0.2}}, "settings: unknown key 'eps_lo'"),
+    ({"settings": {"eps_low": 0}}, "settings.eps_low: 0.0 is not > 0"),
+    ({"objective": GRPO, "samples": [{"prompt_ids": [1], "completion_ids": [2], "logprobs": [-1.0], "reward": 1}]},
+     "samples[0].group: missing (recipes.sao.objective:GRPO needs it)"),
     ({"base_model": "relative/path"}, "base_model: 'relative/path' is not an absolute path"),
     ({"samples": [{"prompt_ids": [1], "completion_ids": [2, 3], "logprobs": [-1.0], "reward": 1}]},
      "samples[0].logprobs: 1 values for 2 completion tokens"),
@@ -230,22 +237,22 @@ def test_sigterm_stops_a_hanging_job(tiny_model: Path, base: Any, tmp_path: Path
 
 
 def test_spec_in_the_shape_reefd_writes(tiny_model: Path, tmp_path: Path) -> None:
-    """reefd's job runner names the settings block after the algorithm, repeats the seed in it and
-    keeps each sample's report ids: all accepted; a seed that disagrees is not."""
+    """reefd's runner names the recipe's objective and its settings, and keeps each sample's report ids; a
+    null logprob is accepted (the token then gets no ratio), and a block left out takes its defaults."""
     from reefd.train.spec import SpecError, parse_spec
 
     sample = {"receipt": "r", "prompt_ids": [1], "completion_ids": [2], "logprobs": [None], "reward": 1,
               "group": "g", "reports": ["rpt_1"]}
-    doc = {**make_spec(tiny_model, tmp_path / "out", [sample], algorithm="grpo"), "seed": 3}
-    del doc["sao"]
-    spec = parse_spec({**doc, "grpo": {"eps_low": 0.2, "eps_high": 0.28, "critic_lr": 1e-3, "seed": 3}})
-    assert (spec.algorithm, spec.seed, spec.sao.eps_low, spec.sao.eps_high) == ("grpo", 3, 0.2, 0.28)
+    doc = {**make_spec(tiny_model, tmp_path / "out", [sample], objective=GRPO), "seed": 3}
+    spec = parse_spec({**doc, "settings": {"eps_low": 0.2, "eps_high": 0.28}})
+    assert (spec.objective, spec.seed, spec.settings) == (GRPO, 3, {"eps_low": 0.2, "eps_high": 0.28})
     assert spec.samples[0].logprobs == [None] and spec.samples[0].reward == 1.0
-    assert parse_spec(doc).sao.eps_high == 5.0  # no settings block: the defaults
-    with pytest.raises(SpecError, match=r"grpo.seed: 4 differs from seed 3"):
-        parse_spec({**doc, "grpo": {"seed": 4}})
-    with pytest.raises(SpecError, match="settings for grpo go in one block"):
-        parse_spec({**doc, "grpo": {}, "sao": {}})
+    del doc["settings"], doc["optim"]
+    assert parse_spec(doc).settings == {} and parse_spec(doc).optim.micro_batch == 8
+    with pytest.raises(SpecError, match=r"settings: expected a JSON object"):
+        parse_spec({**doc, "settings": [1]})
+    with pytest.raises(SpecError, match=r"spec: unknown key 'algorithm'"):
+        parse_spec({**doc, "algorithm": "sao"})
 
 
 def test_serve_runs_jobs_back_to_back_in_one_process(trained: tuple[Job, Path], tiny_model: Path, base: Any,
@@ -253,7 +260,7 @@ def test_serve_runs_jobs_back_to_back_in_one_process(trained: tuple[Job, Path], 
     """reefd's local backend: one warm process, one spec path per stdin line, each job ending with an exit event."""
     _, first_out = trained
     specs = []
-    for i, change in enumerate(({}, {"algorithm": "nope"}, {})):
+    for i, change in enumerate(({}, {"objective": "nope"}, {})):
         spec = {**make_spec(tiny_model, tmp_path / f"out{i}", toy_samples(base)), **change}
         path = tmp_path / f"serve-{i}.json"
         path.write_text(json.dumps(spec))
@@ -300,13 +307,13 @@ def test_a_prewarmed_trainer_has_its_imports_before_the_first_job(tiny_model: Pa
     import asyncio
     import time
 
-    from reefd.trainers import LocalTrainers
+    from reefd.train.backends import LocalTrainers
 
     def torch_mapped(pid: int) -> bool:
         return "libtorch" in Path(f"/proc/{pid}/maps").read_text()
 
     async def main() -> tuple[int, int, list[dict[str, Any]]]:
-        trainers = LocalTrainers(tmp_path / "trainer.log", keep=1)
+        trainers = LocalTrainers(tmp_path, 1)
         trainers.prewarm()
         trainers.prewarm()  # a second hint while the first process starts: still one process
         assert trainers._warming is not None
@@ -338,7 +345,7 @@ def test_a_hint_while_a_job_trains_starts_no_second_trainer(tiny_model: Path, ba
     carries the job's optimizer state, is the one kept warm."""
     import asyncio
 
-    from reefd.trainers import LocalTrainers
+    from reefd.train.backends import LocalTrainers
 
     hold = tmp_path / "hold"
     hold.touch()
@@ -346,7 +353,7 @@ def test_a_hint_while_a_job_trains_starts_no_second_trainer(tiny_model: Path, ba
     monkeypatch.setenv("REEF_TRAIN_HOLD", str(hold))
 
     async def main() -> tuple[int, list[int], list[int]]:
-        trainers = LocalTrainers(tmp_path / "trainer.log", keep=1)
+        trainers = LocalTrainers(tmp_path, 1)
         spawned: list[int] = []
         spawn = trainers._spawn
 

@@ -1,10 +1,11 @@
-"""The `local` training backend: `python -m reefd.train --serve` processes, kept warm between jobs.
+"""Where weight jobs run (`recipe.backend`): the TrainerBackend plug point, and `local`, which keeps
+`python -m reefd.train --serve` processes warm between jobs.
 
 A trainer process imports torch, transformers and peft once (seconds of CPU) and then runs job after
 job, one spec path per line on its stdin; each job's JSON-lines events end with
 `{"event": "exit", "status": N}`. A process that dies (a crash, a kill on timeout) is simply
 replaced by the next job. Idle processes are kept (at most `keep`) and stopped with reefd.
-Knows the trainer's stdin/stdout protocol; nothing about recipes or the chain.
+Knows the trainer's stdin/stdout protocol; nothing about recipes or the chain. Torch-free: the daemon's side.
 """
 
 from __future__ import annotations
@@ -14,10 +15,11 @@ import contextlib
 import json
 import logging
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any, Protocol
 
+from reefd import plugins
 from reefd.engines.supervisor import die_with_parent
 
 log = logging.getLogger("reefd.trainers")
@@ -30,11 +32,15 @@ class TrainerTimeout(Exception):
 
 
 class TrainerBackend(Protocol):
-    """Where weight jobs run (`recipe.backend`). `run` gets a spec file in the reefd.train format, relays the
-    trainer's JSON events to `on_event` as they come, and returns the exit status `python -m reefd.train --spec`
-    would give (0 means the adapter is in the spec's output_dir); TrainerTimeout past `timeout_s`. `close`
-    stops what the backend started. `local` is LocalTrainers; a `ray` or `slime` backend would submit the
-    same spec as a cluster job and relay its event lines, with no change to recipes or jobs."""
+    """Where weight jobs run (`recipe.backend`: local, or pkg.mod:Class). reefd builds one per backend name as
+    `Class(work_dir, max_jobs)`: a folder of its own under STATE/jobs, and how many jobs may run at once.
+
+    Guarantees a backend gives reefd: `run` gets a spec file in the reefd.train format (reefd/train/spec.py),
+    relays the trainer's JSON events to `on_event` as they come, and returns the exit status
+    `python -m reefd.train --spec` would give (0 means the candidate is in the spec's output_dir, complete);
+    TrainerTimeout past `timeout_s`, with the job stopped. `close` stops what the backend started. A `ray` or
+    `slime` backend submits the same spec as a cluster job and relays its event lines, with no change to recipes
+    or the runner."""
 
     async def run(self, spec: Path, on_event: Callable[[Event], None], timeout_s: float) -> int: ...
 
@@ -44,10 +50,38 @@ class TrainerBackend(Protocol):
         """A hint that weight jobs are coming (a scenario trains weights): get ready now if that helps."""
 
 
+class Backends:
+    """The trainer backends in use, one per name, each built on first use."""
+
+    def __init__(self, work_dir: Path, max_jobs: int) -> None:
+        self.work_dir, self.max_jobs = work_dir, max_jobs
+        self._built: dict[str, TrainerBackend] = {}
+
+    def get(self, name: str) -> TrainerBackend:
+        """PluginError when `name` names no importable TrainerBackend (a scenario's load checks it first)."""
+        if name not in self._built:
+            cls = plugins.resolve(plugins.BACKENDS, name, "trainer backend")
+            missing = plugins.missing(TrainerBackend, cls)
+            if missing:
+                raise plugins.PluginError(f"trainer backend {name!r} is not a TrainerBackend (no {missing[0]})")
+            folder = self.work_dir if name in plugins.BACKENDS else self.work_dir / "backends" / name
+            self._built[name] = cls(folder, self.max_jobs)
+        return self._built[name]
+
+    def prewarm(self, names: Iterable[str]) -> None:
+        for name in sorted(set(names)):
+            self.get(name).prewarm()
+
+    async def close(self) -> None:
+        await asyncio.gather(*(b.close() for b in self._built.values()), return_exceptions=True)
+
+
 class LocalTrainers:
-    def __init__(self, log_path: Path, keep: int = 1) -> None:
-        self.log_path = log_path
-        self.keep = keep
+    """`local`: trainer subprocesses of this machine; their stderr goes to WORK_DIR/trainer.log."""
+
+    def __init__(self, work_dir: Path, max_jobs: int = 1) -> None:
+        self.log_path = work_dir / "trainer.log"
+        self.keep = max_jobs
         self._idle: list[asyncio.subprocess.Process] = []
         self._busy = 0  # jobs running now
         self._warming: asyncio.Task[None] | None = None

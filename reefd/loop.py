@@ -1,0 +1,146 @@
+"""Reef's loop in one place: the resources (each a cleanup context with its typed AppKey) and the edges between
+them (callbacks wired here), in the order a turn travels to a hot swap:
+
+    Serve    api/ handlers → Registry (scenarios.py) → engines/      a request takes its scenario's binding
+    Observe  RecordStore (records.py)                                records and reports, durable in LMDB
+    Grow     Scheduler (schedule.py) → Runner (runner.py)            triggers → batch → trainer backend → gate
+    Commit   commit() below → releases.commit → Reconciler (reconcile.py) → engines/   append, then hot-swap
+
+No module reaches into another's resource: a handler answers and the record store tells the scheduler; the
+runner and the admin routes hand a candidate to `commit`, which writes the chain and has the reconciler swap
+the engines before anyone is told.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import shutil
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import aiohttp
+import orjson
+from aiohttp import web
+
+from reefd import releases
+from reefd.config import ScenarioConfig
+from reefd.jobs import JobStore
+from reefd.reconcile import Reconciler
+from reefd.records import RecordStore
+from reefd.releases import Candidate, Release, ReleaseChain
+from reefd.runner import Runner
+from reefd.scenarios import Registry, Scenario
+from reefd.schedule import Scheduler
+from reefd.train.backends import Backends
+
+log = logging.getLogger("reefd")
+
+STARTED_AT = web.AppKey("started_at", float)
+RECORDS = web.AppKey("records", RecordStore)
+HTTP = web.AppKey("http", aiohttp.ClientSession)
+CHAIN = web.AppKey("chain", ReleaseChain)
+REGISTRY = web.AppKey("registry", Registry)
+RECONCILER = web.AppKey("reconciler", Reconciler)
+SCHEDULER = web.AppKey("scheduler", Scheduler)
+
+
+@dataclass
+class Settings:
+    """How this daemon runs (flags and environment), as opposed to what it serves (scenarios)."""
+
+    state_dir: Path
+    tokens: list[str]
+    records_map_size: int = 1 << 30
+    shutdown_timeout_s: float = 30.0
+    scenarios: dict[str, ScenarioConfig] = field(default_factory=dict)
+    scenarios_dir: Path = Path("scenarios")  # gate task files and harness folders are relative to it
+    max_jobs: int = 1  # Grow jobs running at once, across every scenario
+
+
+def install(app: web.Application, settings: Settings) -> None:
+    """Add the resources to `app`, set up in this order and torn down in the reverse one."""
+    state = settings.state_dir
+    app[STARTED_AT] = time.time()
+
+    async def records(app: web.Application) -> AsyncIterator[None]:  # Observe
+        app[RECORDS] = RecordStore(state / "records", map_size=settings.records_map_size)
+        await app[RECORDS].open()
+        yield
+        await app[RECORDS].close()
+
+    async def http(app: web.Application) -> AsyncIterator[None]:  # reefd's client of engines and providers
+        app[HTTP] = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0, limit_per_host=0),
+                                          trust_env=False, json_serialize=lambda o: orjson.dumps(o).decode())
+        yield
+        await app[HTTP].close()
+
+    async def chain(app: web.Application) -> AsyncIterator[None]:  # Commit: the append-only release chain
+        app[CHAIN] = await asyncio.to_thread(open_chain, state)
+        yield
+
+    async def engines(app: web.Application) -> AsyncIterator[None]:  # Serve: scenarios bound to engines
+        app[REGISTRY] = Registry(settings.scenarios, state, app[HTTP])
+        await app[REGISTRY].start()
+        yield
+        await app[REGISTRY].stop()
+
+    async def reconciler(app: web.Application) -> AsyncIterator[None]:  # Commit → Serve: the declared release
+        app[RECONCILER] = Reconciler(app[REGISTRY], app[CHAIN], state, settings.scenarios_dir)
+        app[RECONCILER].start()
+        yield
+        await app[RECONCILER].stop()
+
+    async def grow(app: web.Application) -> AsyncIterator[None]:  # Grow: triggers → jobs → candidates → commit
+        jobs = JobStore(state / "jobs")
+
+        async def commit_candidate(scenario: Scenario, cand: Candidate, keep_refused: bool) -> Release:
+            return await commit(app, scenario, cand, keep_refused=keep_refused)
+
+        runner = Runner(app[REGISTRY], app[RECORDS], app[CHAIN], jobs, settings.scenarios_dir,
+                        Backends(state / "jobs", settings.max_jobs), commit_candidate)
+        app[SCHEDULER] = Scheduler(app[REGISTRY], app[RECORDS], jobs, runner, max_jobs=settings.max_jobs)
+        unsubscribe = app[RECORDS].subscribe(app[SCHEDULER].check)  # Observe → Grow: count triggers
+        await app[SCHEDULER].start()
+        runner.prewarm()
+        yield
+        unsubscribe()
+        await app[SCHEDULER].stop()
+        await runner.close()
+
+    app.cleanup_ctx.extend([records, http, chain, engines, reconciler, grow])
+
+
+def open_chain(state: Path) -> ReleaseChain:
+    """The chain at STATE/releases.git, with what a killed run left behind cleared: stale head locks (reefd is
+    the chain's only writer) and unfinished uploads and materialized adapters (rebuilt from the chain)."""
+    chain = ReleaseChain(state / "releases.git")
+    for lock in chain.clear_stale_locks():
+        log.warning("removed a stale release lock left by a killed writer: %s", lock)
+    for stale in [*(chain.path / "lfs" / "tmp").iterdir(), state / "serving"]:
+        if stale.is_dir():
+            shutil.rmtree(stale, True)
+        else:
+            stale.unlink(missing_ok=True)
+    return chain
+
+
+async def commit(app: web.Application, scenario: Scenario, cand: Candidate, *, keep_refused: bool = False) -> Release:
+    """Commit: the chain's commit policy (releases.commit, in a thread), then, for a release, the reconciler's
+    hot swap, so that whoever asked (an operator's route, a Grow job) is answered with it already serving."""
+    rel = await asyncio.to_thread(releases.commit, app[CHAIN], scenario.name, cand, pin=scenario.cfg.release.pin,
+                                  on_conflict=scenario.cfg.release.on_conflict, keep_refused=keep_refused)
+    if rel.status == "released":
+        await app[RECONCILER].reconcile(scenario)
+    return rel
+
+
+async def reload(app: web.Application, configs: dict[str, ScenarioConfig]) -> None:
+    """SIGHUP: apply a re-read scenario folder. New engines get their releases before routes move to them, every
+    scenario is reconciled against its (possibly new) file, triggers are declared again and trainers readied."""
+    await app[REGISTRY].reload(configs, bind=app[RECONCILER].bind)
+    app[RECONCILER].kick_all()
+    app[SCHEDULER].sync_triggers()
+    app[SCHEDULER].runner.prewarm()

@@ -1,0 +1,343 @@
+"""One Grow job, start to end: batch → candidate (a trainer job, or a proposer's harness edit) → gate → commit.
+
+The runner owns a job's stages; the recipe says what a candidate is, the trainer backend trains it, the gate
+judges it against the serving release on the scenario's own engine, and `commit` (wired in reefd/loop.py:
+the chain's commit policy, then the hot swap) publishes or rejects it. Never raises out of `run`: the job
+records what went wrong. Knows the recipe contract and the trainer spec; nothing about HTTP.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import json
+import logging
+import os
+import shutil
+import time
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+from reefd import gates, plugins
+from reefd.chat import ChatRequest, Completion, add_system_text
+from reefd.engines import Engine, EngineError, EngineUnavailable, ModelConfig
+from reefd.gates.memory import ScoreMemory
+from reefd.harness import Harness, HarnessError
+from reefd.jobs import Job, JobStore
+from reefd.recipes import HarnessJob, Recipe, RecipeError, Sample, WeightJob, build
+from reefd.records import RecordStore
+from reefd.releases import Candidate, Release, ReleaseChain, ReleaseError
+from reefd.scenarios import Binding, Registry, Scenario
+from reefd.train.backends import Backends, TrainerTimeout
+
+log = logging.getLogger("reefd.runner")
+
+Commit = Callable[[Scenario, Candidate, bool], Awaitable[Release]]
+"""(scenario, candidate, keep_refused) -> the release written: published and swapped in, or kept as rejected."""
+
+
+class JobFailed(Exception):
+    """The job cannot go on; str() is the one-line reason recorded on it."""
+
+
+def eligible(store: RecordStore, recipe: Recipe, scenario: str) -> list[Sample]:
+    """The recipe's samples among the scenario's records no candidate consumed yet, oldest first (blocking)."""
+    samples = []
+    for record in store.unconsumed(scenario):
+        sample = recipe.sample(record, record.get("reports", []))
+        if sample is not None:
+            samples.append(sample)
+    return samples
+
+
+def serving_key(binding: Binding) -> str:
+    """What a gate's scores of the serving side belong to: its adapter's tree, or the base model."""
+    return binding.artifact if binding.adapter is not None and binding.artifact is not None else "base"
+
+
+class Runner:
+    def __init__(self, registry: Registry, store: RecordStore, chain: ReleaseChain, jobs: JobStore,
+                 scenarios_dir: Path, backends: Backends, commit: Commit) -> None:
+        self.registry, self.store, self.chain, self.jobs = registry, store, chain, jobs
+        self.scenarios_dir = scenarios_dir
+        self.backends = backends
+        self.commit = commit
+        self.scores = ScoreMemory(self._meta_of)
+
+    def _meta_of(self, release: str) -> dict[str, Any] | None:
+        try:
+            return self.chain.get(release, include_rejected=True).meta
+        except ReleaseError:
+            return None
+
+    def prewarm(self) -> None:
+        """Get the trainer backends of the scenarios that train weights ready ahead of their first job."""
+        names = []
+        for scenario in self.registry.scenarios.values():
+            with contextlib.suppress(RecipeError):
+                if build(scenario.cfg.recipe.name, scenario.cfg.recipe.params).produces == "weights":
+                    names.append(scenario.cfg.recipe.backend)
+        with contextlib.suppress(plugins.PluginError):
+            self.backends.prewarm(names)
+
+    async def close(self) -> None:
+        await self.backends.close()
+
+    async def _save(self, job: Job, stage: str | None = None) -> None:
+        job.stage = stage or job.stage
+        await asyncio.to_thread(self.jobs.save, job)
+
+    async def run(self, job: Job) -> None:
+        job.state, job.started_at = "running", time.time()
+        await self._save(job)
+        try:
+            await self._run(job)
+        except asyncio.CancelledError:
+            job.state, job.error = "failed", "reefd stopped while the job was running"
+            raise
+        except (JobFailed, RecipeError, gates.GateError, ReleaseError, EngineError, EngineUnavailable,
+                plugins.PluginError, OSError) as exc:
+            job.state, job.error = "failed", str(exc) or type(exc).__name__
+            log.error("%s %s failed: %s", job.scenario, job.id, job.error)
+        except Exception as exc:  # a bug must not take the scheduler down; the job says what happened
+            log.exception("%s %s failed", job.scenario, job.id)
+            job.state, job.error = "failed", f"internal error: {exc}"
+        finally:
+            job.finished_at = time.time()
+            if job.state == "running":
+                job.state = "failed"
+            await asyncio.shield(self._save(job))
+            if job.state != "failed" or not os.environ.get("REEF_KEEP_FAILED_JOBS"):
+                await asyncio.to_thread(shutil.rmtree, self.jobs.workdir(job), True)
+
+    def _scenario(self, job: Job) -> Scenario:
+        """The scenario as served now (a reload may have replaced its objects since the job started)."""
+        scenario = self.registry.scenarios.get(job.scenario)
+        if scenario is None:
+            raise JobFailed(f"scenario {job.scenario!r} is no longer served")
+        return scenario
+
+    async def _run(self, job: Job) -> None:
+        scenario = self._scenario(job)
+        recipe = build(scenario.cfg.recipe.name, scenario.cfg.recipe.params)
+        if recipe.produces == "nothing":
+            job.state, job.error = "skipped", f"recipe {job.recipe!r} does not train"
+            return
+        await self._save(job, "batch")
+        samples = await asyncio.to_thread(eligible, self.store, recipe, job.scenario)
+        if not samples or (job.reason != "manual" and not recipe.ready(samples)):
+            job.state = "skipped"
+            job.error = f"no batch ready: {len(samples)} eligible scored record(s) waiting"
+            return
+        binding = scenario.binding
+        spec = recipe.candidate(samples, binding.harness if binding is not None else None)
+        job.receipts = [s.receipt for s in spec.samples]
+        head = await asyncio.to_thread(self.chain.head, job.scenario)
+        if head is None:
+            raise JobFailed("the scenario has no base release yet")
+        job.built_on = head.id
+        await self._save(job)
+        if isinstance(spec, HarnessJob):
+            await self._harness_job(job, scenario, spec, head)
+            return
+        await self._save(job, "train")
+        out = await self._train(job, scenario, spec, head)
+        await self._save(job, "gate")
+        scenario = self._scenario(job)
+        verdict = await self._gate(job, scenario, out)
+        job.verdict = verdict.as_meta()
+        await self._save(job, "publish")
+        meta = {"source": job.recipe, "job": job.id, "summary": f"{job.recipe} on {len(job.receipts)} records",
+                "metrics": job.metrics, "receipts": job.receipts,
+                "reports": sorted({r for s in spec.samples for r in s.reports})}
+        await self._finish(job, scenario, Candidate("adapter", meta, artifact=out, built_on=head.id,
+                                                    verdict=job.verdict), verdict)
+
+    async def _finish(self, job: Job, scenario: Scenario, cand: Candidate, verdict: gates.Verdict) -> None:
+        """Commit the candidate (published and swapped in, or kept as rejected), then consume its records."""
+        rel = await self.commit(scenario, cand, True)
+        job.release = rel.id
+        if rel.status == "rejected":
+            log.info("%s %s: candidate %s rejected: %s", job.scenario, job.id, rel.id,
+                     rel.meta.get("refused") or verdict.reason)
+        await self.store.mark_consumed(job.scenario, job.receipts, job.id)
+        if rel.status == "released":  # the commit swapped it in before returning: its next answer comes from it
+            live = self.registry.scenarios.get(job.scenario)
+            binding = live.binding if live is not None else None
+            if binding is None or binding.release != rel.id:
+                job.error = f"published, but not serving yet: {live.error if live else 'scenario removed'}"
+            elif cand.kind == "adapter":  # the next gate's current side: scores measured on this adapter's tree
+                self.scores.remember(binding.artifact, verdict.fingerprint, [p["candidate"] for p in verdict.per_task])
+        job.stage = "done"
+        job.state = "published" if rel.status == "released" else "rejected"
+
+    # ------------------------------------------------------------ train
+
+    async def _train(self, job: Job, scenario: Scenario, spec: WeightJob, head: Release) -> Path:
+        """Train on the batch with the scenario's trainer backend; returns the candidate adapter folder."""
+        model_dir = scenario.engine.model_folder()
+        if model_dir is None:
+            raise JobFailed("the scenario's model is not prepared yet")
+        work = self.jobs.workdir(job)
+        await asyncio.to_thread(shutil.rmtree, work, True)
+        work.mkdir(parents=True)
+        init = None
+        if "adapter" in await asyncio.to_thread(self.chain.artifacts, head.id):  # continue from what serves
+            init = await asyncio.to_thread(self.chain.materialize, head.id, work / "init", "adapter")
+        out = work / "candidate"
+        doc = {"job": job.id, "objective": spec.objective, "settings": spec.settings, "seed": spec.seed,
+               "base_model": str(model_dir), "init_adapter": str(init) if init else None, "output_dir": str(out),
+               "samples": [{k: v for k, v in dataclasses.asdict(s).items() if k != "context"} for s in spec.samples],
+               "lora": spec.lora, "optim": spec.optim}
+        spec_path = work / "spec.json"
+        await asyncio.to_thread(spec_path.write_text, json.dumps(doc))
+        error: str | None = None
+
+        def on_event(event: dict[str, Any]) -> None:
+            nonlocal error
+            if event.get("event") == "progress":
+                job.progress = {k: v for k, v in event.items() if k != "event"}
+            elif event.get("event") == "done":
+                job.metrics = dict(event.get("metrics") or {})
+            elif event.get("event") == "error":
+                error = str(event.get("reason"))
+
+        backend = self.backends.get(scenario.cfg.recipe.backend)
+        try:
+            code = await backend.run(spec_path, on_event, scenario.cfg.recipe.job_timeout_s)
+        except TrainerTimeout as exc:
+            raise JobFailed(str(exc)) from None
+        if code != 0:
+            died = "the trainer process died" if code in (137, -9) else "no message"
+            raise JobFailed(f"the trainer failed (exit {code}): {error or died}")
+        if not (out / "adapter_model.safetensors").is_file():
+            raise JobFailed("the trainer exited without writing an adapter")
+        return out
+
+    # ------------------------------------------------------------ gate
+
+    async def _gate(self, job: Job, scenario: Scenario, out: Path | None,
+                    harnesses: tuple[Harness, Harness] | None = None) -> gates.Verdict:
+        """Judge the candidate against the serving release, both answered by the scenario's engine: an adapter
+        candidate (`out`) is loaded beside the serving one; a harness candidate (`harnesses`: current, proposed)
+        differs in the system prompt only."""
+        gate = gates.build(scenario.cfg.gate, self.scenarios_dir)
+        binding = scenario.binding
+        serving = binding.adapter if binding else None
+        if gate.sampling is None:  # generates nothing
+            return await gate.evaluate(_no_generate, current=None, candidate=None)
+        engine, name = scenario.engine, f"candidate-{job.id}"
+        inline = scenario.cfg.harness.inline_skills
+        blocks = {"current": harnesses[0].prompt_block(inline_skills=inline),
+                  "candidate": harnesses[1].prompt_block(inline_skills=inline)} if harnesses else {}
+
+        async def generate(messages: list[dict[str, Any]], side: str | None, sampling: gates.Sampling,
+                           seed: int) -> str:
+            req = ChatRequest(messages=messages, max_tokens=sampling.max_tokens, temperature=sampling.temperature,
+                              seed=seed)
+            adapter = side
+            if harnesses is not None:  # both sides use the serving adapter; the harness is what differs
+                add_system_text(req, blocks[str(side)])
+                adapter = serving
+            return await _answer(engine, req, adapter, scenario.cfg.serve.request_timeout_s)
+
+        width = max(2, scenario.cfg.model.max_batch)  # both sides' requests in the engine's batches
+        if harnesses is not None:
+            with self.registry.using(engine, serving):
+                return await gate.evaluate(generate, current="current", candidate="candidate", concurrency=width)
+        assert out is not None
+        model = {k: v for k, v in dataclasses.asdict(scenario.cfg.model).items() if k != "max_batch"}
+        known: gates.KnownScores | None = None
+        # reused scores stand for re-generated ones only where sampling is reproducible: greedy, or the worker,
+        # which samples each request with its own seeded generator
+        if gate.reuse_current and binding is not None and (gate.sampling.temperature == 0 or
+                                                           model["engine"] == "worker"):
+            key, release = serving_key(binding), binding.release if binding.artifact is not None else None
+
+            async def remembered(digest: str) -> list[float] | None:
+                return await asyncio.to_thread(self.scores.known, key, release, digest)
+
+            known = remembered
+
+        with self.registry.using(engine, serving):  # held from before the load: the serving adapter stays
+            await engine.load_adapter(name, out)
+            try:
+                verdict = await gate.evaluate(generate, current=serving, candidate=name, concurrency=width,
+                                              context={"prompts": "raw", "model": model}, known_current=known)
+            finally:
+                with contextlib.suppress(EngineError, EngineUnavailable):
+                    await engine.unload_adapter(name)
+        if binding is not None and not verdict.current_reused and verdict.current_mean is not None:
+            self.scores.remember(serving_key(binding), verdict.fingerprint, [p["current"] for p in verdict.per_task])
+        return verdict
+
+    # ------------------------------------------------------------ harness candidates
+
+    async def _harness_job(self, job: Job, scenario: Scenario, spec: HarnessJob, head: Release) -> None:
+        """Propose (an LLM call), validate, gate by paired comparison, commit a harness release."""
+        binding = scenario.binding
+        current = binding.harness if binding is not None else None
+        if current is None:
+            raise JobFailed("the scenario has no harness to evolve (set harness.dir in its file)")
+        await self._save(job, "propose")
+        answer = await self._propose(scenario, spec)
+        try:
+            mutations = spec.edit(answer, current)
+            proposed = current.apply(mutations)
+        except (RecipeError, HarnessError) as exc:
+            job.state, job.error = "skipped", f"proposal refused: {exc}"
+            job.metrics = {"proposer_answer": answer[:4000]}
+            return
+        if not mutations or proposed.files() == current.files():
+            job.state, job.error = "skipped", "the proposer proposed no change"
+            job.metrics = {"proposer_answer": answer[:4000]}
+            return
+        job.metrics = {"mutations": len(mutations), "proposer_answer": answer[:4000]}
+        await self._save(job, "gate")
+        verdict = await self._gate(job, scenario, None, harnesses=(current, proposed))
+        job.verdict = verdict.as_meta()
+        await self._save(job, "publish")
+        meta = {"source": job.recipe, "job": job.id, "summary": proposed.summary(current),
+                "metrics": {"mutations": len(mutations)}, "receipts": job.receipts,
+                "reports": sorted({r for s in spec.samples for r in s.reports}), "mutations": mutations}
+        work = self.jobs.workdir(job)
+        await asyncio.to_thread(shutil.rmtree, work, True)
+        await asyncio.to_thread(proposed.render, work / "harness")
+        await self._finish(job, scenario, Candidate("harness", meta, artifact=work / "harness", built_on=head.id,
+                                                    verdict=job.verdict), verdict)
+
+    async def _propose(self, scenario: Scenario, spec: HarnessJob) -> str:
+        """The proposer's answer: the scenario's own engine and release, or the model named in the recipe."""
+        req = ChatRequest(messages=spec.messages, max_tokens=spec.max_tokens, temperature=spec.temperature)
+        async with contextlib.AsyncExitStack() as stack:
+            if spec.proposer is None:
+                engine, adapter = scenario.engine, scenario.binding.adapter if scenario.binding else None
+                startup_s = scenario.cfg.model.startup_timeout_s
+            else:
+                try:
+                    cfg = ModelConfig(**spec.proposer)
+                except TypeError as exc:
+                    raise JobFailed(f"recipe.params.proposer: {exc}") from None
+                engine, adapter, startup_s = await stack.enter_async_context(self.registry.borrow(cfg)), None, \
+                    cfg.startup_timeout_s
+            deadline = time.monotonic() + startup_s
+            while not engine.ready:
+                if engine.describe()["state"] == "failed" or time.monotonic() > deadline:
+                    raise JobFailed(f"the proposer engine is {engine.describe()['state']}")
+                await asyncio.sleep(0.25)
+            return await _answer(engine, req, adapter, scenario.cfg.serve.request_timeout_s)
+
+
+async def _answer(engine: Engine, req: ChatRequest, adapter: str | None, timeout_s: float) -> str:
+    """The text of one non-streamed answer from `engine`."""
+    async for event in engine.generate(req, stream=False, adapter=adapter, timeout_s=timeout_s):
+        if isinstance(event, Completion):
+            return event.text or ""
+    raise JobFailed("the engine ended without an answer")
+
+
+async def _no_generate(messages: list[dict[str, Any]], adapter: str | None, sampling: gates.Sampling,
+                       seed: int) -> str:
+    raise JobFailed("the always gate generates nothing")

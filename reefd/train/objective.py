@@ -1,0 +1,91 @@
+"""The trainer-side plug point: a weight recipe's training objective, loaded by name in the trainer process.
+
+A recipe's job spec names its objective (`"objective": "pkg.mod:Class"`, e.g. `recipes.sao.objective:SAO`)
+and gives it `settings`. The generic loop (loop.py) owns the model and its adapter, batching, the optimizer,
+progress lines and the candidate folder; it asks the objective for the loss of each micro-batch. The trainer
+imports no recipe: the objective is found by its path here. Imports torch: trainer process only.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, ClassVar, Protocol
+
+import torch
+from torch import Tensor
+
+from reefd import plugins
+from reefd.train.batch import Batch
+from reefd.train.spec import Rollout, SpecError, TrainSpec, block
+
+SAMPLE_FIELDS = ("reward", "group", "logprobs", "receipt")  # what an objective may list in `needs`
+
+
+@dataclass(frozen=True)
+class Context:
+    """What an objective is built with, besides its settings."""
+
+    samples: list[Rollout]  # the job's rollouts, in spec order (Batch.index points into this list)
+    hidden_size: int  # of the policy's last hidden states (Outputs.hidden)
+    init_adapter: Path | None  # the adapter folder the job continues from, with any files `save` wrote there
+
+
+@dataclass
+class Outputs:
+    """What the policy computed for a micro-batch."""
+
+    logp: Tensor  # [B, T] log-probs of the completion tokens under the policy being trained (with gradient)
+    hidden: Tensor  # [B, T, H] the last hidden states that predict them (with gradient)
+
+
+class Objective(Protocol):
+    """A weight recipe's training objective: `Settings` is a frozen dataclass with defaults (the spec's
+    `settings` block is validated into it, bounds from its fields' metadata), `needs` lists the optional sample
+    fields it reads (of SAMPLE_FIELDS: a spec whose samples lack one is refused before training), and the loop
+    builds it as `Class(settings, context)`.
+
+    Guarantees the loop gives an objective:
+    - `loss` is called once per micro-batch, in order, `epochs` passes over the samples shuffled by the spec's
+      seed; the policy's optimizer (AdamW over the LoRA weights) then steps on the loss's gradient, clipped to
+      `optim.max_grad_norm`. A non-finite loss or gradient stops the job before that step (exit 3).
+    - the floats in the stats `loss` returns go into that step's progress line; `metrics()` goes into the job's
+      `done` line and metrics.json.
+    - `optimizers()` (auxiliary ones, e.g. a critic's) have their state carried to the next job of a warm trainer
+      that continues from this job's adapter, as the policy's AdamW state is; their learning rates are the new
+      job's.
+    - `save` writes extra files (a critic) into the candidate folder before it is fsynced and renamed into place,
+      and a later job that continues from that adapter finds them in `Context.init_adapter`.
+    """
+
+    Settings: ClassVar[type]
+    needs: ClassVar[tuple[str, ...]]
+
+    def loss(self, batch: Batch, out: Outputs) -> tuple[Tensor, dict[str, float]]: ...
+
+    def optimizers(self) -> dict[str, torch.optim.Optimizer]: ...
+
+    def save(self, folder: Path) -> None: ...
+
+    def metrics(self) -> dict[str, Any]: ...
+
+
+def load(spec: TrainSpec, hidden_size: int) -> Objective:
+    """The objective the spec names, built with its checked settings; SpecError (a bad spec, exit 2) when it
+    cannot be imported, is not an Objective, refuses its settings or needs a sample field the spec lacks."""
+    try:
+        cls = plugins.resolve({}, spec.objective, "objective")
+    except plugins.PluginError as exc:
+        raise SpecError(f"objective: {exc}") from None
+    missing = plugins.missing(Objective, cls)
+    if missing:
+        raise SpecError(f"objective: {spec.objective} is not an Objective (no {', '.join(missing)})")
+    for name in cls.needs:
+        if name not in SAMPLE_FIELDS:
+            raise SpecError(f"objective: {spec.objective} needs {name!r}, not a sample field ({SAMPLE_FIELDS})")
+        for i, sample in enumerate(spec.samples):
+            if getattr(sample, name) is None:
+                raise SpecError(f"samples[{i}].{name}: missing ({spec.objective} needs it)")
+    settings = block(cls.Settings, spec.settings, "settings")
+    objective: Objective = cls(settings, Context(spec.samples, hidden_size, spec.init_adapter))
+    return objective
