@@ -68,8 +68,8 @@ def make_samples(folder: Path, n: int, prompt_len: int, completion_len: int) -> 
 def trainer_round(folder: Path, samples: list[dict[str, Any]], warmup: int, steps: int, tmp: Path) -> list[float]:
     """Per-step tokens/s of the real job, warm-up steps dropped."""
     out = tmp / f"out-{time.monotonic_ns()}"
-    spec = {"job": "bench", "objective": "recipes.sao.objective:SAO", "base_model": str(folder), "init_adapter": None,
-            "output_dir": str(out), "samples": samples, "lora": LORA, "seed": 0,
+    spec = {"job": "bench", "objective": "recipes.sao.objective:SAOObjective", "base_model": str(folder),
+            "init_adapter": None, "output_dir": str(out), "samples": samples, "lora": LORA, "seed": 0,
             "optim": {"lr": LR, "epochs": warmup + steps, "micro_batch": len(samples), "max_grad_norm": 1.0}}
     path = tmp / "spec.json"
     path.write_text(json.dumps(spec))

@@ -45,7 +45,7 @@ class Sample:
 class WeightJob:
     """A candidate to train: the trainer spec's recipe-owned part (reefd/train/spec.py has the rest)."""
 
-    objective: str  # pkg.mod:Class of the recipe's trainer-side Objective, e.g. recipes.sao.objective:SAO
+    objective: str  # pkg.mod:Class of the recipe's trainer-side Objective (recipes.sao.objective:SAOObjective)
     samples: list[Sample]
     lora: dict[str, Any]
     optim: dict[str, Any]
@@ -56,7 +56,7 @@ class WeightJob:
 @dataclass
 class HarnessJob:
     """A harness candidate to propose: reefd sends `messages` to the proposer model and hands its answer to
-    `edit`, which turns it into harness mutations (see reefd/harness.py) or raises RecipeError for a malformed or
+    `edit`, which turns it into harness mutations (see reefd/harness) or raises RecipeError for a malformed or
     unsafe answer (the candidate is then skipped with that reason, and nothing is published)."""
 
     messages: list[dict[str, Any]]

@@ -280,7 +280,7 @@ class Reconciler:
             log.warning("unloading adapter %s failed: %s", name, exc)
             return
         for folder in self.serving_dir.glob(f"*/{name}"):
-            shutil.rmtree(folder, ignore_errors=True)
+            await asyncio.to_thread(shutil.rmtree, folder, True)
         log.info("unloaded adapter %s", name)
 
     # ------------------------------------------------------------ reporting

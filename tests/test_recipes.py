@@ -44,14 +44,14 @@ class Echo:
         return len(samples) >= self.cfg.size
 
     def candidate(self, samples: list[Sample]) -> WeightJob:
-        return WeightJob("recipes.sao.objective:SAO", samples, {}, {})
+        return WeightJob("recipes.sao.objective:SAOObjective", samples, {}, {})
 
 
 def test_shipped_names_and_dotted_paths() -> None:
     assert isinstance(build("record", {}), RecordOnly) and build("record", {}).produces == "nothing"
     sao = build("sao", {"batch_size": 3})
     assert sao.produces == "weights" and not sao.ready([]) and sao.cfg.batch_size == 3  # type: ignore[attr-defined]
-    assert build("grpo", {}).candidate([]).objective == "recipes.sao.objective:GRPO"  # type: ignore[union-attr]
+    assert build("grpo", {}).candidate([]).objective == "recipes.sao.objective:GRPOObjective"  # type: ignore[union-attr]
     echo = build("tests.test_recipes:Echo", {"size": 5})
     assert isinstance(echo, Echo) and echo.cfg.size == 5
 

@@ -81,7 +81,7 @@ class _DIS:
                 "mean_abs_advantage": self.abs_adv / self.valid if self.valid else 0.0}
 
 
-class SAO(_DIS):
+class SAOObjective(_DIS):
     """Single-rollout: token-level GAE on a value head's estimates; the head is updated K times per step, after
     the advantages used it, and persists beside the adapter (critic.safetensors) from job to job."""
 
@@ -125,7 +125,7 @@ class SAO(_DIS):
                 "explained_variance": explained_variance(values, targets, torch.ones_like(values, dtype=torch.bool))}
 
 
-class GRPO(_DIS):
+class GRPOObjective(_DIS):
     """The control: the same ratio band, each sample's advantage relative to the rollouts of its prompt (its
     group), on every token."""
 

@@ -44,7 +44,7 @@ class SAO:
 
     Config = SAOConfig
     produces = "weights"
-    objective = "recipes.sao.objective:SAO"
+    objective = "recipes.sao.objective:SAOObjective"
 
     def __init__(self, cfg: SAOConfig) -> None:
         self.cfg = cfg
@@ -68,4 +68,4 @@ class SAO:
 class GRPO(SAO):
     """The control: the same ratio primitive and band, advantages relative to the rollouts of the same prompt."""
 
-    objective = "recipes.sao.objective:GRPO"
+    objective = "recipes.sao.objective:GRPOObjective"

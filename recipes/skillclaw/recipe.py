@@ -1,7 +1,7 @@
 """SkillClaw as a harness recipe: turns with low scores or feedback -> a proposer prompt -> skill-pool mutations.
 
 Owns eligibility, the prompt and the answer's contract (schema, safety rules, mutations); it does not call the
-proposer, gate or publish (reefd/runner.py), nor read harness files (reefd/harness.py). See README.md."""
+proposer, gate or publish (reefd/runner.py), nor read harness files (reefd/harness). See README.md."""
 
 from __future__ import annotations
 

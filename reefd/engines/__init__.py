@@ -172,7 +172,7 @@ class Engine(Protocol):
 def engine_class(name: str) -> Any:
     """The engine class `model.engine` names (PluginError when it cannot be found or is not an Engine)."""
     cls = plugins.resolve(plugins.ENGINES, name, "engine")
-    missing = plugins.missing(Engine, cls, instance_attrs=("kind", "adapters"))
+    missing = plugins.missing(Engine, cls, instance_attrs=("kind", "adapters", "ready"))
     if missing:
         raise plugins.PluginError(f"engine {name!r} is not an Engine (no {', '.join(missing)}); see reefd/engines")
     return cls

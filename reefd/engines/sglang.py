@@ -172,7 +172,7 @@ class SGLangEngine:
             if self.model_dir is None:
                 assert self.cfg.source is not None
                 self.model_dir = await self._prepare(self.cfg.source)
-            self._load_template(self.model_dir)
+            await asyncio.to_thread(self._load_template, self.model_dir)  # reads the tokenizer: off the loop
             self.supervisor = Supervisor(
                 self.cfg.name, self._argv, self._healthy, alive=self._alive, on_launch=self._restore,
                 startup_timeout_s=self.cfg.startup_timeout_s)
@@ -189,7 +189,7 @@ class SGLangEngine:
         if self.model_dir is None:
             info = await self.client.model_info()
             self.model_dir = Path(info.get("tokenizer_path") or info["model_path"])
-        self._load_template(self.model_dir)
+        await asyncio.to_thread(self._load_template, self.model_dir)
         self._state = "ready"
         failures = 0  # reefd did not launch it, so it cannot restart it: it only reports it
         while True:

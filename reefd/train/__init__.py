@@ -2,7 +2,7 @@
 
 Two sides. The daemon's: `backends` (where a job runs: the TrainerBackend plug point) and `spec` (the job's JSON
 contract) are torch-free, so reefd imports them. The trainer process's: `loop`, `batch` and `objective` import
-torch. The losses live with their recipes, as the objective a spec names (e.g. `recipes.sao.objective:SAO`).
+torch. The losses live with their recipes, as the objective a spec names (`recipes.sao.objective:SAOObjective`).
 """
 
 

@@ -1,4 +1,4 @@
-"""`python -m reefd.worker`: flags, model load, the scheduler thread, the HTTP site, SIGTERM.
+"""`python -m reefd.worker`: flags, model load, the batcher thread, the HTTP site, SIGTERM.
 
 Owns the process lifecycle (ready = listening; SIGTERM = stop accepting, drain briefly,
 abort the rest, exit 0). Knows nothing about wire formats or sampling.
@@ -52,19 +52,19 @@ async def serve(args: argparse.Namespace) -> int:
     from aiohttp import web
     from transformers import AutoTokenizer
 
-    from reefd.worker.batcher import Scheduler
-    from reefd.worker.engine import Engine
+    from reefd.worker.batcher import Batcher
+    from reefd.worker.model import Model
     from reefd.worker.server import build_app
     from reefd.worker.wire import WorkerState
 
     threads = args.threads or os.cpu_count() or 1
     torch.set_num_threads(threads)
     start = time.monotonic()
-    engine = await asyncio.to_thread(Engine, args.model, args.device, args.context_length)
-    scheduler = Scheduler(engine, args.max_batch, threads=threads)
-    scheduler.start()
+    engine = await asyncio.to_thread(Model, args.model, args.device, args.context_length)
+    batcher = Batcher(engine, args.max_batch, threads=threads)
+    batcher.start()
     state = WorkerState(
-        scheduler=scheduler,
+        batcher=batcher,
         tokenizer=AutoTokenizer.from_pretrained(args.model, local_files_only=True),
         model_path=str(args.model),
         served_model_name=args.served_model_name or args.model.resolve().name,
@@ -98,14 +98,14 @@ async def serve(args: argparse.Namespace) -> int:
 
 async def drain(state: Any, site: Any, runner: Any, timeout: float) -> None:
     """Stop listening, let in-flight requests finish for `timeout` s, abort the rest, close."""
-    scheduler = state.scheduler
-    log.info("stopping: no new requests; %d in flight get %.1f s", scheduler.busy, timeout)
+    batcher = state.batcher
+    log.info("stopping: no new requests; %d in flight get %.1f s", batcher.busy, timeout)
     state.draining = True
     await site.stop()
     deadline = time.monotonic() + timeout
-    while scheduler.busy and time.monotonic() < deadline:
+    while batcher.busy and time.monotonic() < deadline:
         await asyncio.sleep(0.02)
-    await asyncio.to_thread(scheduler.stop)  # aborts whatever is left; their handlers answer 503
+    await asyncio.to_thread(batcher.stop)  # aborts whatever is left; their handlers answer 503
     await runner.cleanup()
     log.info("stopped")
 

@@ -1,4 +1,4 @@
-"""Continuous batching: one scheduler thread runs torch for every in-flight request.
+"""Continuous batching: one batcher thread runs torch for every in-flight request.
 
 Owns the running batch (KV cache rows, masks, positions), admission, stop rules and the
 hand-off of token updates to asyncio queues. Knows nothing about HTTP or wire formats.
@@ -21,28 +21,28 @@ import torch
 
 from reefd.worker import kvcache
 from reefd.worker.detok import TextTracker
-from reefd.worker.engine import Engine
-from reefd.worker.jobs import Control, Job, Row, Stats, Update
+from reefd.worker.generation import Control, Generation, Row, Stats, Update
+from reefd.worker.model import Model
 from reefd.worker.params import BadRequest, GenerateRequest
 from reefd.worker.sampling import draw_uniforms, sample
 
 log = logging.getLogger("reefd.worker")
-SHARED_PREFILL_MAX = 1024  # longer prompts are prefilled alone (see Scheduler._admit)
+SHARED_PREFILL_MAX = 1024  # longer prompts are prefilled alone (see Batcher._admit)
 LOGPROB_CHUNK = 4096  # prompt positions whose log-softmax is computed at once
 
 
-class Scheduler:
+class Batcher:
     """Admits waiting jobs into the running batch and steps it until every row finishes."""
 
-    def __init__(self, engine: Engine, max_batch: int = 8, threads: int | None = None) -> None:
+    def __init__(self, engine: Model, max_batch: int = 8, threads: int | None = None) -> None:
         self.engine = engine
         self.max_batch = max(1, max_batch)
         self.threads = threads
         self.stats = Stats()
-        self._waiting: deque[Job] = deque()
+        self._waiting: deque[Generation] = deque()
         self._cond = threading.Condition()
         self._stopping = False
-        self._thread = threading.Thread(target=self._run, name="reefd-worker-scheduler", daemon=True)
+        self._thread = threading.Thread(target=self._run, name="reefd-worker-batcher", daemon=True)
         self._seeds = random.SystemRandom()
         self.rows: list[Row] = []
         self._cache: Any = None
@@ -56,7 +56,7 @@ class Scheduler:
     def start(self) -> None:
         self._thread.start()
 
-    def submit(self, req: GenerateRequest, prompt: list[int]) -> Job:
+    def submit(self, req: GenerateRequest, prompt: list[int]) -> Generation:
         """Queue a request (call on the event loop). Raises BadRequest for impossible prompts."""
         if not prompt:
             raise BadRequest("the prompt is empty")
@@ -68,7 +68,7 @@ class Scheduler:
         bad = [t for t in prompt if not 0 <= t < self.engine.vocab_size]
         if bad:
             raise BadRequest(f"token id {bad[0]} is outside the vocabulary (size {self.engine.vocab_size})")
-        job = Job(req, prompt, asyncio.get_running_loop())
+        job = Generation(req, prompt, asyncio.get_running_loop())
         with self._cond:
             if self._stopping:
                 raise RuntimeError("the worker is shutting down")
@@ -84,7 +84,7 @@ class Scheduler:
     def control(
         self, fn: Callable[[], Any], ready: Callable[[], bool] | None = None, exclusive: bool = False
     ) -> asyncio.Future[Any]:
-        """Run `fn` on the scheduler thread between two steps, once `ready()` holds (call on the loop)."""
+        """Run `fn` on the batcher thread between two steps, once `ready()` holds (call on the loop)."""
         future: concurrent.futures.Future[Any] = concurrent.futures.Future()
         with self._cond:
             if self._stopping:
@@ -116,14 +116,14 @@ class Scheduler:
         return len(self._waiting) + len(self.rows)
 
     def stop(self, timeout: float = 10.0) -> None:
-        """Abort every request and end the scheduler thread."""
+        """Abort every request and end the batcher thread."""
         with self._cond:
             self._stopping = True
             self._cond.notify()
         if self._thread.is_alive():
             self._thread.join(timeout)
 
-    # ---- scheduler thread ---------------------------------------------------------
+    # ---- batcher thread ---------------------------------------------------------
     def _run(self) -> None:
         if self.threads:
             torch.set_num_threads(self.threads)  # OpenMP settings are per thread
@@ -160,10 +160,10 @@ class Scheduler:
                 continue
             try:
                 control.future.set_result(control.fn())
-            except BaseException as exc:  # the caller gets it; the scheduler keeps going
+            except BaseException as exc:  # the caller gets it; the batcher keeps going
                 control.future.set_exception(exc)
 
-    def _take(self) -> list[Job] | None:
+    def _take(self) -> list[Generation] | None:
         """Waiting jobs that fit in the batch; blocks while idle; None when stopping."""
         with self._cond:
             while not self._stopping and not self._waiting and not self.rows and not self._control:
@@ -180,14 +180,14 @@ class Scheduler:
             if any(c.exclusive for c in self._control):
                 return []  # e.g. a weight update waits for the batch to drain: admit nobody meanwhile
             room = self.max_batch - len(self.rows)
-            taken: list[Job] = []
+            taken: list[Generation] = []
             while self._waiting and len(taken) < room:
                 job = self._waiting.popleft()
                 if not job.cancelled:
                     taken.append(job)
             return taken
 
-    def _new_row(self, job: Job) -> Row:
+    def _new_row(self, job: Generation) -> Row:
         """max_new_tokens past the context length is capped there (finish reason `length`)."""
         sp = job.req.sampling
         seed = sp.seed if sp.seed is not None else self._seeds.getrandbits(63)
@@ -199,7 +199,7 @@ class Scheduler:
             tracker=TextTracker(self.engine.decode, sp.stop),
         )
 
-    def _admit(self, jobs: list[Job]) -> None:
+    def _admit(self, jobs: list[Generation]) -> None:
         """Prefill new jobs, sample their first token, merge them into the running batch.
 
         Short prompts are prefilled together in one left-padded pass, first (so they get their
@@ -293,7 +293,7 @@ class Scheduler:
 
     def _publish(self) -> None:
         """Hand this step's updates to the event loop (streams every step, others at the end)."""
-        out: list[tuple[Job, Update]] = []
+        out: list[tuple[Generation, Update]] = []
         for row in self.rows:
             if row.finish is None and not row.job.req.stream:
                 continue
@@ -328,7 +328,7 @@ class Scheduler:
         if not self.rows:
             self._cache = None
 
-    def _fail_all(self, admitted: list[Job], message: str) -> None:
+    def _fail_all(self, admitted: list[Generation], message: str) -> None:
         finish = {"type": "abort", "message": message}
         seen = {id(r.job) for r in self.rows}
         extra = [j for j in admitted if id(j) not in seen]
@@ -359,9 +359,9 @@ def _first_scored(row: Row) -> int | None:
     return max(1, min(req.logprob_start_len, len(row.job.prompt)))
 
 
-def _deliver(updates: list[tuple[Job, Update]]) -> None:
+def _deliver(updates: list[tuple[Generation, Update]]) -> None:
     """Push updates into their jobs' asyncio queues, one thread-safe call per event loop."""
-    by_loop: dict[asyncio.AbstractEventLoop, list[tuple[Job, Update]]] = {}
+    by_loop: dict[asyncio.AbstractEventLoop, list[tuple[Generation, Update]]] = {}
     for job, update in updates:
         by_loop.setdefault(job.loop, []).append((job, update))
     for loop, items in by_loop.items():
@@ -369,6 +369,6 @@ def _deliver(updates: list[tuple[Job, Update]]) -> None:
             loop.call_soon_threadsafe(_put_all, items)
 
 
-def _put_all(items: list[tuple[Job, Update]]) -> None:
+def _put_all(items: list[tuple[Generation, Update]]) -> None:
     for job, update in items:
         job.queue.put_nowait(update)

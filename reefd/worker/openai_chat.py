@@ -1,7 +1,7 @@
 """OpenAI `/v1/chat/completions` on the worker: render with the model's chat template, generate.
 
 Owns the OpenAI chat wire shapes (message, chunk, usage, logprobs) and Hermes `<tool_call>`
-parsing. Knows nothing about torch; generation goes through the same scheduler as `/generate`.
+parsing. Knows nothing about torch; generation goes through the same batcher as `/generate`.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from aiohttp import web
 
 from reefd.chat import parse_tool_calls  # the same parser reefd uses (torch-free)
 from reefd.worker.detok import held_back
-from reefd.worker.jobs import Job
+from reefd.worker.generation import Generation
 from reefd.worker.params import BadRequest, GenerateRequest, parse_sampling
 from reefd.worker.wire import STATE, WorkerState, close_sse, error_response, open_sse, read_json, send_sse, updates
 
@@ -44,7 +44,7 @@ def _request(state: WorkerState, body: Any) -> tuple[GenerateRequest, dict[str, 
         raise BadRequest("tools must be a list of tool objects")
     sampling = parse_sampling(
         {
-            "max_new_tokens": max_tokens if max_tokens is not None else state.scheduler.engine.context_length,
+            "max_new_tokens": max_tokens if max_tokens is not None else state.batcher.engine.context_length,
             "temperature": body.get("temperature"),
             "top_p": body.get("top_p"),
             "top_k": body.get("top_k"),
@@ -92,7 +92,7 @@ def _adapter(state: WorkerState, body: dict[str, Any]) -> str | None:
     model = body.get("model")
     if isinstance(model, str) and ":" in model:
         adapter = model.split(":", 1)[1]
-        if adapter in state.scheduler.engine.adapters:
+        if adapter in state.batcher.engine.adapters:
             return adapter
     return None
 
@@ -105,7 +105,7 @@ def _logprobs(state: WorkerState, ids: list[int], values: list[float]) -> dict[s
     return {"content": content}
 
 
-def _usage(job: Job, completion: int) -> dict[str, int]:
+def _usage(job: Generation, completion: int) -> dict[str, int]:
     prompt = len(job.prompt)
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
@@ -113,7 +113,7 @@ def _usage(job: Job, completion: int) -> dict[str, int]:
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE]
     req, options = _request(state, await read_json(request))
-    job = state.scheduler.submit(req, req.input_ids or [])
+    job = state.batcher.submit(req, req.input_ids or [])
     if req.stream:
         return await _stream(request, state, job, options)
     ids: list[int] = []
@@ -158,7 +158,8 @@ def _streamable(text: str, final: bool, tools: bool) -> str:
     return text if final else text[: len(text) - held_back(text, ["<tool_call>"])]
 
 
-async def _stream(request: web.Request, state: WorkerState, job: Job, options: dict[str, Any]) -> web.StreamResponse:
+async def _stream(request: web.Request, state: WorkerState, job: Generation,
+                  options: dict[str, Any]) -> web.StreamResponse:
     """SSE chunks: a role delta, content deltas, (tool calls), a finish chunk, optional usage."""
     response = await open_sse(request)
     base = {

@@ -1,7 +1,7 @@
 """The worker's aiohttp app: SGLang's `/generate`, health and info routes (the wire shapes).
 
 Owns the SGLang response bodies (`text`, `output_ids`, `meta_info`). Knows nothing about
-torch: requests go to the scheduler as token ids and come back as `Update`s.
+torch: requests go to the batcher as token ids and come back as `Update`s.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from typing import Any
 from aiohttp import web
 
 from reefd.worker import openai_chat
-from reefd.worker.jobs import Job, Update
+from reefd.worker.generation import Generation, Update
 from reefd.worker.params import BadRequest, GenerateRequest, SamplingParams, parse_generate
 from reefd.worker.wire import (
     STATE,
@@ -33,7 +33,7 @@ from reefd.worker.wire import (
 class Result:
     """The growing SGLang answer of one job (cumulative, as SGLang streams by default)."""
 
-    def __init__(self, job: Job) -> None:
+    def __init__(self, job: Generation) -> None:
         self.job = job
         self.ids: list[int] = []
         self.logprobs: list[float] = []
@@ -74,7 +74,7 @@ async def generate(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE]
     req = parse_generate(await read_json(request))
     prompt = req.input_ids if req.input_ids is not None else list(state.tokenizer.encode(req.text))
-    job = state.scheduler.submit(req, prompt)
+    job = state.batcher.submit(req, prompt)
     result = Result(job)
     if not req.stream:
         async with aclosing(updates(job)) as stream:
@@ -98,14 +98,14 @@ async def health(request: web.Request) -> web.Response:
 async def health_generate(request: web.Request) -> web.Response:
     """200 only after the model really produced one token."""
     state = request.app[STATE]
-    engine = state.scheduler.engine
+    engine = state.batcher.engine
     req = GenerateRequest(
         input_ids=[engine.pad_id],
         text=None,
         sampling=SamplingParams(max_new_tokens=1, temperature=0.0, ignore_eos=True),
     )
     try:
-        job = state.scheduler.submit(req, [engine.pad_id])
+        job = state.batcher.submit(req, [engine.pad_id])
         async with asyncio.timeout(60), aclosing(updates(job)) as stream:
             async for update in stream:
                 if update.finish and update.finish.get("type") == "length" and len(update.new_ids) == 1:
@@ -116,23 +116,23 @@ async def health_generate(request: web.Request) -> web.Response:
 
 
 def server_info_body(state: WorkerState) -> dict[str, Any]:
-    scheduler = state.scheduler
-    engine = scheduler.engine
+    batcher = state.batcher
+    engine = batcher.engine
     return {
         "model_path": state.model_path,
         "tokenizer_path": state.model_path,
         "served_model_name": state.served_model_name,
-        "max_batch": scheduler.max_batch,
-        "max_running_requests": scheduler.max_batch,
+        "max_batch": batcher.max_batch,
+        "max_running_requests": batcher.max_batch,
         "context_length": engine.context_length,
         "device": str(engine.device),
         "dtype": "float32",
         "version": state.version,
         "engine": "reefd.worker",
         "uptime_s": round(time.time() - state.started, 3),
-        "running_requests": len(scheduler.rows),
-        "waiting_requests": scheduler.busy - len(scheduler.rows),
-        "stats": scheduler.stats.as_dict(),
+        "running_requests": len(batcher.rows),
+        "waiting_requests": batcher.busy - len(batcher.rows),
+        "stats": batcher.stats.as_dict(),
         "loaded_adapters": dict(engine.adapters),
         "lora_paths": dict(engine.adapters),
         "weight_version": engine.weight_version,
@@ -151,7 +151,7 @@ async def model_info(request: web.Request) -> web.Response:
             "tokenizer_path": state.model_path,
             "is_generation": True,
             "served_model_name": state.served_model_name,
-            "context_length": state.scheduler.engine.context_length,  # not in SGLang's; see /server_info
+            "context_length": state.batcher.engine.context_length,  # not in SGLang's; see /server_info
         }
     )
 
@@ -170,7 +170,7 @@ def _lora_answer(state: WorkerState, error: str | None) -> web.Response:
     body = {
         "success": error is None,
         "error_message": error,
-        "loaded_adapters": dict(state.scheduler.engine.adapters),
+        "loaded_adapters": dict(state.batcher.engine.adapters),
     }
     return web.json_response(body, status=200 if error is None else 400)
 
@@ -178,11 +178,11 @@ def _lora_answer(state: WorkerState, error: str | None) -> web.Response:
 async def load_lora_adapter(request: web.Request) -> web.Response:
     """Load a PEFT LoRA folder under `lora_name`, between decode steps (running requests go on)."""
     state = request.app[STATE]
-    scheduler = state.scheduler
+    batcher = state.batcher
     try:
         body = await read_json(request)
         name, path = _name(body, "lora_name"), _name(body, "lora_path")
-        await scheduler.control(lambda: scheduler.engine.load_adapter(name, Path(path)))
+        await batcher.control(lambda: batcher.engine.load_adapter(name, Path(path)))
     except BadRequest as exc:
         return _lora_answer(state, str(exc))
     return _lora_answer(state, None)
@@ -192,18 +192,18 @@ async def unload_lora_adapter(request: web.Request) -> web.Response:
     """Unload `lora_name`. As SGLang: new requests for it are refused at once, and the unload
     itself waits until the running and queued requests that use it have finished."""
     state = request.app[STATE]
-    scheduler = state.scheduler
+    batcher = state.batcher
     try:
         name = _name(await read_json(request), "lora_name")
-        if name not in scheduler.engine.adapters or name in scheduler.unloading:
+        if name not in batcher.engine.adapters or name in batcher.unloading:
             raise BadRequest(f"no adapter named {name!r} is loaded")
-        scheduler.unloading.add(name)
+        batcher.unloading.add(name)
         try:
-            await scheduler.control(
-                lambda: scheduler.engine.unload_adapter(name), ready=lambda: not scheduler.uses_adapter(name)
+            await batcher.control(
+                lambda: batcher.engine.unload_adapter(name), ready=lambda: not batcher.uses_adapter(name)
             )
         finally:
-            scheduler.unloading.discard(name)
+            batcher.unloading.discard(name)
     except BadRequest as exc:
         return _lora_answer(state, str(exc))
     return _lora_answer(state, None)
@@ -212,13 +212,13 @@ async def unload_lora_adapter(request: web.Request) -> web.Response:
 async def update_weights_from_disk(request: web.Request) -> web.Response:
     """SGLang's UpdateWeightFromDiskReqInput -> {success, message, num_paused_requests}.
 
-    The folder is read off the scheduler thread; the copy waits (as SGLang's writer lock) until
+    The folder is read off the batcher thread; the copy waits (as SGLang's writer lock) until
     the running requests finish, admitting no new ones meanwhile, or aborts them first with
     `abort_all_requests`. A bad folder changes nothing.
     """
     state = request.app[STATE]
-    scheduler = state.scheduler
-    engine = scheduler.engine
+    batcher = state.batcher
+    engine = batcher.engine
     try:
         body = await read_json(request)
         path = Path(_name(body, "model_path"))
@@ -230,9 +230,9 @@ async def update_weights_from_disk(request: web.Request) -> web.Response:
             raise BadRequest("weight_version must be a string")
         weights = await asyncio.to_thread(engine.read_weights, path)
         if body.get("abort_all_requests") is True:
-            scheduler.abort_running("aborted for a weight update")
-        await scheduler.control(
-            lambda: engine.apply_weights(weights, path, version), ready=lambda: not scheduler.rows, exclusive=True
+            batcher.abort_running("aborted for a weight update")
+        await batcher.control(
+            lambda: engine.apply_weights(weights, path, version), ready=lambda: not batcher.rows, exclusive=True
         )
     except BadRequest as exc:
         return web.json_response({"success": False, "message": str(exc), "num_paused_requests": 0}, status=400)
@@ -243,7 +243,7 @@ async def update_weights_from_disk(request: web.Request) -> web.Response:
 
 
 def build_app(state: WorkerState) -> web.Application:
-    """The worker's routes over one scheduler."""
+    """The worker's routes over one batcher."""
     app = web.Application(middlewares=[errors_middleware], client_max_size=64 * 1024 * 1024)
     app[STATE] = state
     app.router.add_post("/generate", generate)

@@ -14,17 +14,17 @@ from typing import Any
 
 from aiohttp import web
 
-from reefd.worker.batcher import Scheduler
-from reefd.worker.jobs import Job, Update
+from reefd.worker.batcher import Batcher
+from reefd.worker.generation import Generation, Update
 from reefd.worker.params import BadRequest
 
 
 @dataclass
 class WorkerState:
-    """Everything the routes need: the scheduler, a loop-side tokenizer and identity."""
+    """Everything the routes need: the batcher, a loop-side tokenizer and identity."""
 
-    scheduler: Scheduler
-    tokenizer: Any  # a second tokenizer instance: the scheduler thread owns the engine's
+    batcher: Batcher
+    tokenizer: Any  # a second tokenizer instance: the batcher thread owns the engine's
     model_path: str
     served_model_name: str
     version: str
@@ -78,7 +78,7 @@ def merge(a: Update, b: Update) -> Update:
     )
 
 
-async def updates(job: Job) -> AsyncGenerator[Update, None]:
+async def updates(job: Generation) -> AsyncGenerator[Update, None]:
     """Yield the job's updates, coalescing any backlog; cancel the job if the consumer leaves."""
     finished = False
     try:

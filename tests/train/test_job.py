@@ -22,7 +22,7 @@ from tests.served import ROOT
 # peft 0.21 still reads transformers' deprecated `is_gradient_checkpointing` (a FutureWarning)
 pytestmark = pytest.mark.filterwarnings("ignore:.*is_gradient_checkpointing.*:FutureWarning")
 
-SAO, GRPO = "recipes.sao.objective:SAO", "recipes.sao.objective:GRPO"
+SAO, GRPO = "recipes.sao.objective:SAOObjective", "recipes.sao.objective:GRPOObjective"
 PROMPT = [11, 12, 13, 14]
 GOOD, BAD = 100, 200  # the first completion token that earns reward 1, and one that earns 0
 
@@ -181,7 +181,7 @@ def test_same_spec_same_adapter(trained: tuple[Job, Path], tiny_model: Path, bas
     ({"settings": {"eps_lo": 0.2}}, "settings: unknown key 'eps_lo'"),
     ({"settings": {"eps_low": 0}}, "settings.eps_low: 0.0 is not > 0"),
     ({"objective": GRPO, "samples": [{"prompt_ids": [1], "completion_ids": [2], "logprobs": [-1.0], "reward": 1}]},
-     "samples[0].group: missing (recipes.sao.objective:GRPO needs it)"),
+     "samples[0].group: missing (recipes.sao.objective:GRPOObjective needs it)"),
     ({"base_model": "relative/path"}, "base_model: 'relative/path' is not an absolute path"),
     ({"samples": [{"prompt_ids": [1], "completion_ids": [2, 3], "logprobs": [-1.0], "reward": 1}]},
      "samples[0].logprobs: 1 values for 2 completion tokens"),

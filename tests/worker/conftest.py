@@ -24,9 +24,9 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="session")
 def engine(tiny_model: Path) -> Any:
-    from reefd.worker.engine import Engine
+    from reefd.worker.model import Model
 
-    return Engine(tiny_model, device="cpu")
+    return Model(tiny_model, device="cpu")
 
 
 @pytest.fixture(scope="session")

@@ -1,4 +1,4 @@
-"""The scheduler in-process on the tiny model: batching must not change any row's result."""
+"""The batcher in-process on the tiny model: batching must not change any row's result."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from reefd.worker import batcher
-from reefd.worker.batcher import SHARED_PREFILL_MAX, Scheduler
-from reefd.worker.jobs import Job
+from reefd.worker.batcher import SHARED_PREFILL_MAX, Batcher
+from reefd.worker.generation import Generation
 from reefd.worker.params import GenerateRequest, SamplingParams, parse_sampling
 from tests.worker.support import reference_greedy
 
@@ -21,7 +21,7 @@ def request(prompt: list[int], **sampling: Any) -> tuple[GenerateRequest, list[i
     return GenerateRequest(input_ids=prompt, text=None, sampling=parse_sampling(sampling)), prompt
 
 
-async def collect(job: Job) -> dict[str, Any]:
+async def collect(job: Generation) -> dict[str, Any]:
     out: dict[str, Any] = {"ids": [], "logprobs": [], "updates": 0}
     while True:
         update = await job.queue.get()
@@ -35,38 +35,38 @@ async def collect(job: Job) -> dict[str, Any]:
             return out
 
 
-def run(engine: Any, reqs: list[tuple[GenerateRequest, list[int]]], max_batch: int = 8) -> tuple[list[dict], Scheduler]:
-    """Submit every request before the scheduler starts, so they share the first wave."""
+def run(engine: Any, reqs: list[tuple[GenerateRequest, list[int]]], max_batch: int = 8) -> tuple[list[dict], Batcher]:
+    """Submit every request before the batcher starts, so they share the first wave."""
 
-    async def main() -> tuple[list[dict], Scheduler]:
-        scheduler = Scheduler(engine, max_batch=max_batch, threads=1)
-        jobs = [scheduler.submit(req, prompt) for req, prompt in reqs]
-        scheduler.start()
+    async def main() -> tuple[list[dict], Batcher]:
+        batcher = Batcher(engine, max_batch=max_batch, threads=1)
+        jobs = [batcher.submit(req, prompt) for req, prompt in reqs]
+        batcher.start()
         try:
-            return list(await asyncio.gather(*(collect(j) for j in jobs))), scheduler
+            return list(await asyncio.gather(*(collect(j) for j in jobs))), batcher
         finally:
-            scheduler.stop()
+            batcher.stop()
 
     return asyncio.run(main())
 
 
 def test_greedy_batch_equals_unbatched_argmax(engine: Any) -> None:
-    results, scheduler = run(engine, [request(p, temperature=0.0, max_new_tokens=12, ignore_eos=True) for p in PROMPTS])
+    results, batcher = run(engine, [request(p, temperature=0.0, max_new_tokens=12, ignore_eos=True) for p in PROMPTS])
     for prompt, result in zip(PROMPTS, results, strict=True):
         ids, logprobs = reference_greedy(engine, prompt, 12)
         assert result["ids"] == ids
         assert result["logprobs"] == pytest.approx(logprobs, abs=1e-4)
         assert result["finish"] == {"type": "length", "length": 12}
-    assert scheduler.stats.max_running == len(PROMPTS)
-    assert scheduler.stats.prefills == 1
+    assert batcher.stats.max_running == len(PROMPTS)
+    assert batcher.stats.prefills == 1
 
 
 def test_seeded_sampling_ignores_batch_partners(engine: Any) -> None:
     target = request(PROMPTS[1], temperature=1.0, sampling_seed=1234, max_new_tokens=16, ignore_eos=True)
     alone, _ = run(engine, [target])
     partners = [request(p, temperature=0.8, top_p=0.9, max_new_tokens=5 + 3 * i) for i, p in enumerate(PROMPTS)]
-    together, scheduler = run(engine, [partners[0], target, *partners[1:]])
-    assert scheduler.stats.max_running == 5
+    together, batcher = run(engine, [partners[0], target, *partners[1:]])
+    assert batcher.stats.max_running == 5
     assert together[1]["ids"] == alone[0]["ids"]
     assert together[1]["logprobs"] == pytest.approx(alone[0]["logprobs"], abs=1e-4)
     unseeded, _ = run(engine, [request(PROMPTS[1], temperature=1.0, max_new_tokens=16, ignore_eos=True)] * 2)
@@ -77,21 +77,21 @@ def test_requests_joining_a_running_batch_keep_their_results(engine: Any) -> Non
     """Continuous batching: a request admitted mid-decode gets exactly its solo result."""
 
     async def main() -> list[dict]:
-        scheduler = Scheduler(engine, max_batch=8, threads=1)
-        scheduler.start()
+        batcher = Batcher(engine, max_batch=8, threads=1)
+        batcher.start()
         try:
-            first = scheduler.submit(*request(PROMPTS[0], temperature=0.0, max_new_tokens=200, ignore_eos=True))
-            while scheduler.stats.decode_steps < 3:
+            first = batcher.submit(*request(PROMPTS[0], temperature=0.0, max_new_tokens=200, ignore_eos=True))
+            while batcher.stats.decode_steps < 3:
                 await asyncio.sleep(0.001)
             later = [
-                scheduler.submit(*request(p, temperature=0.0, max_new_tokens=10, ignore_eos=True)) for p in PROMPTS[1:]
+                batcher.submit(*request(p, temperature=0.0, max_new_tokens=10, ignore_eos=True)) for p in PROMPTS[1:]
             ]
             results = await asyncio.gather(collect(first), *(collect(j) for j in later))
-            assert scheduler.stats.prefills == 2
-            assert scheduler.stats.max_running == len(PROMPTS)  # the late ones joined the running row
+            assert batcher.stats.prefills == 2
+            assert batcher.stats.max_running == len(PROMPTS)  # the late ones joined the running row
             return list(results)
         finally:
-            scheduler.stop()
+            batcher.stop()
 
     results = asyncio.run(main())
     assert results[0]["ids"] == reference_greedy(engine, PROMPTS[0], 200)[0]
@@ -162,13 +162,13 @@ def test_long_prompts_are_prefilled_alone_and_batched_with_short_ones(engine: An
     """A prompt over SHARED_PREFILL_MAX gets its own (unpadded) prefill, then decodes with the rest."""
     long = [(i * 37) % 4000 + 3 for i in range(3 * SHARED_PREFILL_MAX)]
     prompts = [PROMPTS[0], long, PROMPTS[1], long[: SHARED_PREFILL_MAX + 5]]
-    results, scheduler = run(engine, [request(p, temperature=0.0, max_new_tokens=6, ignore_eos=True) for p in prompts])
+    results, batcher = run(engine, [request(p, temperature=0.0, max_new_tokens=6, ignore_eos=True) for p in prompts])
     for prompt, result in zip(prompts, results, strict=True):
         ids, logprobs = reference_greedy(engine, prompt, 6)
         assert result["ids"] == ids
         assert result["logprobs"] == pytest.approx(logprobs, abs=1e-4)
-    assert scheduler.stats.prefills == 3  # the two short prompts together, each long one alone
-    assert scheduler.stats.max_running == 4
+    assert batcher.stats.prefills == 3  # the two short prompts together, each long one alone
+    assert batcher.stats.max_running == 4
 
 
 def test_a_prefill_without_padding_passes_no_attention_mask(engine: Any, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -200,34 +200,34 @@ def test_streaming_rows_get_every_step_and_others_one_final_update(engine: Any) 
 
 
 def test_cancelled_job_leaves_the_batch(engine: Any) -> None:
-    async def main() -> tuple[dict, Scheduler]:
-        scheduler = Scheduler(engine, max_batch=8, threads=1)
-        doomed = scheduler.submit(*request(PROMPTS[0], max_new_tokens=10_000, ignore_eos=True))
-        kept = scheduler.submit(*request(PROMPTS[1], temperature=0.0, max_new_tokens=30, ignore_eos=True))
-        scheduler.start()
+    async def main() -> tuple[dict, Batcher]:
+        batcher = Batcher(engine, max_batch=8, threads=1)
+        doomed = batcher.submit(*request(PROMPTS[0], max_new_tokens=10_000, ignore_eos=True))
+        kept = batcher.submit(*request(PROMPTS[1], temperature=0.0, max_new_tokens=30, ignore_eos=True))
+        batcher.start()
         try:
-            while scheduler.stats.decode_steps < 2:
+            while batcher.stats.decode_steps < 2:
                 await asyncio.sleep(0.001)
             doomed.cancelled = True
             result = await collect(kept)
-            return result, scheduler
+            return result, batcher
         finally:
-            scheduler.stop()
+            batcher.stop()
 
-    result, scheduler = asyncio.run(main())
+    result, batcher = asyncio.run(main())
     assert result["ids"] == reference_greedy(engine, PROMPTS[1], 30)[0]
-    assert scheduler.stats.requests_completed == 2
-    assert not scheduler.rows
+    assert batcher.stats.requests_completed == 2
+    assert not batcher.rows
 
 
 def test_stop_aborts_waiting_and_running_jobs(engine: Any) -> None:
     async def main() -> list[dict]:
-        scheduler = Scheduler(engine, max_batch=1, threads=1)
-        jobs = [scheduler.submit(*request(p, max_new_tokens=1900, ignore_eos=True)) for p in PROMPTS[:2]]
-        scheduler.start()
-        while scheduler.stats.decode_steps < 1:
+        batcher = Batcher(engine, max_batch=1, threads=1)
+        jobs = [batcher.submit(*request(p, max_new_tokens=1900, ignore_eos=True)) for p in PROMPTS[:2]]
+        batcher.start()
+        while batcher.stats.decode_steps < 1:
             await asyncio.sleep(0.001)
-        await asyncio.to_thread(scheduler.stop)
+        await asyncio.to_thread(batcher.stop)
         return list(await asyncio.gather(*(collect(j) for j in jobs)))
 
     for result in asyncio.run(main()):

@@ -1,4 +1,4 @@
-"""Runtime LoRA adapters and weight reload: in-process scheduler and a real worker subprocess."""
+"""Runtime LoRA adapters and weight reload: in-process batcher and a real worker subprocess."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ from typing import Any
 import pytest
 import torch
 
-from reefd.worker.batcher import Scheduler
-from reefd.worker.engine import Engine
+from reefd.worker.batcher import Batcher
+from reefd.worker.model import Model
 from reefd.worker.params import BadRequest, parse_generate
 from tests.loras import make_lora
 from tests.worker.support import Worker
@@ -78,15 +78,15 @@ def test_adapters_change_outputs(references: dict[str | None, list[list[int]]]) 
 
 def test_mixed_batch_in_process(tiny_model: Path, adapters: dict[str, Path], references: Any) -> None:
     """Base and two adapters in one batch: every row equals its own unbatched PEFT reference."""
-    engine = Engine(tiny_model, device="cpu")
+    engine = Model(tiny_model, device="cpu")
     engine.load_adapter("a", adapters["a"])
     engine.load_adapter("b", adapters["b"])
     reqs = [(parse_generate(body(p, lora)), p) for lora in (None, "a", "b") for p in PROMPTS]
 
-    results, scheduler = run(engine, reqs, max_batch=16)
+    results, batcher = run(engine, reqs, max_batch=16)
     got = [r["ids"] for r in results]
     assert got == references[None] + references["a"] + references["b"]
-    assert scheduler.stats.max_running == len(reqs)  # really one mixed batch
+    assert batcher.stats.max_running == len(reqs)  # really one mixed batch
     engine.unload_adapter("a")
     engine.unload_adapter("b")
     assert engine.adapters == {} and engine._peft is None
@@ -96,7 +96,7 @@ def test_uniform_batches_run_with_their_adapter_active(tiny_model: Path, adapter
                                                       references: Any) -> None:
     """A batch whose rows share one adapter takes PEFT's plain path with that adapter active; switching between
     adapters, unloading the active one, and base rows beside loaded adapters all keep every row exact."""
-    engine = Engine(tiny_model, device="cpu")
+    engine = Model(tiny_model, device="cpu")
     engine.load_adapter("a", adapters["a"])
     engine.load_adapter("b", adapters["b"])
     switched: list[str] = []
@@ -117,7 +117,7 @@ def test_uniform_batches_run_with_their_adapter_active(tiny_model: Path, adapter
 
 
 def test_engine_refuses_bad_adapters(tiny_model: Path, adapters: dict[str, Path], tmp_path: Path) -> None:
-    engine = Engine(tiny_model, device="cpu")
+    engine = Model(tiny_model, device="cpu")
     wrong_target = make_adapter(tiny_model, tmp_path / "wt", 3)
     config = json.loads((wrong_target / "adapter_config.json").read_text())
     config["target_modules"] = ["nope_proj"]
@@ -268,34 +268,34 @@ def test_load_and_unload_between_steps_while_requests_run(
 ) -> None:
     """A load lands between decode steps of a running adapter request, which goes on unchanged;
     an unload of an adapter in use waits until its request finished (SGLang's behaviour)."""
-    engine = Engine(tiny_model, device="cpu")
+    engine = Model(tiny_model, device="cpu")
     engine.load_adapter("a", adapters["a"])
     long_n = 40
 
     async def main() -> tuple[dict[str, Any], list[str], int]:
-        scheduler = Scheduler(engine, max_batch=8, threads=1)
-        scheduler.start()
+        batcher = Batcher(engine, max_batch=8, threads=1)
+        batcher.start()
         try:
             prompt = PROMPTS[1]
             req = parse_generate({**body(prompt, "a", long_n), "stream": True})
-            job = scheduler.submit(req, prompt)
+            job = batcher.submit(req, prompt)
             first = await job.queue.get()  # the request is running now
             assert first.finish is None
             order: list[str] = []
-            await scheduler.control(lambda: engine.load_adapter("b", adapters["b"]))
+            await batcher.control(lambda: engine.load_adapter("b", adapters["b"]))
             order.append("loaded b")
             assert "a" in engine.adapters  # the running request's adapter is still there
             unload = asyncio.ensure_future(
-                scheduler.control(lambda: engine.unload_adapter("a"), ready=lambda: not scheduler.uses_adapter("a"))
+                batcher.control(lambda: engine.unload_adapter("a"), ready=lambda: not batcher.uses_adapter("a"))
             )
             rest = await collect(job)
             order.append("request done")
             await unload
             order.append("unloaded a")
             ids = first.new_ids + rest["ids"]
-            return {"ids": ids}, order, scheduler.stats.decode_steps
+            return {"ids": ids}, order, batcher.stats.decode_steps
         finally:
-            scheduler.stop()
+            batcher.stop()
 
     result, order, _ = asyncio.run(main())
     assert order == ["loaded b", "request done", "unloaded a"]

@@ -1,7 +1,7 @@
 """The model on its device: load an HF folder, prefill left-padded prompts, decode one step.
 
 Owns tensors, devices, the tokenizer and the EOS set. Knows nothing about requests,
-sampling or scheduling; every call here runs on the scheduler thread.
+sampling or scheduling; every call here runs on the batcher thread.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ class Prefill:
     all_logits: torch.Tensor | None  # (rows, last `keep` columns, vocab) when input logprobs were asked
 
 
-class Engine:
+class Model:
     """A causal LM and its tokenizer, in float32 on CUDA when present, else CPU.
 
     Attention is PyTorch SDPA: a prompt without padding runs causal attention with no mask
@@ -177,7 +177,7 @@ class Engine:
         )
         return out.logits[:, -1], self._out_cache(out)
 
-    # ---- LoRA adapters and weight reload (scheduler thread, between steps) ----------------
+    # ---- LoRA adapters and weight reload (batcher thread, between steps) ----------------
     def _linears(self) -> dict[str, torch.nn.Linear]:
         """The base model's Linear layers by their plain name (PEFT's wrappers looked through)."""
         out: dict[str, torch.nn.Linear] = {}
@@ -251,7 +251,7 @@ class Engine:
             self._peft = None
 
     def read_weights(self, path: Path) -> dict[str, torch.Tensor]:
-        """Load an HF folder's parameters (off the scheduler thread); refuses another architecture."""
+        """Load an HF folder's parameters (off the batcher thread); refuses another architecture."""
         from transformers import AutoConfig
 
         path = Path(path)
@@ -273,7 +273,7 @@ class Engine:
         return {name: p.detach().float() for name, p in model.named_parameters()}
 
     def apply_weights(self, weights: dict[str, torch.Tensor], path: Path, version: str | None = None) -> None:
-        """Copy read weights into the running model (scheduler thread); all checked before any copy."""
+        """Copy read weights into the running model (batcher thread); all checked before any copy."""
         params: dict[str, torch.nn.Parameter] = {}
         for name, param in self.model.named_parameters():
             if ".lora_" not in name:

@@ -1,7 +1,7 @@
-"""What a request is inside the worker: its asyncio side (Job, Update), its running row in the
-scheduler (Row), model changes between steps (Control), and the counters (Stats).
+"""What a request is inside the worker: its asyncio side (Generation, Update), its running row in the
+batcher (Row), model changes between steps (Control), and the counters (Stats).
 
-Plain data shared by the scheduler thread and the HTTP layer; no scheduling logic here.
+Plain data shared by the batcher thread and the HTTP layer; no scheduling logic here.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ Finish = dict[str, Any]
 
 @dataclass
 class Update:
-    """What one scheduler step produced for one request (ids and logprobs are the new ones)."""
+    """What one batcher step produced for one request (ids and logprobs are the new ones)."""
 
     new_ids: list[int]
     new_logprobs: list[float]
@@ -32,7 +32,7 @@ class Update:
     input_logprobs: list[list[Any]] | None = None  # only on the first update, when asked
 
 
-class Job:
+class Generation:
     """The asyncio side of one request: a queue of `Update`s and a cancel flag."""
 
     def __init__(self, req: GenerateRequest, prompt: list[int], loop: asyncio.AbstractEventLoop) -> None:
@@ -40,15 +40,15 @@ class Job:
         self.prompt = prompt
         self.loop = loop
         self.queue: asyncio.Queue[Update] = asyncio.Queue()
-        self.cancelled = False  # written by the loop, read by the scheduler thread
+        self.cancelled = False  # written by the loop, read by the batcher thread
         self.created = time.monotonic()
 
 
 @dataclass(eq=False)
 class Row:
-    """A running sequence inside the scheduler thread."""
+    """A running sequence inside the batcher thread."""
 
-    job: Job
+    job: Generation
     sampling: SamplingParams
     max_new: int
     generator: torch.Generator
@@ -62,7 +62,7 @@ class Row:
 
 @dataclass(eq=False)
 class Control:
-    """Work on the model itself (adapters, weights), run by the scheduler thread between steps.
+    """Work on the model itself (adapters, weights), run by the batcher thread between steps.
 
     `ready` is checked before each step; `exclusive` holds admission while it waits.
     """
