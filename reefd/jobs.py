@@ -32,7 +32,7 @@ class Job:
     created_at: float = field(default_factory=time.time)
     started_at: float | None = None
     finished_at: float | None = None
-    stage: str = "queued"  # batch | train | gate | publish | done
+    stage: str = "queued"  # batch | train (or propose) | gate | publish | done
     progress: dict[str, Any] = field(default_factory=dict)  # the trainer's last progress line
     built_on: str | None = None
     release: str | None = None  # the published release, or the rejected candidate

@@ -6,9 +6,10 @@ them (callbacks wired here), in the order a turn travels to a hot swap:
     Grow     Scheduler (schedule.py) → Runner (runner.py)            triggers → batch → trainer backend → gate
     Commit   commit() below → releases.commit → Reconciler (reconcile.py) → engines/   append, then hot-swap
 
-No module reaches into another's resource: a handler answers and the record store tells the scheduler; the
-runner and the admin routes hand a candidate to `commit`, which writes the chain and has the reconciler swap
-the engines before anyone is told.
+Handlers read the resources through their AppKeys; the resources call one another only through the edges
+wired here: the record store tells the scheduler when a record or report is durable; the admin routes hand a
+candidate to `commit`, which writes the chain and has the reconciler swap the engines before anyone is told;
+a Grow job does the same in two steps (`write`, then `swap`), so that its records are consumed in between.
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ HTTP = web.AppKey("http", aiohttp.ClientSession)
 CHAIN = web.AppKey("chain", ReleaseChain)
 REGISTRY = web.AppKey("registry", Registry)
 RECONCILER = web.AppKey("reconciler", Reconciler)
+RUNNER = web.AppKey("runner", Runner)
 SCHEDULER = web.AppKey("scheduler", Scheduler)
 
 
@@ -94,21 +96,24 @@ def install(app: web.Application, settings: Settings) -> None:
         await app[RECONCILER].stop()
 
     async def grow(app: web.Application) -> AsyncIterator[None]:  # Grow: triggers → jobs → candidates → commit
-        jobs = JobStore(state / "jobs")
+        jobs = await asyncio.to_thread(JobStore, state / "jobs")
 
-        async def commit_candidate(scenario: Scenario, cand: Candidate, keep_refused: bool) -> Release:
-            return await commit(app, scenario, cand, keep_refused=keep_refused)
+        async def write_candidate(scenario: Scenario, cand: Candidate) -> Release:  # Grow → Commit
+            return await write(app, scenario, cand, keep_refused=True)
 
-        runner = Runner(app[REGISTRY], app[RECORDS], app[CHAIN], jobs, settings.scenarios_dir,
-                        Backends(state / "jobs", settings.max_jobs), commit_candidate)
-        app[SCHEDULER] = Scheduler(app[REGISTRY], app[RECORDS], jobs, runner, max_jobs=settings.max_jobs)
+        async def swap(scenario: Scenario) -> None:  # Commit → Serve
+            await app[RECONCILER].reconcile(scenario)
+
+        app[RUNNER] = Runner(app[REGISTRY], app[RECORDS], app[CHAIN], jobs, settings.scenarios_dir,
+                             Backends(state / "jobs", settings.max_jobs), write_candidate, swap)
+        app[SCHEDULER] = Scheduler(app[REGISTRY], app[RECORDS], jobs, app[RUNNER], max_jobs=settings.max_jobs)
         unsubscribe = app[RECORDS].subscribe(app[SCHEDULER].check)  # Observe → Grow: count triggers
         await app[SCHEDULER].start()
-        runner.prewarm()
+        app[RUNNER].prewarm()
         yield
         unsubscribe()
         await app[SCHEDULER].stop()
-        await runner.close()
+        await app[RUNNER].close()
 
     app.cleanup_ctx.extend([records, http, chain, engines, reconciler, grow])
 
@@ -127,11 +132,16 @@ def open_chain(state: Path) -> ReleaseChain:
     return chain
 
 
-async def commit(app: web.Application, scenario: Scenario, cand: Candidate, *, keep_refused: bool = False) -> Release:
-    """Commit: the chain's commit policy (releases.commit, in a thread), then, for a release, the reconciler's
-    hot swap, so that whoever asked (an operator's route, a Grow job) is answered with it already serving."""
-    rel = await asyncio.to_thread(releases.commit, app[CHAIN], scenario.name, cand, pin=scenario.cfg.release.pin,
-                                  on_conflict=scenario.cfg.release.on_conflict, keep_refused=keep_refused)
+async def write(app: web.Application, scenario: Scenario, cand: Candidate, *, keep_refused: bool = False) -> Release:
+    """The chain's commit policy (releases.commit) with the scenario's release settings, off the event loop."""
+    return await asyncio.to_thread(releases.commit, app[CHAIN], scenario.name, cand, pin=scenario.cfg.release.pin,
+                                   on_conflict=scenario.cfg.release.on_conflict, keep_refused=keep_refused)
+
+
+async def commit(app: web.Application, scenario: Scenario, cand: Candidate) -> Release:
+    """Commit: `write`, then, for a release, the reconciler's hot swap, so that whoever asked (an operator's
+    route) is answered with it already serving."""
+    rel = await write(app, scenario, cand)
     if rel.status == "released":
         await app[RECONCILER].reconcile(scenario)
     return rel
@@ -143,4 +153,4 @@ async def reload(app: web.Application, configs: dict[str, ScenarioConfig]) -> No
     await app[REGISTRY].reload(configs, bind=app[RECONCILER].bind)
     app[RECONCILER].kick_all()
     app[SCHEDULER].sync_triggers()
-    app[SCHEDULER].runner.prewarm()
+    app[RUNNER].prewarm()

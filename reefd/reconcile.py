@@ -18,11 +18,12 @@ release that served it. Knows the chain and the engine contract; nothing about w
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import shutil
 import tempfile
 import time
-from collections.abc import Coroutine
+from collections.abc import AsyncIterator, Coroutine
 from pathlib import Path
 from typing import Any
 
@@ -153,7 +154,7 @@ class Reconciler:
             return head, None
         rel = await self._commit(scenario, Candidate(
             "rollback", {"source": "pin", "summary": f"release.pin in the scenario file: {pin}"}, target=pin,
-            built_on=head.id), on_conflict="rebase")  # the head moved meanwhile: the pin still wins
+            built_on=head.id, applies_pin=True), on_conflict="rebase")  # a head moved meanwhile: the pin still wins
         log.info("%s: pinned to %s; appended rollback release %s", name, pin, rel.id)
         return rel, None
 
@@ -175,8 +176,8 @@ class Reconciler:
             await asyncio.sleep(0.25)  # a built-in model is still being prepared
         ident = await asyncio.to_thread(model_identity, scenario.cfg.model, model_dir)
         meta: dict[str, Any] = {"source": "import", "identity": ident}
-        with tempfile.TemporaryDirectory(dir=self.chain.path / "lfs" / "tmp") as tmp:
-            harness = await self._base_harness(scenario, Path(tmp))
+        async with self._scratch() as tmp:
+            harness = await self._base_harness(scenario, tmp)
             if harness is not None:
                 meta["summary"] = f"base harness from {scenario.cfg.harness.dir}"
             try:
@@ -189,6 +190,15 @@ class Reconciler:
                 assert again is not None
                 return again
 
+    @contextlib.asynccontextmanager
+    async def _scratch(self) -> AsyncIterator[Path]:
+        """A temporary folder beside the chain's LFS objects, made and removed off the event loop."""
+        tmp = Path(await asyncio.to_thread(tempfile.mkdtemp, dir=self.chain.path / "lfs" / "tmp"))
+        try:
+            yield tmp
+        finally:
+            await asyncio.to_thread(shutil.rmtree, tmp, True)
+
     async def _base_harness(self, scenario: Scenario, tmp: Path) -> Path | None:
         """The scenario's harness folder, read and rendered canonically into `tmp` (None: it has none)."""
         if not scenario.cfg.harness.dir:
@@ -199,8 +209,8 @@ class Reconciler:
         return tmp / "harness"
 
     async def _import_harness(self, scenario: Scenario, head: Release) -> Release:
-        with tempfile.TemporaryDirectory(dir=self.chain.path / "lfs" / "tmp") as tmp:
-            folder = await self._base_harness(scenario, Path(tmp))
+        async with self._scratch() as tmp:
+            folder = await self._base_harness(scenario, tmp)
             rel = await self._commit(scenario, Candidate(
                 "harness", {"source": "import", "summary": f"harness imported from {scenario.cfg.harness.dir}"},
                 artifact=folder, built_on=head.id, exact=True))

@@ -23,7 +23,6 @@ import pygit2
 
 from reefd.trees import GITATTRIBUTES, METADATA, Trees
 
-KINDS = ("base", "adapter", "weights", "harness", "rollback", "promote")
 ARTIFACT_FOLDER = {"base": "weights", "adapter": "adapter", "weights": "weights", "harness": "harness"}
 COPIES = ("rollback", "promote")
 REBASE_ATTEMPTS = 5  # on_conflict: rebase follows a moving head this many times at most, for every caller
@@ -425,6 +424,7 @@ class Candidate:
     built_on: str | None = None  # the head the candidate was made on; None: the head when it is committed
     exact: bool = False  # built_on was named by the caller (an expected head): a moved head refuses it
     verdict: dict[str, Any] | None = None  # the gate's verdict (meta["gate"]); a failing one is never released
+    applies_pin: bool = False  # the reconciler's rollback to release.pin: the one copy a pinned scenario takes
 
 
 @dataclass(frozen=True)
@@ -437,23 +437,21 @@ class Plan:
 
 
 def plan(chain: ReleaseChain, scenario: str, cand: Candidate, *, pin: str | None) -> Plan:
-    """Check a candidate against the scenario's head and pin without writing anything (a dry run, or a refusal
-    before an upload). Pinned: a pinned scenario takes only its first release and the copy of the pinned one;
-    NoRelease: only a base may be a scenario's first release; HeadConflict: an exact candidate whose head moved;
-    UnknownRelease, WrongScenario, NothingToRollBack: a copy's target."""
+    """Check a candidate against the scenario's pin and head without writing anything (a dry run, or a refusal
+    before an upload), in this order. Pinned: a pinned scenario takes only its base release and the
+    reconciler's copy of the pinned one; NoRelease: only a base may be a scenario's first release; HeadConflict:
+    an exact candidate whose head moved; UnknownRelease, WrongScenario, NothingToRollBack: a copy's target."""
+    if pin is not None and cand.kind != "base" and not (cand.applies_pin and cand.target == pin):
+        raise Pinned(scenario, pin)
     head = chain.head(scenario)
     if head is None and cand.kind != "base":
         raise NoRelease(scenario)
-    copy_of = None
-    if cand.kind in COPIES and head is not None:
-        copy_of = cand.target or chain.rollback_target(head)
-    if pin is not None and head is not None and not (cand.kind == "rollback" and copy_of == pin):
-        raise Pinned(scenario, pin)
     if cand.exact and (head.id if head else None) != cand.built_on:
         raise HeadConflict(scenario, cand.built_on, head.id if head else None)
     target = None
-    if copy_of is not None:
-        target = chain.target(scenario, copy_of, include_rejected=cand.kind == "promote")
+    if cand.kind in COPIES and head is not None:
+        target = chain.target(scenario, cand.target or chain.rollback_target(head),
+                              include_rejected=cand.kind == "promote")
     return Plan(head, target)
 
 
@@ -476,8 +474,8 @@ def commit(chain: ReleaseChain, scenario: str, cand: Candidate, *, pin: str | No
         return _keep(chain, scenario, cand, built_on, meta)
     try:
         head = plan(chain, scenario, cand, pin=pin).head
-        if built_on is None and not cand.exact:
-            built_on = head.id if head is not None else None
+        if not cand.exact:
+            built_on = built_on or (head.id if head is not None else None)
         for attempt in range(1, REBASE_ATTEMPTS + 1):
             try:
                 return _append(chain, scenario, cand, built_on, meta)
@@ -502,14 +500,16 @@ def _append(chain: ReleaseChain, scenario: str, cand: Candidate, built_on: str |
     if cand.kind == "promote":
         assert cand.target is not None
         return chain.promote(scenario, cand.target, expected_head=built_on, meta=meta)
-    if cand.artifact is not None:
+    if cand.artifact is not None and cand.kind != "base":
         meta = {**meta, "built_on": built_on}
     return chain.publish(scenario, expected_head=built_on, kind=cand.kind, artifact_dir=cand.artifact, meta=meta,
                          folder=cand.folder)
 
 
 def _keep(chain: ReleaseChain, scenario: str, cand: Candidate, built_on: str | None, meta: dict[str, Any]) -> Release:
-    """A candidate that is not released, kept for the record on the head it was built on."""
+    """A candidate that is not released, kept for the record on the head it was built on (or the head now)."""
+    if built_on is None and (head := chain.head(scenario)) is not None:
+        built_on = head.id
     if cand.artifact is not None:
         meta = {"built_on": built_on, **meta}
     return chain.reject(scenario, built_on=built_on, kind=cand.kind, artifact_dir=cand.artifact, meta=meta)

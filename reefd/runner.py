@@ -1,9 +1,9 @@
 """One Grow job, start to end: batch → candidate (a trainer job, or a proposer's harness edit) → gate → commit.
 
 The runner owns a job's stages; the recipe says what a candidate is, the trainer backend trains it, the gate
-judges it against the serving release on the scenario's own engine, and `commit` (wired in reefd/loop.py:
-the chain's commit policy, then the hot swap) publishes or rejects it. Never raises out of `run`: the job
-records what went wrong. Knows the recipe contract and the trainer spec; nothing about HTTP.
+judges it against the serving release on the scenario's own engine, `write` (wired in reefd/loop.py: the
+chain's commit policy) publishes or rejects it, and `swap` (the reconciler) serves it. Never raises out of
+`run`: the job records what went wrong. Knows the recipe contract and the trainer spec; nothing about HTTP.
 """
 
 from __future__ import annotations
@@ -34,8 +34,11 @@ from reefd.train.backends import Backends, TrainerTimeout
 
 log = logging.getLogger("reefd.runner")
 
-Commit = Callable[[Scenario, Candidate, bool], Awaitable[Release]]
-"""(scenario, candidate, keep_refused) -> the release written: published and swapped in, or kept as rejected."""
+Write = Callable[[Scenario, Candidate], Awaitable[Release]]
+"""(scenario, candidate) -> the release written by the chain's commit policy: released, or kept as rejected."""
+
+Swap = Callable[[Scenario], Awaitable[object]]
+"""Serve the scenario's head now (the reconciler's hot swap)."""
 
 
 class JobFailed(Exception):
@@ -59,11 +62,11 @@ def serving_key(binding: Binding) -> str:
 
 class Runner:
     def __init__(self, registry: Registry, store: RecordStore, chain: ReleaseChain, jobs: JobStore,
-                 scenarios_dir: Path, backends: Backends, commit: Commit) -> None:
+                 scenarios_dir: Path, backends: Backends, write: Write, swap: Swap) -> None:
         self.registry, self.store, self.chain, self.jobs = registry, store, chain, jobs
         self.scenarios_dir = scenarios_dir
         self.backends = backends
-        self.commit = commit
+        self.write, self.swap = write, swap
         self.scores = ScoreMemory(self._meta_of)
 
     def _meta_of(self, release: str) -> dict[str, Any] | None:
@@ -79,8 +82,7 @@ class Runner:
             with contextlib.suppress(RecipeError):
                 if build(scenario.cfg.recipe.name, scenario.cfg.recipe.params).produces == "weights":
                     names.append(scenario.cfg.recipe.backend)
-        with contextlib.suppress(plugins.PluginError):
-            self.backends.prewarm(names)
+        self.backends.prewarm(names)
 
     async def close(self) -> None:
         await self.backends.close()
@@ -156,14 +158,16 @@ class Runner:
                                                     verdict=job.verdict), verdict)
 
     async def _finish(self, job: Job, scenario: Scenario, cand: Candidate, verdict: gates.Verdict) -> None:
-        """Commit the candidate (published and swapped in, or kept as rejected), then consume its records."""
-        rel = await self.commit(scenario, cand, True)
+        """Write the candidate to the chain (released, or kept as rejected), consume its records, and serve it:
+        the job reports success only once its next answer comes from the new release."""
+        rel = await self.write(scenario, cand)
         job.release = rel.id
+        await asyncio.shield(self.store.mark_consumed(job.scenario, job.receipts, job.id))
         if rel.status == "rejected":
             log.info("%s %s: candidate %s rejected: %s", job.scenario, job.id, rel.id,
                      rel.meta.get("refused") or verdict.reason)
-        await self.store.mark_consumed(job.scenario, job.receipts, job.id)
-        if rel.status == "released":  # the commit swapped it in before returning: its next answer comes from it
+        else:
+            await self.swap(scenario)
             live = self.registry.scenarios.get(job.scenario)
             binding = live.binding if live is not None else None
             if binding is None or binding.release != rel.id:

@@ -91,12 +91,12 @@ class Registry:
         self.state_dir = state_dir
         self.session = session
         self.engines: dict[str, Engine] = {}
+        self._retiring: dict[str, tuple[Engine, asyncio.Task[None]]] = {}  # unused engines, stopped once drained
         self.scenarios: dict[str, Scenario] = {}
         self.scenarios, _ = self._bind(configs)
         self._inflight: Counter[int] = Counter()  # requests per engine (by id), for draining
         self._uses: Counter[tuple[int, str | None]] = Counter()  # requests per (engine, adapter)
         self._reloading = asyncio.Lock()
-        self._retiring: set[asyncio.Task[None]] = set()  # engines no scenario uses, stopping once drained
 
     def _bind(self, configs: dict[str, ScenarioConfig]) -> tuple[dict[str, Scenario], list[str]]:
         """Scenarios bound to engines (building engines for new models), and the new engines' keys."""
@@ -104,6 +104,10 @@ class Registry:
         scenarios = {}
         for name, cfg in sorted(configs.items()):
             key = _model_key(cfg.model)
+            if key in self._retiring:  # a model that a reload dropped comes back before its engine stopped
+                engine, task = self._retiring.pop(key)
+                task.cancel()
+                self.engines[key] = engine
             if key not in self.engines:
                 self.engines[key] = build_engine(cfg.model, self.state_dir, self.session)
                 fresh.append(key)
@@ -118,10 +122,11 @@ class Registry:
             await engine.start()
 
     async def stop(self) -> None:
-        for task in list(self._retiring):
+        retiring, self._retiring = list(self._retiring.values()), {}
+        for _, task in retiring:
             task.cancel()
-        await asyncio.gather(*self._retiring, return_exceptions=True)
-        for engine in self.engines.values():
+        await asyncio.gather(*(task for _, task in retiring), return_exceptions=True)
+        for engine in [*self.engines.values(), *(engine for engine, _ in retiring)]:  # draining or not
             await engine.stop()
 
     @contextlib.contextmanager
@@ -207,13 +212,17 @@ class Registry:
             for key, engine in list(self.engines.items()):
                 if id(engine) not in used:
                     del self.engines[key]
-                    task = asyncio.create_task(self._retire(engine, drain), name=f"retire-engine-{key[:40]}")
-                    self._retiring.add(task)
-                    task.add_done_callback(self._retiring.discard)
+                    self._retiring[key] = (engine, asyncio.create_task(self._retire(key, engine, drain)))
 
-    async def _retire(self, engine: Engine, drain_s: float) -> None:
-        await _until(functools.partial(self._idle, engine), drain_s)
-        await engine.stop()
+    async def _retire(self, key: str, engine: Engine, drain_s: float) -> None:
+        """Stop an engine no scenario uses once its requests have finished (or reefd stops), unless a reload
+        takes it back first."""
+        try:
+            await _until(functools.partial(self._idle, engine), drain_s)
+        finally:
+            if self._retiring.get(key, (None,))[0] is engine:  # not taken back by a reload
+                del self._retiring[key]
+                await engine.stop()
 
     def _idle(self, engine: Engine) -> bool:
         return self._inflight[id(engine)] == 0

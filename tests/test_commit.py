@@ -5,6 +5,7 @@ while a rival writer keeps moving the head: both follow the head the same number
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 import tarfile
 import time
@@ -73,9 +74,11 @@ def test_plan_checks_pin_head_and_target_without_writing(chain: ReleaseChain, tm
     r0 = base(chain)
     r1 = commit(chain, "s", Candidate("adapter", {}, artifact=adapter(tmp_path, "a")), pin=None, on_conflict="discard")
     assert plan(chain, "s", Candidate("rollback", {}), pin=None).target == r0  # a plain rollback: the parent
-    with pytest.raises(Pinned):  # a pinned scenario takes only the copy of its pin
-        plan(chain, "s", Candidate("promote", {}, target=r0.id), pin=r0.id)
-    assert plan(chain, "s", Candidate("rollback", {}, target=r0.id), pin=r0.id).target == r0
+    for refused in (Candidate("promote", {}, target=r0.id), Candidate("rollback", {}, target=r0.id),
+                    Candidate("adapter", {}), Candidate("rollback", {}, target=r1.id, applies_pin=True)):
+        with pytest.raises(Pinned):  # a pinned scenario takes only the reconciler's copy of its pin
+            plan(chain, "s", refused, pin=r0.id)
+    assert plan(chain, "s", Candidate("rollback", {}, target=r0.id, applies_pin=True), pin=r0.id).target == r0
     with pytest.raises(HeadConflict):  # an expected head named by the caller is checked
         plan(chain, "s", Candidate("adapter", {}, built_on=r0.id, exact=True), pin=None)
     with pytest.raises(HeadConflict):  # a scenario has one first release
@@ -103,6 +106,9 @@ def test_a_pinned_scenario_refuses_or_keeps_a_candidate(chain: ReleaseChain, tmp
     kept = commit(chain, "s", cand, pin=r0.id, on_conflict="rebase", keep_refused=True)
     assert kept.status == "rejected" and kept.meta["refused"] == f"the scenario is pinned to {r0.id}"
     assert kept.meta["gate"] == {"verdict": "pass"} and chain.head("s") == r0
+    unbuilt = commit(chain, "s", dataclasses.replace(cand, built_on=None, meta={"job": "j-2"}), pin=r0.id,
+                     on_conflict="rebase", keep_refused=True)
+    assert unbuilt.status == "rejected" and unbuilt.parent == r0.id == unbuilt.meta["built_on"]  # on the head
 
 
 @pytest.mark.parametrize("moves", [REBASE_ATTEMPTS - 1, REBASE_ATTEMPTS])

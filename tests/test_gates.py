@@ -396,9 +396,11 @@ def test_check_config(tmp_path: Path) -> None:
     (tmp_path / "bad.jsonl").write_text("{oops\n", encoding="utf-8")
     assert check_config(config(), tmp_path) is None
     assert check_config(config(kind="always", tasks="x.jsonl"), tmp_path) == \
-        "gate: Additional properties are not allowed ('tasks' was unexpected)"  # each kind has its own keys
+        "gate: Additional properties are not allowed ('tasks' was unexpected): the always kind has no such key " \
+        "(each kind has its own keys; to change the kind, choose its group in the defaults list, e.g. `- gate: floor`)"
     assert check_config(config(kind="floor", tasks=tasks, floor=0.5, margin=0.1), tmp_path) == \
-        "gate: Additional properties are not allowed ('margin' was unexpected)"
+        "gate: Additional properties are not allowed ('margin' was unexpected): the floor kind has no such key " \
+        "(each kind has its own keys; to change the kind, choose its group in the defaults list, e.g. `- gate: floor`)"
     assert check_config(config(kind="nope"), tmp_path) == \
         "gate.kind: unknown gate kind 'nope': use one of always, floor, holdout, paired or pkg.mod:Class"
     assert check_config(holdout(tasks), tmp_path) is None

@@ -31,7 +31,7 @@ async def readyz(request: web.Request) -> web.Response:
 
 async def status(request: web.Request) -> web.Response:
     registry = request.app[REGISTRY]
-    counts = request.app[RECORDS].counts()
+    counts = await asyncio.to_thread(request.app[RECORDS].counts)
     scenarios = []
     chain = request.app[CHAIN]
     heads = await asyncio.to_thread(lambda: {name: chain.head(name) for name in registry.scenarios})
@@ -52,7 +52,7 @@ async def status(request: web.Request) -> web.Response:
 
 async def get_record(request: web.Request) -> web.Response:
     receipt = request.match_info["receipt"]
-    record = request.app[RECORDS].get_record(receipt)
+    record = await asyncio.to_thread(request.app[RECORDS].get_record, receipt)
     if record is None:
         raise ApiError(404, f"no record with receipt {receipt!r}", code="record_not_found")
     return json_response(record)

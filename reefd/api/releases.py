@@ -54,8 +54,8 @@ def _flag(value: Any, field: str) -> bool:
 
 
 async def _plan(request: web.Request, scenario: Scenario, cand: Candidate) -> releases.Plan:
-    """What committing `cand` would do now, refused (pinned, stale expected head, unknown target) before any
-    work; the candidate then commits on the head seen here unless the caller named one."""
+    """What committing `cand` would do now: refused (pinned, no release yet, a stale expected head, an unknown
+    target) before any work is done, such as receiving an upload."""
     return await asyncio.to_thread(releases.plan, request.app[CHAIN], scenario.name, cand,
                                    pin=scenario.cfg.release.pin)
 
@@ -67,10 +67,6 @@ async def _written(request: web.Request, scenario: Scenario, rel: Release, **ext
     if live.error:
         out["error"] = live.error
     return out
-
-
-def _copy(kind: str, target: str | None, expected: str | None, meta: dict[str, Any]) -> Candidate:
-    return Candidate(kind, meta, target=target, built_on=expected, exact=expected is not None)
 
 
 # ---------------------------------------------------------------- reads
@@ -109,7 +105,8 @@ async def diff(request: web.Request) -> web.Response:
 
 
 async def _copy_release(request: web.Request, kind: str, target_field: str, summary: str) -> web.Response:
-    """Rollback or promote: append a release carrying another release's tree."""
+    """Rollback or promote: append a release carrying another release's tree, by compare-and-swap on the head
+    named (`expected_head`) or else the head read here, since the target was chosen against it."""
     scenario = _scenario(request)
     body = await read_json(request)
     to = _release_id(body.get(target_field), target_field)
@@ -118,15 +115,16 @@ async def _copy_release(request: web.Request, kind: str, target_field: str, summ
                        code="invalid_request")
     dry_run = _flag(body.get("dry_run", False), "dry_run")
     expected = _release_id(body.get("expected_head"), "expected_head")
-    plan = await _plan(request, scenario, _copy(kind, to, expected, {}))
+    cand = Candidate(kind, {}, target=to, built_on=expected, exact=expected is not None)
+    plan = await _plan(request, scenario, cand)
     assert plan.head is not None and plan.target is not None
     if dry_run:
         return json_response({"dry_run": True, "release": None, "from": plan.head.id, "to": plan.target.id,
                               "serving": scenario.release})
     meta = {"summary": f"{summary} {plan.target.id}"} if kind == "promote" else \
         {"source": "reefctl", "summary": f"{summary} {plan.target.id}"}
-    cand = _copy(kind, plan.target.id, expected or plan.head.id, meta)
-    rel = await loop.commit(request.app, scenario, dataclasses.replace(cand, exact=expected is not None))
+    rel = await loop.commit(request.app, scenario, dataclasses.replace(
+        cand, meta=meta, target=plan.target.id, built_on=plan.head.id, exact=True))
     return json_response({"dry_run": False, "from": rel.parent, "to": plan.target.id,
                           **await _written(request, scenario, rel)})
 
@@ -152,7 +150,7 @@ async def publish(request: web.Request) -> web.Response:
     expected = _release_id(request.query.get("expected_head") or None, "expected_head")
     cand = Candidate(kind, {"source": "publish", "summary": request.query.get("summary", "")}, built_on=expected,
                      exact=expected is not None)
-    head = (await _plan(request, scenario, cand)).head  # refused (pinned, stale head) before the upload
+    await _plan(request, scenario, cand)  # refused (pinned, a stale expected head) before the upload
     if scenario.cfg.model.engine == "upstream":
         raise ApiError(400, f"scenario {scenario.name!r} is served by an upstream provider, which cannot "
                        "serve LoRA adapters", code="invalid_adapter")
@@ -161,7 +159,7 @@ async def publish(request: web.Request) -> web.Response:
         raise ApiError(503, f"scenario {scenario.name!r}: the model is still being prepared; retry shortly",
                        code="engine_unavailable", headers={"Retry-After": "5"})
     chain = request.app[CHAIN]
-    tmp = Path(tempfile.mkdtemp(prefix="upload-", dir=chain.path / "lfs" / "tmp"))
+    tmp = Path(await asyncio.to_thread(tempfile.mkdtemp, prefix="upload-", dir=chain.path / "lfs" / "tmp"))
     try:
         folder = await _receive_tar(request, tmp)
         try:
@@ -171,9 +169,7 @@ async def publish(request: web.Request) -> web.Response:
             raise ApiError(400, f"not published: {problem}", code="invalid_adapter") from None
         base = (await asyncio.to_thread(chain.history, scenario.name))[-1]
         meta = {**cand.meta, "base_identity": base.meta.get("identity"), "warnings": warnings}
-        assert head is not None
-        rel = await loop.commit(request.app, scenario, dataclasses.replace(
-            cand, meta=meta, artifact=folder, built_on=expected or head.id))
+        rel = await loop.commit(request.app, scenario, dataclasses.replace(cand, meta=meta, artifact=folder))
     finally:
         await asyncio.to_thread(shutil.rmtree, tmp, True)
     return json_response(await _written(request, scenario, rel, warnings=warnings), status=201)
@@ -191,7 +187,7 @@ async def _receive_tar(request: web.Request, tmp: Path) -> Path:
             size += len(chunk)
             if size > MAX_UPLOAD:
                 raise ApiError(413, f"the upload exceeds {MAX_UPLOAD >> 30} GiB", code="invalid_request")
-            out.write(chunk)
+            await asyncio.to_thread(out.write, chunk)
     folder = tmp / "artifact"
     folder.mkdir()
     await asyncio.to_thread(_unpack, archive, folder)

@@ -6,6 +6,7 @@ event stream. Stored responses are the records themselves; this module knows no 
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from typing import Any
@@ -304,7 +305,7 @@ async def create(request: web.Request) -> web.StreamResponse:
     body = await read_json(request)
     check(_VALIDATOR, body)
     store = request.app[RECORDS]
-    chat = to_chat_request(body, scenario.cfg, _prior(store, scenario, body))
+    chat = to_chat_request(body, scenario.cfg, await asyncio.to_thread(_prior, store, scenario, body))
     with registry.serving(scenario) as binding:
         return await serve_turn(request, scenario, binding, store,
                                 lambda receipt: ResponsesWire(receipt, scenario.name, body, chat),
@@ -314,7 +315,7 @@ async def create(request: web.Request) -> web.StreamResponse:
 async def retrieve(request: web.Request) -> web.Response:
     scenario = scenario_of(request)
     response_id = request.match_info["response_id"]
-    record = stored(request.app[RECORDS], scenario, response_id)
+    record = await asyncio.to_thread(stored, request.app[RECORDS], scenario, response_id)
     if record is None:
         raise ApiError(404, f"Response with id {response_id!r} not found.", code="response_not_found")
     return json_response(record["response"])

@@ -1,4 +1,4 @@
-"""One agent turn, protocol-independent: engine → record (durable) → answer.
+"""One agent turn, protocol-independent: the scenario a request names → engine → record (durable) → answer.
 
 The provider modules supply a `Wire` that formats bodies and stream events; this module
 owns the order that makes receipts trustworthy: an answer, or a stream's terminal event,

@@ -106,7 +106,10 @@ def build(raw: dict[str, Any], scenarios_dir: Path) -> Gate:
     try:
         cfg = schema.parse(cls.Config, params, "gate")
     except schema.SchemaError as exc:
-        raise GateError(str(exc)) from None
+        hint = (f": the {raw.get('kind')} kind has no such key (each kind has its own keys; to change the kind, "
+                "choose its group in the defaults list, e.g. `- gate: floor`)") if "Additional properties" in str(exc) \
+            else ""
+        raise GateError(f"{exc}{hint}") from None
     gate: Gate = cls(cfg, scenarios_dir)
     return gate
 

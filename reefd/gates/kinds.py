@@ -101,9 +101,9 @@ class TaskGate:
         stand in for generating them (only for a kind that asks the current side)."""
         if concurrency < 1:
             raise ValueError(f"concurrency must be at least 1, not {concurrency}")
-        tasks, score, tasks_sha256 = self._prepare()
+        tasks, score, tasks_sha256 = await asyncio.to_thread(self._prepare)  # file reads, imports: off the loop
         n = len(tasks)
-        digest = fingerprint(self.cfg, self.scenarios_dir, context, tasks_sha256=tasks_sha256)
+        digest = await asyncio.to_thread(fingerprint, self.cfg, self.scenarios_dir, context, tasks_sha256=tasks_sha256)
         known = await known_current(digest) if known_current is not None and self.asks_current else None
         reuse = known is not None and len(known) == n
 

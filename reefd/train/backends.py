@@ -4,7 +4,7 @@
 A trainer process imports torch, transformers and peft once (seconds of CPU) and then runs job after
 job, one spec path per line on its stdin; each job's JSON-lines events end with
 `{"event": "exit", "status": N}`. A process that dies (a crash, a kill on timeout) is simply
-replaced by the next job. Idle processes are kept (at most `keep`) and stopped with reefd.
+replaced by the next job. Idle processes are kept (at most max_jobs) and stopped with reefd.
 Knows the trainer's stdin/stdout protocol; nothing about recipes or the chain. Torch-free: the daemon's side.
 """
 
@@ -22,7 +22,7 @@ from typing import Any, Protocol
 from reefd import plugins
 from reefd.engines.supervisor import die_with_parent
 
-log = logging.getLogger("reefd.trainers")
+log = logging.getLogger("reefd.train")
 
 Event = dict[str, Any]
 
@@ -69,8 +69,12 @@ class Backends:
         return self._built[name]
 
     def prewarm(self, names: Iterable[str]) -> None:
+        """Get these backends ready ahead of their first job (a name that cannot be loaded is logged)."""
         for name in sorted(set(names)):
-            self.get(name).prewarm()
+            try:
+                self.get(name).prewarm()
+            except plugins.PluginError as exc:
+                log.warning("cannot prepare trainer backend %s: %s", name, exc)
 
     async def close(self) -> None:
         await asyncio.gather(*(b.close() for b in self._built.values()), return_exceptions=True)

@@ -24,7 +24,7 @@ import torch
 
 from reefd.train import NonFinite
 from reefd.train.batch import Batch, collate
-from reefd.train.objective import Objective, Outputs, load
+from reefd.train.objective import Context, Objective, Outputs, resolve
 from reefd.train.spec import SpecError, TrainSpec
 
 Emit = Callable[[dict[str, Any]], None]
@@ -143,11 +143,12 @@ def _continue(spec: TrainSpec, optimizers: dict[str, torch.optim.Optimizer]) -> 
 def train(spec: TrainSpec, emit: Emit, fault: str | None = None) -> Trained:
     """Run every step of the job; emits start and progress, raises NonFinite/SpecError/others."""
     torch.manual_seed(spec.seed)
+    objective_cls, settings = resolve(spec)
     policy = Policy(spec)
     too_big = max(max(s.prompt_ids + s.completion_ids) for s in spec.samples)
     if too_big >= policy.vocab_size:
         raise SpecError(f"samples: token id {too_big} is outside the model's vocabulary ({policy.vocab_size})")
-    objective = load(spec, policy.hidden_size)
+    objective: Objective = objective_cls(settings, Context(spec.samples, policy.hidden_size, spec.init_adapter))
     opt = torch.optim.AdamW(policy.params, lr=spec.optim.lr, weight_decay=spec.optim.weight_decay)
     optimizers = {"policy": opt, **objective.optimizers()}
     origin = _continue(spec, optimizers)
@@ -161,8 +162,8 @@ def train(spec: TrainSpec, emit: Emit, fault: str | None = None) -> Trained:
         for lo in range(0, len(order), spec.optim.micro_batch):
             step += 1
             batch = collate(spec.samples, order[lo : lo + spec.optim.micro_batch], policy.pad_id)
-            line = _step(spec, policy, objective, opt, batch, step, poison=fault == "nan" and step == 1)
-            totals.add(line, batch)
+            line, grad_norm = _step(spec, policy, objective, opt, batch, step, poison=fault == "nan" and step == 1)
+            totals.add(line["loss"], grad_norm, batch)
             emit({"event": "progress", "step": step, "steps": spec.steps, **line})
             if fault == "crash":
                 os._exit(137)
@@ -181,8 +182,8 @@ def _fault_before_training(fault: str | None) -> None:
 
 
 def _step(spec: TrainSpec, policy: Policy, objective: Objective, opt: torch.optim.Optimizer, batch: Batch,
-          step: int, poison: bool = False) -> dict[str, Any]:
-    """One optimizer step on a micro-batch; returns the progress line's fields."""
+          step: int, poison: bool = False) -> tuple[dict[str, Any], float]:
+    """One optimizer step on a micro-batch; returns the progress line's fields and the gradient's norm."""
     t0 = time.perf_counter()
     loss, stats = objective.loss(batch, policy.forward(batch))
     if poison:  # REEF_TRAIN_FAULT=nan
@@ -197,8 +198,9 @@ def _step(spec: TrainSpec, policy: Policy, objective: Objective, opt: torch.opti
         raise NonFinite(f"non-finite gradient at step {step}")
     opt.step()
     seconds = time.perf_counter() - t0
-    return {"loss": value, "tokens_per_s": round(batch.n_tokens / seconds, 2), "grad_norm": round(grad_norm, 6),
+    line = {"loss": value, "tokens_per_s": round(batch.n_tokens / seconds, 2), "grad_norm": round(grad_norm, 6),
             **{k: round(float(v), 6) for k, v in stats.items()}}
+    return line, grad_norm
 
 
 @dataclass
@@ -210,9 +212,9 @@ class _Totals:
     null_logprobs: int = 0
     tokens: int = 0
 
-    def add(self, line: dict[str, Any], batch: Batch) -> None:
-        self.losses.append(line["loss"])
-        self.grad_norms.append(line["grad_norm"])
+    def add(self, loss: float, grad_norm: float, batch: Batch) -> None:
+        self.losses.append(loss)
+        self.grad_norms.append(grad_norm)
         self.null_logprobs += int((batch.tokens & ~batch.valid).sum())
         self.tokens += batch.n_tokens
 

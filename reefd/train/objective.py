@@ -71,9 +71,10 @@ class Objective(Protocol):
     def metrics(self) -> dict[str, Any]: ...
 
 
-def load(spec: TrainSpec, hidden_size: int) -> Objective:
-    """The objective the spec names, built with its checked settings; SpecError (a bad spec, exit 2) when it
-    cannot be imported, is not an Objective, refuses its settings or needs a sample field the spec lacks."""
+def resolve(spec: TrainSpec) -> tuple[Any, Any]:
+    """The objective class the spec names and its checked settings, before any model is loaded; SpecError (a bad
+    spec, exit 2) when it cannot be imported, is not an Objective, refuses its settings or needs a sample field
+    the spec lacks. The loop then builds it: `cls(settings, Context(...))`."""
     try:
         cls = plugins.resolve({}, spec.objective, "objective")
     except plugins.PluginError as exc:
@@ -87,6 +88,4 @@ def load(spec: TrainSpec, hidden_size: int) -> Objective:
         for i, sample in enumerate(spec.samples):
             if getattr(sample, name) is None:
                 raise SpecError(f"samples[{i}].{name}: missing ({spec.objective} needs it)")
-    settings = block(cls.Settings, spec.settings, "settings")
-    objective: Objective = cls(settings, Context(spec.samples, hidden_size, spec.init_adapter))
-    return objective
+    return cls, block(cls.Settings, spec.settings, "settings")
