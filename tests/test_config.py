@@ -101,3 +101,18 @@ def test_grow_settings_are_checked_at_load(tmp_path: Path, body: str, message: s
     with pytest.raises(config.ConfigError) as exc:
         config.compose(scen / "bad.yaml")
     assert str(exc.value).startswith(f"{scen}/bad.yaml: {message}"), str(exc.value)
+
+
+def test_each_gate_kind_has_its_group_and_its_own_keys(tmp_path: Path) -> None:
+    """A kind is chosen by its group in the defaults list; a key of another kind is refused with a hint."""
+    scen = make_scenarios(tmp_path, names=(), extra={
+        "floor": "defaults:\n  - model: tiny\n  - gate: floor\n  - _self_\ngate:\n  tasks: t.jsonl\n  floor: 0.5\n",
+        "mixed": "defaults:\n  - model: tiny\n  - gate: holdout\n  - _self_\ngate:\n  kind: floor\n  tasks: t.jsonl\n"
+                 "  floor: 0.5\n"})
+    (scen / "t.jsonl").write_text("".join(f'{{"prompt": "q{i}", "answer": "a{i}"}}\n' for i in range(8)))
+    assert config.compose(scen / "floor.yaml").gate == {
+        "kind": "floor", "scorer": "exact", "min_tasks": 8, "max_tokens": 16, "temperature": 0.0, "tasks": "t.jsonl",
+        "floor": 0.5}
+    with pytest.raises(config.ConfigError, match=r"gate: Additional properties are not allowed \('margin' was "
+                                                 r"unexpected\): the floor kind has no such key .*`- gate: floor`"):
+        config.compose(scen / "mixed.yaml")
