@@ -89,7 +89,7 @@ async def serve(settings: Settings, host: str, port: int, scenarios_dir: Path) -
     ready = asyncio.create_task(_announce_ready(app))
     await stop.wait()
     log.info("stopping: draining in-flight requests (up to %.0f s)", settings.shutdown_timeout_s)
-    systemd.notify("STOPPING=1")
+    await systemd.notify_async("STOPPING=1")
     ready.cancel()
     await runner.cleanup()
     log.info("stopped")
@@ -98,7 +98,7 @@ async def serve(settings: Settings, host: str, port: int, scenarios_dir: Path) -
 
 async def _reload(app: web.Application, scenarios_dir: Path) -> None:
     """SIGHUP (`systemctl reload reefd`): re-read the folder and apply the difference."""
-    systemd.notify("RELOADING=1", f"MONOTONIC_USEC={time.clock_gettime_ns(time.CLOCK_MONOTONIC) // 1000}")
+    await systemd.notify_async("RELOADING=1", f"MONOTONIC_USEC={time.clock_gettime_ns(time.CLOCK_MONOTONIC) // 1000}")
     try:
         scenarios = await asyncio.to_thread(config.load_all, scenarios_dir)  # off the event loop
         await loop.reload(app, scenarios)
@@ -108,7 +108,7 @@ async def _reload(app: web.Application, scenarios_dir: Path) -> None:
     except Exception:
         log.exception("reload failed, still serving the previous scenarios")
     finally:
-        systemd.notify("READY=1", "STATUS=serving")
+        await systemd.notify_async("READY=1", "STATUS=serving")
 
 
 async def _announce_ready(app: web.Application) -> None:
@@ -118,15 +118,15 @@ async def _announce_ready(app: web.Application) -> None:
     deadline = time.monotonic() + max(
         (s.cfg.model.startup_timeout_s for s in registry.scenarios.values()), default=0)
     while not registry.ready and time.monotonic() < deadline:
-        systemd.notify("STATUS=starting engines", "EXTEND_TIMEOUT_USEC=30000000")
+        await systemd.notify_async("STATUS=starting engines", "EXTEND_TIMEOUT_USEC=30000000")
         await asyncio.sleep(1)
     down = sorted(n for n, s in registry.scenarios.items() if not s.engine.ready)
     if down:
         log.error("engines not ready after the start-up deadline: %s", ", ".join(down))
-        systemd.notify("READY=1", f"STATUS=serving; not ready: {', '.join(down)}")
+        await systemd.notify_async("READY=1", f"STATUS=serving; not ready: {', '.join(down)}")
         return
     log.info("ready: every scenario's engine answers")
-    systemd.notify("READY=1", "STATUS=serving")
+    await systemd.notify_async("READY=1", "STATUS=serving")
 
 
 def main(argv: list[str] | None = None) -> int:
