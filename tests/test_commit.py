@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import os
 import tarfile
 import time
 from collections.abc import Iterator
@@ -29,14 +28,7 @@ from reefd.releases import (
     plan,
 )
 from tests.conftest import TOKEN, make_scenarios
-
-
-def adapter(tmp_path: Path, name: str) -> Path:
-    d = tmp_path / name
-    d.mkdir()
-    (d / "adapter_model.safetensors").write_bytes(os.urandom(128))
-    (d / "adapter_config.json").write_text("{}\n")
-    return d
+from tests.test_gate_reuse import adapter
 
 
 @pytest.fixture
