@@ -48,6 +48,7 @@ bench: venv
 	$(BIN)/python bench/hot_swap.py --model tiny
 	$(BIN)/python bench/hot_swap.py --model smollm2
 	$(BIN)/python bench/trainer.py --model tiny
+	$(BIN)/python bench/judge_throughput.py
 	$(BIN)/python bench/trainer.py --model smollm2
 
 demo: venv
@@ -55,6 +56,7 @@ demo: venv
 	if [ $$rc -eq 5 ]; then echo "make: no slow demos collected" >&2; exit 1; fi; exit $$rc
 	$(BIN)/python bench/learning.py --runs 3
 	$(BIN)/python bench/skillclaw_demo.py
+	$(BIN)/python bench/openclaw_demo.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .bench-tmp

@@ -35,6 +35,7 @@ class ChatRequest:
     seed: int | None = None
     stop: list[str] = field(default_factory=list)
     ignore_eos: bool = False  # SGLang's and vLLM's extension: generate to max_tokens
+    top_logprobs: int = 0  # record the engine's top-K logprobs of every generated token (a recipe asks for it)
 
 
 def add_system_text(chat: ChatRequest, block: str) -> None:
@@ -69,6 +70,10 @@ class Completion:
     prompt_token_ids: list[int] | None = None
     completion_token_ids: list[int] | None = None
     completion_logprobs: list[float | None] | None = None
+    # the engine's top-K per generated token: ids and logprobs, K of each per token (None: not captured)
+    completion_top_ids: list[list[int]] | None = None
+    completion_top_logprobs: list[list[float]] | None = None
+    top_k_capture: str | None = None  # "full", or "partial" (the engine left some out: the channel is off)
 
 
 # ---------------------------------------------------------------- chat templates

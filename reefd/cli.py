@@ -69,6 +69,7 @@ def cmd_status(client: Client, args: argparse.Namespace) -> int:
             row += [engine.get("url"), engine.get("restarts"), engine.get("pid")]
         rows.append([cell(v) for v in row])
         reasons += [f"scenario {sc.get('name')}: drift: {printable(str(r))}" for r in chain.get("drift") or []]
+        reasons += _conversation_lines(sc)
     if not rows:
         note("No scenarios configured.")
     columns = ["SCENARIO", "MODEL", "ENGINE", "STATE", "RELEASE", "RECORDS", "REPORTS"]
@@ -80,6 +81,24 @@ def cmd_status(client: Client, args: argparse.Namespace) -> int:
     for line in reasons:
         print(line, flush=True)
     return 0
+
+
+def _conversation_lines(sc: Mapping[str, Any]) -> list[str]:
+    """Sessions and judging, for scenarios that have any: so that a failure to link turns is visible."""
+    out = []
+    sessions: Mapping[str, Any] = sc["sessions"] if isinstance(sc.get("sessions"), dict) else {}
+    if any(sessions.get(k) for k in ("linked", "unlinked", "expired", "side", "retries")):
+        out.append(f"scenario {sc.get('name')}: sessions: {sessions.get('open', 0)} open, "
+                   f"{sessions.get('linked', 0)} turns linked, {sessions.get('unlinked', 0)} unlinked, "
+                   f"{sessions.get('expired', 0)} expired, {sessions.get('side', 0)} side calls, "
+                   f"{sessions.get('retries', 0)} retries")
+    judge = sc.get("judge") if isinstance(sc.get("judge"), dict) else None
+    if judge is not None:
+        out.append(f"scenario {sc.get('name')}: judge: {judge.get('judged', 0)} judged "
+                   f"(+1: {judge.get('positive', 0)}, -1: {judge.get('negative', 0)}, 0: {judge.get('neutral', 0)}, "
+                   f"{judge.get('hinted', 0)} with hints), {judge.get('pending', 0)} pending, "
+                   f"{judge.get('invalid_votes', 0)} invalid votes, {judge.get('unreachable', 0)} times unreachable")
+    return out
 
 
 def completion_text(record: Mapping[str, Any]) -> str:
@@ -108,7 +127,27 @@ def latest_score(record: Mapping[str, Any]) -> float | None:
     return scored[-1]["score"] if scored else None
 
 
-def _record_row(record: Mapping[str, Any], wide: bool) -> list[str]:
+def turn_cell(record: Mapping[str, Any]) -> str:
+    """A turn's place in its session: its index, `retry` (of index) or `side`."""
+    kind, turn = record.get("turn_kind"), record.get("turn")
+    if kind == "side":
+        return "side"
+    if turn is None:
+        return "-"
+    return f"{turn} (retry)" if kind == "retry" else str(turn)
+
+
+def judged(record: Mapping[str, Any]) -> str | None:
+    """The judge's verdict on a turn, with how many hints it found (None: not judged)."""
+    verdicts = [r for r in record.get("reports") or [] if r.get("source") == "judge"]
+    if not verdicts:
+        return None
+    meta = verdicts[-1].get("metadata") or {}
+    hints = len(meta.get("hints") or [])
+    return f"{verdicts[-1].get('score'):+g}" + (f" +{hints} hint" + ("s" if hints > 1 else "") if hints else "")
+
+
+def _record_row(record: Mapping[str, Any], wide: bool, turns: bool = False) -> list[str]:
     usage = record.get("usage") or {}
     created = record.get("created_at")
     score = latest_score(record)
@@ -119,6 +158,8 @@ def _record_row(record: Mapping[str, Any], wide: bool) -> list[str]:
     row = [record.get("id"), time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(created)) if created else None,
            record.get("api"), f"{usage.get('prompt_tokens', '?')}+{usage.get('completion_tokens', '?')}",
            None if score is None else f"{score:g}"]
+    if turns:
+        row += [turn_cell(record), record.get("next"), judged(record)]
     if wide:
         latency = record.get("latency_s")
         row += [record.get("release"), record.get("session"),
@@ -129,14 +170,14 @@ def _record_row(record: Mapping[str, Any], wide: bool) -> list[str]:
 Emit = Callable[[list[dict[str, Any]]], None]
 
 
-def _record_printer(output: str | None) -> Emit:
+def _record_printer(output: str | None, turns: bool = False) -> Emit:
     wide = output == "wide"
-    extra = ["RELEASE", "SESSION", "LATENCY", "FINISH"] if wide else []
+    extra = (["TURN", "NEXT", "JUDGE"] if turns else []) + (["RELEASE", "SESSION", "LATENCY", "FINISH"] if wide else [])
     table = Table(["RECEIPT", "CREATED", "API", "TOKENS", "SCORE", *extra, "COMPLETION"])
 
     def emit(batch: list[dict[str, Any]]) -> None:
         if output not in ("json", "name"):
-            table.emit([_record_row(r, wide) for r in batch])
+            table.emit([_record_row(r, wide, turns) for r in batch])
         for record in batch if output == "json" else []:
             print_json(record, lines=True)
         for record in batch if output == "name" else []:
@@ -167,7 +208,8 @@ def _pages(client: Client, scenario: str, after: str | None, limit: int | None,
 def _records_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("name", metavar="SCENARIO")
     p.add_argument("--after", metavar="RECEIPT", type=_receipt, help="start after this receipt")
-    p.add_argument("--session", metavar="S", help="only this conversation's turns, in order")
+    p.add_argument("--session", metavar="S", help="only this conversation's turns, in order, with each turn's "
+                   "index, the turn that follows it and the judge's verdict")
     p.add_argument("--limit", metavar="N", type=number(int, positive=True),
                    help="show one page of at most N records (default: every page)")
     p.add_argument("-f", "--follow", action="store_true", help="keep printing new records until Ctrl-C")
@@ -178,7 +220,7 @@ def _records_args(p: argparse.ArgumentParser) -> None:
 
 @command("records", "list a scenario's records, oldest first", _records_args)
 def cmd_records(client: Client, args: argparse.Namespace) -> int:
-    emit = _record_printer(args.output)
+    emit = _record_printer(args.output, turns=bool(args.session))
     cursor = args.after
     try:
         pages = _pages(client, args.name, cursor, args.limit, args.session)

@@ -47,6 +47,11 @@ class ServeConfig:
         default=None, metadata={"exclusiveMinimum": 0, "maximum": 1,
                                 "description": "Used when a request sets no top_p."}
     )
+    session_ttl_s: float = field(
+        default=900.0, metadata={"exclusiveMinimum": 0,
+                                 "description": "An open session with no new turn for this long expires: its "
+                                                "last turn then never gets a next state."}
+    )
 
 
 @dataclass
@@ -55,7 +60,7 @@ class RecipeConfig:
 
     name: str = field(
         default="record",
-        metadata={"description": "A shipped recipe (record, sao, grpo, skillclaw) or a dotted path "
+        metadata={"description": "A shipped recipe (record, sao, grpo, skillclaw, openclaw-rl) or a dotted path "
                                  "pkg.mod:Class. record only records and never trains."},
     )
     backend: str = field(

@@ -3,6 +3,7 @@ them (callbacks wired here), in the order a turn travels to a hot swap:
 
     Serve    api/ handlers → Registry (scenarios.py) → engines/      a request takes its scenario's binding
     Observe  RecordStore (records.py)                                records and reports, durable in LMDB
+             Conversations (sessions.py) → Judges (judge.py)         next states, judged into reports
     Grow     Scheduler (schedule.py) → Runner (runner.py)            triggers → batch → trainer backend → gate
     Commit   commit() below → releases.commit → Reconciler (reconcile.py) → engines/   append, then hot-swap
 
@@ -18,7 +19,7 @@ import asyncio
 import logging
 import shutil
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -27,14 +28,16 @@ import orjson
 from aiohttp import web
 
 from reefd import releases
-from reefd.config import ScenarioConfig
+from reefd.config import ScenarioConfig, ServeConfig
 from reefd.jobs import JobStore
+from reefd.judge import Judges
 from reefd.reconcile import Reconciler
 from reefd.records import RecordStore
 from reefd.releases import Candidate, Release, ReleaseChain
 from reefd.runner import Runner
 from reefd.scenarios import Registry, Scenario
 from reefd.schedule import Scheduler
+from reefd.sessions import Conversations
 from reefd.train.backends import Backends
 
 log = logging.getLogger("reefd")
@@ -45,6 +48,8 @@ HTTP = web.AppKey("http", aiohttp.ClientSession)
 CHAIN = web.AppKey("chain", ReleaseChain)
 REGISTRY = web.AppKey("registry", Registry)
 RECONCILER = web.AppKey("reconciler", Reconciler)
+CONVERSATIONS = web.AppKey("conversations", Conversations)
+JUDGES = web.AppKey("judges", Judges)
 RUNNER = web.AppKey("runner", Runner)
 SCHEDULER = web.AppKey("scheduler", Scheduler)
 
@@ -89,6 +94,22 @@ def install(app: web.Application, settings: Settings) -> None:
         yield
         await app[REGISTRY].stop()
 
+    async def conversations(app: web.Application) -> AsyncIterator[None]:  # Observe: sessions and next states
+        registry = app[REGISTRY]
+
+        def ttl(name: str) -> float:
+            scenario = registry.scenarios.get(name)
+            return scenario.cfg.serve.session_ttl_s if scenario is not None else ServeConfig.session_ttl_s
+
+        app[CONVERSATIONS] = Conversations(ttl)
+        await asyncio.to_thread(reopen_sessions, app[RECORDS], app[CONVERSATIONS], list(registry.scenarios), ttl)
+        app[JUDGES] = Judges(registry, app[RECORDS])
+        app[CONVERSATIONS].subscribe(app[JUDGES].linked)  # Observe → Observe: a linked turn is judged
+        backlog = asyncio.create_task(app[JUDGES].backlog(), name="judge-backlog")
+        yield
+        backlog.cancel()
+        await app[JUDGES].close()
+
     async def reconciler(app: web.Application) -> AsyncIterator[None]:  # Commit → Serve: the declared release
         app[RECONCILER] = Reconciler(app[REGISTRY], app[CHAIN], state, settings.scenarios_dir)
         app[RECONCILER].start()
@@ -115,7 +136,19 @@ def install(app: web.Application, settings: Settings) -> None:
         await app[SCHEDULER].stop()
         await app[RUNNER].close()
 
-    app.cleanup_ctx.extend([records, http, chain, engines, reconciler, grow])
+    app.cleanup_ctx.extend([records, http, chain, engines, conversations, reconciler, grow])
+
+
+def reopen_sessions(store: RecordStore, conversations: Conversations, scenarios: list[str],
+                    ttl: Callable[[str], float]) -> None:
+    """The turns still open after a restart: each scenario's records of its last session_ttl_s."""
+    now = time.time()
+    for name in scenarios:
+        records = store.recent(name, now - ttl(name))
+        for record in records:
+            conversations.restore(name, record)
+        if records:
+            log.info("%s: reopened the sessions of %d recent records", name, len(records))
 
 
 def open_chain(state: Path) -> ReleaseChain:

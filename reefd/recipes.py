@@ -38,6 +38,8 @@ class Sample:
     reward: float
     group: str  # rollouts of the same prompt share a key (group-relative recipes use it)
     reports: list[str] = field(default_factory=list)
+    top_ids: list[list[int]] | None = None  # the engine's top-K ids at each completion token (a recipe captured them)
+    extra: dict[str, Any] | None = None  # what the recipe passes its trainer-side objective (JSON)
     context: dict[str, Any] = field(default_factory=dict)  # what else the recipe keeps: messages, text, feedback
 
 

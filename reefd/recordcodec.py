@@ -14,9 +14,11 @@ import orjson
 
 # --- values: compact JSON, deflated; token ids and logprobs as raw arrays beside it ---
 # Token arrays are most of a record's JSON and compress poorly, so they are stored as int32 /
-# float64 arrays (exact, and non-finite logprobs survive) after the deflated JSON of the rest.
+# float64 arrays (exact, and non-finite logprobs survive) after the deflated JSON of the rest. A top-K capture is
+# two flat arrays, K entries per token: int32 ids and float32 logprobs (8 bytes per entry).
 
-_ARRAYS = (("prompt_token_ids", "i"), ("completion_token_ids", "i"), ("completion_logprobs", "d"))
+_ARRAYS = (("prompt_token_ids", "i"), ("completion_token_ids", "i"), ("completion_logprobs", "d"),
+           ("completion_top_ids", "i"), ("completion_top_logprobs", "f"))
 _ARRAY_INDEX = {name: i for i, (name, _) in enumerate(_ARRAYS)}
 _HEAD = struct.Struct("<I")
 

@@ -77,7 +77,8 @@ def _report_key(report_id: str) -> bytes:
 def _canonical(report: dict[str, Any]) -> str:
     """What makes two reports with one report_id "the same" (ids, timestamps aside)."""
     keys = ("scenario", "references", "score", "feedback", "metadata")
-    return json.dumps({k: report.get(k) for k in keys}, sort_keys=True, separators=(",", ":"))
+    same = {k: report.get(k) for k in keys} | {"source": report.get("source") or "client"}  # older: no source
+    return json.dumps(same, sort_keys=True, separators=(",", ":"))
 
 
 _COUNTS = struct.Struct(">QQ")  # records, reports
@@ -148,7 +149,7 @@ class RecordStore:
                         sync=True, metasync=True, writemap=False)
         with env.begin(write=True) as txn:
             for name in ("records", "by_scenario", "by_session", "reports", "report_index", "counts", "meta",
-                         "consumed", "reported"):
+                         "consumed", "reported", "links"):
                 self._dbs[name] = env.open_db(name.encode(), txn=txn)
             needs_index = txn.get(b"reported_index", db=self._dbs["meta"]) is None
         if needs_index:  # a store from before the index: built once, off the event loop
@@ -177,8 +178,12 @@ class RecordStore:
 
     # --- writes: enqueue, then wait for the batch's commit ----------------------------------
 
-    async def put_record(self, record: dict[str, Any]) -> None:
+    async def put_record(self, record: dict[str, Any], next_state: list[dict[str, Any]] | None = None) -> bool:
         """Store one record; returns once it is durable. Raises StorageError when it cannot be.
+
+        A record whose `previous` names an earlier turn links that turn to it in the same transaction: the earlier
+        record then shows `next` (this receipt) and `next_state` (the messages that followed its reply). The first
+        record to link a turn keeps the link; returns whether this one did (False when there was nothing to link).
 
         The writer thread serialises the record (JSON + zlib, off the event loop), so it must not
         change until this returns; a TypeError for a value JSON cannot hold is raised here.
@@ -187,11 +192,18 @@ class RecordStore:
         if not _is_receipt(receipt):
             raise ValueError(f"record id must be a receipt from new_receipt(), got {receipt!r}")
         scenario = _scenario_key(record.get("scenario"))
-        await self._submit(self._apply_record, str(receipt).encode(), scenario, record)
+        link = None
+        previous = record.get("previous")
+        if _is_receipt(previous):
+            link = (str(previous).encode(), _pack({"next": receipt, "next_state": next_state or []}))
+        linked: bool = await self._submit(self._apply_record, str(receipt).encode(), scenario, record, link)
         self._written(record["scenario"])
+        return linked
 
-    async def put_report(self, scenario: str, body: dict[str, Any]) -> tuple[dict[str, Any], bool]:
-        """Attach a report to records of `scenario`; returns (stored report, created). Durable on return."""
+    async def put_report(self, scenario: str, body: dict[str, Any], *,
+                         source: str = "client") -> tuple[dict[str, Any], bool]:
+        """Attach a report to records of `scenario`; returns (stored report, created). Durable on return.
+        `source` says who reported: "client" (POST /reef/report) or "judge" (a recipe's judge in reefd)."""
         scenario_key = _scenario_key(scenario)
         report_id = body.get("report_id") or "rpt_" + new_receipt()
         if not isinstance(report_id, str):
@@ -200,7 +212,8 @@ class RecordStore:
         report = {
             "report_id": report_id, "scenario": scenario, "references": list(body["references"]),
             "score": float(score) if isinstance(score, int | float) and not isinstance(score, bool) else score,
-            "feedback": body.get("feedback"), "metadata": body.get("metadata"), "created_at": time.time(),
+            "feedback": body.get("feedback"), "metadata": body.get("metadata"), "source": source,
+            "created_at": time.time(),
         }
         packed = _pack(report)  # serialisation errors surface here, before the writer sees the op
         result: tuple[dict[str, Any], bool] = await self._submit(self._apply_report, scenario_key, report, packed)
@@ -287,13 +300,18 @@ class RecordStore:
         return await future
 
     def _apply_record(self, txn: lmdb.Transaction[bytes], deltas: dict[bytes, list[int]],
-                      receipt: bytes, scenario: bytes, record: dict[str, Any]) -> None:
+                      receipt: bytes, scenario: bytes, record: dict[str, Any],
+                      link: tuple[bytes, bytes] | None) -> bool:
         if not txn.put(receipt, _pack(record), overwrite=False, db=self._dbs["records"]):
             raise ValueError(f"receipt {receipt.decode()} is already stored")
         txn.put(scenario + b"\0" + receipt, b"", db=self._dbs["by_scenario"])
         if isinstance(record.get("session"), str):
             txn.put(_session_prefix(scenario, record["session"]) + receipt, b"", db=self._dbs["by_session"])
         deltas.setdefault(scenario, [0, 0])[0] += 1
+        linked = False
+        if link is not None and txn.get(link[0], db=self._dbs["records"]) is not None:
+            linked = bool(txn.put(link[0], link[1], overwrite=False, db=self._dbs["links"]))
+        return linked
 
     def _apply_report(self, txn: lmdb.Transaction[bytes], deltas: dict[bytes, list[int]],
                       scenario: bytes, report: dict[str, Any], packed: bytes) -> tuple[dict[str, Any], bool]:
@@ -439,6 +457,25 @@ class RecordStore:
                     found.append(record)
         return found
 
+    def recent(self, scenario: str, since: float, limit: int = 20_000) -> list[dict[str, Any]]:
+        """The scenario's records created at or after `since` (at most `limit`), oldest first, without reports."""
+        prefix = _scenario_key(scenario) + b"\0"
+        out: list[dict[str, Any]] = []
+        with self._reading() as txn, txn.cursor(db=self._dbs["by_scenario"]) as cursor:
+            found = (cursor.set_range(prefix + b"\xff") and cursor.prev()) or cursor.last()
+            while found and len(out) < limit:
+                key = cursor.key()
+                if not key.startswith(prefix):
+                    break
+                raw = txn.get(key[len(prefix):], db=self._dbs["records"])
+                if raw is not None:
+                    record = _unpack(raw)
+                    if float(record.get("created_at") or 0) < since:
+                        break
+                    out.append(record)
+                found = cursor.prev()
+        return out[::-1]
+
     def get_report(self, report_id: str) -> dict[str, Any] | None:
         """The stored report, or None."""
         if not isinstance(report_id, str) or not report_id:
@@ -458,6 +495,9 @@ class RecordStore:
         if raw is None:
             return None
         record: dict[str, Any] = _unpack(raw)
+        link = txn.get(receipt, db=self._dbs["links"])
+        if link is not None:
+            record.update(_unpack(link))
         reports = []
         with txn.cursor(db=self._dbs["report_index"]) as cursor:
             for key, report_key in cursor if cursor.set_range(receipt) else ():  # receipt + seq -> report

@@ -20,9 +20,11 @@ from pathlib import Path
 
 import aiohttp
 
+from reefd import recipes
 from reefd.config import ScenarioConfig
 from reefd.engines import Engine, ModelConfig, build_engine
 from reefd.harness import Harness
+from reefd.recipes import Recipe
 
 log = logging.getLogger("reefd")
 
@@ -61,6 +63,12 @@ class Scenario:
     engine: Engine
     binding: Binding | None = None  # what serves new requests, once the reconciler has bound a release
     error: str | None = None  # why the reconciler could not make it serve what is declared
+    recipe: Recipe | None = None  # its recipe, for what it asks of serving (top-K capture) and judging
+
+    @property
+    def capture_top_k(self) -> int:
+        """The top-K logprobs the recipe wants recorded for every generated token (0: none)."""
+        return int(getattr(self.recipe, "capture_top_k", 0) or 0)
 
     @property
     def name(self) -> str:
@@ -70,6 +78,14 @@ class Scenario:
     def release(self) -> str | None:
         """The id of the release serving new requests."""
         return self.binding.release if self.binding else None
+
+
+def _recipe(cfg: ScenarioConfig) -> Recipe | None:
+    try:
+        return recipes.build(cfg.recipe.name, cfg.recipe.params)
+    except recipes.RecipeError:  # checked when the scenario loaded; a plug-in that changed since stays unused
+        log.exception("%s: recipe %s cannot be built", cfg.name, cfg.recipe.name)
+        return None
 
 
 def _model_key(cfg: ModelConfig) -> str:
@@ -114,7 +130,7 @@ class Registry:
             old = self.scenarios.get(name)
             same_engine = old is not None and old.engine is self.engines[key]
             scenarios[name] = Scenario(cfg, self.engines[key], old.binding if old and same_engine else None,
-                                       old.error if old and same_engine else None)
+                                       old.error if old and same_engine else None, _recipe(cfg))
         return scenarios, fresh
 
     async def start(self) -> None:

@@ -80,4 +80,14 @@ def parse(cls: type, data: Any, where: str) -> Any:
     if found is not None:
         path, message = found
         raise SchemaError(f"{'.'.join(p for p in (where, path) if p)}: {message}")
-    return cls(**data)
+    return _build(cls, data)
+
+
+def _build(cls: type, data: dict[str, Any]) -> Any:
+    """`cls(**data)`, with each field typed as a dataclass built from its (already validated) mapping."""
+    hints = typing.get_type_hints(cls)
+    values = dict(data)
+    for f in dataclasses.fields(cls):
+        if f.name in values and dataclasses.is_dataclass(hints[f.name]) and isinstance(values[f.name], dict):
+            values[f.name] = _build(hints[f.name], values[f.name])
+    return cls(**values)

@@ -229,7 +229,9 @@ def test_put_report_attaches_to_each_reference(tmp_path: Path) -> None:
         assert created is True
         assert stored["report_id"].startswith("rpt_") and len(stored["report_id"]) == 30
         assert stored["score"] == 1.0 and isinstance(stored["score"], float)
-        assert set(stored) == {"report_id", "scenario", "references", "score", "feedback", "metadata", "created_at"}
+        assert set(stored) == {"report_id", "scenario", "references", "score", "feedback", "metadata", "source",
+                               "created_at"}
+        assert stored["source"] == "client"
         later, _ = await store.put_report("s1", {"references": [first["id"]], "feedback": {"label": "meh"},
                                                  "report_id": "client-7"})
         assert later == {**later, "report_id": "client-7", "score": None, "metadata": None}
@@ -302,7 +304,7 @@ def test_a_failing_op_fails_alone_in_its_batch(tmp_path: Path) -> None:
             return_exceptions=True)
         assert [type(x).__name__ for x in results[25:29]] == [
             "UnknownReceipt", "ReportConflict", "ValueError", "TypeError"]
-        assert all(x is None for x in results[:25] + results[29:])
+        assert all(x is False for x in results[:25] + results[29:])  # stored (no turn to link)
         assert store.stats["commits"] - commits < 10  # they shared batches: the failures stayed their own
         assert all(store.get_record(r["id"]) is not None for r in good)
         assert store.counts() == {"s1": {"records": 51, "reports": 1}}

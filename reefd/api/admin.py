@@ -12,7 +12,7 @@ from aiohttp import web
 
 from reefd import __version__
 from reefd.api.errors import ApiError, json_response
-from reefd.loop import CHAIN, RECONCILER, RECORDS, REGISTRY, STARTED_AT
+from reefd.loop import CHAIN, CONVERSATIONS, JUDGES, RECONCILER, RECORDS, REGISTRY, STARTED_AT
 
 MAX_LIMIT = 1000
 
@@ -44,7 +44,10 @@ async def status(request: web.Request) -> web.Response:
                           "releases": {"declared": s.cfg.release.pin, "head": head.id if head else None,
                                        "serving": s.release, "adapter": s.binding.adapter if s.binding else None,
                                        "drift": drift},
-                          "records": c.get("records", 0), "reports": c.get("reports", 0)})
+                          "records": c.get("records", 0), "reports": c.get("reports", 0),
+                          "sessions": request.app[CONVERSATIONS].counts(name),
+                          **({"judge": request.app[JUDGES].status(name)}
+                             if request.app[JUDGES].settings(s) is not None else {})})
     return json_response({"version": __version__, "ready": registry.ready,
                               "uptime_s": round(time.time() - request.app[STARTED_AT], 3),
                               "scenarios": scenarios})

@@ -18,15 +18,17 @@ from aiohttp import web
 from reefd.api.errors import SCENARIO_HEADER, ApiError, from_domain, json_response
 from reefd.chat import ChatRequest, Completion, add_system_text
 from reefd.engines import EngineError, EngineUnavailable, Prompt
-from reefd.loop import REGISTRY
+from reefd.loop import CONVERSATIONS, REGISTRY
 from reefd.receipts import new_receipt
 from reefd.records import RecordStore, StorageError
 from reefd.scenarios import Binding, Scenario
+from reefd.sessions import Conversations, Placement, chain
 
 log = logging.getLogger("reefd.api")
 
 RECEIPT_HEADER = "x-reef-agent-record-id"
 RELEASE_HEADER = "x-reef-release-id"
+TURN_HEADER = "x-reef-turn"  # "side": a call that is not a turn of the conversation (never judged or trained)
 
 
 class Wire(Protocol):
@@ -83,7 +85,7 @@ def session_of(request: web.Request, body: dict[str, Any]) -> str | None:
 
 
 def new_record(request: web.Request, scenario: Scenario, binding: Binding, receipt: str, api: str,
-               body: dict[str, Any], chat: ChatRequest, stream: bool) -> dict[str, Any]:
+               body: dict[str, Any], chat: ChatRequest, stream: bool, placement: Placement) -> dict[str, Any]:
     prefix = "x-reef-tag-"
     tags = {k[len(prefix):].lower(): v for k, v in request.headers.items()
             if k.lower().startswith(prefix)}
@@ -91,9 +93,21 @@ def new_record(request: web.Request, scenario: Scenario, binding: Binding, recei
             "harness": binding.release if binding.harness is not None and scenario.cfg.harness.inject else None,
             "engine": scenario.engine.kind, "model": scenario.cfg.model.name, "api": api,
             "requested_model": body.get("model"),
-            "created_at": time.time(), "session": session_of(request, body),
+            "created_at": time.time(), **placement.fields(),
             "tags": tags, "stream": stream,
             "request": body, "messages": chat.messages, "tools": chat.tools}
+
+
+def top_k_fields(c: Completion) -> dict[str, Any]:
+    """The top-K capture as the record keeps it: flat arrays (K per token), stored as raw arrays by recordcodec."""
+    if c.top_k_capture is None:
+        return {}
+    if c.completion_top_ids is None or c.completion_top_logprobs is None:
+        return {"top_k_capture": c.top_k_capture}
+    k = len(c.completion_top_ids[0]) if c.completion_top_ids else 0
+    return {"top_k_capture": c.top_k_capture, "top_k": k,
+            "completion_top_ids": [t for row in c.completion_top_ids for t in row],
+            "completion_top_logprobs": [lp for row in c.completion_top_logprobs for lp in row]}
 
 
 def finish_record(record: dict[str, Any], c: Completion, answer: dict[str, Any],
@@ -102,16 +116,35 @@ def finish_record(record: dict[str, Any], c: Completion, answer: dict[str, Any],
     if c.tool_calls:
         assistant["tool_calls"] = c.tool_calls
     now = time.monotonic()
+    if isinstance(record.get("conversation"), dict):  # what a continuation's prefix holds at the reply's slot
+        record["conversation"]["reply"] = chain(record["conversation"]["request"], assistant)
     record.update({
         "response": answer, "messages": [*record["messages"], assistant],
         "finish_reason": c.finish_reason, "stop_sequence": c.stop_sequence,
         "raw_text": c.raw_text, "prompt_token_ids": c.prompt_token_ids,
         "completion_token_ids": c.completion_token_ids,
         "completion_logprobs": c.completion_logprobs,
+        **top_k_fields(c),
         "usage": {"prompt_tokens": c.prompt_tokens, "completion_tokens": c.completion_tokens},
         "latency_s": round(now - started, 6),
         "ttft_s": round(ttft - started, 6) if ttft is not None else None,
         "finished_at": time.time()})
+
+
+class Served:
+    """Stores a turn's record, and tells the conversations: the turn is open, and the one it continues is linked."""
+
+    def __init__(self, conversations: Conversations, store: RecordStore, record: dict[str, Any],
+                 placement: Placement) -> None:
+        self.conversations, self.store, self.record, self.placement = conversations, store, record, placement
+
+    async def put(self) -> None:
+        record, placement = self.record, self.placement
+        linked = await self.store.put_record(record, next_state=placement.next_state)
+        scenario = record["scenario"]
+        self.conversations.served(scenario, record["id"], placement, record["messages"][-1])
+        if linked and placement.previous is not None:
+            self.conversations.linked(scenario, placement.previous)
 
 
 async def serve_turn(request: web.Request, scenario: Scenario, binding: Binding, store: RecordStore,
@@ -119,6 +152,7 @@ async def serve_turn(request: web.Request, scenario: Scenario, binding: Binding,
                      chat: ChatRequest, stream: bool) -> web.StreamResponse:
     """Serve one turn with the release `binding` names (taken when the request started: see Registry.serving)."""
     serve = scenario.cfg.serve  # the scenario's sampling defaults fill what the request left unset
+    chat.top_logprobs = scenario.capture_top_k
     if chat.temperature is None:
         chat.temperature = serve.temperature
     if chat.top_p is None:
@@ -126,11 +160,14 @@ async def serve_turn(request: web.Request, scenario: Scenario, binding: Binding,
     cap = scenario.cfg.model.max_new_tokens  # whatever the client asked for (Claude Code: 32000)
     if cap is not None:
         chat.max_tokens = min(chat.max_tokens, cap)
-    if binding.harness is not None and scenario.cfg.harness.inject:
-        add_system_text(chat, binding.harness.prompt_block(inline_skills=scenario.cfg.harness.inline_skills))
     receipt = new_receipt()
     wire = wire_for(receipt)
-    record = new_record(request, scenario, binding, receipt, wire.api, body, chat, stream)
+    placement = request.app[CONVERSATIONS].place(scenario.name, receipt, session_of(request, body), chat.messages,
+                                                 chat.tools, side=request.headers.get(TURN_HEADER) == "side")
+    if binding.harness is not None and scenario.cfg.harness.inject:
+        add_system_text(chat, binding.harness.prompt_block(inline_skills=scenario.cfg.harness.inline_skills))
+    record = new_record(request, scenario, binding, receipt, wire.api, body, chat, stream, placement)
+    turn = Served(request.app[CONVERSATIONS], store, record, placement)
     headers = {RECEIPT_HEADER: record["id"], RELEASE_HEADER: binding.release}
     started = time.monotonic()
     events = scenario.engine.generate(chat, stream=stream, timeout_s=scenario.cfg.serve.request_timeout_s,
@@ -142,12 +179,12 @@ async def serve_turn(request: web.Request, scenario: Scenario, binding: Binding,
     except FAILURES as exc:
         raise engine_failure(exc) from exc
     if stream:
-        return await _stream(request, store, wire, record, headers, first, events, started)
+        return await _stream(request, turn, wire, record, headers, first, events, started)
     try:
         completion = first if isinstance(first, Completion) else await _last(events)
         answer = wire.response(completion)
         finish_record(record, completion, answer, started, None)
-        await store.put_record(record)
+        await turn.put()
     except FAILURES as exc:
         raise engine_failure(exc) from exc
     finally:
@@ -162,7 +199,7 @@ async def _last(events: AsyncIterator[Any]) -> Completion:
     raise ApiError(502, "the engine ended without a completion")
 
 
-async def _stream(request: web.Request, store: RecordStore, wire: Wire,
+async def _stream(request: web.Request, turn: Served, wire: Wire,
                   record: dict[str, Any], headers: dict[str, str], first: Any,
                   events: AsyncIterator[Any], started: float) -> web.StreamResponse:
     resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
@@ -186,7 +223,7 @@ async def _stream(request: web.Request, store: RecordStore, wire: Wire,
         await resp.write(wire.stream_tail(completion))
         answer = wire.response(completion)
         finish_record(record, completion, answer, started, ttft)
-        await store.put_record(record)  # durable before the terminal event, always
+        await turn.put()  # durable before the terminal event, always
         await resp.write(wire.stream_terminal())
     except ConnectionError:
         log.info("client went away during stream %s", record["id"])

@@ -120,6 +120,25 @@ class SGLangClient:
             raise EngineError(f"engine did not answer within {timeout_s:.0f} s", status=504) from exc
 
 
+def top_k_rows(top: list[Any], tokens: int, k: int) -> tuple[list[list[int]], list[list[float]]] | None:
+    """SGLang's `output_top_logprobs` (per token, K `[logprob, token_id, text]`) as ids and logprobs, or None when
+    the capture is partial: a token without its row, a row short of K, or an entry that is not one."""
+    if len(top) != tokens:
+        return None
+    ids: list[list[int]] = []
+    lps: list[list[float]] = []
+    for row in top:
+        if not isinstance(row, list) or len(row) < k:
+            return None
+        try:
+            pairs = [(int(entry[1]), float(entry[0])) for entry in row[:k]]
+        except (TypeError, ValueError, IndexError):
+            return None
+        ids.append([p[0] for p in pairs])
+        lps.append([p[1] for p in pairs])
+    return ids, lps
+
+
 def sampling_params(req: ChatRequest) -> dict[str, Any]:
     params: dict[str, Any] = {"max_new_tokens": req.max_tokens,
                               "temperature": 1.0 if req.temperature is None else req.temperature,
@@ -323,11 +342,14 @@ class SGLangEngine:
                    "return_logprob": True, "stream": stream, "rid": uuid.uuid4().hex}
         if adapter is not None:
             payload["lora_path"] = adapter  # SGLang: the name an adapter was loaded under
+        if req.top_logprobs > 0:
+            payload["top_logprobs_num"] = req.top_logprobs
         tools_on = bool(req.tools) and req.tool_choice != "none"
         guard = StreamGuard(req.stop, hold_tool_markup=tools_on)
         text = ""
         ids: list[int] = []
         logprobs: list[float | None] = []
+        top: list[Any] = []
         meta: dict[str, Any] = {}
         started = False
         async for chunk in client.generate(payload, timeout_s):
@@ -337,9 +359,10 @@ class SGLangEngine:
             meta = chunk.get("meta_info") or {}
             new_ids = chunk.get("output_ids") or []
             new_lps = meta.get("output_token_logprobs") or []
+            new_top = meta.get("output_top_logprobs") or []
             chunk_text = chunk.get("text") or ""
             if len(new_ids) == meta.get("completion_tokens", -1):  # cumulative (SGLang default)
-                new_ids, new_lps = new_ids[len(ids):], new_lps[len(logprobs):]
+                new_ids, new_lps, new_top = new_ids[len(ids):], new_lps[len(logprobs):], new_top[len(top):]
                 # the engine's text is the truth; a final text may drop a trimmed stop string
                 delta = chunk_text[len(text):] if chunk_text.startswith(text) else ""
                 text = chunk_text
@@ -348,6 +371,7 @@ class SGLangEngine:
                 text += chunk_text
             ids.extend(new_ids)
             logprobs.extend(None if lp[0] is None else float(lp[0]) for lp in new_lps)
+            top.extend(new_top)
             if delta and stream:
                 out = guard.feed(delta)
                 if out:
@@ -355,6 +379,11 @@ class SGLangEngine:
         if not started:
             raise EngineError("the engine answered without any output")
         completion = self._finish(text, ids, logprobs, meta, prompt_ids, req, tools_on)
+        if req.top_logprobs > 0:
+            captured = top_k_rows(top, len(ids), req.top_logprobs)
+            completion.top_k_capture = "partial" if captured is None else "full"
+            if captured is not None:
+                completion.completion_top_ids, completion.completion_top_logprobs = captured
         if stream:
             tail = guard.tail(completion.text or "")
             if tail:

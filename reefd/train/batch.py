@@ -28,6 +28,7 @@ class Batch:
     lengths: Tensor  # [B] completion lengths
     rewards: Tensor  # [B]
     n_tokens: int  # prompt + completion tokens, padding excluded
+    top_ids: Tensor | None = None  # [B, T, K] the engine's top-K ids per completion token (0: padding, or none)
 
 
 def collate(samples: list[Rollout], index: list[int], pad_id: int) -> Batch:
@@ -53,7 +54,16 @@ def collate(samples: list[Rollout], index: list[int], pad_id: int) -> Batch:
         for j, lp in enumerate(s.logprobs):
             if lp is not None:
                 rollout[i, j], valid[i, j] = lp, True
+    top = None
+    widths = {len(s.top_ids[0]) for s in rows if s.top_ids}
+    if len(widths) > 1:
+        raise ValueError(f"samples of one batch captured different top-K widths: {sorted(widths)}")
+    if widths:  # rows without a capture get token 0: an objective masks them out
+        top = torch.zeros((n, depth, widths.pop()), dtype=torch.long)
+        for i, s in enumerate(rows):
+            if s.top_ids:
+                top[i, : len(s.top_ids)] = torch.tensor(s.top_ids)
     return Batch(list(index), input_ids, attention, positions, completion, rollout, tokens, valid,
                  lengths=torch.tensor([len(s.completion_ids) for s in rows]),
                  rewards=torch.tensor([s.reward for s in rows], dtype=torch.float32),
-                 n_tokens=sum(len(r) for r in ids))
+                 n_tokens=sum(len(r) for r in ids), top_ids=top)

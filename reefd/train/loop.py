@@ -67,7 +67,8 @@ class Policy:
             raise ValueError("the adapter has no trainable parameters")
 
     def forward(self, batch: Batch) -> Outputs:
-        """Log-probs [B, T] of the completion tokens, and the hidden states [B, T, H] that predict them."""
+        """Log-probs [B, T] of the completion tokens, the hidden states [B, T, H] that predict them, and the
+        log-probs [B, T, K] of the batch's top-K ids when it has them."""
         index = batch.positions.unsqueeze(-1)
         if self.plain_head:  # the LM head only where a completion token is predicted
             out = self.causal_lm.get_decoder()(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
@@ -80,7 +81,16 @@ class Policy:
             hidden = out.hidden_states[-1].gather(1, index.expand(-1, -1, self.hidden_size))
             logits = out.logits.float().gather(1, index.expand(-1, -1, out.logits.shape[-1]))
         picked = logits.gather(-1, batch.completion.unsqueeze(-1)).squeeze(-1)
-        return Outputs(picked - torch.logsumexp(logits, dim=-1), hidden)
+        norm = torch.logsumexp(logits, dim=-1)
+        top = None if batch.top_ids is None else logits.gather(-1, batch.top_ids) - norm.unsqueeze(-1)
+        return Outputs(picked - norm, hidden, top)
+
+    def reference(self, batch: Batch) -> Outputs:
+        """`forward` under the frozen base model: the adapter disabled, no gradient."""
+        with torch.no_grad(), self.model.disable_adapter():
+            out = self.forward(batch)
+        return Outputs(out.logp.detach(), out.hidden.detach(),
+                       None if out.top_logp is None else out.top_logp.detach())
 
 
 # Optimizer state carries over from job to job in a warm trainer (`--serve`): it is kept under the sha256 of the
@@ -145,10 +155,12 @@ def train(spec: TrainSpec, emit: Emit, fault: str | None = None) -> Trained:
     torch.manual_seed(spec.seed)
     objective_cls, settings = resolve(spec)
     policy = Policy(spec)
-    too_big = max(max(s.prompt_ids + s.completion_ids) for s in spec.samples)
+    too_big = max(max(s.prompt_ids + s.completion_ids + [t for row in s.top_ids or [] for t in row])
+                  for s in spec.samples)
     if too_big >= policy.vocab_size:
         raise SpecError(f"samples: token id {too_big} is outside the model's vocabulary ({policy.vocab_size})")
-    objective: Objective = objective_cls(settings, Context(spec.samples, policy.hidden_size, spec.init_adapter))
+    objective: Objective = objective_cls(settings, Context(spec.samples, policy.hidden_size, spec.init_adapter,
+                                                           spec.base_model, policy.reference))
     opt = torch.optim.AdamW(policy.params, lr=spec.optim.lr, weight_decay=spec.optim.weight_decay)
     optimizers = {"policy": opt, **objective.optimizers()}
     origin = _continue(spec, optimizers)

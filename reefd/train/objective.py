@@ -9,6 +9,7 @@ torch: trainer process only.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar, Protocol
@@ -20,7 +21,7 @@ from reefd import plugins
 from reefd.train.batch import Batch
 from reefd.train.spec import Rollout, SpecError, TrainSpec, block
 
-SAMPLE_FIELDS = ("reward", "group", "logprobs", "receipt")  # what an objective may list in `needs`
+SAMPLE_FIELDS = ("reward", "group", "logprobs", "receipt", "top_ids", "extra")  # what `needs` may list
 
 
 @dataclass(frozen=True)
@@ -30,6 +31,9 @@ class Context:
     samples: list[Rollout]  # the job's rollouts, in spec order (Batch.index points into this list)
     hidden_size: int  # of the policy's last hidden states (Outputs.hidden)
     init_adapter: Path | None  # the adapter folder the job continues from, with any files `save` wrote there
+    base_model: Path | None = None  # the base model's folder (its tokenizer and chat template: reefd.chat)
+    # the frozen base model (adapter disabled, no gradient) on a batch: what a KL penalty or a teacher needs
+    reference: Callable[[Batch], Outputs] | None = None
 
 
 @dataclass
@@ -38,6 +42,7 @@ class Outputs:
 
     logp: Tensor  # [B, T] log-probs of the completion tokens under the policy being trained (with gradient)
     hidden: Tensor  # [B, T, H] the last hidden states that predict them (with gradient)
+    top_logp: Tensor | None = None  # [B, T, K] log-probs of the batch's top-K ids (when its samples have them)
 
 
 class Objective(Protocol):

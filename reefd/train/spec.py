@@ -17,7 +17,7 @@ from typing import Any
 
 TOP_KEYS = {"job", "objective", "settings", "base_model", "init_adapter", "output_dir", "samples", "lora", "optim",
             "seed"}
-SAMPLE_KEYS = {"receipt", "prompt_ids", "completion_ids", "logprobs", "reward", "group", "reports"}
+SAMPLE_KEYS = {"receipt", "prompt_ids", "completion_ids", "logprobs", "reward", "group", "reports", "top_ids", "extra"}
 
 
 class SpecError(ValueError):
@@ -34,6 +34,8 @@ class Rollout:
     reward: float
     group: str | None = None
     receipt: str | None = None
+    top_ids: list[list[int]] | None = None  # the engine's top-K token ids at each completion token (K per token)
+    extra: dict[str, Any] | None = None  # what the recipe passes its objective about this sample (JSON)
 
 
 @dataclass(frozen=True)
@@ -139,6 +141,9 @@ def _sample(raw: Any, where: str) -> Rollout:
     reports = obj.get("reports", [])  # the reports that scored it: bookkeeping, not used in training
     if not (isinstance(reports, list) and all(isinstance(r, str) for r in reports)):
         raise SpecError(f"{where}.reports: expected a list of report ids")
+    extra = obj.get("extra")
+    if extra is not None and not isinstance(extra, dict):
+        raise SpecError(f"{where}.extra: expected a JSON object, got {type(extra).__name__}")
     return Rollout(
         prompt_ids=prompt,
         completion_ids=completion,
@@ -146,7 +151,23 @@ def _sample(raw: Any, where: str) -> Rollout:
         reward=float(reward),
         group=None if group is None else _str(group, f"{where}.group"),
         receipt=None if receipt is None else _str(receipt, f"{where}.receipt"),
+        top_ids=_top_ids(obj.get("top_ids"), len(completion), f"{where}.top_ids"),
+        extra=extra,
     )
+
+
+def _top_ids(raw: Any, tokens: int, where: str) -> list[list[int]] | None:
+    """K token ids per completion token, the same K for every token (None: not captured)."""
+    if raw is None:
+        return None
+    rows = _list(raw, where)
+    if len(rows) != tokens:
+        raise SpecError(f"{where}: {len(rows)} rows for {tokens} completion tokens")
+    out = [_token_ids(row, f"{where}[{j}]") for j, row in enumerate(rows)]
+    widths = {len(row) for row in out}
+    if len(widths) > 1 or 0 in widths:
+        raise SpecError(f"{where}: every row must hold the same number (K >= 1) of token ids, got {sorted(widths)}")
+    return out
 
 
 def block(cls: Any, raw: Any, where: str) -> Any:

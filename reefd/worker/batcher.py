@@ -21,10 +21,10 @@ import torch
 
 from reefd.worker import kvcache
 from reefd.worker.detok import TextTracker
-from reefd.worker.generation import Control, Generation, Row, Stats, Update
+from reefd.worker.generation import Control, Generation, Row, Stats, TopLogprobs, Update
 from reefd.worker.model import Model
 from reefd.worker.params import BadRequest, GenerateRequest
-from reefd.worker.sampling import draw_uniforms, sample
+from reefd.worker.sampling import draw_uniforms, sample, top_logprobs
 
 log = logging.getLogger("reefd.worker")
 SHARED_PREFILL_MAX = 1024  # longer prompts are prefilled alone (see Batcher._admit)
@@ -224,12 +224,13 @@ class Batcher:
             rows[0].input_logprobs = self._input_logprobs(rows[0], first, pre.all_logits)
         uniforms = draw_uniforms([r.generator for r in rows])
         tokens, logprobs = sample(pre.last_logits, [r.sampling for r in rows], uniforms)
-        for row, token, logprob in zip(rows, tokens.tolist(), logprobs.tolist(), strict=True):
+        tops = top_logprobs(pre.last_logits, [_top_n(r) if r.max_new > 0 else 0 for r in rows])
+        for row, token, logprob, top in zip(rows, tokens.tolist(), logprobs.tolist(), tops, strict=True):
             if row.max_new == 0:  # prefill only (e.g. scoring a prompt's logprobs)
                 row.finish = {"type": "length", "length": 0}
                 row.tracker.update([])
             else:
-                self._append(row, token, logprob)
+                self._append(row, token, logprob, top)
         positions = torch.tensor([len(r.job.prompt) for r in rows], device=pre.mask.device)
         if not self.rows:
             kv, mask = pre.kv, pre.mask
@@ -270,16 +271,19 @@ class Batcher:
         self.stats.max_running = max(self.stats.max_running, len(self.rows))
         rows = self.rows
         tokens, logprobs = sample(logits, [r.sampling for r in rows], draw_uniforms([r.generator for r in rows]))
+        tops = top_logprobs(logits, [_top_n(r) if r.finish is None else 0 for r in rows])
         self._next = tokens
-        for row, token, logprob in zip(rows, tokens.tolist(), logprobs.tolist(), strict=True):
+        for row, token, logprob, top in zip(rows, tokens.tolist(), logprobs.tolist(), tops, strict=True):
             if row.finish is None:
-                self._append(row, token, logprob)
+                self._append(row, token, logprob, top)
         self._publish()
 
-    def _append(self, row: Row, token: int, logprob: float) -> None:
-        """Record one token and apply SGLang's stop rules in SGLang's order."""
+    def _append(self, row: Row, token: int, logprob: float, top: TopLogprobs | None = None) -> None:
+        """Record one token (and its top logprobs, when asked) and apply SGLang's stop rules in SGLang's order."""
         row.ids.append(token)
         row.logprobs.append(logprob)
+        if top is not None:
+            row.top_logprobs.append(top)
         self.stats.tokens_generated += 1
         sp = row.sampling
         if len(row.ids) >= row.max_new:
@@ -300,7 +304,8 @@ class Batcher:
             if row.finish is None and row.sent == len(row.ids):
                 continue
             text = row.tracker.text if row.finish is not None else row.tracker.visible()
-            update = Update(row.ids[row.sent :], row.logprobs[row.sent :], text, row.finish)
+            new = slice(row.sent, None)
+            update = Update(row.ids[new], row.logprobs[new], text, row.finish, new_top_logprobs=row.top_logprobs[new])
             if row.sent == 0:
                 update.input_logprobs = row.input_logprobs
             row.sent = len(row.ids)
@@ -349,6 +354,11 @@ def _adapters(rows: list[Row]) -> list[str | None] | None:
     """Each row's LoRA adapter (None: base), or None when no row uses one."""
     names = [r.job.req.lora_path for r in rows]
     return names if any(names) else None
+
+
+def _top_n(row: Row) -> int:
+    """How many top logprobs the row wants per output token (0 unless return_logprob)."""
+    return row.job.req.top_logprobs_num if row.job.req.return_logprob else 0
 
 
 def _first_scored(row: Row) -> int | None:

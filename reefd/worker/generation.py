@@ -19,17 +19,19 @@ from reefd.worker.detok import TextTracker
 from reefd.worker.params import GenerateRequest, SamplingParams
 
 Finish = dict[str, Any]
+TopLogprobs = list[list[Any]]  # one token's alternatives: [[logprob, token_id, None], ...], best first
 
 
 @dataclass
 class Update:
-    """What one batcher step produced for one request (ids and logprobs are the new ones)."""
+    """What one batcher step produced for one request (ids, logprobs and top logprobs are the new ones)."""
 
     new_ids: list[int]
     new_logprobs: list[float]
     text: str  # cumulative text, safe to show (final: stop string trimmed)
     finish: Finish | None = None
     input_logprobs: list[list[Any]] | None = None  # only on the first update, when asked
+    new_top_logprobs: list[TopLogprobs] = field(default_factory=list)  # one per new id when top_logprobs_num > 0
 
 
 class Generation:
@@ -55,6 +57,7 @@ class Row:
     tracker: TextTracker
     ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[TopLogprobs] = field(default_factory=list)  # one per id when top_logprobs_num > 0
     sent: int = 0  # ids already delivered
     finish: Finish | None = None
     input_logprobs: list[list[Any]] | None = None

@@ -11,6 +11,8 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
+TOP_LOGPROBS_MAX = 20  # the most alternatives `top_logprobs_num` may ask for per token (as OpenAI's cap)
+
 
 class BadRequest(ValueError):
     """A request the worker refuses; its message goes back to the client as a 400."""
@@ -49,6 +51,7 @@ class GenerateRequest:
     sampling: SamplingParams
     return_logprob: bool = False
     logprob_start_len: int = -1
+    top_logprobs_num: int = 0  # alternatives per output token; 0 unless return_logprob (SGLang returns none then)
     stream: bool = False
     lora_path: str | None = None  # a loaded LoRA adapter's name (SGLang's field); None = the base model
     rid: str = field(default_factory=lambda: uuid.uuid4().hex)
@@ -171,6 +174,11 @@ def parse_generate(body: Any) -> GenerateRequest:
         start = -1
     if isinstance(start, bool) or not isinstance(start, int) or start < -1:
         raise BadRequest("logprob_start_len must be an integer >= -1")
+    top_n = body.get("top_logprobs_num", 0)
+    if top_n is None:
+        top_n = 0
+    if isinstance(top_n, bool) or not isinstance(top_n, int) or not 0 <= top_n <= TOP_LOGPROBS_MAX:
+        raise BadRequest(f"top_logprobs_num must be an integer in [0, {TOP_LOGPROBS_MAX}], got {top_n!r}")
     rid = body.get("rid")
     if rid is not None and not isinstance(rid, str):
         raise BadRequest("rid must be a string")
@@ -184,6 +192,7 @@ def parse_generate(body: Any) -> GenerateRequest:
         sampling=parse_sampling(body.get("sampling_params")),
         return_logprob=return_logprob,
         logprob_start_len=start,
+        top_logprobs_num=top_n if return_logprob else 0,
         stream=stream,
     )
     if rid:

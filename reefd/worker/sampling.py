@@ -1,13 +1,14 @@
 """Batched next-token sampling with per-row parameters and per-row random streams.
 
 Owns temperature / top-k / top-p / min-p and the logprob convention: the returned logprob
-is log_softmax of the *raw* logits (temperature 1, before any filtering), i.e. the policy's
-logprob of the chosen token. Knows nothing about requests, caches or text.
+(and each top-logprob alternative) is log_softmax of the *raw* logits (temperature 1, before
+any filtering), i.e. the policy's logprob of the token. Knows nothing about requests, caches or text.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -58,6 +59,25 @@ def sample(
         picked = torch.searchsorted(cdf, target, right=True).clamp_(max=logits.shape[-1] - 1)
         tokens = tokens.index_copy(0, index, picked[:, 0])
     return tokens, logprobs.gather(1, tokens[:, None])[:, 0]
+
+
+def top_logprobs(logits: torch.Tensor, ks: Sequence[int]) -> list[list[list[Any]] | None]:
+    """Each row's `ks[i]` best tokens as [[logprob, token_id, None], ...], best first (None where k is 0).
+
+    Same convention as `sample`: log_softmax of the raw logits, before temperature or filters.
+    Only the rows that ask are computed, with one `topk` for the largest k among them.
+    """
+    wanted = [i for i, k in enumerate(ks) if k > 0]
+    out: list[list[list[Any]] | None] = [None] * len(ks)
+    if not wanted:
+        return out
+    index = torch.tensor(wanted, device=logits.device)
+    logprobs = logits.index_select(0, index).float().log_softmax(dim=-1)
+    k = min(max(ks[i] for i in wanted), logprobs.shape[-1])
+    values, ids = logprobs.topk(k, dim=-1)  # sorted, largest first
+    for i, row_values, row_ids in zip(wanted, values.tolist(), ids.tolist(), strict=True):
+        out[i] = [[v, t, None] for v, t in zip(row_values[: ks[i]], row_ids[: ks[i]], strict=True)]
+    return out
 
 
 def draw_uniforms(generators: Sequence[torch.Generator]) -> torch.Tensor:

@@ -37,6 +37,7 @@ class Result:
         self.job = job
         self.ids: list[int] = []
         self.logprobs: list[float] = []
+        self.top_logprobs: list[list[list[Any]]] = []
         self.text = ""
         self.finish: dict[str, Any] | None = None
         self.input_logprobs: list[list[Any]] | None = None
@@ -44,6 +45,7 @@ class Result:
     def add(self, update: Update) -> None:
         self.ids += update.new_ids
         self.logprobs += update.new_logprobs
+        self.top_logprobs += update.new_top_logprobs
         self.text = update.text
         self.finish = update.finish
         if update.input_logprobs is not None:
@@ -61,6 +63,8 @@ class Result:
         }
         if req.return_logprob:
             meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(self.logprobs, self.ids, strict=True)]
+            if req.top_logprobs_num > 0:  # [[[logprob, token_id, None] x K] per output token], best first
+                meta["output_top_logprobs"] = list(self.top_logprobs)
             if req.logprob_start_len >= 0:
                 meta["input_token_logprobs"] = self.input_logprobs or []
         return {"text": self.text, "output_ids": list(self.ids), "meta_info": meta}

@@ -75,6 +75,7 @@ def merge(a: Update, b: Update) -> Update:
         b.text,
         b.finish,
         a.input_logprobs if a.input_logprobs is not None else b.input_logprobs,
+        a.new_top_logprobs + b.new_top_logprobs,
     )
 
 

@@ -22,11 +22,12 @@ def request(prompt: list[int], **sampling: Any) -> tuple[GenerateRequest, list[i
 
 
 async def collect(job: Generation) -> dict[str, Any]:
-    out: dict[str, Any] = {"ids": [], "logprobs": [], "updates": 0}
+    out: dict[str, Any] = {"ids": [], "logprobs": [], "top": [], "updates": 0}
     while True:
         update = await job.queue.get()
         out["ids"] += update.new_ids
         out["logprobs"] += update.new_logprobs
+        out["top"] += update.new_top_logprobs
         out["updates"] += 1
         if update.input_logprobs is not None:
             out["input_logprobs"] = update.input_logprobs
@@ -197,6 +198,39 @@ def test_streaming_rows_get_every_step_and_others_one_final_update(engine: Any) 
     assert s["ids"] == p["ids"]
     assert p["updates"] == 1
     assert s["updates"] > 1
+
+
+def test_each_row_gets_its_own_number_of_top_logprobs(engine: Any) -> None:
+    def top(k: int, prompt: list[int], logprob: bool = True, stream: bool = False, **sampling: Any) -> Any:
+        sp = parse_sampling({"max_new_tokens": 7, "ignore_eos": True, **sampling})
+        req = GenerateRequest(prompt, None, sp, return_logprob=logprob, top_logprobs_num=k, stream=stream)
+        return req, prompt
+
+    reqs = [
+        top(0, PROMPTS[0], temperature=0.0),
+        top(2, PROMPTS[1], temperature=0.0),
+        top(5, PROMPTS[2], temperature=0.0, stream=True),
+        top(4, PROMPTS[3], temperature=0.7, top_p=0.9, seed=3),  # raw logits: before temperature, filters
+        top(3, PROMPTS[0], logprob=False, temperature=0.0),  # no logprobs asked: no top logprobs either
+        top(3, PROMPTS[1], max_new_tokens=0),  # prefill only: no output token, no top logprobs
+    ]
+    results, batcher = run(engine, reqs)
+    assert batcher.stats.prefills == 1 and batcher.stats.max_running == len(reqs) - 1  # one batch
+    assert [len(r["top"]) for r in results] == [0, 7, 7, 7, 0, 0]
+    for (req, prompt), result in zip(reqs[1:4], results[1:4], strict=True):
+        k = req.top_logprobs_num
+        assert [len(entries) for entries in result["top"]] == [k] * 7
+        steps = zip(result["ids"], result["logprobs"], result["top"], strict=True)
+        for step, (token, logprob, entries) in enumerate(steps):
+            with torch.inference_mode():  # the reference: a full forward, raw log_softmax
+                logits = engine.model(input_ids=torch.tensor([prompt + result["ids"][:step]])).logits[0, -1]
+            values, ids = logits.log_softmax(-1).topk(k)
+            assert [t for _, t, _ in entries] == ids.tolist()
+            assert [v for v, _, _ in entries] == pytest.approx(values.tolist(), abs=1e-4)
+            same = [v for v, t, _ in entries if t == token]
+            assert same == pytest.approx([logprob], abs=1e-6) if same else logprob <= entries[-1][0] + 1e-6
+            if req.sampling.greedy:
+                assert entries[0][1] == token
 
 
 def test_cancelled_job_leaves_the_batch(engine: Any) -> None:

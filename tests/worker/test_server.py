@@ -99,6 +99,82 @@ def test_streaming_chunks_are_cumulative(worker: Worker) -> None:
     assert last["output_ids"] == plain["output_ids"] and last["text"] == plain["text"]
 
 
+def check_top_logprobs(meta: dict[str, Any], ids: list[int], k: int) -> None:
+    """K distinct [logprob, id, None] per output token, best first, consistent with output_token_logprobs."""
+    tops = meta["output_top_logprobs"]
+    assert len(tops) == len(ids) == len(meta["output_token_logprobs"])
+    for entries, (logprob, token, _) in zip(tops, meta["output_token_logprobs"], strict=True):
+        values = [v for v, _, _ in entries]
+        assert len(entries) == k and len({t for _, t, _ in entries}) == k
+        assert all(extra is None for _, _, extra in entries)
+        assert values == sorted(values, reverse=True) and all(v <= 0 for v in values)
+        assert sum(math.exp(v) for v in values) <= 1 + 1e-5
+        for value in (v for v, t, _ in entries if t == token):  # the sampled token, when it is among the top K
+            assert value == pytest.approx(logprob, abs=1e-6)
+
+
+def test_top_logprobs(worker: Worker, engine: Any) -> None:
+    prompt = [11, 12, 13, 14]
+    params = {"max_new_tokens": 9, "temperature": 0, "ignore_eos": True}
+    meta = generate(worker, input_ids=prompt, return_logprob=True, top_logprobs_num=4, sampling_params=params)[
+        "meta_info"
+    ]
+    ids = [t for _, t, _ in meta["output_token_logprobs"]]
+    check_top_logprobs(meta, ids, 4)
+    for entries, (logprob, token, _) in zip(meta["output_top_logprobs"], meta["output_token_logprobs"], strict=True):
+        assert entries[0][1] == token and entries[0][0] == pytest.approx(logprob, abs=1e-6)  # greedy: the top-1
+    assert ids == reference_greedy(engine, prompt, 9)[0]
+    sampled = {"max_new_tokens": 9, "temperature": 0.8, "top_p": 0.9, "sampling_seed": 4, "ignore_eos": True}
+    answer = generate(worker, input_ids=prompt, return_logprob=True, top_logprobs_num=3, sampling_params=sampled)
+    check_top_logprobs(answer["meta_info"], answer["output_ids"], 3)
+    plain = generate(worker, input_ids=prompt, top_logprobs_num=4, sampling_params=params)["meta_info"]
+    assert not {"output_token_logprobs", "output_top_logprobs"} & plain.keys()  # SGLang: no return_logprob, none
+    assert "output_top_logprobs" not in generate(worker, input_ids=prompt, return_logprob=True)["meta_info"]
+    prefill = generate(
+        worker, input_ids=prompt, return_logprob=True, top_logprobs_num=4, sampling_params={"max_new_tokens": 0}
+    )["meta_info"]
+    assert prefill["output_top_logprobs"] == [] == prefill["output_token_logprobs"]
+
+
+def test_streamed_top_logprobs_are_cumulative(worker: Worker) -> None:
+    params = {"max_new_tokens": 10, "temperature": 0, "ignore_eos": True}
+    body = {"input_ids": [7, 8, 9], "stream": True, "return_logprob": True, "top_logprobs_num": 3}
+    chunks = worker.stream("/generate", {**body, "sampling_params": params})[:-1]
+    assert len(chunks) >= 2
+    for before, after in itertools.pairwise(chunks):
+        old = before["meta_info"]["output_top_logprobs"]
+        assert after["meta_info"]["output_top_logprobs"][: len(old)] == old
+    for chunk in chunks:
+        check_top_logprobs(chunk["meta_info"], chunk["output_ids"], 3)
+    last = chunks[-1]["meta_info"]["output_top_logprobs"]
+    plain = generate(worker, **{**body, "stream": False}, sampling_params=params)["meta_info"]["output_top_logprobs"]
+    assert [[t for _, t, _ in e] for e in last] == [[t for _, t, _ in e] for e in plain]
+
+
+def test_top_logprobs_num_is_checked(worker: Worker) -> None:
+    for bad in (-1, "x", 21):
+        body = {"input_ids": [1, 2], "return_logprob": True, "top_logprobs_num": bad}
+        status, answer = worker.post("/generate", body)
+        assert status == 400, answer
+        assert "top_logprobs_num" in answer["error"]["message"]
+
+
+def test_concurrent_requests_get_their_own_top_logprobs(worker: Worker) -> None:
+    params = {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True}
+    ks = [0, 2, 5, 0, 2, 5]
+    bodies = [
+        {"input_ids": [60 + i, 61], "return_logprob": True, "top_logprobs_num": k, "sampling_params": params}
+        for i, k in enumerate(ks)
+    ]
+    with ThreadPoolExecutor(len(bodies)) as pool:
+        results = list(pool.map(lambda b: generate(worker, **b), bodies))
+    for k, answer in zip(ks, results, strict=True):
+        if k:
+            check_top_logprobs(answer["meta_info"], answer["output_ids"], k)
+        else:
+            assert "output_top_logprobs" not in answer["meta_info"]
+
+
 def test_stop_string_is_trimmed_and_reported(worker: Worker) -> None:
     params = {"max_new_tokens": 40, "temperature": 1.0, "sampling_seed": 21, "ignore_eos": True}
     free = generate(worker, input_ids=[100, 101], sampling_params=params)

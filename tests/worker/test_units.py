@@ -11,7 +11,7 @@ from reefd.worker import kvcache
 from reefd.worker.detok import TextTracker, held_back
 from reefd.worker.openai_chat import _streamable, parse_tool_calls
 from reefd.worker.params import BadRequest, SamplingParams, parse_generate, parse_sampling
-from reefd.worker.sampling import draw_uniforms, sample
+from reefd.worker.sampling import draw_uniforms, sample, top_logprobs
 
 # ---- params ----------------------------------------------------------------------------
 
@@ -44,11 +44,23 @@ def test_parse_generate_defaults_and_aliases() -> None:
         ({"text": "x", "sampling_params": {"sampling_seed": 1.5}}, "sampling_seed"),
         ({"text": "x", "logprob_start_len": -2}, "logprob_start_len"),
         ({"text": "x", "stream": "yes"}, "booleans"),
+        ({"text": "x", "return_logprob": True, "top_logprobs_num": -1}, "top_logprobs_num"),
+        ({"text": "x", "return_logprob": True, "top_logprobs_num": "x"}, "top_logprobs_num"),
+        ({"text": "x", "return_logprob": True, "top_logprobs_num": 2.0}, "top_logprobs_num"),
+        ({"text": "x", "return_logprob": True, "top_logprobs_num": True}, "top_logprobs_num"),
+        ({"text": "x", "return_logprob": True, "top_logprobs_num": 21}, "top_logprobs_num"),
     ],
 )
 def test_parse_generate_refuses(body: object, message: str) -> None:
     with pytest.raises(BadRequest, match=message):
         parse_generate(body)
+
+
+def test_top_logprobs_num_counts_only_with_return_logprob() -> None:
+    assert parse_generate({"text": "x"}).top_logprobs_num == 0
+    assert parse_generate({"text": "x", "return_logprob": True, "top_logprobs_num": 20}).top_logprobs_num == 20
+    assert parse_generate({"text": "x", "return_logprob": True, "top_logprobs_num": None}).top_logprobs_num == 0
+    assert parse_generate({"text": "x", "top_logprobs_num": 5}).top_logprobs_num == 0  # SGLang: no logprob fields
 
 
 def test_neutral_values_of_unsupported_params_are_accepted() -> None:
@@ -108,6 +120,21 @@ def test_logprob_ignores_temperature_and_filters() -> None:
     rows = [SamplingParams(temperature=0.3, top_k=5, top_p=0.5)]
     token, logprob = sample(logits, rows, torch.tensor([0.7]))
     assert math.isclose(logprob.item(), logits.log_softmax(-1)[0, token.item()].item(), rel_tol=1e-6)
+
+
+def test_top_logprobs_are_each_rows_best_raw_log_softmax() -> None:
+    logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(2))
+    tops = top_logprobs(logits, [2, 0, 5])
+    assert tops[1] is None
+    for row, k in ((0, 2), (2, 5)):
+        entries = tops[row]
+        assert entries is not None and len(entries) == k
+        values, ids = logits[row].log_softmax(-1).topk(k)
+        assert [t for _, t, _ in entries] == ids.tolist()
+        assert [v for v, _, _ in entries] == pytest.approx(values.tolist(), abs=1e-6)
+        assert all(extra is None for _, _, extra in entries)
+    assert top_logprobs(logits, [0, 0, 0]) == [None, None, None]
+    assert len(top_logprobs(logits[:1], [80])[0] or []) == 50  # capped at the vocabulary
 
 
 def test_top_k_one_is_greedy_at_any_temperature() -> None:

@@ -1,0 +1,140 @@
+"""Conversations: which session and turn each request is, the next state of the turn it continues, retries,
+side calls and expiry (reefd/sessions.py), without a daemon. The daemon's use of it is in tests/e2e/test_openclaw.py."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from reefd.sessions import Conversations, Placement, chain
+
+SYSTEM = {"role": "system", "content": "You are helpful."}
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def serve(c: Conversations, receipt: str, messages: list[dict[str, Any]], reply: str, header: str | None = None,
+          tools: list[dict[str, Any]] | None = None, **kw: Any) -> Placement:
+    """Place a request, then mark it served with `reply` (what the daemon does once the record is durable)."""
+    p = c.place("s", receipt, header, messages, tools or [], **kw)
+    c.served("s", receipt, p, {"role": "assistant", "content": reply})
+    return p
+
+
+def user(text: str) -> dict[str, Any]:
+    return {"role": "user", "content": text}
+
+
+def said(text: str) -> dict[str, Any]:
+    return {"role": "assistant", "content": text}
+
+
+def test_a_resent_transcript_continues_its_session_and_links_the_next_state() -> None:
+    c = Conversations(lambda _: 900.0, Clock())
+    first = serve(c, "r0", [SYSTEM, user("hi")], "Hello!")
+    assert (first.session, first.turn, first.kind, first.previous) == ("s-r0", 0, "main", None)
+    # the client resends everything: the reply sits in the next slot, then one more message
+    second = serve(c, "r1", [SYSTEM, user("hi"), said("Hello!"), user("Please start with OK:")], "OK: sure")
+    assert (second.session, second.turn, second.previous) == ("s-r0", 1, "r0")
+    assert second.next_state == [{"role": "user", "content": "Please start with OK:"}]
+    # a tool result is a next state too, with its role
+    third = serve(c, "r2", [SYSTEM, user("hi"), said("Hello!"), user("Please start with OK:"),
+                            {"role": "assistant", "content": "OK: sure"}, user("run it"),
+                            ], "calling")
+    assert (third.turn, third.previous) == (2, "r1")
+    fourth = c.place("s", "r3", None, [SYSTEM, user("hi"), said("Hello!"), user("Please start with OK:"),
+                                        said("OK: sure"), user("run it"), said("calling"),
+                                        {"role": "tool", "content": "exit 0", "tool_call_id": "c1"}], [])
+    assert (fourth.turn, fourth.previous) == (3, "r2")
+    assert fourth.next_state == [{"role": "tool", "content": "exit 0"}]
+    assert c.counts("s")["unlinked"] == 0
+
+
+def test_only_a_strict_extension_continues() -> None:
+    c = Conversations(lambda _: 900.0, Clock())
+    serve(c, "r0", [user("hi")], "Hello!")
+    # request + reply but nothing after it: not a continuation (nothing to judge the reply by)
+    same = c.place("s", "r1", None, [user("hi"), said("Hello!")], [])
+    assert same.previous is None and same.unlinked
+    # another reply in the slot (the client edited it): no match, a new session that is counted as unlinked
+    edited = c.place("s", "r2", None, [user("hi"), said("Hello there"), user("more")], [])
+    assert edited.previous is None and edited.session == "s-r2" and edited.unlinked
+    assert c.counts("s")["unlinked"] == 2
+    # whitespace around the text and the key order of tool arguments do not change a message's identity
+    call = {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "a", "type": "function", "function": {"name": "ls", "arguments": '{"a": 1, "b": 2}'}}]}
+    p = c.place("s", "r3", None, [user("list")], [])
+    c.served("s", "r3", p, call)
+    resent = {"role": "assistant", "content": "",
+              "tool_calls": [{"id": "z", "type": "function", "function": {"name": "ls", "arguments": '{"b":2,"a":1}'}}]}
+    nxt = c.place("s", "r4", None, [user("list "), resent, {"role": "tool", "content": "x"}], [])
+    assert nxt.previous == "r3"
+
+
+def test_an_identical_resend_is_a_retry_and_the_first_receipt_keeps_the_slot() -> None:
+    c = Conversations(lambda _: 900.0, Clock())
+    serve(c, "r0", [user("hi")], "Hello!", header="S")
+    serve(c, "r1", [user("hi"), said("Hello!"), user("again")], "One", header="S")
+    retry = serve(c, "r2", [user("hi"), said("Hello!"), user("again")], "Two", header="S")
+    assert (retry.kind, retry.turn, retry.retry_of, retry.previous) == ("retry", 1, "r1", None)
+    # the continuation extends the first reply: it links to the first receipt
+    nxt = c.place("s", "r3", "S", [user("hi"), said("Hello!"), user("again"), said("One"), user("ok")], [])
+    assert (nxt.turn, nxt.previous) == (2, "r1")
+    # had the client kept the retry's answer, the continuation would link to the retry (the reply it extends)
+    other = c.place("s", "r4", "S", [user("hi"), said("Hello!"), user("again"), said("Two"), user("ok")], [])
+    assert (other.turn, other.previous) == (2, "r2")
+    headerless = Conversations(lambda _: 900.0, Clock())
+    serve(headerless, "q0", [user("hi")], "Hello!")
+    again = headerless.place("s", "q1", None, [user("hi")], [])
+    assert (again.kind, again.retry_of, again.session) == ("retry", "q0", "s-q0")
+    assert headerless.counts("s")["retries"] == 1
+
+
+def test_a_header_session_continues_in_arrival_order_and_side_calls_stay_out() -> None:
+    c = Conversations(lambda _: 900.0, Clock())
+    tools = [{"type": "function", "function": {"name": "bash", "parameters": {}}}]
+    serve(c, "r0", [SYSTEM, user("fix the bug")], "Looking", header="S", tools=tools)
+    # a title request with the same session header: another system prompt, no tools → side
+    title = serve(c, "r1", [{"role": "system", "content": "Write a title"}, user("fix the bug")], "Bug fix",
+                  header="S")
+    assert (title.kind, title.turn, title.session) == ("side", None, "S")
+    # the client marks a call as side itself
+    marked = serve(c, "r2", [SYSTEM, user("summarize")], "...", header="S", tools=tools, side=True)
+    assert marked.kind == "side"
+    # a client that sends only the new message (no transcript) still continues its header's session
+    nxt = serve(c, "r3", [SYSTEM, user("it still fails")], "Sorry", header="S", tools=tools)
+    assert (nxt.turn, nxt.previous, nxt.next_state) == (1, "r0", [{"role": "user", "content": "it still fails"}])
+    assert c.counts("s")["side"] == 2
+
+
+def test_sessions_expire_after_their_ttl_and_are_counted() -> None:
+    clock = Clock()
+    c = Conversations(lambda _: 60.0, clock)
+    serve(c, "r0", [user("hi")], "Hello!")
+    serve(c, "r1", [user("yo")], "Hey", header="H")
+    assert c.counts("s")["open"] == 2
+    clock.now += 61
+    late = c.place("s", "r2", None, [user("hi"), said("Hello!"), user("more")], [])
+    assert late.previous is None and late.unlinked  # the session it would continue has expired
+    counts = c.counts("s")
+    assert counts["expired"] == 2 and counts["open"] == 0 and counts["unlinked"] == 1
+    header = c.place("s", "r3", "H", [user("back")], [])
+    assert (header.turn, header.previous) == (0, None)
+
+
+def test_open_turns_are_reopened_from_their_records() -> None:
+    clock = Clock()
+    c = Conversations(lambda _: 900.0, clock)
+    p = c.place("s", "r0", None, [user("hi")], [])
+    record = {"id": "r0", "created_at": clock.now, **p.fields()}
+    record["conversation"]["reply"] = chain(p.request, said("Hello!"))
+    fresh = Conversations(lambda _: 900.0, clock)  # a restarted daemon
+    fresh.restore("s", record)
+    nxt = fresh.place("s", "r1", None, [user("hi"), said("Hello!"), user("thanks")], [])
+    assert (nxt.session, nxt.turn, nxt.previous) == ("s-r0", 1, "r0")
+    fresh.restore("s", {"id": "bad", "turn_kind": "main", "conversation": {"request": "x"}})  # ignored, no error
