@@ -1,20 +1,22 @@
 """OpenClaw-RL on SmolLM2 through reefd: the served model learns a user's preference from the conversation
 alone. No `/reef/report` call is ever made.
 
-A simulated user (bench/openclaw_user.py) wants every answer to start with an opening ("In short" by default),
-and says so only as a correction when an answer misses it. Conversations go through the official `openai` SDK
-with a session header. Each turn is judged from the user's next message (a scripted judge by default, labelled as
-such), a count trigger trains a LoRA from the judgments, and the release is hot-swapped. After each round the
-demo measures held-out compliance: greedy answers to questions never used in training, marked as side calls
-(`x-reef-turn: side`) so they never train.
+A simulated user (bench/openclaw_user.py) wants every answer to start with an opening ("Hello" by default) and
+says so only as a correction ("Please start your answer with 'Hello'.") when an answer misses it. Conversations
+go through the official `openai` SDK with a session header. Each turn is judged from the user's next message (a
+scripted judge by default, labelled as such), a count trigger trains a LoRA from the judgments, and the release
+is hot-swapped. After each round the demo measures held-out compliance: greedy answers to questions never used
+in training, sent as side calls (`x-reef-turn: side`) so they never train. A run stops when it reaches the
+target (0.8) or its time budget.
 
-It prints, per round: elapsed time, the serving release, held-out compliance, and the verdict mix of the round's
-judged turns; then an ablation (RL term only, OPD term only, both), and one run with SmolLM2 itself as the judge.
-Before training, a preflight checks on the base model that the hint raises the teacher's log p of the opening,
-and how far (the teacher's own greedy compliance is the ceiling of what distillation alone can reach).
+Before training, a preflight checks on the base model, for the chosen opening and a few others, that the hint
+raises the teacher's log p of the opening, how often the opening's first token is the hinted teacher's top token
+(a bound on what distillation can teach), and how often it is in the policy's own top 4 (the engine's set).
+Then the arms: RL + OPD (the main run, up to 15 min), RL only, OPD only, RL + OPD over the engine's top-K set
+alone (the paper's set; the others use `opd_set: union`), and RL + OPD with SmolLM2 itself as the judge.
 
-Run: python bench/openclaw_demo.py            (make demo runs it; about 30-40 minutes on 2 cores)
-     python bench/openclaw_demo.py --only both --minutes 15
+Run: python bench/openclaw_demo.py            (make demo runs it; about 25 minutes on 2 cores)
+     python bench/openclaw_demo.py --only both --opening "In short"
 Writes bench/out/openclaw.png and bench/out/openclaw.json; the last line printed is a JSON summary.
 """
 
@@ -37,6 +39,15 @@ from tests.conftest import make_scenarios
 
 OUT = ROOT / "bench" / "out"
 CANDIDATES = ["OK:", "In short", "Hello", "Sure"]
+PUNCT = ".,:;!?\"'"
+# arm: label, w_rl, w_opd, opd_set (None: --opd-set), judge
+ARMS: dict[str, tuple[str, float, float, str | None, str]] = {
+    "both": ("RL + OPD", 1.0, 1.0, None, "scripted"),
+    "rl": ("RL term only", 1.0, 0.0, None, "scripted"),
+    "opd": ("OPD term only", 0.0, 1.0, None, "scripted"),
+    "engine": ("RL + OPD, engine top-K set", 1.0, 1.0, "engine", "scripted"),
+    "judge": ("RL + OPD, SmolLM2 as judge", 1.0, 1.0, None, "smollm2"),
+}
 SCENARIO = """defaults:
   - model: smollm2
   - recipe: openclaw-rl
@@ -53,6 +64,7 @@ recipe:
     w_rl: {w_rl}
     w_opd: {w_opd}
     top_k: {top_k}
+    opd_set: {opd_set}
     judge: {judge}
 serve:
   temperature: 1.0
@@ -63,9 +75,9 @@ serve:
 # ------------------------------------------------------------------ preflight: does the hint help the teacher?
 
 def preflight(openings: list[str]) -> list[dict[str, Any]]:
-    """For each opening, on the held-out questions with the base model: log p of the opening without and with the
-    hint (the teacher's prompt), how often it is the teacher's greedy first token, and how often the opening's
-    first token is in the base model's top 4 (the set distillation works on)."""
+    """For each opening, on the held-out questions with the base model: log p of the whole opening without and with
+    the hint (the teacher's prompt), how often its first token is the hinted teacher's top token, and how often it
+    is in the base model's top 4 (the set distillation works on)."""
     import torch
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
@@ -110,16 +122,18 @@ def model_folder(prepare: Any) -> Path:
 # ------------------------------------------------------------------ one run through reefd
 
 class Run:
-    def __init__(self, arm: str, args: argparse.Namespace, judge: str) -> None:
+    def __init__(self, arm: str, args: argparse.Namespace) -> None:
         from reefd.worker.prepare import prepare
 
         self.arm, self.args = arm, args
-        w_rl, w_opd = {"both": (1.0, 1.0), "rl": (1.0, 0.0), "opd": (0.0, 1.0)}[arm]
+        _, w_rl, w_opd, opd_set, judge = ARMS[arm]
+        opd_set = opd_set or args.opd_set
         judge_cfg = ("{model: bench.openclaw_user:judge}" if judge == "scripted"
                      else "{model: null, votes: 3, max_tokens: " + str(args.judge_tokens) + ", concurrency: 2}")
         tmp = scratch_dir()
         scen = make_scenarios(tmp / "scenarios", names=(), extra={"learn": SCENARIO.format(
-            batch=args.batch, lr=args.lr, w_rl=w_rl, w_opd=w_opd, top_k=args.top_k, judge=judge_cfg,
+            batch=args.batch, lr=args.lr, w_rl=w_rl, w_opd=w_opd, top_k=args.top_k, opd_set=opd_set,
+            judge=judge_cfg,
             max_tokens=args.max_tokens)})
         (scen / "trigger" / "count.yaml").write_text(f"every_n_records: {args.batch}\n")
         state = tmp / "state"
@@ -162,13 +176,13 @@ class Run:
     def evaluate(self) -> tuple[float, float, str]:
         """Held-out compliance, and the share that at least opens with the opening's first word: greedy answers,
         sent as side calls (never judged or trained)."""
-        first = self.args.opening.split()[0].lower()
+        first = self.args.opening.split()[0].strip(PUNCT).lower()
 
         def one(q: str) -> tuple[bool, bool, str]:
             answer, release = self.ask([{"role": "user", "content": q}], {"x-reef-turn": "side"}, temperature=0.0,
                                        max_tokens=6)
             words = answer.split()
-            return user_sim.complies(answer), bool(words) and words[0].lower() == first, release
+            return user_sim.complies(answer), bool(words) and words[0].strip(PUNCT).lower() == first, release
 
         with concurrent.futures.ThreadPoolExecutor(8) as pool:
             results = list(pool.map(one, user_sim.HELD_OUT))
@@ -220,8 +234,9 @@ class Run:
                           "jobs": len(seen), "verdicts": mixes,
                           "job_states": [j["state"] for j in new]})
             mix = "; ".join(f"+1:{m['+1']} -1:{m['-1']} 0:{m['0']} hinted:{m['hinted']}" for m in mixes) or "-"
+            made = ", ".join(f"{j['release']} ({j['state']})" if j.get("release") else j["state"] for j in new)
             print(f"  [{self.arm}] t={t:4.0f}s release {release}: held-out compliance {compliance:.2f}, first word "
-                  f"{opens:.2f}; jobs {len(seen)}; verdicts per batch: {mix}", flush=True)
+                  f"{opens:.2f}; jobs {len(seen)}: {made or '-'}; verdicts per batch: {mix}", flush=True)
         self.d.stop()
         reached = next((p["t_s"] for p in curve if p["compliance"] >= target), None)
         return {"arm": self.arm, "base": curve[0]["compliance"], "final": curve[-1]["compliance"],
@@ -256,8 +271,8 @@ def plot(runs: list[dict[str, Any]], target: float, path: Path) -> None:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--opening", default="In short", help="the user's hidden preference: the answer's opening")
-    p.add_argument("--only", choices=["both", "rl", "opd", "judge"], help="run one arm only")
+    p.add_argument("--opening", default="Hello", help="the user's hidden preference: the answer's opening")
+    p.add_argument("--only", choices=list(ARMS), help="run one arm only")
     p.add_argument("--minutes", type=float, default=15.0, help="time budget of the main run (both terms)")
     p.add_argument("--ablation-minutes", type=float, default=6.0, help="time budget of each ablation arm")
     p.add_argument("--judge-minutes", type=float, default=4.0, help="time budget of the SmolLM2-judge run")
@@ -266,8 +281,10 @@ def main() -> int:
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--users", type=int, default=8, help="conversations per round, at once")
     p.add_argument("--turns", type=int, default=3, help="assistant turns per conversation (the last is final)")
-    p.add_argument("--lr", type=float, default=2e-3)
+    p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--top-k", type=int, default=4)
+    p.add_argument("--opd-set", choices=["engine", "union"], default="union",
+                   help="distill over the engine's top-K, or its union with the hinted teacher's own top-K")
     p.add_argument("--max-tokens", type=int, default=3, help="answer length in training rounds (the opening "
                    "is what the user judges; short answers put more of each sample's loss on it, and are faster)")
     p.add_argument("--seed", type=int, default=0)
@@ -287,27 +304,26 @@ def main() -> int:
         chosen = rows[0]
         raises = chosen["hinted"] > chosen["bare"]
         print(f"  the hint {'raises' if raises else 'does NOT raise'} log p of {args.opening!r} by "
-              f"{chosen['hinted'] - chosen['bare']:+.2f} nats; the hinted teacher opens with it on "
-              f"{chosen['teacher_top1']:.0%} of held-out questions (the ceiling for distillation alone)")
+              f"{chosen['hinted'] - chosen['bare']:+.2f} nats; the hinted teacher's top token is the opening's first "
+              f"token on {chosen['teacher_top1']:.0%} of held-out questions (a bound on what distillation alone "
+              f"can teach)")
         summary["preflight"] = rows
-    arms = [args.only] if args.only else ["both", "rl", "opd", "judge"]
-    for arm in arms:
-        judge = "smollm2" if arm == "judge" else "scripted"
+    for arm in [args.only] if args.only else list(ARMS):
+        label, _, _, opd_set, judge = ARMS[arm]
         minutes = {"both": args.minutes, "judge": args.judge_minutes}.get(arm, args.ablation_minutes)
-        label = {"both": "RL + OPD", "rl": "RL term only", "opd": "OPD term only",
-                 "judge": "RL + OPD, SmolLM2 as judge"}[arm]
-        print(f"run: {label}, judge: {'SCRIPTED function' if judge == 'scripted' else 'SmolLM2 (the base model)'}; "
-              f"up to {minutes:g} min", flush=True)
-        result = Run("both" if arm == "judge" else arm, args, judge).go(minutes, args.target)
-        result.update({"label": label, "judge": judge})
+        print(f"run: {label}, distillation set {opd_set or args.opd_set}, judge: "
+              f"{'SCRIPTED function' if judge == 'scripted' else 'SmolLM2 (the base model)'}; up to {minutes:g} min",
+              flush=True)
+        result = Run(arm, args).go(minutes, args.target)
+        result.update({"label": label, "judge": judge, "opd_set": opd_set or args.opd_set})
         summary["runs"].append(result)
-    print("\nablation (scripted judge):")
-    print(f"  {'arm':28} {'base':>5} {'final':>6} {'best':>5} {'reached':>8} {'first word':>15} {'minutes':>8} "
+    print("\nablation (the judge is the scripted function, except in the last arm):")
+    print(f"  {'arm':30} {'base':>5} {'final':>6} {'best':>5} {'reached':>8} {'first word':>15} {'minutes':>8} "
           f"{'releases':>8}")
     for run in summary["runs"]:
         reached = "-" if run["reached_target_s"] is None else f"{run['reached_target_s'] / 60:.1f}m"
         words = f"{run['first_word_base']:.2f} -> {run['first_word_final']:.2f}"
-        print(f"  {run['label']:28} {run['base']:5.2f} {run['final']:6.2f} {run['best']:5.2f} {reached:>8} "
+        print(f"  {run['label']:30} {run['base']:5.2f} {run['final']:6.2f} {run['best']:5.2f} {reached:>8} "
               f"{words:>15} {run['seconds'] / 60:8.1f} {run['releases']:8d}")
     png = OUT / "openclaw.png"
     plot(summary["runs"], args.target, png)

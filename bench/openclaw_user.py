@@ -1,6 +1,6 @@
 """The simulated user of bench/openclaw_demo.py, and the scripted judge that reads its messages.
 
-The user has a hidden preference: every answer should start with an opening (REEF_DEMO_OPENING, "In short" by
+The user has a hidden preference: every answer should start with an opening (REEF_DEMO_OPENING, "Hello" by
 default). It says so only as a correction ("Please start your answer with '...'.") when an answer misses it, and
 otherwise moves on to its next question. The scripted judge is a Python function (`recipe.params.judge.model:
 bench.openclaw_user:judge`): it reads the user's next message as a human rater would, and the demo labels every
@@ -33,7 +33,7 @@ HELD_OUT = [
 
 
 def opening() -> str:
-    return os.environ.get("REEF_DEMO_OPENING", "In short")
+    return os.environ.get("REEF_DEMO_OPENING", "Hello")
 
 
 def complies(answer: str) -> bool:

@@ -34,6 +34,7 @@ class OpenClawSettings:
     eps_high: float = field(default=0.28, metadata={"exclusiveMinimum": 0})
     ratio_clamp: float = field(default=20.0, metadata={"exclusiveMinimum": 0})
     diff_clip: float = field(default=1.0, metadata={"exclusiveMinimum": 0})
+    opd_set: str = "engine"  # engine: the engine's top-K; union: plus the hinted teacher's own top-K
 
 
 def with_hint(messages: list[dict[str, Any]], hint: str) -> list[dict[str, Any]]:
@@ -56,8 +57,12 @@ class OpenClawObjective:
     needs: ClassVar[tuple[str, ...]] = ("extra",)
 
     def __init__(self, settings: OpenClawSettings, ctx: Context) -> None:
+        if settings.opd_set not in ("engine", "union"):
+            raise ValueError(f"settings.opd_set: {settings.opd_set!r} is not engine or union")
         self.settings, self.ctx = settings, ctx
         self.teachers = self._teacher_prompts(ctx)
+        if settings.opd_set == "union":
+            self._widen(ctx)
         self.sums: dict[str, float] = {"pg": 0.0, "opd": 0.0, "rl_samples": 0.0, "opd_samples": 0.0,
                                        "opd_tokens": 0.0, "adv_abs": 0.0}
 
@@ -82,6 +87,29 @@ class OpenClawObjective:
             except (TemplateError, IndexError):
                 self.mismatched += 1
         return out
+
+    def _widen(self, ctx: Context, chunk: int = 8) -> None:
+        """The union set: each OPD sample's engine top-K plus the K most likely ids of the hinted teacher that are
+        not among them, so a token the teacher prefers but the policy ranks low can be taught. Samples without a
+        teacher keep no set (their rows are masked)."""
+        for i, s in enumerate(ctx.samples):
+            if s.top_ids is not None and i not in self.teachers:
+                ctx.samples[i] = replace(s, top_ids=None)
+        rows = sorted(self.teachers)
+        if not rows or ctx.reference is None:
+            return
+        for lo in range(0, len(rows), chunk):
+            part = rows[lo:lo + chunk]
+            samples = [replace(ctx.samples[i], prompt_ids=self.teachers[i]) for i in part]
+            k = len(samples[0].top_ids[0]) if samples[0].top_ids else 1
+            own = ctx.reference(collate(samples, list(range(len(part))), pad_id=0), own_top=2 * k).own_top_ids
+            assert own is not None
+            for j, i in enumerate(part):
+                s = ctx.samples[i]
+                assert s.top_ids is not None
+                widened = [list(ids) + [v for v in own[j, t].tolist() if v not in ids][:k]
+                           for t, ids in enumerate(s.top_ids)]
+                ctx.samples[i] = replace(s, top_ids=widened)
 
     def _teacher(self, batch: Batch) -> Tensor | None:
         """[B, T, K] the hinted frozen base's log-probs of the top-K ids (rows without a teacher: zeros)."""

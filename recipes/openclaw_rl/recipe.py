@@ -57,6 +57,11 @@ class OpenClawConfig:
                                                     "description": "Bound on teacher - old log-prob per token."})
     top_k: int = field(default=4, metadata={"minimum": 1, "maximum": 20,
                                             "description": "Top-K logprobs captured per generated token."})
+    opd_set: str = field(default="engine", metadata={
+        "enum": ["engine", "union"],
+        "description": "The tokens distillation scores at each position: the engine's top-K (the paper's), or "
+                       "their union with the hinted teacher's own top-K (a token the policy ranks below its "
+                       "top-K can then be taught)."})
     judge: JudgeParams = field(default_factory=JudgeParams)
     seed: int = 0
 
@@ -108,7 +113,7 @@ class OpenClawRL:
             optim={"lr": c.lr, "weight_decay": c.weight_decay, "epochs": 1, "micro_batch": len(batch),
                    "max_grad_norm": c.max_grad_norm},  # the whole batch in one step
             settings={"w_rl": c.w_rl, "w_opd": c.w_opd, "eps": c.eps, "eps_high": c.eps_high,
-                      "diff_clip": c.diff_clip},
+                      "diff_clip": c.diff_clip, "opd_set": c.opd_set},
             seed=c.seed)
 
 

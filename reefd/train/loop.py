@@ -66,9 +66,10 @@ class Policy:
         if not self.params:
             raise ValueError("the adapter has no trainable parameters")
 
-    def forward(self, batch: Batch) -> Outputs:
-        """Log-probs [B, T] of the completion tokens, the hidden states [B, T, H] that predict them, and the
-        log-probs [B, T, K] of the batch's top-K ids when it has them."""
+    def forward(self, batch: Batch, own_top: int = 0) -> Outputs:
+        """Log-probs [B, T] of the completion tokens, the hidden states [B, T, H] that predict them, the
+        log-probs [B, T, K] of the batch's top-K ids when it has them, and with `own_top` the model's own
+        `own_top` most likely ids at each completion position."""
         index = batch.positions.unsqueeze(-1)
         if self.plain_head:  # the LM head only where a completion token is predicted
             out = self.causal_lm.get_decoder()(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
@@ -83,14 +84,15 @@ class Policy:
         picked = logits.gather(-1, batch.completion.unsqueeze(-1)).squeeze(-1)
         norm = torch.logsumexp(logits, dim=-1)
         top = None if batch.top_ids is None else logits.gather(-1, batch.top_ids) - norm.unsqueeze(-1)
-        return Outputs(picked - norm, hidden, top)
+        own = logits.detach().topk(own_top, dim=-1).indices if own_top > 0 else None
+        return Outputs(picked - norm, hidden, top, own)
 
-    def reference(self, batch: Batch) -> Outputs:
+    def reference(self, batch: Batch, own_top: int = 0) -> Outputs:
         """`forward` under the frozen base model: the adapter disabled, no gradient."""
         with torch.no_grad(), self.model.disable_adapter():
-            out = self.forward(batch)
+            out = self.forward(batch, own_top)
         return Outputs(out.logp.detach(), out.hidden.detach(),
-                       None if out.top_logp is None else out.top_logp.detach())
+                       None if out.top_logp is None else out.top_logp.detach(), out.own_top_ids)
 
 
 # Optimizer state carries over from job to job in a warm trainer (`--serve`): it is kept under the sha256 of the

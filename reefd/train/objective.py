@@ -32,8 +32,9 @@ class Context:
     hidden_size: int  # of the policy's last hidden states (Outputs.hidden)
     init_adapter: Path | None  # the adapter folder the job continues from, with any files `save` wrote there
     base_model: Path | None = None  # the base model's folder (its tokenizer and chat template: reefd.chat)
-    # the frozen base model (adapter disabled, no gradient) on a batch: what a KL penalty or a teacher needs
-    reference: Callable[[Batch], Outputs] | None = None
+    # the frozen base model (adapter disabled, no gradient) on a batch: what a KL penalty or a teacher needs;
+    # `reference(batch, own_top=k)` also gives its own k most likely ids per position (Outputs.own_top_ids)
+    reference: Callable[..., Outputs] | None = None
 
 
 @dataclass
@@ -43,6 +44,7 @@ class Outputs:
     logp: Tensor  # [B, T] log-probs of the completion tokens under the policy being trained (with gradient)
     hidden: Tensor  # [B, T, H] the last hidden states that predict them (with gradient)
     top_logp: Tensor | None = None  # [B, T, K] log-probs of the batch's top-K ids (when its samples have them)
+    own_top_ids: Tensor | None = None  # [B, T, k] the model's own most likely ids, when asked (`own_top`)
 
 
 class Objective(Protocol):
@@ -62,6 +64,9 @@ class Objective(Protocol):
       job's.
     - `save` writes extra files (a critic) into the candidate folder before it is fsynced and renamed into place,
       and a later job that continues from that adapter finds them in `Context.init_adapter`.
+    - the loop batches `Context.samples` (the list itself) after the objective is built, so an objective may
+      replace a sample there when it is built, with the same tokens and wider `top_ids` (a larger set of ids
+      to score); nothing else of a sample may change.
     """
 
     Settings: ClassVar[type]

@@ -125,3 +125,27 @@ def test_each_turn_trains_only_the_terms_it_has() -> None:
     assert top.grad is not None and top.grad[0].abs().sum().item() == 0.0  # sample 0 has no OPD term
     assert logp.grad[0].tolist() == pytest.approx([0.25, 0.25])  # -A ρ / (2 tokens · 2 samples), A = -1
     assert obj.metrics()["rl_samples"] == 1 and obj.metrics()["opd_samples"] == 1
+
+
+def test_the_union_set_adds_the_teachers_own_top_ids() -> None:
+    """opd_set: union widens each OPD sample's engine top-K with the hinted teacher's own most likely ids that are
+    not in it (K more, best first); a sample the teacher cannot score keeps no set, an RL-only one stays as is."""
+    samples = [Rollout([1, 2], [3, 4], [-1.0, -1.0], 0.0, top_ids=[[3, 5], [4, 6]], extra={"opd": True}),
+               Rollout([1, 2], [3, 4], [-1.0, -1.0], 1.0, extra={"rl": True}),
+               Rollout([1, 2], [3, 4], [-1.0, -1.0], 0.0, top_ids=[[3, 5], [4, 6]], extra={"opd": True})]
+    asked = []
+
+    def reference(batch, own_top=0):  # type: ignore[no-untyped-def]
+        asked.append(own_top)
+        own = torch.tensor([[[5, 7, 9, 3], [8, 4, 1, 2]]] * len(batch.index))
+        return Outputs(torch.zeros(batch.completion.shape), torch.zeros((*batch.completion.shape, 1)), None, own)
+
+    ctx = Context(samples, 1, None, None, reference)
+    obj = OpenClawObjective(OpenClawSettings(), ctx)  # no base model here: the teacher prompts are set below
+    obj.teachers = {0: [1, 2]}  # sample 2's prompt did not render back: no teacher
+    obj._widen(ctx)
+    assert asked == [4]  # 2K of the teacher's own, to find K new ones
+    assert ctx.samples[0].top_ids == [[3, 5, 7, 9], [4, 6, 8, 1]]
+    assert ctx.samples[1].top_ids is None and ctx.samples[2].top_ids is None
+    batch = collate(ctx.samples, [0, 1, 2], pad_id=0)  # one width for the whole batch
+    assert batch.top_ids is not None and batch.top_ids.shape == (3, 2, 4)
