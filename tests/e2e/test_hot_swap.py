@@ -272,8 +272,9 @@ def test_pin_appends_a_rollback_and_refuses_writes(d: Daemon, loras: dict[str, P
         tiny.write_text(original + f"release:\n  pin: {first}\n")
         assert d.proc is not None
         d.proc.send_signal(signal.SIGHUP)
+        # the status reads the binding and the drift one after the other: wait until both show the swap done
         st = wait_for(d, lambda s: s["releases"]["declared"] == first and s["release"] != head
-                      and s["release"] == s["releases"]["head"])
+                      and s["release"] == s["releases"]["head"] and not s["releases"]["drift"])
         pinned = st["release"]
         rel = json.loads(d.get(f"/reef/releases/{pinned}")[1])
         assert rel["kind"] == "rollback" and rel["meta"]["target"] == first and rel["meta"]["source"] == "pin"
