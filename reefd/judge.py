@@ -176,13 +176,14 @@ class Judges:
     def linked(self, scenario: str, receipt: str) -> None:
         """A turn got its next state: judge it (if the scenario's recipe has a judge)."""
         s = self.registry.scenarios.get(scenario)
-        if s is None or self._closed or self.settings(s) is None:
+        settings = self.settings(s) if s is not None else None
+        if settings is None or self._closed:
             return
         queued = self._queued.setdefault(scenario, set())
         if receipt in queued:
             return
         queued.add(receipt)
-        self._queue(scenario, self.settings(s)).put_nowait(receipt)  # type: ignore[arg-type]
+        self._queue(scenario, settings).put_nowait(receipt)
 
     def _queue(self, scenario: str, settings: JudgeSettings) -> asyncio.Queue[str]:
         queue = self._queues.get(scenario)
@@ -225,7 +226,8 @@ class Judges:
             except Unreachable as exc:
                 self.stats.setdefault(scenario, Counter())["unreachable"] += 1
                 s = self.registry.scenarios.get(scenario)
-                delay = self.settings(s).retry_s if s is not None and self.settings(s) else 30.0  # type: ignore[union-attr]
+                settings = self.settings(s) if s is not None else None
+                delay = settings.retry_s if settings is not None else 30.0
                 log.warning("%s: judge unreachable for %s (%s); again in %.0f s", scenario, receipt, exc, delay)
                 self._later(delay, queue, receipt)
             except StorageError as exc:

@@ -79,9 +79,8 @@ class Runner:
         """Get the trainer backends of the scenarios that train weights ready ahead of their first job."""
         names = []
         for scenario in self.registry.scenarios.values():
-            with contextlib.suppress(RecipeError):
-                if build(scenario.cfg.recipe.name, scenario.cfg.recipe.params).produces == "weights":
-                    names.append(scenario.cfg.recipe.backend)
+            if scenario.recipe is not None and scenario.recipe.produces == "weights":
+                names.append(scenario.cfg.recipe.backend)
         self.backends.prewarm(names)
 
     async def close(self) -> None:
@@ -123,7 +122,7 @@ class Runner:
 
     async def _run(self, job: Job) -> None:
         scenario = self._scenario(job)
-        recipe = build(scenario.cfg.recipe.name, scenario.cfg.recipe.params)
+        recipe = scenario.recipe or build(scenario.cfg.recipe.name, scenario.cfg.recipe.params)  # build: its error
         if recipe.produces == "nothing":
             job.state, job.error = "skipped", f"recipe {job.recipe!r} does not train"
             return

@@ -19,7 +19,6 @@ from collections import deque
 from typing import Any
 
 from reefd.jobs import Job, JobStore
-from reefd.recipes import RecipeError, build
 from reefd.records import RecordStore
 from reefd.runner import Runner, eligible
 from reefd.scenarios import Registry
@@ -116,11 +115,8 @@ class Scheduler:
             return
         if time.monotonic() < self._cooldown.get(scenario, 0.0):
             return
-        try:
-            recipe = build(s.cfg.recipe.name, s.cfg.recipe.params)
-        except RecipeError:
-            return
-        if recipe.produces == "nothing":
+        recipe = s.recipe  # built once per scenario (re)load: a recipe that cannot be built is None
+        if recipe is None or recipe.produces == "nothing":
             return
         samples = await asyncio.to_thread(eligible, self.store, recipe, scenario)
         if len(samples) >= s.cfg.trigger.every_n_records and recipe.ready(samples):

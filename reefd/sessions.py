@@ -115,7 +115,7 @@ class Placement:
 
     session: str | None
     turn: int | None
-    kind: str  # main | retry | side | none (no session: a lone request)
+    kind: str  # main | retry | side
     previous: str | None = None  # the turn this one continues; it gets `next_state`
     next_state: list[dict[str, Any]] = field(default_factory=list)
     retry_of: str | None = None

@@ -100,9 +100,9 @@ class OpenClawObjective:
             return
         for lo in range(0, len(rows), chunk):
             part = rows[lo:lo + chunk]
-            samples = [replace(ctx.samples[i], prompt_ids=self.teachers[i]) for i in part]
-            k = len(samples[0].top_ids[0]) if samples[0].top_ids else 1
-            own = ctx.reference(collate(samples, list(range(len(part))), pad_id=0), own_top=2 * k).own_top_ids
+            first = ctx.samples[part[0]].top_ids
+            k = len(first[0]) if first else 1
+            own = ctx.reference(self._teacher_batch(part), own_top=2 * k).own_top_ids
             assert own is not None
             for j, i in enumerate(part):
                 s = ctx.samples[i]
@@ -111,13 +111,17 @@ class OpenClawObjective:
                            for t, ids in enumerate(s.top_ids)]
                 ctx.samples[i] = replace(s, top_ids=widened)
 
+    def _teacher_batch(self, rows: list[int]) -> Batch:
+        """Samples `rows` with their teacher prompts (hint appended), as one batch for the reference model."""
+        samples: list[Rollout] = [replace(self.ctx.samples[i], prompt_ids=self.teachers[i]) for i in rows]
+        return collate(samples, list(range(len(rows))), pad_id=0)
+
     def _teacher(self, batch: Batch) -> Tensor | None:
         """[B, T, K] the hinted frozen base's log-probs of the top-K ids (rows without a teacher: zeros)."""
         rows = [i for i in batch.index if i in self.teachers]
         if not rows or batch.top_ids is None or self.ctx.reference is None:
             return None
-        samples: list[Rollout] = [replace(self.ctx.samples[i], prompt_ids=self.teachers[i]) for i in rows]
-        teacher = self.ctx.reference(collate(samples, list(range(len(rows))), pad_id=0))
+        teacher = self.ctx.reference(self._teacher_batch(rows))
         assert teacher.top_logp is not None
         out = torch.zeros_like(batch.top_ids, dtype=torch.float32)
         for j, i in enumerate(rows):
