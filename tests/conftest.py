@@ -32,14 +32,26 @@ class Daemon(Served):
     port: int = field(default_factory=free_port)
     env: dict[str, str] = field(default_factory=dict)
     proc: subprocess.Popen[bytes] | None = None
+    seed_tiny: bool = True
 
     def start(self, wait_ready: bool = True) -> None:
+        self._seed_tiny()
         env = {**os.environ, "REEF_TOKEN": self.token, "REEF_LOG_LEVEL": "INFO", **self.env}
         env.pop("REEF_URL", None)
         self.launch([sys.executable, "-m", "reefd", "--scenarios", str(self.scenarios),
                      "--state", str(self.state), "--listen", f"127.0.0.1:{self.port}"], env)
         if wait_ready:
             self.wait_ready()
+
+    def _seed_tiny(self) -> None:
+        """Start with the session's tiny model (REEF_TEST_TINY, built once), as a restarted reefd finds it in its
+        state folder: preparing it again takes seconds at every daemon's first start. A test that must see
+        reefd prepare it sets `seed_tiny` to False."""
+        cache = os.environ.get("REEF_TEST_TINY")
+        target = self.state / "models" / "tiny"
+        if self.seed_tiny and cache and not target.exists():
+            target.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copytree(cache, target)
 
     def headers(self) -> dict[str, str]:
         return {"Authorization": f"Bearer {self.token}"}
@@ -103,6 +115,14 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     subprocess.run([sys.executable, "-m", "reefd.worker.prepare", "tiny", "--out", str(out)],
                    check=True, capture_output=True)
     return out
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _tiny_for_daemons(tiny_model: Path) -> Iterator[None]:
+    """Every test daemon starts with the session's tiny model (see Daemon._seed_tiny)."""
+    os.environ["REEF_TEST_TINY"] = str(tiny_model)
+    yield
+    os.environ.pop("REEF_TEST_TINY", None)
 
 
 _SDK_CLIENTS: list[Any] = []

@@ -25,6 +25,7 @@ from reefd.chat import ChatRequest, ChatTemplate, Completion, TemplateError, par
 from reefd.engines import ContextLengthExceeded, EngineError, EngineUnavailable, ModelConfig, Prompt, retry_after
 from reefd.engines.stream import StreamGuard
 from reefd.engines.supervisor import Supervisor, die_with_parent
+from reefd.worker.prepare import is_complete
 
 log = logging.getLogger("reefd.engine")
 
@@ -229,6 +230,8 @@ class SGLangEngine:
 
     async def _prepare(self, source: str) -> Path:
         out = self.state_dir / "models" / source
+        if await asyncio.to_thread(is_complete, out, source):  # prepared before: no subprocess to start
+            return out
         proc = await asyncio.create_subprocess_exec(
             sys.executable, "-m", "reefd.worker.prepare", source, "--out", str(out),
             stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.DEVNULL,

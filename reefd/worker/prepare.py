@@ -16,9 +16,10 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from tokenizers import Tokenizer
+if TYPE_CHECKING:  # imported where a tokenizer is built: reefd reads is_complete() without it
+    from tokenizers import Tokenizer
 
 SOURCES = ("tiny", "smollm2")
 TEMPLATE_PATH = Path(__file__).with_name("chat_template.jinja")
@@ -116,7 +117,7 @@ def _make_readable(folder: Path) -> None:
 
 def train_tiny_tokenizer() -> Tokenizer:
     """A byte-level BPE (vocab 4096) trained on `tiny_corpus`; deterministic, ~50 ms."""
-    from tokenizers import decoders, models, pre_tokenizers, trainers
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     from reefd.worker.tiny_corpus import corpus
 

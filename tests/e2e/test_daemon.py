@@ -267,6 +267,7 @@ def test_first_start_records_the_base_release_and_restarts_keep_it(fresh_daemon:
     from reefd.identity import sha256_file
     from reefd.releases import ReleaseChain
 
+    fresh_daemon.seed_tiny = False  # this daemon prepares its tiny model itself, as a fresh install does
     fresh_daemon.start()
     release = json.loads(fresh_daemon.get("/reef/status")[1])["scenarios"][0]["release"]
     head = ReleaseChain(fresh_daemon.state / "releases.git").head("tiny")
