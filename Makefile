@@ -57,6 +57,8 @@ demo: venv
 	$(BIN)/python bench/learning.py --runs 3
 	$(BIN)/python bench/skillclaw_demo.py
 	$(BIN)/python bench/openclaw_demo.py
+	$(BIN)/python bench/ttt_demo.py
+	$(BIN)/python bench/gepa_demo.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .bench-tmp

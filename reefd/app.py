@@ -8,6 +8,7 @@ from aiohttp import web
 
 from reefd import loop
 from reefd.api import admin, anthropic, openai, reports, responses
+from reefd.api import attempts as attempts_api
 from reefd.api import harness as harness_api
 from reefd.api import jobs as jobs_api
 from reefd.api import releases as release_api
@@ -46,6 +47,8 @@ def build_app(settings: Settings) -> web.Application:
     app.router.add_get("/reef/diff", release_api.diff)
     # Grow: jobs that turn records and reports into candidates.
     app.router.add_post("/reef/scenarios/{name}/train", jobs_api.train)
+    app.router.add_post("/reef/scenarios/{name}/attempts/next", attempts_api.next_step)
+    app.router.add_get("/reef/scenarios/{name}/archive", attempts_api.archive)
     app.router.add_get("/reef/jobs", jobs_api.list_jobs)
     app.router.add_get("/reef/jobs/{job}", jobs_api.get_job)
     # The harness: files per release, and installers for coding agents.

@@ -98,6 +98,12 @@ def _conversation_lines(sc: Mapping[str, Any]) -> list[str]:
                    f"(+1: {judge.get('positive', 0)}, -1: {judge.get('negative', 0)}, 0: {judge.get('neutral', 0)}, "
                    f"{judge.get('hinted', 0)} with hints), {judge.get('pending', 0)} pending, "
                    f"{judge.get('invalid_votes', 0)} invalid votes, {judge.get('unreachable', 0)} times unreachable")
+    search = sc.get("search") if isinstance(sc.get("search"), dict) else None
+    if search is not None:
+        state = "open" if search.get("open") else "training" if search.get("training") else "waiting for a client"
+        out.append(f"scenario {sc.get('name')}: search: step {search.get('step')} ({state}), "
+                   f"{search.get('closed', 0)} steps closed ({search.get('discarded', 0)} discarded), best "
+                   f"{search.get('best')} (reefctl archive {sc.get('name')})")
     return out
 
 

@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from reefd.adminclient import Client, CliError
-from reefd.clikit import Table, age, cell, command, note, print_json
+from reefd.clikit import Table, age, cell, command, note, print_json, printable
 
 FINISHED = ("published", "rejected", "failed", "skipped")
 POLL_S = 0.5
@@ -104,4 +104,43 @@ def cmd_jobs(client: Client, args: argparse.Namespace) -> int:
     return 0
 
 
-__all__ = ["CliError", "cmd_jobs", "cmd_train"]
+def _archive_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("name", metavar="SCENARIO")
+    p.add_argument("--top", type=int, default=5, help="how many of the best states to list (default 5)")
+    p.add_argument("-o", "--output", choices=["json"], help="json: the archive as the API returns it")
+
+
+def _num(value: Any, fmt: str = ".4g") -> str:
+    return "-" if not isinstance(value, int | float) else format(value, fmt)
+
+
+@command("archive", "show a search scenario's archive: its best state and the best-so-far curve per step",
+         _archive_args)
+def cmd_archive(client: Client, args: argparse.Namespace) -> int:
+    doc = client.call("GET", f"/reef/scenarios/{urllib.parse.quote(args.name, safe='')}/archive",
+                      query={"top": str(args.top)})
+    if args.output == "json":
+        print_json(doc)
+        return 0
+    best = doc["best"]
+    state = "open" if doc.get("open") else "training" if doc.get("pending") else "waiting for a client"
+    note(f"{doc['scenario']}: step {doc['step']} ({state}), {doc['states']} states, {doc['expansions']} groups "
+         "expanded")
+    print(f"BEST {best['id']}  score {_num(best.get('score'))}  step {cell(best.get('step'))}  release "
+          f"{cell(best.get('release'))}")
+    for line in printable(best.get("state") or "").splitlines() or [""]:
+        print("    " + line)
+    curve = doc.get("curve") or []
+    if curve:
+        print()
+        table = Table(["STEP", "STATE", "RELEASE", "ATTEMPTS", "MEAN", "MAX", "BEST-SO-FAR", "BETA", "DROPPED",
+                       "PRODUCED"])
+        table.emit([[str(e["step"]), e.get("state", "-"), cell(e.get("release")), str(e.get("attempts", "-")),
+                     _num(e.get("mean")), _num(e.get("max")), _num(e.get("best_so_far")),
+                     ",".join(_num(b, ".3g") for b in e.get("betas") or []) or "-",
+                     ",".join(str(g) for g in e.get("dropped") or []) or "-",
+                     cell(e.get("produced") or e.get("reason"))] for e in curve])
+    return 0
+
+
+__all__ = ["CliError", "cmd_archive", "cmd_jobs", "cmd_train"]

@@ -5,6 +5,7 @@ them (callbacks wired here), in the order a turn travels to a hot swap:
     Observe  RecordStore (records.py)                                records and reports, durable in LMDB
              Conversations (sessions.py) → Judges (judge.py)         next states, judged into reports
     Grow     Scheduler (schedule.py) → Runner (runner.py)            triggers → batch → trainer backend → gate
+             Attempts (attempts.py) → Scheduler                      search recipes: a full grid of attempts
     Commit   commit() below → releases.commit → Reconciler (reconcile.py) → engines/   append, then hot-swap
 
 Handlers read the resources through their AppKeys; the resources call one another only through the edges
@@ -28,6 +29,7 @@ import orjson
 from aiohttp import web
 
 from reefd import releases
+from reefd.attempts import Attempts
 from reefd.config import ScenarioConfig, ServeConfig
 from reefd.jobs import JobStore
 from reefd.judge import Judges
@@ -52,6 +54,7 @@ CONVERSATIONS = web.AppKey("conversations", Conversations)
 JUDGES = web.AppKey("judges", Judges)
 RUNNER = web.AppKey("runner", Runner)
 SCHEDULER = web.AppKey("scheduler", Scheduler)
+ATTEMPTS = web.AppKey("attempts", Attempts)
 
 
 @dataclass
@@ -130,6 +133,9 @@ def install(app: web.Application, settings: Settings) -> None:
         app[SCHEDULER] = Scheduler(app[REGISTRY], app[RECORDS], jobs, app[RUNNER], max_jobs=settings.max_jobs)
         unsubscribe = app[RECORDS].subscribe(app[SCHEDULER].check)  # Observe → Grow: count triggers
         await app[SCHEDULER].start()
+        # Observe → Grow for search recipes: a full grid of attempts submits its job
+        app[ATTEMPTS] = Attempts(state / "attempts", app[REGISTRY], app[RECORDS], jobs, app[SCHEDULER].submit)
+        await app[ATTEMPTS].start()
         app[RUNNER].prewarm()
         yield
         unsubscribe()

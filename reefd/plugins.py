@@ -17,7 +17,8 @@ GATES = {"always": "reefd.gates.kinds:Always", "holdout": "reefd.gates.kinds:Hol
          "floor": "reefd.gates.kinds:Floor", "paired": "reefd.gates.kinds:Paired"}
 BACKENDS = {"local": "reefd.train.backends:LocalTrainers"}
 RECIPES = {"record": "reefd.recipes:RecordOnly", "sao": "recipes.sao.recipe:SAO", "grpo": "recipes.sao.recipe:GRPO",
-           "skillclaw": "recipes.skillclaw.recipe:SkillClaw", "openclaw-rl": "recipes.openclaw_rl.recipe:OpenClawRL"}
+           "skillclaw": "recipes.skillclaw.recipe:SkillClaw", "openclaw-rl": "recipes.openclaw_rl.recipe:OpenClawRL",
+           "ttt-discover": "recipes.ttt_discover.recipe:TTTDiscover", "gepa": "recipes.gepa.recipe:GEPA"}
 
 DOTTED = r"^[A-Za-z_][\w.]*:[A-Za-z_][\w.]*$"
 _DOTTED_RE = re.compile(DOTTED)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Generator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
@@ -53,6 +53,9 @@ class WeightJob:
     optim: dict[str, Any]
     settings: dict[str, Any] = field(default_factory=dict)  # the objective's settings (its Settings dataclass)
     seed: int = 0
+    # receipts of records the recipe looked at and found nothing to learn from (a group whose rewards are all
+    # equal): consumed with the batch, never trained on
+    skipped: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -69,10 +72,61 @@ class HarnessJob:
     proposer: dict[str, Any] | None = None  # a `model:` config (engine, source/path/url, ...); None: the scenario's
 
 
+@dataclass
+class Ask:
+    """One model answer a search job asks the runner for."""
+
+    messages: list[dict[str, Any]]
+    harness: Harness | None = None  # the scenario's engine and release, with this harness in the system prompt
+    reflect: bool = False  # the job's reflection model answers instead (no harness)
+    max_tokens: int = 256
+    temperature: float = 0.0
+    seed: int = 0
+
+
+@dataclass
+class Found:
+    """How a search job ends: the archive to keep, and the harness to serve (None: nothing beat the serving one)
+    with the mutations that make it from the serving harness."""
+
+    archive: dict[str, Any]
+    reason: str  # what happened, one line (the job shows it)
+    proposed: Harness | None = None
+    mutations: list[dict[str, Any]] = field(default_factory=list)
+    metrics: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class SearchContext:
+    """What a search job starts from: its archive (None the first time), the serving harness, and a loader of
+    task files (JSONL, relative to the scenarios folder; reefd/gates/tasks.py)."""
+
+    archive: dict[str, Any] | None
+    serving: Harness
+    tasks: Callable[[str], list[Any]]
+
+
+Search = Generator[list[Ask], list[str], Found]
+
+
+@dataclass
+class HarnessSearch:
+    """A harness job that needs rounds of model answers (GEPA). `run(ctx)` is a generator: it yields lists of Ask
+    and is sent their answers (texts, in order), and returns Found. It stays pure: the runner makes every call.
+    The runner keeps `Found.archive` as one JSON file per scenario (STATE/archives/NAME.json, replaced
+    atomically), and gates and commits `Found.proposed` as any harness candidate."""
+
+    run: Callable[[SearchContext], Search]
+    samples: list[Sample]
+    reflector: Any = None  # None: the scenario's engine and release; a `model:` config; or pkg.mod:fn(messages)
+
+
 class Recipe(Protocol):
     """A way of growing a scenario. `Config` is a dataclass (`recipe.params` is validated into it) and reefd builds
     a recipe as `Class(config)`; `produces` says what its candidates are: "weights" (a WeightJob, trained by the
-    scenario's trainer backend), "harness" (a HarnessJob, proposed by a model) or "nothing" (no jobs run).
+    scenario's trainer backend), "harness" (a HarnessJob, proposed by a model, or a HarnessSearch, rounds of
+    answers) or "nothing" (no jobs run). A recipe whose jobs need no records sets `needs_records = False`: a
+    manual or timed job then runs with no samples.
 
     Guarantees reefd gives a recipe: `sample` sees each record with all its reports (oldest first) and is never
     shown a record already consumed by a published or rejected candidate; `candidate` gets the samples in
@@ -92,7 +146,8 @@ class Recipe(Protocol):
         """Is a batch ready (count triggers ask this)."""
         ...
 
-    def candidate(self, samples: list[Sample], harness: Harness | None = None) -> WeightJob | HarnessJob: ...
+    def candidate(self, samples: list[Sample], harness: Harness | None = None
+                  ) -> WeightJob | HarnessJob | HarnessSearch: ...
 
 
 @dataclass
@@ -133,6 +188,25 @@ def scored_rollout(record: dict[str, Any], reports: list[dict[str, Any]]) -> Sam
     return Sample(receipt=record["id"], prompt_ids=list(prompt), completion_ids=list(ids),
                   logprobs=list(logprobs), reward=float(scores[-1]["score"]), group=group,
                   reports=[r["report_id"] for r in scores])
+
+
+def check_model_or_function(value: Any, where: str, what: str) -> None:
+    """A recipe's model setting: null (the scenario's own engine), a `model:` config, or a dotted path pkg.mod:fn to
+    a Python function (`what` names it in errors); RecipeError naming `where` otherwise."""
+    from reefd.engines import ModelConfig
+
+    if isinstance(value, str):
+        try:
+            plugins.resolve({}, value, what)
+        except plugins.PluginError as exc:
+            raise RecipeError(f"{where}: {exc}") from None
+    elif isinstance(value, dict):
+        try:
+            ModelConfig(**value)
+        except TypeError as exc:
+            raise RecipeError(f"{where}: {exc}") from None
+    elif value is not None:
+        raise RecipeError(f"{where}: null (the scenario's engine), a model config, or a dotted path pkg.mod:fn")
 
 
 def resolve(name: str) -> Any:

@@ -28,7 +28,8 @@ from reefd.recordcodec import unpack as _unpack
 
 log = logging.getLogger("reefd.records")
 
-__all__ = ["RecordStore", "ReportConflict", "StorageError", "StoreClosed", "UnknownReceipt", "new_receipt"]
+__all__ = ["ClaimTaken", "RecordStore", "ReportConflict", "StorageError", "StoreClosed", "UnknownReceipt",
+           "new_receipt"]
 
 
 class StorageError(Exception):
@@ -53,6 +54,14 @@ class ReportConflict(Exception):
     def __init__(self, report_id: str) -> None:
         super().__init__(f"report {report_id!r} already exists with a different body")
         self.report_id = report_id
+
+
+class ClaimTaken(Exception):
+    """A report claims a key (a grid coordinate) that another report already holds: the first one keeps it."""
+
+    def __init__(self, claim: str, holder: str) -> None:
+        super().__init__(f"{claim} is already reported by {holder!r}")
+        self.claim, self.holder = claim, holder
 
 
 def _session_prefix(scenario: bytes, session: str) -> bytes:
@@ -84,7 +93,8 @@ def _canonical(report: dict[str, Any]) -> str:
 _COUNTS = struct.Struct(">QQ")  # records, reports
 _SEQ = struct.Struct(">Q")
 _STOP = object()
-_OP_ERRORS = (UnknownReceipt, ReportConflict, ValueError, TypeError, RecursionError)  # raised before any put
+# raised before any put
+_OP_ERRORS = (UnknownReceipt, ReportConflict, ClaimTaken, ValueError, TypeError, RecursionError)
 Outcome = tuple[bool, Any]  # (True, result) or (False, exception)
 Op = tuple[Callable[..., Any], tuple[Any, ...], asyncio.Future[Any]]
 
@@ -149,7 +159,7 @@ class RecordStore:
                         sync=True, metasync=True, writemap=False)
         with env.begin(write=True) as txn:
             for name in ("records", "by_scenario", "by_session", "reports", "report_index", "counts", "meta",
-                         "consumed", "reported", "links"):
+                         "consumed", "reported", "links", "claims"):
                 self._dbs[name] = env.open_db(name.encode(), txn=txn)
             needs_index = txn.get(b"reported_index", db=self._dbs["meta"]) is None
         if needs_index:  # a store from before the index: built once, off the event loop
@@ -200,10 +210,12 @@ class RecordStore:
         self._written(record["scenario"])
         return linked
 
-    async def put_report(self, scenario: str, body: dict[str, Any], *,
-                         source: str = "client") -> tuple[dict[str, Any], bool]:
+    async def put_report(self, scenario: str, body: dict[str, Any], *, source: str = "client",
+                         claims: list[str] | None = None) -> tuple[dict[str, Any], bool]:
         """Attach a report to records of `scenario`; returns (stored report, created). Durable on return.
-        `source` says who reported: "client" (POST /reef/report) or "judge" (a recipe's judge in reefd)."""
+        `source` says who reported: "client" (POST /reef/report) or "judge" (a recipe's judge in reefd).
+        `claims` are keys (unique within the scenario) the report takes in the same transaction, such as a grid
+        coordinate: ClaimTaken when another report holds one, and then nothing is stored."""
         scenario_key = _scenario_key(scenario)
         report_id = body.get("report_id") or "rpt_" + new_receipt()
         if not isinstance(report_id, str):
@@ -216,7 +228,8 @@ class RecordStore:
             "created_at": time.time(),
         }
         packed = _pack(report)  # serialisation errors surface here, before the writer sees the op
-        result: tuple[dict[str, Any], bool] = await self._submit(self._apply_report, scenario_key, report, packed)
+        result: tuple[dict[str, Any], bool] = await self._submit(self._apply_report, scenario_key, report, packed,
+                                                                 list(claims or []))
         self._written(scenario)
         return result
 
@@ -314,7 +327,8 @@ class RecordStore:
         return linked
 
     def _apply_report(self, txn: lmdb.Transaction[bytes], deltas: dict[bytes, list[int]],
-                      scenario: bytes, report: dict[str, Any], packed: bytes) -> tuple[dict[str, Any], bool]:
+                      scenario: bytes, report: dict[str, Any], packed: bytes,
+                      claims: list[str]) -> tuple[dict[str, Any], bool]:
         db = self._dbs
         report_key = _report_key(report["report_id"])
         stored = txn.get(report_key, db=db["reports"])
@@ -327,6 +341,13 @@ class RecordStore:
         for ref in references:
             if not _is_receipt(ref) or txn.get(scenario + b"\0" + ref.encode(), db=db["by_scenario"]) is None:
                 raise UnknownReceipt(ref, report["scenario"])
+        holder_id = report["report_id"].encode("utf-8", "surrogatepass")
+        for claim in claims:
+            holder = txn.get(scenario + b"\0" + claim.encode(), db=db["claims"])
+            if holder is not None and holder != holder_id:
+                raise ClaimTaken(claim, holder.decode("utf-8", "surrogatepass"))
+        for claim in claims:
+            txn.put(scenario + b"\0" + claim.encode(), holder_id, db=db["claims"])
         raw_seq = txn.get(b"report_seq", db=db["meta"])
         seq = _SEQ.unpack(raw_seq)[0] + 1 if raw_seq else 1
         txn.put(b"report_seq", _SEQ.pack(seq), db=db["meta"])
@@ -475,6 +496,18 @@ class RecordStore:
                     out.append(record)
                 found = cursor.prev()
         return out[::-1]
+
+    def claimed(self, scenario: str, prefix: str) -> dict[str, str]:
+        """{claim: report_id} for the scenario's claims that start with `prefix` (one cursor range)."""
+        start = _scenario_key(scenario) + b"\0"
+        key_prefix = start + prefix.encode()
+        out: dict[str, str] = {}
+        with self._reading() as txn, txn.cursor(db=self._dbs["claims"]) as cursor:
+            for key, value in cursor if cursor.set_range(key_prefix) else ():
+                if not key.startswith(key_prefix):
+                    break
+                out[key[len(start):].decode()] = value.decode("utf-8", "surrogatepass")
+        return out
 
     def get_report(self, report_id: str) -> dict[str, Any] | None:
         """The stored report, or None."""

@@ -24,9 +24,10 @@ from reefd import gates, plugins
 from reefd.chat import ChatRequest, Completion, add_system_text
 from reefd.engines import Engine, EngineError, EngineUnavailable, ModelConfig
 from reefd.gates.memory import ScoreMemory
+from reefd.gates.tasks import load_tasks
 from reefd.harness import Harness, HarnessError
 from reefd.jobs import Job, JobStore
-from reefd.recipes import HarnessJob, Recipe, RecipeError, Sample, WeightJob, build
+from reefd.recipes import Ask, HarnessJob, HarnessSearch, Recipe, RecipeError, Sample, SearchContext, WeightJob, build
 from reefd.records import RecordStore
 from reefd.releases import Candidate, Release, ReleaseChain, ReleaseError
 from reefd.scenarios import Binding, Registry, Scenario
@@ -128,7 +129,8 @@ class Runner:
             return
         await self._save(job, "batch")
         samples = await asyncio.to_thread(eligible, self.store, recipe, job.scenario)
-        if not samples or (job.reason != "manual" and not recipe.ready(samples)):
+        needs_records = getattr(recipe, "needs_records", True)
+        if (not samples and needs_records) or (job.reason != "manual" and not recipe.ready(samples)):
             job.state = "skipped"
             job.error = f"no batch ready: {len(samples)} eligible scored record(s) waiting"
             return
@@ -143,6 +145,9 @@ class Runner:
         if isinstance(spec, HarnessJob):
             await self._harness_job(job, scenario, spec, head)
             return
+        if isinstance(spec, HarnessSearch):
+            await self._search_job(job, scenario, spec, head)
+            return
         await self._save(job, "train")
         out = await self._train(job, scenario, spec, head)
         await self._save(job, "gate")
@@ -153,15 +158,19 @@ class Runner:
         meta = {"source": job.recipe, "job": job.id, "summary": f"{job.recipe} on {len(job.receipts)} records",
                 "metrics": job.metrics, "receipts": job.receipts,
                 "reports": sorted({r for s in spec.samples for r in s.reports})}
+        if spec.skipped:
+            meta["skipped"] = list(spec.skipped)
         await self._finish(job, scenario, Candidate("adapter", meta, artifact=out, built_on=head.id,
-                                                    verdict=job.verdict), verdict)
+                                                    verdict=job.verdict), verdict, spec.skipped)
 
-    async def _finish(self, job: Job, scenario: Scenario, cand: Candidate, verdict: gates.Verdict) -> None:
-        """Write the candidate to the chain (released, or kept as rejected), consume its records, and serve it:
-        the job reports success only once its next answer comes from the new release."""
+    async def _finish(self, job: Job, scenario: Scenario, cand: Candidate, verdict: gates.Verdict,
+                      skipped: list[str] | None = None) -> None:
+        """Write the candidate to the chain (released, or kept as rejected), consume its records (and those the
+        recipe `skipped`), and serve it: the job reports success only once its next answer comes from the new
+        release."""
         rel = await self.write(scenario, cand)
         job.release = rel.id
-        await asyncio.shield(self.store.mark_consumed(job.scenario, job.receipts, job.id))
+        await asyncio.shield(self.store.mark_consumed(job.scenario, [*job.receipts, *(skipped or [])], job.id))
         if rel.status == "rejected":
             log.info("%s %s: candidate %s rejected: %s", job.scenario, job.id, rel.id,
                      rel.meta.get("refused") or verdict.reason)
@@ -311,6 +320,110 @@ class Runner:
         await self._finish(job, scenario, Candidate("harness", meta, artifact=work / "harness", built_on=head.id,
                                                     verdict=job.verdict), verdict)
 
+    # ------------------------------------------------------------ harness searches
+
+    def archive_path(self, scenario: str) -> Path:
+        """A search recipe's archive: one JSON file per scenario."""
+        return self.jobs.root.parent / "archives" / f"{scenario}.json"
+
+    async def _search_job(self, job: Job, scenario: Scenario, spec: HarnessSearch, head: Release) -> None:
+        """Drive the recipe's search (every Ask answered here, a round at a time, as wide as the engine's batch),
+        keep its archive, then gate and commit what it proposes, as any harness candidate."""
+        binding = scenario.binding
+        current = binding.harness if binding is not None else None
+        if current is None:
+            raise JobFailed("the scenario has no harness to evolve (set harness.dir in its file)")
+        path = self.archive_path(job.scenario)
+        archive = json.loads(await asyncio.to_thread(path.read_text)) if path.is_file() else None
+        ctx = SearchContext(archive, current, lambda rel: load_tasks(self.scenarios_dir / rel))
+        await self._save(job, "search")
+        search = spec.run(ctx)
+        calls = 0
+        async with contextlib.AsyncExitStack() as stack:
+            reflector = await self._reflector(stack, scenario, spec.reflector)
+            answers: list[str] | None = None
+            try:
+                while True:
+                    asks = search.send(answers) if answers is not None else next(search)
+                    answers = await self._answer_all(scenario, asks, reflector)
+                    calls += len(asks)
+                    job.progress = {"calls": calls}
+            except StopIteration as done:
+                found = done.value
+        await asyncio.to_thread(_write_json, path, found.archive)
+        job.metrics = {**found.metrics, "calls": calls, "reason": found.reason}
+        if found.proposed is None:
+            job.state, job.error = "skipped", found.reason
+            return
+        await self._save(job, "gate")
+        verdict = await self._gate(job, scenario, None, harnesses=(current, found.proposed))
+        job.verdict = verdict.as_meta()
+        await self._save(job, "publish")
+        meta = {"source": job.recipe, "job": job.id, "summary": f"{found.proposed.summary(current)}: {found.reason}",
+                "metrics": found.metrics, "receipts": job.receipts,
+                "reports": sorted({r for s in spec.samples for r in s.reports}), "mutations": found.mutations}
+        work = self.jobs.workdir(job)
+        await asyncio.to_thread(shutil.rmtree, work, True)
+        await asyncio.to_thread(found.proposed.render, work / "harness")
+        await self._finish(job, scenario, Candidate("harness", meta, artifact=work / "harness", built_on=head.id,
+                                                    verdict=job.verdict), verdict)
+
+    async def _reflector(self, stack: contextlib.AsyncExitStack, scenario: Scenario,
+                         spec: Any) -> Callable[[Ask], Awaitable[str]]:
+        """How a reflection Ask is answered: the scenario's engine and release, a model config's engine, or a
+        Python function pkg.mod:fn(messages) -> str."""
+        timeout = scenario.cfg.serve.request_timeout_s
+        if isinstance(spec, str):
+            fn = plugins.resolve({}, spec, "reflector")
+
+            async def call(ask: Ask) -> str:
+                return str(await asyncio.to_thread(fn, ask.messages))
+
+            return call
+        if isinstance(spec, dict):
+            try:
+                cfg = ModelConfig(**spec)
+            except TypeError as exc:
+                raise JobFailed(f"recipe.params.reflector: {exc}") from None
+            engine = await stack.enter_async_context(self.registry.borrow(cfg))
+            adapter, startup_s = None, cfg.startup_timeout_s
+        else:
+            engine, adapter = scenario.engine, scenario.binding.adapter if scenario.binding else None
+            startup_s = scenario.cfg.model.startup_timeout_s
+        deadline = time.monotonic() + startup_s
+        while not engine.ready:
+            if engine.describe()["state"] == "failed" or time.monotonic() > deadline:
+                raise JobFailed(f"the reflection engine is {engine.describe()['state']}")
+            await asyncio.sleep(0.25)
+        stack.enter_context(self.registry.using(engine, adapter))
+
+        async def ask_engine(ask: Ask) -> str:
+            req = ChatRequest(messages=ask.messages, max_tokens=ask.max_tokens, temperature=ask.temperature,
+                              seed=ask.seed)
+            return await _answer(engine, req, adapter, timeout)
+
+        return ask_engine
+
+    async def _answer_all(self, scenario: Scenario, asks: list[Ask],
+                          reflector: Callable[[Ask], Awaitable[str]]) -> list[str]:
+        """Every Ask's answer, in order: at most the engine's batch at once."""
+        engine, serving = scenario.engine, scenario.binding.adapter if scenario.binding else None
+        inline = scenario.cfg.harness.inline_skills
+        limit = asyncio.Semaphore(max(2, scenario.cfg.model.max_batch))
+
+        async def one(ask: Ask) -> str:
+            async with limit:
+                if ask.reflect:
+                    return await reflector(ask)
+                req = ChatRequest(messages=ask.messages, max_tokens=ask.max_tokens, temperature=ask.temperature,
+                                  seed=ask.seed)
+                if ask.harness is not None:
+                    add_system_text(req, ask.harness.prompt_block(inline_skills=inline))
+                return await _answer(engine, req, serving, scenario.cfg.serve.request_timeout_s)
+
+        with self.registry.using(engine, serving):
+            return list(await asyncio.gather(*(one(a) for a in asks)))
+
     async def _propose(self, scenario: Scenario, spec: HarnessJob) -> str:
         """The proposer's answer: the scenario's own engine and release, or the model named in the recipe."""
         req = ChatRequest(messages=spec.messages, max_tokens=spec.max_tokens, temperature=spec.temperature)
@@ -331,6 +444,17 @@ class Runner:
                     raise JobFailed(f"the proposer engine is {engine.describe()['state']}")
                 await asyncio.sleep(0.25)
             return await _answer(engine, req, adapter, scenario.cfg.serve.request_timeout_s)
+
+
+def _write_json(path: Path, doc: Any) -> None:
+    """Replace `path` with `doc` as JSON, atomically (written beside it, fsynced, renamed)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    with tmp.open("w") as f:
+        json.dump(doc, f)
+        f.flush()
+        os.fsync(f.fileno())
+    tmp.replace(path)
 
 
 async def _answer(engine: Engine, req: ChatRequest, adapter: str | None, timeout_s: float) -> str:

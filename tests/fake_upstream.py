@@ -18,6 +18,7 @@ from aiohttp import web
 ANSWER = "Hello from upstream."
 SEEN = web.AppKey("seen", list)
 SCRIPT = web.AppKey("script", str)  # a file whose current content is the answer (a scripted provider)
+ECHO = web.AppKey("echo", bool)  # answer with the request's system message: a model that repeats its instructions
 
 
 def _completion(body: dict[str, Any], answer: str = ANSWER) -> dict[str, Any]:
@@ -42,7 +43,11 @@ async def chat(request: web.Request) -> web.StreamResponse:
         return web.json_response({"error": {"message": "bad upstream key", "type": "x"}},
                                  status=401)
     script = request.app[SCRIPT]
-    full = _completion(body, Path(script).read_text() if script else ANSWER)
+    answer = Path(script).read_text() if script else ANSWER
+    if request.app[ECHO]:
+        system = [m.get("content") for m in body.get("messages") or [] if m.get("role") == "system"]
+        answer = str(system[0]) if system else ""
+    full = _completion(body, answer)
     if not body.get("stream"):
         return web.json_response(full)
     resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
@@ -68,10 +73,11 @@ async def chat(request: web.Request) -> web.StreamResponse:
     return resp
 
 
-def build(script: str = "") -> web.Application:
+def build(script: str = "", echo: bool = False) -> web.Application:
     app = web.Application()
     app[SEEN] = []
     app[SCRIPT] = script
+    app[ECHO] = echo
     app.router.add_post("/v1/chat/completions", chat)
     return app
 

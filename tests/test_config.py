@@ -93,6 +93,8 @@ def test_file_names_that_cannot_name_a_scenario(tmp_path: Path, stem: str) -> No
     ("trigger:\n  cron: every day\n", "trigger.cron: 'every day' is not a crontab expression"),
     ("recipe:\n  name: sao\n  params:\n    lr: -1\n", "recipe.params.lr: -1 is less than or equal to the minimum of 0"),
     ("recipe:\n  name: nope\n", "recipe: unknown recipe 'nope'"),
+    ("recipe:\n  name: ttt-discover\n  params:\n    rollouts: 2\n",
+     "recipe.params.rollouts: 2 attempts per group; TTT-Discover needs at least 3 (with 2, the leave-one-out"),
     ("gate:\n  kind: holdout\n", "gate.tasks: "),
     ("gate:\n  kind: holdout\n  tasks: missing.jsonl\n", "gate.tasks: "),
 ])

@@ -18,6 +18,7 @@ import lmdb
 import pytest
 
 from reefd.records import (
+    ClaimTaken,
     RecordStore,
     ReportConflict,
     StorageError,
@@ -283,6 +284,31 @@ def test_report_id_is_idempotent_for_the_same_body_and_conflicts_otherwise(tmp_p
         assert store.get_report(long_id) == long_report
         assert [r["report_id"] for r in reports_of(store, rec["id"])] == ["retry-me", long_id]
         assert store.counts()["s1"]["reports"] == 2
+
+    with_store(tmp_path / "db", body)
+
+
+def test_the_first_report_keeps_a_claim_and_the_others_store_nothing(tmp_path: Path) -> None:
+    async def body(store: RecordStore) -> None:
+        a, b = record(), record()
+        await store.put_record(a)
+        await store.put_record(b)
+        first = {"references": [a["id"]], "score": 1, "report_id": "first"}
+        await store.put_report("s1", first, claims=["grid/00000000/0/0", f"attempt/{a['id']}"])
+        # two writers racing for one key in the same batch: exactly one wins
+        results = await asyncio.gather(
+            store.put_report("s1", {"references": [b["id"]], "score": 2, "report_id": "x"}, claims=["grid/1/0"]),
+            store.put_report("s1", {"references": [b["id"]], "score": 3, "report_id": "y"}, claims=["grid/1/0"]),
+            return_exceptions=True)
+        assert sorted(type(r).__name__ for r in results) == ["ClaimTaken", "tuple"]
+        with pytest.raises(ClaimTaken) as info:
+            await store.put_report("s1", {"references": [b["id"]], "score": 5, "report_id": "late"},
+                                   claims=["grid/00000000/0/0"])
+        assert (info.value.claim, info.value.holder) == ("grid/00000000/0/0", "first")
+        assert store.get_report("late") is None and [r["report_id"] for r in reports_of(store, a["id"])] == ["first"]
+        assert (await store.put_report("s1", first, claims=["grid/00000000/0/0"]))[1] is False  # a resend
+        assert store.claimed("s1", "grid/00000000/") == {"grid/00000000/0/0": "first"}
+        assert store.claimed("s2", "grid/") == {}  # claims are per scenario
 
     with_store(tmp_path / "db", body)
 

@@ -12,10 +12,8 @@ import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from reefd import plugins
-from reefd.engines import ModelConfig
 from reefd.judge import JudgeSettings
-from reefd.recipes import RecipeError, Sample, WeightJob
+from reefd.recipes import RecipeError, Sample, WeightJob, check_model_or_function
 
 if TYPE_CHECKING:
     from reefd.harness import Harness
@@ -80,19 +78,7 @@ class OpenClawRL:
         self.cfg = cfg
         self.capture_top_k = cfg.top_k
         j = cfg.judge
-        if isinstance(j.model, str):
-            try:
-                plugins.resolve({}, j.model, "judge")
-            except plugins.PluginError as exc:
-                raise RecipeError(f"recipe.params.judge.model: {exc}") from None
-        elif isinstance(j.model, dict):
-            try:
-                ModelConfig(**j.model)
-            except TypeError as exc:
-                raise RecipeError(f"recipe.params.judge.model: {exc}") from None
-        elif j.model is not None:
-            raise RecipeError("recipe.params.judge.model: null (the scenario's engine), a model config, or a "
-                              "dotted path pkg.mod:fn")
+        check_model_or_function(j.model, "recipe.params.judge.model", "judge")
         self.judge = JudgeSettings(model=j.model, votes=j.votes, temperature=j.temperature, top_p=j.top_p,
                                    max_tokens=j.max_tokens, timeout_s=j.timeout_s,
                                    hints=j.hints and cfg.w_opd > 0, max_hints=j.max_hints,

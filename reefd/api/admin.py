@@ -12,7 +12,7 @@ from aiohttp import web
 
 from reefd import __version__
 from reefd.api.errors import ApiError, json_response
-from reefd.loop import CHAIN, CONVERSATIONS, JUDGES, RECONCILER, RECORDS, REGISTRY, STARTED_AT
+from reefd.loop import ATTEMPTS, CHAIN, CONVERSATIONS, JUDGES, RECONCILER, RECORDS, REGISTRY, STARTED_AT
 
 MAX_LIMIT = 1000
 
@@ -47,7 +47,8 @@ async def status(request: web.Request) -> web.Response:
                           "records": c.get("records", 0), "reports": c.get("reports", 0),
                           "sessions": request.app[CONVERSATIONS].counts(name),
                           **({"judge": request.app[JUDGES].status(name)}
-                             if request.app[JUDGES].settings(s) is not None else {})})
+                             if request.app[JUDGES].settings(s) is not None else {}),
+                          **({"search": search} if (search := request.app[ATTEMPTS].summary(name)) else {})})
     return json_response({"version": __version__, "ready": registry.ready,
                               "uptime_s": round(time.time() - request.app[STARTED_AT], 3),
                               "scenarios": scenarios})

@@ -17,6 +17,7 @@ import jsonschema
 import orjson
 from aiohttp import web
 
+from reefd.attempts import AttemptError
 from reefd.engines import EngineError, EngineUnavailable
 from reefd.recipes import RecipeError
 from reefd.records import ReportConflict, StorageError, UnknownReceipt
@@ -103,6 +104,8 @@ def from_domain(exc: Exception) -> ApiError | None:
                             code="report_conflict")
         case RecipeError():
             return ApiError(400, str(exc), code="invalid_recipe")
+        case AttemptError(status=status, message=message, param=param, code=code):
+            return ApiError(status, message, param=param, code=code)
     return None
 
 

@@ -12,7 +12,7 @@ from aiohttp import web
 
 from reefd.api.errors import check, json_response, read_json
 from reefd.api.turns import scenario_of
-from reefd.loop import RECORDS
+from reefd.loop import ATTEMPTS, RECORDS
 
 REPORT_SCHEMA: dict[str, Any] = {
     "type": "object", "required": ["references"], "additionalProperties": False,
@@ -32,5 +32,9 @@ async def report(request: web.Request) -> web.Response:
     scenario = scenario_of(request)
     body = await read_json(request)
     check(_VALIDATOR, body)
-    stored, _created = await request.app[RECORDS].put_report(scenario.name, body)
+    attempts = request.app[ATTEMPTS]
+    if attempts.handles(scenario):  # a search scenario: the report is an attempt's score at a grid coordinate
+        stored, _created = await attempts.report(scenario.name, body)
+    else:
+        stored, _created = await request.app[RECORDS].put_report(scenario.name, body)
     return json_response({"object": "reef.report", **stored})

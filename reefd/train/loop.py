@@ -163,7 +163,8 @@ def train(spec: TrainSpec, emit: Emit, fault: str | None = None) -> Trained:
         raise SpecError(f"samples: token id {too_big} is outside the model's vocabulary ({policy.vocab_size})")
     objective: Objective = objective_cls(settings, Context(spec.samples, policy.hidden_size, spec.init_adapter,
                                                            spec.base_model, policy.reference))
-    opt = torch.optim.AdamW(policy.params, lr=spec.optim.lr, weight_decay=spec.optim.weight_decay)
+    opt = torch.optim.AdamW(policy.params, lr=spec.optim.lr, weight_decay=spec.optim.weight_decay,
+                            betas=(spec.optim.beta1, spec.optim.beta2))
     optimizers = {"policy": opt, **objective.optimizers()}
     origin = _continue(spec, optimizers)
     emit({"event": "start", "samples": len(spec.samples), "steps": spec.steps,

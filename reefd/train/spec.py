@@ -57,6 +57,8 @@ class OptimSpec:
     epochs: int = field(default=1, metadata={"minimum": 1})
     micro_batch: int = field(default=8, metadata={"minimum": 1})
     max_grad_norm: float = field(default=1.0, metadata={"exclusiveMinimum": 0})
+    beta1: float = field(default=0.9, metadata={"minimum": 0, "exclusiveMaximum": 1})  # Adam's moment decays
+    beta2: float = field(default=0.999, metadata={"minimum": 0, "exclusiveMaximum": 1})
 
 
 @dataclass(frozen=True)
