@@ -155,13 +155,14 @@ class Run:
                 "rules_before": rules_before, "rules_after": rules_after,
                 "accepted": sum(1 for e in archive["log"] if "accepted" in e),
                 "rejected": [e.get("rejected") for e in archive["log"] if "rejected" in e],
+                "reflections": [e.get("reflection") for e in archive["log"]],
                 "seconds": round(time.monotonic() - started, 1)}
 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--jobs", type=int, default=2, help="GEPA jobs per run")
-    p.add_argument("--iterations", type=int, default=2, help="GEPA iterations per job")
+    p.add_argument("--jobs", type=int, default=3, help="GEPA jobs per run")
+    p.add_argument("--iterations", type=int, default=3, help="GEPA iterations per job")
     args = p.parse_args()
     runs = []
     for label, reflector in (("scripted stand-in reflector", "gepa_demo:scripted_reflector"),
@@ -169,6 +170,9 @@ def main() -> int:
         print(f"run: GEPA with a {label.upper() if 'scripted' in label else label}, {args.jobs} jobs of "
               f"{args.iterations} iterations", flush=True)
         runs.append(Run(label, reflector, args).go())
+    for r in runs:
+        if r["reflections"]:
+            print(f"\n{r['label']}: the first reflection's answer began: {r['reflections'][0][:300]!r}")
     print("\nvalidation accuracy of the served harness (asked through reefd's API):")
     for r in runs:
         print(f"  {r['label']:30} before {r['served_before']:.3f} after {r['served_after']:.3f}  (GEPA's own "

@@ -203,7 +203,7 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--groups", type=int, default=4)
     p.add_argument("--rollouts", type=int, default=6)
-    p.add_argument("--lr", type=float, default=2e-4)
+    p.add_argument("--lr", type=float, default=5e-4)
     p.add_argument("--max-tokens", type=int, default=20)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--only", choices=list(ARMS))

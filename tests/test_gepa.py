@@ -140,3 +140,5 @@ def test_settings_are_checked_at_load() -> None:
         recipe(reflector="no.such.module:fn")
     assert proposed_text("a\n```text\nfirst\n```\nthen\n```\n second \n```") == "second"
     assert proposed_text("```\n\n```") is None
+    assert proposed_text("Here:\n```\nstart with the city\nand stop") == "start with the city\nand stop"  # cut off
+    assert proposed_text("```\n") is None

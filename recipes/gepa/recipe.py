@@ -164,6 +164,7 @@ class GEPA:
                                  reflect=True, max_tokens=c.reflection_max_tokens,
                                  temperature=c.reflection_temperature, seed=c.seed + n)])[0]
             text = proposed_text(answer)
+            entry["reflection"] = answer[:1000]  # what the reflection model said (to see why a text was refused)
             digest = hashlib.sha256((text or "").encode()).hexdigest()
             reason = None
             if text is None:
@@ -274,8 +275,12 @@ def pick_parent(pool: list[dict[str, Any]], rng: random.Random) -> int:
 
 
 def proposed_text(answer: str) -> str | None:
-    """The text of the reflection's last fenced block (stripped), or None when it has none."""
+    """The text of the reflection's last fenced block (stripped), or None when it has none. A block the answer
+    opens and never closes (cut off by its token budget) runs to the end of the answer."""
     blocks = FENCE_RE.findall(answer)
+    rest = FENCE_RE.sub("", answer)
+    if rest.count("```") % 2 == 1:  # an opening fence left unclosed
+        blocks.append(rest[rest.rindex("```") + 3:].partition("\n")[2])  # after the fence's own line
     if not blocks:
         return None
     text = blocks[-1].strip()
