@@ -16,7 +16,7 @@ Before and after each run, the validation questions are also asked through reefd
 would, with the harness injected by reefd: the served harness's accuracy before and after.
 
 Run: python bench/gepa_demo.py        (make demo runs it; about 5 minutes on 2 cores)
-Writes bench/out/gepa.json; the last line printed is a JSON summary.
+Writes bench/out/gepa.png and bench/out/gepa.json; the last line printed is a JSON summary.
 """
 
 from __future__ import annotations
@@ -159,6 +159,30 @@ class Run:
                 "seconds": round(time.monotonic() - started, 1)}
 
 
+def plot(runs: list[dict[str, Any]], path: Path) -> None:
+    """Per run: the served harness's validation accuracy before and after (through the API), and GEPA's own
+    validation mean of the seed and of its best candidate."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    width = 0.2
+    keys = [("served_before", "served, before"), ("served_after", "served, after"), ("val_before", "GEPA: seed"),
+            ("val_best", "GEPA: best candidate")]
+    for i, (key, label) in enumerate(keys):
+        ax.bar([j + (i - 1.5) * width for j in range(len(runs))], [r[key] for r in runs], width, label=label)
+    ax.set_xticks(range(len(runs)), [r["label"] for r in runs])
+    ax.set_ylabel("validation accuracy")
+    ax.set_ylim(0, 1.05)
+    ax.set_title("GEPA on SmolLM2-135M: the harness's rules, before and after")
+    ax.legend(fontsize=8, loc="lower right")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--jobs", type=int, default=3, help="GEPA jobs per run")
@@ -182,6 +206,8 @@ def main() -> int:
         {k: r[k] for k in ("label", "served_before", "served_after", "val_before", "val_best", "accepted",
                            "rules_after", "seconds")} for r in runs]}
     OUT.mkdir(parents=True, exist_ok=True)
+    plot(runs, OUT / "gepa.png")
+    summary["png"] = str(OUT / "gepa.png")
     (OUT / "gepa.json").write_text(json.dumps({**summary, "details": runs}, indent=1))
     print(json.dumps(summary))
     return 0
