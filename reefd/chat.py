@@ -36,6 +36,7 @@ class ChatRequest:
     stop: list[str] = field(default_factory=list)
     ignore_eos: bool = False  # SGLang's and vLLM's extension: generate to max_tokens
     top_logprobs: int = 0  # record the engine's top-K logprobs of every generated token (a recipe asks for it)
+    routing_key: str | None = None  # keeps a conversation on one engine replica (the record's session)
 
 
 def add_system_text(chat: ChatRequest, block: str) -> None:

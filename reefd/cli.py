@@ -98,6 +98,14 @@ def _conversation_lines(sc: Mapping[str, Any]) -> list[str]:
                    f"(+1: {judge.get('positive', 0)}, -1: {judge.get('negative', 0)}, 0: {judge.get('neutral', 0)}, "
                    f"{judge.get('hinted', 0)} with hints), {judge.get('pending', 0)} pending, "
                    f"{judge.get('invalid_votes', 0)} invalid votes, {judge.get('unreachable', 0)} times unreachable")
+    engine: Mapping[str, Any] = sc["engine"] if isinstance(sc.get("engine"), dict) else {}
+    for r in engine.get("replicas") or []:
+        health = "healthy" if r.get("healthy") else "unhealthy" if r.get("healthy") is False else "-"
+        out.append(f"scenario {sc.get('name')}: replica {r.get('replica')} {r.get('url') or '-'}: {r.get('state')}, "
+                   f"{health}{'' if r.get('in_router') else ', not in the router'}, release {r.get('release')}, "
+                   f"load {r.get('load') if r.get('load') is not None else '-'}, "
+                   f"adapters {','.join(r.get('adapters') or []) or '-'}"
+                   + (f", last error: {r['last_error']}" if r.get("last_error") else ""))
     search = sc.get("search") if isinstance(sc.get("search"), dict) else None
     if search is not None:
         state = "open" if search.get("open") else "training" if search.get("training") else "waiting for a client"

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import importlib.util
 import re
 import typing
 from dataclasses import dataclass, field
@@ -187,6 +188,15 @@ def _semantic_errors(cfg: dict[str, Any]) -> list[tuple[str, str]]:
         errs.append(("model", "a worker model needs 'source' or 'path'"))
     elif m["engine"] == "sglang" and not (m["url"] or m["source"] or m["path"]):
         errs.append(("model", "an sglang model needs 'url' to attach to, or 'source'/'path'"))
+    if m["replicas"] > 1 or m["workers"]:
+        key = "model.replicas" if m["replicas"] > 1 else "model.workers"
+        if m["engine"] not in ("worker", "sglang"):
+            errs.append((key, f"replicas run behind sglang-router: engine worker or sglang, not {m['engine']!r}"))
+        elif importlib.util.find_spec("sglang_router") is None:
+            errs.append((key, "replicas run behind sglang-router, which is not installed: "
+                              "pip install 'reefd[scale]'"))
+        elif m["url"]:
+            errs.append(("model.url", "with replicas, list engines already running in model.workers"))
     return errs
 
 

@@ -89,6 +89,22 @@ def test_file_names_that_cannot_name_a_scenario(tmp_path: Path, stem: str) -> No
         config.compose(scen / f"{stem}.yaml")
 
 
+def test_replicas_are_checked_at_load(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    head = "defaults:\n  - model: tiny\n  - _self_\n"
+    scen = make_scenarios(tmp_path, names=(), extra={
+        "ok": head + "model:\n  replicas: 2\n  workers: [http://10.0.0.7:30000]\n",
+        "up": "defaults:\n  - model: upstream\n  - _self_\nmodel:\n  url: http://x/v1\n  replicas: 2\n"})
+    cfg = config.compose(scen / "ok.yaml")
+    assert (cfg.model.replicas, cfg.model.workers) == (2, ["http://10.0.0.7:30000"])
+    with pytest.raises(config.ConfigError, match=r"model\.replicas: replicas run behind sglang-router: engine worker"):
+        config.compose(scen / "up.yaml")
+    real = config.importlib.util.find_spec
+    monkeypatch.setattr(config.importlib.util, "find_spec",
+                        lambda name, *a: None if name == "sglang_router" else real(name, *a))
+    with pytest.raises(config.ConfigError, match=r"model\.replicas: .*not installed: pip install 'reefd\[scale\]'"):
+        config.compose(scen / "ok.yaml")
+
+
 @pytest.mark.parametrize("body,message", [
     ("trigger:\n  cron: every day\n", "trigger.cron: 'every day' is not a crontab expression"),
     ("recipe:\n  name: sao\n  params:\n    lr: -1\n", "recipe.params.lr: -1 is less than or equal to the minimum of 0"),

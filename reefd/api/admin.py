@@ -39,8 +39,12 @@ async def status(request: web.Request) -> web.Response:
         c = counts.get(name, {})
         head = heads[name]
         drift = await asyncio.to_thread(request.app[RECONCILER].drift, s, head)
+        engine = s.engine.describe()
+        replicas = getattr(s.engine, "replica_status", None)
+        if replicas is not None and (listed := await replicas()) is not None:
+            engine["replicas"] = [{**r, "release": s.release} for r in listed]
         scenarios.append({"name": name, "model": s.cfg.model.name,
-                          "engine": s.engine.describe(), "release": s.release,
+                          "engine": engine, "release": s.release,
                           "releases": {"declared": s.cfg.release.pin, "head": head.id if head else None,
                                        "serving": s.release, "adapter": s.binding.adapter if s.binding else None,
                                        "drift": drift},

@@ -164,6 +164,7 @@ async def serve_turn(request: web.Request, scenario: Scenario, binding: Binding,
     wire = wire_for(receipt)
     placement = request.app[CONVERSATIONS].place(scenario.name, receipt, session_of(request, body), chat.messages,
                                                  chat.tools, side=request.headers.get(TURN_HEADER) == "side")
+    chat.routing_key = placement.session
     if binding.harness is not None and scenario.cfg.harness.inject:
         add_system_text(chat, binding.harness.prompt_block(inline_skills=scenario.cfg.harness.inline_skills))
     record = new_record(request, scenario, binding, receipt, wire.api, body, chat, stream, placement)

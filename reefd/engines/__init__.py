@@ -75,6 +75,15 @@ class ModelConfig:
     startup_timeout_s: float = field(
         default=600.0, metadata={"exclusiveMinimum": 0, "description": "Engine start deadline."}
     )
+    replicas: int = field(
+        default=1, metadata={"minimum": 1, "description": "worker/sglang: engine processes reefd launches. More "
+                                                         "than one puts sglang-router in front of them."})
+    workers: list[str] = field(
+        default_factory=list,
+        metadata={"description": "worker/sglang: URLs of engines already running (other machines), served behind "
+                                 "the same router as the launched replicas."})
+    router_args: list[str] = field(
+        default_factory=list, metadata={"description": "Extra command-line arguments for sglang-router."})
 
 
 

@@ -23,6 +23,7 @@ import orjson
 
 from reefd.chat import ChatRequest, ChatTemplate, Completion, TemplateError, parse_tool_calls
 from reefd.engines import ContextLengthExceeded, EngineError, EngineUnavailable, ModelConfig, Prompt, retry_after
+from reefd.engines.replicas import ROUTING_HEADER, Replicas
 from reefd.engines.stream import StreamGuard
 from reefd.engines.supervisor import Supervisor, die_with_parent
 from reefd.worker.prepare import is_complete
@@ -81,13 +82,13 @@ class SGLangClient:
             r.raise_for_status()
             return dict(orjson.loads(await r.read()))
 
-    async def generate(self, payload: dict[str, Any], timeout_s: float
+    async def generate(self, payload: dict[str, Any], timeout_s: float, headers: dict[str, str] | None = None
                        ) -> AsyncIterator[dict[str, Any]]:
         """Yields the engine's answer chunks (one when not streaming)."""
         timeout = aiohttp.ClientTimeout(total=timeout_s)
         answered = False
         try:
-            async with self.session.post(f"{self.base_url}/generate", json=payload,
+            async with self.session.post(f"{self.base_url}/generate", json=payload, headers=headers,
                                          timeout=timeout) as r:
                 answered = True
                 if r.status in (429, 503):  # busy or draining: the caller may retry
@@ -170,15 +171,20 @@ class SGLangEngine:
         self._state = "starting"
         self._task: asyncio.Task[None] | None = None
         self.adapters: dict[str, Path] = {}  # loaded LoRA adapters, put back after every restart
+        self.replicas: Replicas | None = None  # several replicas behind sglang-router (model.replicas, workers)
 
     # ------------------------------------------------------------ lifecycle
 
     @property
     def ready(self) -> bool:
+        if self.replicas is not None:
+            return self.template is not None and self.replicas.ready
         return self.template is not None and self.state == "ready"
 
     @property
     def state(self) -> str:
+        if self.replicas is not None:
+            return self.replicas.state
         return self.supervisor.state if self.supervisor is not None else self._state
 
     async def start(self) -> None:
@@ -186,6 +192,9 @@ class SGLangEngine:
 
     async def _start(self) -> None:
         try:
+            if self.cfg.replicas > 1 or self.cfg.workers:
+                await self._start_replicas()
+                return
             if self.cfg.engine == "sglang" and self.cfg.url:
                 await self._attach(self.cfg.url)
                 return
@@ -200,6 +209,20 @@ class SGLangEngine:
         except Exception as exc:  # keep reefd up; the scenario reports the failure
             log.error("%s: engine failed to start: %s", self.cfg.name, exc)
             self._state = "failed"
+
+    async def _start_replicas(self) -> None:
+        """model.replicas launched engines plus model.workers attached ones, behind sglang-router."""
+        launched = self.cfg.replicas if (self.cfg.source or self.cfg.path) else 0
+        if self.model_dir is None and self.cfg.source is not None:
+            self.model_dir = await self._prepare(self.cfg.source)
+        if self.model_dir is None:  # attached workers only: their tokenizer, as they report it
+            info = await SGLangClient(self.session, self.cfg.workers[0]).model_info()
+            self.model_dir = Path(info.get("tokenizer_path") or info["model_path"])
+        await asyncio.to_thread(self._load_template, self.model_dir)
+        self.replicas = Replicas(self.cfg.name, self.session, self._argv, self._healthy, self._alive, self._restore,
+                                 launched=launched, attached=list(self.cfg.workers), tokenizer=self.model_dir,
+                                 startup_timeout_s=self.cfg.startup_timeout_s, router_args=self.cfg.router_args)
+        self.replicas.start()
 
     async def _attach(self, url: str) -> None:
         self.client = SGLangClient(self.session, url)
@@ -266,13 +289,34 @@ class SGLangEngine:
     async def load_adapter(self, name: str, path: Path) -> None:
         if name in self.adapters:
             raise EngineError(f"an adapter named {name!r} is already loaded", status=400)
-        await self._client().load_lora_adapter(name, path)
+        if self.replicas is not None:  # the router 404s admin calls: every replica, directly
+            self._client()  # not ready: EngineUnavailable
+            urls = self.replicas.urls()
+            results = await asyncio.gather(*(SGLangClient(self.session, u).load_lora_adapter(name, path)
+                                              for u in urls), return_exceptions=True)
+            failed = [r for r in results if isinstance(r, BaseException)]
+            if failed:  # all or none: take it off the replicas that loaded it
+                for url, result in zip(urls, results, strict=True):
+                    if not isinstance(result, BaseException):
+                        with contextlib.suppress(EngineError, EngineUnavailable):
+                            await SGLangClient(self.session, url).unload_lora_adapter(name)
+                raise failed[0]
+        else:
+            await self._client().load_lora_adapter(name, path)
         self.adapters[name] = path
 
     async def unload_adapter(self, name: str) -> None:
         path = self.adapters.pop(name, None)
         if path is None:
             raise EngineError(f"no adapter named {name!r} is loaded", status=400)
+        if self.replicas is not None:
+            results = await asyncio.gather(*(SGLangClient(self.session, u).unload_lora_adapter(name)
+                                              for u in self.replicas.urls()), return_exceptions=True)
+            failed = [r for r in results if isinstance(r, BaseException)]
+            if failed:
+                self.adapters[name] = path  # still loaded somewhere: keep track of it
+                raise failed[0]
+            return
         if self.ready:  # a restarting engine comes back without it anyway
             try:
                 await self._client().unload_lora_adapter(name)
@@ -293,6 +337,8 @@ class SGLangEngine:
                 await self._task
         if self.supervisor is not None:
             await self.supervisor.stop()
+        if self.replicas is not None:
+            await self.replicas.stop()
         self._state = "stopped"
 
     def model_folder(self) -> Path | None:
@@ -300,6 +346,13 @@ class SGLangEngine:
 
     def describe(self) -> dict[str, Any]:
         sup = self.supervisor
+        if self.replicas is not None:
+            router = self.replicas.router
+            return {"kind": self.kind, "state": self.state, "url": self.replicas.router_url,
+                    "restarts": router.restarts if router else 0, "pid": router.pid if router else None,
+                    "model_dir": str(self.model_dir) if self.model_dir else None,
+                    "context_length": self.context_length, "adapters": sorted(self.adapters),
+                    "last_error": router.last_error if router else None, "replicas": self.replicas.describe()}
         return {"kind": self.kind, "state": self.state,
                 "url": sup.url if sup else (self.cfg.url or ""),
                 "restarts": sup.restarts if sup else 0, "pid": sup.pid if sup else None,
@@ -307,12 +360,35 @@ class SGLangEngine:
                 "context_length": self.context_length, "adapters": sorted(self.adapters),
                 "last_error": sup.last_error if sup else None}
 
+    async def replica_status(self) -> list[dict[str, Any]] | None:
+        """Each replica: its state, the router's health and load for it, and the adapters it has loaded."""
+        if self.replicas is None:
+            return None
+        listed = await self.replicas.workers()
+        out = []
+        for replica in self.replicas.describe():
+            seen = listed.get(replica["url"]) or {}
+            info: dict[str, Any] = {}
+            if replica["state"] == "ready":
+                with contextlib.suppress(aiohttp.ClientError, TimeoutError, ValueError):
+                    async with self.session.get(f"{replica['url']}/get_server_info",
+                                                timeout=aiohttp.ClientTimeout(total=5)) as r:
+                        info = dict(orjson.loads(await r.read()))
+            out.append({**replica, "healthy": seen.get("is_healthy"), "load": seen.get("load"),
+                        "adapters": sorted(info.get("loaded_adapters") or {}),
+                        "requests": (info.get("stats") or {}).get("requests_completed")})
+        return out
+
     # ------------------------------------------------------------ generation
 
     def _client(self) -> SGLangClient:
         if not self.ready:
             raise EngineUnavailable(f"engine for model {self.cfg.name!r} is {self.state}; "
                                     "retry shortly", retry_after=2)
+        if self.replicas is not None:  # generation goes through the router
+            if self.client is None or self.client.base_url != self.replicas.router_url:
+                self.client = SGLangClient(self.session, self.replicas.router_url)
+            return self.client
         if self.supervisor is not None and (self.client is None or self.client.base_url != self.supervisor.url):
             self.client = SGLangClient(self.session, self.supervisor.url)
         assert self.client is not None
@@ -355,7 +431,8 @@ class SGLangEngine:
         top: list[Any] = []
         meta: dict[str, Any] = {}
         started = False
-        async for chunk in client.generate(payload, timeout_s):
+        headers = {ROUTING_HEADER: req.routing_key} if req.routing_key and self.replicas is not None else None
+        async for chunk in client.generate(payload, timeout_s, headers):
             if not started:  # failures before the first chunk raise before anything is yielded
                 started = True
                 yield Prompt(len(prompt_ids))

@@ -63,7 +63,8 @@ def masked(argv: list[str]) -> list[str]:
 class Supervisor:
     """State: starting → ready → (restarting → ready)* → stopped.
 
-    It is ready once `ready(url)` succeeds and `on_launch(url)` (if given) has run. While
+    It is ready once `ready(url)` succeeds and `on_launch(url)` (if given) has run; `on_exit(url)` runs when a
+    process that was ready is gone, before the next launch. While
     ready, `alive(url)` is asked every HEALTH_INTERVAL_S; three failures in a row count as a
     crash. (Liveness, not generation: a worker busy with long generations must not be killed for
     a slow probe.) Restarts back off exponentially (1 s doubling to 30 s).
@@ -75,12 +76,14 @@ class Supervisor:
                  ready: Callable[[str], Awaitable[bool]], *, startup_timeout_s: float,
                  alive: Callable[[str], Awaitable[bool]] | None = None,
                  on_launch: Callable[[str], Awaitable[None]] | None = None,
+                 on_exit: Callable[[str], Awaitable[None]] | None = None,
                  host: str = "127.0.0.1"):
         self.name = name
         self._argv = argv
         self._ready = ready
         self._alive = alive or ready
         self._on_launch = on_launch
+        self._on_exit = on_exit
         self._timeout = startup_timeout_s
         self._host = host
         self.state = "starting"
@@ -101,6 +104,12 @@ class Supervisor:
             started = time.monotonic()
             if await self._launch_once():
                 await self._watch()
+                if self._on_exit is not None and not self._stopping:  # e.g. take it out of a router
+                    self.state = "restarting"
+                    try:
+                        await self._on_exit(self.url)
+                    except Exception as exc:
+                        log.warning("%s: clean-up after exit failed: %s", self.name, exc)
             if self._stopping:
                 break
             if time.monotonic() - started > 60:  # it ran a good while: not a crash loop

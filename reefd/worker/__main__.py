@@ -110,12 +110,20 @@ async def drain(state: Any, site: Any, runner: Any, timeout: float) -> None:
     log.info("stopped")
 
 
+def _quiet_http2_probe(record: logging.LogRecord) -> bool:
+    """sglang-router probes each new worker for gRPC (an HTTP/2 preface) before it settles on HTTP: that probe
+    is expected, not an error worth a traceback."""
+    exc = record.exc_info[1] if record.exc_info else None
+    return not (exc is not None and "PRI/Upgrade" in str(exc))
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # local folders only: never reach for a model hub
     logging.basicConfig(
         stream=sys.stderr, level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    logging.getLogger("aiohttp.server").addFilter(_quiet_http2_probe)
     if not (args.model / "config.json").is_file():
         log.error("no model folder at %s (make one: python -m reefd.worker.prepare tiny --out DIR)", args.model)
         return 2

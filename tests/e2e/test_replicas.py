@@ -1,0 +1,106 @@
+"""Engine replicas behind the real sglang-router, through the real daemon and real worker processes on the tiny
+model: every replica joins the router with the serving adapters, sessions stick to a replica, adapter releases
+reach every replica, and a replica killed with kill -9 leaves the router, is restarted with the serving adapter
+and joins again while the other one keeps serving."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.conftest import Daemon, make_scenarios
+from tests.e2e.test_grow import stop
+from tests.e2e.test_reefctl import reefctl
+from tests.loras import make_lora
+
+# peft 0.21 still reads transformers' deprecated `is_gradient_checkpointing` (a FutureWarning)
+pytestmark = pytest.mark.filterwarnings("ignore:.*is_gradient_checkpointing.*:FutureWarning")
+
+SCENARIO = """defaults:
+  - model: tiny
+  - _self_
+model:
+  replicas: 2
+serve:
+  default_max_tokens: 3
+"""
+REP = {"x-reef-scenario": "rep"}
+
+
+def replicas(d: Daemon) -> list[dict[str, Any]]:
+    status = json.loads(d.get("/reef/status")[1])
+    return list(status["scenarios"][0]["engine"]["replicas"])
+
+
+def wait_for(d: Daemon, ok: Any, what: str, timeout_s: float = 120) -> list[dict[str, Any]]:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        found = replicas(d)
+        if ok(found):
+            return found
+        time.sleep(0.3)
+    raise AssertionError(f"replicas never {what}: {replicas(d)}\n{d.logs()[-3000:]}")
+
+
+def ask(d: Daemon, session: str) -> tuple[int, dict[str, Any], dict[str, str]]:
+    return d.post("/v1/chat/completions", {"model": "rep", "messages": [{"role": "user", "content": "hi"}],
+                                           "max_tokens": 2}, headers={**REP, "x-reef-session": session})
+
+
+def served(d: Daemon) -> dict[str, int]:
+    return {r["url"]: r["requests"] or 0 for r in replicas(d)}
+
+
+def test_replicas_behind_the_router(tmp_path: Path) -> None:
+    scen = make_scenarios(tmp_path / "scenarios", names=(), extra={"rep": SCENARIO})
+    d = Daemon(scenarios=scen, state=tmp_path / "state", log_path=tmp_path / "reefd.log")
+    d.start()
+    try:
+        all_in = wait_for(d, lambda rs: all(r["in_router"] and r["healthy"] for r in rs), "all joined")
+        assert len(all_in) == 2 and len({r["url"] for r in all_in}) == 2
+        assert d.get("/readyz")[0] == 200
+
+        # a session sticks to one replica
+        for session in ("alpha", "beta", "gamma"):
+            before = served(d)
+            for _ in range(4):
+                code, body, _ = ask(d, session)
+                assert code == 200, body
+            after = served(d)
+            grew = {url: after[url] - before[url] for url in after}
+            assert sorted(grew.values()) == [0, 4], (session, grew)
+
+        # an adapter release reaches every replica
+        lora = make_lora(d.state / "models" / "tiny", tmp_path / "lora", seed=3, scale=2.0)
+        out = reefctl(d, "publish", "rep", "--adapter", str(lora), "-o", "json")
+        assert out.returncode == 0, out.stderr
+        release = json.loads(out.stdout)["release"]["id"]
+        loaded = wait_for(d, lambda rs: all(r["adapters"] for r in rs), "all loaded the adapter")
+        assert {tuple(r["adapters"]) for r in loaded} == {tuple(loaded[0]["adapters"])}
+        code, _, headers = ask(d, "alpha")
+        assert code == 200 and headers["x-reef-release-id"] == release
+
+        # kill -9 one replica: it leaves the router, the other serves, and it comes back with the adapter
+        victim = loaded[0]
+        os.kill(victim["pid"], signal.SIGKILL)
+        wait_for(d, lambda rs: not rs[0]["in_router"] or rs[0]["pid"] != victim["pid"], "noticed the kill", 60)
+        status = reefctl(d, "status")
+        assert status.returncode == 0
+        for i in range(6):
+            code, body, headers = ask(d, f"after-kill-{i}")
+            assert code == 200, body
+            assert headers["x-reef-release-id"] == release
+        back = wait_for(d, lambda rs: rs[0]["in_router"] and rs[0]["healthy"] and rs[0]["pid"] != victim["pid"]
+                        and rs[0]["adapters"], "restarted and rejoined", 120)
+        assert back[0]["restarts"] == 1 and back[0]["adapters"] == loaded[0]["adapters"]
+        assert json.loads(d.get("/reef/status")[1])["scenarios"][0]["engine"]["state"] == "ready"
+        text = reefctl(d, "status").stderr + reefctl(d, "status").stdout
+        assert "replica 0" in text and "replica 1" in text and f"release {release}" in text
+    finally:
+        stop(d)
