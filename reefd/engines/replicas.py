@@ -52,12 +52,16 @@ class Replica:
 class Replicas:
     """The replicas of one model and the router in front of them."""
 
+    REPAIR_INTERVAL_S = 10.0
+
     def __init__(self, name: str, session: aiohttp.ClientSession, argv: Callable[[int], list[str]],
                  healthy: Callable[[str], Awaitable[bool]], alive: Callable[[str], Awaitable[bool]],
                  restore: Restore, *, launched: int, attached: list[str], tokenizer: Path,
-                 startup_timeout_s: float, router_args: list[str] | None = None) -> None:
+                 startup_timeout_s: float, router_args: list[str] | None = None,
+                 repair: Callable[[], Awaitable[list[str]]] | None = None) -> None:
         self.name, self.session = name, session
         self._argv, self._healthy, self._alive, self._restore = argv, healthy, alive, restore
+        self._repair = repair
         self.tokenizer, self.startup_timeout_s = tokenizer, startup_timeout_s
         self.router_args = list(router_args or [])
         self.replicas = [Replica(i) for i in range(launched)]
@@ -83,6 +87,19 @@ class Replicas:
                 on_launch=functools.partial(self._joined, replica), on_exit=functools.partial(self._exited, replica),
                 startup_timeout_s=self.startup_timeout_s)
             replica.supervisor.start()
+        if self._repair is not None:
+            self._spawn(self._repairs())
+
+    async def _repairs(self) -> None:
+        """The reconcile pass, every REPAIR_INTERVAL_S: a replica whose adapters differ from what is served (one
+        that lost an adapter, or kept one it should have dropped) is put right."""
+        assert self._repair is not None
+        while True:
+            await asyncio.sleep(self.REPAIR_INTERVAL_S)
+            try:
+                await self._repair()
+            except Exception as exc:  # an engine call failed: the next pass tries again
+                log.warning("%s: replica repair pass failed: %s", self.name, exc)
 
     async def stop(self) -> None:
         for task in list(self._tasks):

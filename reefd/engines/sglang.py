@@ -77,6 +77,14 @@ class SGLangClient:
             raise EngineError(f"{path} failed ({r.status}): {message or raw[:300].decode(errors='replace')}",
                               status=400 if 400 <= r.status < 500 else 502)
 
+    async def loaded_adapters(self) -> set[str] | None:
+        """The adapters the server reports loaded (`/get_server_info`), or None when it does not say."""
+        async with self.session.get(f"{self.base_url}/get_server_info",
+                                    timeout=aiohttp.ClientTimeout(total=10)) as r:
+            info = orjson.loads(await r.read())
+        found = info.get("loaded_adapters") if isinstance(info, dict) else None
+        return set(found) if isinstance(found, dict | list) else None
+
     async def model_info(self) -> dict[str, Any]:
         async with self.session.get(f"{self.base_url}/get_model_info") as r:
             r.raise_for_status()
@@ -172,6 +180,8 @@ class SGLangEngine:
         self._task: asyncio.Task[None] | None = None
         self.adapters: dict[str, Path] = {}  # loaded LoRA adapters, put back after every restart
         self.replicas: Replicas | None = None  # several replicas behind sglang-router (model.replicas, workers)
+        self._admin = asyncio.Lock()  # adapter changes, and the replicas' repair pass, one at a time
+        self.repairs = 0
 
     # ------------------------------------------------------------ lifecycle
 
@@ -220,6 +230,7 @@ class SGLangEngine:
             self.model_dir = Path(info.get("tokenizer_path") or info["model_path"])
         await asyncio.to_thread(self._load_template, self.model_dir)
         self.replicas = Replicas(self.cfg.name, self.session, self._argv, self._healthy, self._alive, self._restore,
+                                 repair=self.repair,
                                  launched=launched, attached=list(self.cfg.workers), tokenizer=self.model_dir,
                                  startup_timeout_s=self.cfg.startup_timeout_s, router_args=self.cfg.router_args)
         self.replicas.start()
@@ -287,6 +298,42 @@ class SGLangEngine:
             log.info("%s: restored adapter %s", self.cfg.name, name)
 
     async def load_adapter(self, name: str, path: Path) -> None:
+        async with self._admin:
+            await self._load_adapter(name, path)
+
+    async def unload_adapter(self, name: str) -> None:
+        async with self._admin:
+            await self._unload_adapter(name)
+
+    async def repair(self) -> list[str]:
+        """A reconcile pass over the replicas: each serving replica's loaded adapters against the ones this engine
+        serves. A missing adapter is loaded and one no longer served is unloaded; returns what was repaired. A
+        replica that does not report its adapters is left alone."""
+        if self.replicas is None:
+            return []
+        done: list[str] = []
+        async with self._admin:
+            for url in self.replicas.urls():
+                client = SGLangClient(self.session, url)
+                try:
+                    loaded = await client.loaded_adapters()
+                except (aiohttp.ClientError, TimeoutError, ValueError):
+                    continue
+                if loaded is None:
+                    continue
+                for name, path in self.adapters.items():
+                    if name not in loaded:
+                        await client.load_lora_adapter(name, path)
+                        done.append(f"{url}: loaded {name}")
+                for name in sorted(set(loaded) - set(self.adapters)):
+                    await client.unload_lora_adapter(name)
+                    done.append(f"{url}: unloaded {name}")
+        for line in done:
+            log.warning("%s: repaired replica %s", self.cfg.name, line)
+        self.repairs += len(done)
+        return done
+
+    async def _load_adapter(self, name: str, path: Path) -> None:
         if name in self.adapters:
             raise EngineError(f"an adapter named {name!r} is already loaded", status=400)
         if self.replicas is not None:  # the router 404s admin calls: every replica, directly
@@ -305,7 +352,7 @@ class SGLangEngine:
             await self._client().load_lora_adapter(name, path)
         self.adapters[name] = path
 
-    async def unload_adapter(self, name: str) -> None:
+    async def _unload_adapter(self, name: str) -> None:
         path = self.adapters.pop(name, None)
         if path is None:
             raise EngineError(f"no adapter named {name!r} is loaded", status=400)
@@ -352,7 +399,8 @@ class SGLangEngine:
                     "restarts": router.restarts if router else 0, "pid": router.pid if router else None,
                     "model_dir": str(self.model_dir) if self.model_dir else None,
                     "context_length": self.context_length, "adapters": sorted(self.adapters),
-                    "last_error": router.last_error if router else None, "replicas": self.replicas.describe()}
+                    "last_error": router.last_error if router else None, "replicas": self.replicas.describe(),
+                    "repairs": self.repairs}
         return {"kind": self.kind, "state": self.state,
                 "url": sup.url if sup else (self.cfg.url or ""),
                 "restarts": sup.restarts if sup else 0, "pid": sup.pid if sup else None,

@@ -9,6 +9,7 @@ import json
 import os
 import signal
 import time
+import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -85,6 +86,17 @@ def test_replicas_behind_the_router(tmp_path: Path) -> None:
         assert {tuple(r["adapters"]) for r in loaded} == {tuple(loaded[0]["adapters"])}
         code, _, headers = ask(d, "alpha")
         assert code == 200 and headers["x-reef-release-id"] == release
+
+        # a replica that lost the adapter is repaired by the reconcile pass
+        adapter = loaded[1]["adapters"][0]
+        req = urllib.request.Request(loaded[1]["url"] + "/unload_lora_adapter", data=json.dumps(
+            {"lora_name": adapter}).encode(), headers={"content-type": "application/json"}, method="POST")
+        with urllib.request.urlopen(req, timeout=30) as r:
+            assert json.loads(r.read())["success"]
+        assert replicas(d)[1]["adapters"] == []
+        wait_for(d, lambda rs: rs[1]["adapters"] == [adapter], "repaired the lost adapter", 40)
+        engine = json.loads(d.get("/reef/status")[1])["scenarios"][0]["engine"]
+        assert engine["repairs"] >= 1
 
         # kill -9 one replica: it leaves the router, the other serves, and it comes back with the adapter
         victim = loaded[0]
