@@ -138,6 +138,14 @@ class Served:
                  placement: Placement) -> None:
         self.conversations, self.store, self.record, self.placement = conversations, store, record, placement
 
+    async def put_failed(self, err: Any, delivered: str, started: float) -> None:
+        """A stream that failed after its receipt was sent: its record says what happened and what the client got
+        (no token ids, so no recipe trains on it; the conversation does not move on from it)."""
+        self.record.update({"messages": [*self.record["messages"], {"role": "assistant", "content": delivered}],
+                            "finish_reason": "error", "latency_s": round(time.monotonic() - started, 6),
+                            "error": {"status": err.status, "code": err.code, "message": err.message}})
+        await self.store.put_record(self.record)
+
     async def put(self) -> None:
         record, placement = self.record, self.placement
         linked = await self.store.put_record(record, next_state=placement.next_state)
@@ -207,18 +215,21 @@ async def _stream(request: web.Request, turn: Served, wire: Wire,
                                        "Cache-Control": "no-cache", **headers})
     await resp.prepare(request)
     ttft: float | None = None
+    delivered: list[str] = []
     try:
         await resp.write(wire.stream_head(first.tokens if isinstance(first, Prompt) else 0))
         completion = first if isinstance(first, Completion) else None
         if isinstance(first, str):
             ttft = time.monotonic()
             await resp.write(wire.stream_delta(first))
+            delivered.append(first)
         async for event in events:
             if isinstance(event, Completion):
                 completion = event
             elif isinstance(event, str):
                 ttft = ttft or time.monotonic()
                 await resp.write(wire.stream_delta(event))
+                delivered.append(event)
         if completion is None:
             raise ApiError(502, "the engine ended without a completion")
         await resp.write(wire.stream_tail(completion))
@@ -238,6 +249,11 @@ async def _stream(request: web.Request, turn: Served, wire: Wire,
             log.exception("stream %s failed", record["id"])
             err = ApiError(500, "internal server error")
         log.warning("stream %s failed: %s", record["id"], err.message)
+        if "response" not in record:  # the client has this receipt: its record says what happened
+            try:
+                await turn.put_failed(err, "".join(delivered), started)
+            except Exception as put_exc:  # the store is failing too: the stream still ends in-band
+                log.error("stream %s: its failure could not be recorded: %s", record["id"], put_exc)
         with contextlib.suppress(ConnectionError):
             await resp.write(wire.stream_error(err))
     finally:

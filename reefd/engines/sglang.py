@@ -120,6 +120,8 @@ class SGLangClient:
                     if "error" in chunk:
                         raise EngineError(f"engine error: {chunk['error']}")
                     yield chunk
+                # a stream that stops without its [DONE] was cut (a replica died behind the router): not an answer
+                raise EngineError("the engine's stream ended before its last event (the engine may have died)")
         except aiohttp.ClientConnectionError as exc:
             if not answered:  # the process is gone or restarting: the request never started
                 raise EngineUnavailable(f"engine unreachable: {exc}", retry_after=2) from exc

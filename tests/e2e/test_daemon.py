@@ -204,12 +204,14 @@ def test_sighup_applies_new_scenarios_and_refuses_bad_ones(fresh_daemon: Daemon)
 
 
 def _stream_lines(d: Daemon, scenario: str, lines: list[str], started: threading.Event,
-                  max_tokens: int = 600) -> None:
+                  max_tokens: int = 600, headers: dict[str, str] | None = None) -> None:
+    """The stream's SSE lines, after a first line with its receipt header (`receipt: R`)."""
     c = sdk(openai.OpenAI(base_url=d.url + "/v1", api_key=d.token, max_retries=0,
-                          default_headers={"x-reef-scenario": scenario}))
+                          default_headers={"x-reef-scenario": scenario, **(headers or {})}))
     with c.chat.completions.with_streaming_response.create(
             model=scenario, messages=[{"role": "user", "content": "long"}], stream=True,
             max_tokens=max_tokens, extra_body={"ignore_eos": True}) as resp:
+        lines.append(f"receipt: {resp.headers['x-reef-agent-record-id']}")
         for line in resp.iter_lines():
             if line:
                 lines.append(line)
@@ -230,6 +232,13 @@ def test_engine_death_mid_stream_ends_it_in_band(fresh_daemon: Daemon) -> None:
     assert "data: [DONE]" not in lines
     error = json.loads(lines[-1][len("data: "):])["error"]
     assert error["code"] == "engine_error" and error["type"] == "server_error"
+    receipt = lines[0].split(": ", 1)[1]  # the client holds this receipt: its record says what happened
+    record = json.loads(fresh_daemon.get(f"/reef/records/{receipt}")[1])
+    assert record["finish_reason"] == "error" and record["error"]["code"] == "engine_error"
+    delivered = "".join(json.loads(line[6:])["choices"][0]["delta"].get("content") or ""
+                        for line in lines[1:-1] if line.startswith("data: {") and '"choices"' in line
+                        and json.loads(line[6:])["choices"])
+    assert record["messages"][-1] == {"role": "assistant", "content": delivered}
     fresh_daemon.wait_ready()  # restarted, and the daemon itself never stopped serving
 
 

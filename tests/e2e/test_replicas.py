@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import threading
 import time
 import urllib.request
 from pathlib import Path
@@ -16,6 +17,7 @@ from typing import Any
 import pytest
 
 from tests.conftest import Daemon, make_scenarios
+from tests.e2e.test_daemon import _stream_lines
 from tests.e2e.test_grow import stop
 from tests.e2e.test_reefctl import reefctl
 from tests.loras import make_lora
@@ -114,5 +116,19 @@ def test_replicas_behind_the_router(tmp_path: Path) -> None:
         assert json.loads(d.get("/reef/status")[1])["scenarios"][0]["engine"]["state"] == "ready"
         text = reefctl(d, "status").stderr + reefctl(d, "status").stdout
         assert "replica 0" in text and "replica 1" in text and f"release {release}" in text
+
+        # a stream cut by its dying replica ends with an error event, and its record says what happened
+        lines: list[str] = []
+        started = threading.Event()
+        t = threading.Thread(target=_stream_lines, args=(d, "rep", lines, started, 4000, {"x-reef-session": "long"}))
+        t.start()
+        assert started.wait(60)
+        busy = wait_for(d, lambda rs: any((r["load"] or 0) > 0 for r in rs), "showed the stream's load", 30)
+        os.kill(next(r["pid"] for r in busy if (r["load"] or 0) > 0), signal.SIGKILL)
+        t.join(60)
+        assert not t.is_alive() and "data: [DONE]" not in lines
+        assert json.loads(lines[-1][len("data: "):])["error"]["type"] == "server_error", lines[-3:]
+        record = json.loads(d.get(f"/reef/records/{lines[0].split(': ', 1)[1]}")[1])
+        assert record["finish_reason"] == "error" and record["error"]["code"] == "engine_error", record.get("error")
     finally:
         stop(d)
