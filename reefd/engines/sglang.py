@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import os
 import sys
 import uuid
 from collections.abc import AsyncIterator
@@ -288,9 +289,13 @@ class SGLangEngine:
             return [sys.executable, "-m", "sglang.launch_server", "--model-path",
                     str(self.model_dir), "--host", "127.0.0.1", "--port", str(port),
                     *self.cfg.launch_args]
+        threads: list[str] = []
+        if self.cfg.replicas > 1 and "--threads" not in self.cfg.launch_args:
+            # replicas launched on one machine share its cores: more torch threads than cores stall them all
+            threads = ["--threads", str(max(1, (os.cpu_count() or 1) // self.cfg.replicas))]
         return [sys.executable, "-m", "reefd.worker", "--model", str(self.model_dir),
                 "--host", "127.0.0.1", "--port", str(port),
-                "--max-batch", str(self.cfg.max_batch), *self.cfg.launch_args]
+                "--max-batch", str(self.cfg.max_batch), *threads, *self.cfg.launch_args]
 
     async def _restore(self, url: str) -> None:
         """A fresh process has no adapters: load the ones this engine serves before it takes requests."""
