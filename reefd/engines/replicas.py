@@ -28,7 +28,8 @@ from reefd.engines.supervisor import Supervisor, free_port
 log = logging.getLogger("reefd.engine")
 
 ROUTING_HEADER = "X-SMG-Routing-Key"
-Restore = Callable[[str], Awaitable[None]]
+Restore = Callable[[str, Callable[[], None]], Awaitable[None]]
+"""(url, joined): give the replica at url the serving adapters, then call joined() while no admin call can run."""
 
 
 @dataclass
@@ -190,8 +191,7 @@ class Replicas:
     async def _joined(self, replica: Replica, url: str) -> None:
         """A launched replica is healthy: give it the serving adapters, then add it to the router."""
         replica.url, replica.state = url, "starting"
-        await self._restore(url)
-        replica.state = "ready"
+        await self._restore(url, functools.partial(setattr, replica, "state", "ready"))
         if self.router_url:
             await self._add(self.router_url, replica)
 

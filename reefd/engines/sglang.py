@@ -15,7 +15,7 @@ import logging
 import os
 import sys
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
@@ -232,7 +232,8 @@ class SGLangEngine:
             info = await SGLangClient(self.session, self.cfg.workers[0]).model_info()
             self.model_dir = Path(info.get("tokenizer_path") or info["model_path"])
         await asyncio.to_thread(self._load_template, self.model_dir)
-        self.replicas = Replicas(self.cfg.name, self.session, self._argv, self._healthy, self._alive, self._restore,
+        self.replicas = Replicas(self.cfg.name, self.session, self._argv, self._healthy, self._alive,
+                                 self._restore_replica,
                                  repair=self.repair,
                                  launched=launched, attached=list(self.cfg.workers), tokenizer=self.model_dir,
                                  startup_timeout_s=self.cfg.startup_timeout_s, router_args=self.cfg.router_args)
@@ -296,6 +297,13 @@ class SGLangEngine:
         return [sys.executable, "-m", "reefd.worker", "--model", str(self.model_dir),
                 "--host", "127.0.0.1", "--port", str(port),
                 "--max-batch", str(self.cfg.max_batch), *threads, *self.cfg.launch_args]
+
+    async def _restore_replica(self, url: str, joined: Callable[[], None]) -> None:
+        """A replica's adapters, and its place among the replicas that admin calls reach, in one step: an adapter
+        loaded meanwhile either comes with the restore or is broadcast to it."""
+        async with self._admin:
+            await self._restore(url)
+            joined()
 
     async def _restore(self, url: str) -> None:
         """A fresh process has no adapters: load the ones this engine serves before it takes requests."""
