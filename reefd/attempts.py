@@ -100,9 +100,15 @@ class Attempts:
         doc = self._docs.get(name)
         if doc is None:
             path = self.root / f"{name}.json"
-            if path.is_file():
-                doc = json.loads(path.read_text())
-            else:
+            try:
+                doc = json.loads(path.read_text()) if path.is_file() else None
+            except (OSError, ValueError) as exc:  # kept aside for inspection; the search starts over
+                aside = path.with_name(f"{name}.json.bad-{int(time.time())}")
+                path.replace(aside)
+                log.error("%s: the attempts file is unreadable (%s); moved to %s, starting a new archive", name,
+                          exc, aside)
+                doc = None
+            if doc is None:
                 doc = {"scenario": name, "step": 0, "open": None, "pending": None,
                        "archive": search.new_archive().as_json()}
             self._docs[name] = doc
@@ -118,13 +124,22 @@ class Attempts:
             f.flush()
             os.fsync(f.fileno())
         tmp.replace(path)
+        fd = os.open(self.root, os.O_RDONLY)  # the rename itself, durable
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
 
     async def start(self) -> None:
         """After a restart: a grid that was being trained gets its job again (the jobs of a stopped reefd fail)."""
         for name, scenario in self.registry.scenarios.items():
             if search_of(scenario) is not None and (self.root / f"{name}.json").is_file():
                 async with self._lock(name):
-                    await self._refresh(name, *self._search(name), retry_after=0.0)
+                    scenario, search = self._search(name)
+                    doc = await asyncio.to_thread(self._doc, name, search)
+                    if doc["open"] is not None:  # stopped after the grid's last report, before it closed
+                        await self._maybe_close(name, scenario, search, doc)
+                    await self._refresh(name, scenario, search, retry_after=0.0)
 
     # ------------------------------------------------------------ the next step
 
@@ -135,6 +150,11 @@ class Attempts:
             doc = self._doc(name, search)
             await self._refresh(name, scenario, search)
             plan = doc["open"]
+            if scenario.release is None:  # starting, or reloading: no release serves yet, so none changed
+                return 202, {"object": "reef.attempts.wait", "scenario": name, "status": "starting",
+                             "step": plan["step"] if plan else None, "error": scenario.error, "retry_after_s": 2}
+            if plan is not None and await self._maybe_close(name, scenario, search, doc):
+                plan = None  # its last report was stored, but reefd stopped before it closed the step
             if plan is not None and plan["release"] != scenario.release:
                 await self._discard(name, doc, search, f"the serving release changed from {plan['release']} to "
                                                        f"{scenario.release} during the step")
@@ -148,9 +168,6 @@ class Attempts:
                              "step": pending["step"], "job": pending.get("job"),
                              "job_state": job.state if job else None, "error": pending.get("error"),
                              "retry_after_s": 2 if job is not None and job.state in ("queued", "running") else 10}
-            if scenario.release is None:
-                return 202, {"object": "reef.attempts.wait", "scenario": name, "status": "starting", "step": None,
-                             "error": scenario.error, "retry_after_s": 2}
             archive = self._archive(doc, search)
             chosen = archive.select(search.grid.groups, search.puct_c)
             step = int(doc["step"])
@@ -184,6 +201,12 @@ class Attempts:
                 return await self.store.put_report(name, body)
             step, group, rollout = self._check(doc, body)
             receipt = body["references"][0]
+            record = await asyncio.to_thread(self.store.get_record, str(receipt))
+            ids, logprobs = (record or {}).get("completion_token_ids"), (record or {}).get("completion_logprobs")
+            if record is not None and (not ids or not isinstance(logprobs, list) or len(logprobs) != len(ids)):
+                raise AttemptError(400, f"references: {receipt!r} has no generated token ids and logprobs (an empty "
+                                        "or failed answer, or not from this scenario's engine): it cannot be an "
+                                        "attempt; send the attempt again", param="references")
             try:
                 stored = await self.store.put_report(name, body, claims=[claim(step, group, rollout),
                                                                          f"attempt/{receipt}"])
@@ -245,12 +268,18 @@ class Attempts:
 
     # ------------------------------------------------------------ closing a step
 
-    async def _maybe_close(self, name: str, scenario: Scenario, search: Search, doc: dict[str, Any]) -> None:
+    async def _maybe_close(self, name: str, scenario: Scenario, search: Search, doc: dict[str, Any]) -> bool:
+        """Close the open step if every coordinate is claimed; whether it did."""
         plan = doc["open"]
         prefix = f"grid/{plan['step']:08d}/"
         claims = await asyncio.to_thread(self.store.claimed, name, prefix)
         if len(claims) < plan["groups"] * plan["rollouts"]:
-            return
+            return False
+        await self._close(name, search, doc, claims)
+        return True
+
+    async def _close(self, name: str, search: Search, doc: dict[str, Any], claims: dict[str, str]) -> None:
+        plan = doc["open"]
         attempts = await asyncio.to_thread(self._attempts, claims)
         releases = sorted({str(a["record"].get("release")) for a in attempts})
         if releases != [plan["release"]]:
@@ -353,6 +382,15 @@ class Attempts:
             await asyncio.to_thread(self._save, name)
             return
         if job is not None and job.state in ("queued", "running"):
+            return
+        if job is not None and job.state == "skipped":  # the recipe found no batch: this grid cannot be trained
+            archive = self._archive(doc, search)
+            for entry in archive.curve:
+                if entry["step"] == pending["step"] and entry.get("state") == "training":
+                    entry.update(state="skipped", job=job.id, reason=job.error)
+            doc["archive"], doc["pending"] = archive.as_json(), None
+            await asyncio.to_thread(self._save, name)
+            log.warning("%s: step %d not trained: %s", name, pending["step"], job.error)
             return
         if job is not None and time.time() - (job.finished_at or 0.0) < retry_after:
             pending["error"] = job.error

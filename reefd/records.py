@@ -188,7 +188,8 @@ class RecordStore:
 
     # --- writes: enqueue, then wait for the batch's commit ----------------------------------
 
-    async def put_record(self, record: dict[str, Any], next_state: list[dict[str, Any]] | None = None) -> bool:
+    async def put_record(self, record: dict[str, Any], next_state: list[dict[str, Any]] | None = None, *,
+                         link: bool = True) -> bool:
         """Store one record; returns once it is durable. Raises StorageError when it cannot be.
 
         A record whose `previous` names an earlier turn links that turn to it in the same transaction: the earlier
@@ -202,11 +203,11 @@ class RecordStore:
         if not _is_receipt(receipt):
             raise ValueError(f"record id must be a receipt from new_receipt(), got {receipt!r}")
         scenario = _scenario_key(record.get("scenario"))
-        link = None
+        to_link = None  # link=False: a record that must not continue its turn (a failed stream)
         previous = record.get("previous")
-        if _is_receipt(previous):
-            link = (str(previous).encode(), _pack({"next": receipt, "next_state": next_state or []}))
-        linked: bool = await self._submit(self._apply_record, str(receipt).encode(), scenario, record, link)
+        if link and _is_receipt(previous):
+            to_link = (str(previous).encode(), _pack({"next": receipt, "next_state": next_state or []}))
+        linked: bool = await self._submit(self._apply_record, str(receipt).encode(), scenario, record, to_link)
         self._written(record["scenario"])
         return linked
 

@@ -27,7 +27,19 @@ from reefd.gates.memory import ScoreMemory
 from reefd.gates.tasks import load_tasks
 from reefd.harness import Harness, HarnessError
 from reefd.jobs import Job, JobStore
-from reefd.recipes import Ask, HarnessJob, HarnessSearch, Recipe, RecipeError, Sample, SearchContext, WeightJob, build
+from reefd.recipes import (
+    Ask,
+    Found,
+    HarnessJob,
+    HarnessSearch,
+    Recipe,
+    RecipeError,
+    Sample,
+    Search,
+    SearchContext,
+    WeightJob,
+    build,
+)
 from reefd.records import RecordStore
 from reefd.releases import Candidate, Release, ReleaseChain, ReleaseError
 from reefd.scenarios import Binding, Registry, Scenario
@@ -342,14 +354,13 @@ class Runner:
         async with contextlib.AsyncExitStack() as stack:
             reflector = await self._reflector(stack, scenario, spec.reflector)
             answers: list[str] | None = None
-            try:
-                while True:
-                    asks = search.send(answers) if answers is not None else next(search)
-                    answers = await self._answer_all(scenario, asks, reflector)
-                    calls += len(asks)
-                    job.progress = {"calls": calls}
-            except StopIteration as done:
-                found = done.value
+            while True:  # the recipe's steps run off the event loop (task files, user scorers)
+                asks, found = await asyncio.to_thread(_advance, search, answers)
+                if found is not None:
+                    break
+                answers = await self._answer_all(scenario, asks, reflector)
+                calls += len(asks)
+                job.progress = {"calls": calls}
         await asyncio.to_thread(_write_json, path, found.archive)
         job.metrics = {**found.metrics, "calls": calls, "reason": found.reason}
         if found.proposed is None:
@@ -422,7 +433,9 @@ class Runner:
                 return await _answer(engine, req, serving, scenario.cfg.serve.request_timeout_s)
 
         with self.registry.using(engine, serving):
-            return list(await asyncio.gather(*(one(a) for a in asks)))
+            async with asyncio.TaskGroup() as group:  # one failure cancels the rest
+                tasks = [group.create_task(one(a)) for a in asks]
+            return [t.result() for t in tasks]
 
     async def _propose(self, scenario: Scenario, spec: HarnessJob) -> str:
         """The proposer's answer: the scenario's own engine and release, or the model named in the recipe."""
@@ -444,6 +457,14 @@ class Runner:
                     raise JobFailed(f"the proposer engine is {engine.describe()['state']}")
                 await asyncio.sleep(0.25)
             return await _answer(engine, req, adapter, scenario.cfg.serve.request_timeout_s)
+
+
+def _advance(search: Search, answers: list[str] | None) -> tuple[list[Ask], Found | None]:
+    """One step of a recipe's search: its next asks, or how it ended (StopIteration cannot cross a thread)."""
+    try:
+        return (next(search) if answers is None else search.send(answers)), None
+    except StopIteration as done:
+        return [], done.value
 
 
 def _write_json(path: Path, doc: Any) -> None:

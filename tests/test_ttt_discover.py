@@ -120,3 +120,10 @@ def test_the_prompt_template_is_checked_and_filled() -> None:
     assert recipe.messages("x = 1", 2.5) == [{"role": "system", "content": "be brief"},
                                              {"role": "user", "content": "best 2.5: x = 1"}]
     assert recipe.messages("", None)[-1]["content"] == "best none yet: "
+
+
+def test_a_group_whose_weights_cannot_be_taken_is_dropped_not_fatal() -> None:
+    recipe = TTTDiscover(TTTConfig(groups=1, rollouts=3))
+    assert "dropped" in recipe.summarize([1e308, -1e308, 0.0])  # the leave-one-out weights underflow
+    assert recipe.summarize([2.0, 2.0, 2.0]) == {"dropped": "every reward is equal", "mean": 2.0}
+    assert recipe.summarize([0.0, 0.0, 1.0])["beta"] > 0

@@ -111,10 +111,14 @@ class TTTDiscover:
 
     def summarize(self, rewards: list[float]) -> dict[str, Any]:
         """One group's figures: its β and advantages, or why it is dropped."""
+        mean = math.fsum(rewards) / len(rewards)
         if max(rewards) == min(rewards):
-            return {"dropped": "every reward is equal", "mean": rewards[0]}
-        beta, adv = advantages(rewards)
-        return {"beta": beta, "advantages": adv, "mean": math.fsum(rewards) / len(rewards)}
+            return {"dropped": "every reward is equal", "mean": mean}
+        try:
+            beta, adv = advantages(rewards)
+        except GroupError as exc:  # e.g. rewards so far apart that the weights underflow
+            return {"dropped": str(exc), "mean": mean}
+        return {"beta": beta, "advantages": adv, "mean": mean}
 
     # ------------------------------------------------------------ the recipe contract
 

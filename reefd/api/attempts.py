@@ -41,6 +41,10 @@ async def next_step(request: web.Request) -> web.Response:
 async def archive(request: web.Request) -> web.Response:
     name = request.app[REGISTRY].get(request.match_info["name"]).name
     raw = request.query.get("top", "5")
-    if not raw.isdigit() or not 1 <= int(raw) <= 1000:
+    try:
+        top = int(raw)
+    except ValueError:
+        top = 0
+    if not 1 <= top <= 1000:
         raise ApiError(400, f"top: {raw!r} is not an integer from 1 to 1000", param="top")
-    return json_response(await request.app[ATTEMPTS].describe(name, int(raw)))
+    return json_response(await request.app[ATTEMPTS].describe(name, top))

@@ -144,7 +144,7 @@ class Served:
         self.record.update({"messages": [*self.record["messages"], {"role": "assistant", "content": delivered}],
                             "finish_reason": "error", "latency_s": round(time.monotonic() - started, 6),
                             "error": {"status": err.status, "code": err.code, "message": err.message}})
-        await self.store.put_record(self.record)
+        await self.store.put_record(self.record, link=False)
 
     async def put(self) -> None:
         record, placement = self.record, self.placement

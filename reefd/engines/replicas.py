@@ -138,7 +138,10 @@ class Replicas:
             replica.worker_id = None
         for replica in self.replicas:
             if replica.state == "ready":
-                await self._add(url, replica)
+                try:
+                    await self._add(url, replica)
+                except Exception as exc:  # one replica must not take the router down with it
+                    log.warning("%s: replica %d did not rejoin the router: %s", self.name, replica.index, exc)
 
     @property
     def router_url(self) -> str:
@@ -193,7 +196,11 @@ class Replicas:
         replica.url, replica.state = url, "starting"
         await self._restore(url, functools.partial(setattr, replica, "state", "ready"))
         if self.router_url:
-            await self._add(self.router_url, replica)
+            try:
+                await self._add(self.router_url, replica)
+            except Exception:  # not in the router: not a replica admin calls reach either
+                replica.state = "restarting" if not replica.attached else "unhealthy"
+                raise
 
     async def _exited(self, replica: Replica, url: str) -> None:
         await self._left(replica, f"its process at {url} is gone")
@@ -208,6 +215,8 @@ class Replicas:
         failures = 0
         while True:
             healthy = await self._alive(replica.url)
+            if healthy and replica.state == "ready":
+                failures = 0
             if healthy and replica.state != "ready":
                 try:
                     if await self._healthy(replica.url):

@@ -306,9 +306,16 @@ class SGLangEngine:
             joined()
 
     async def _restore(self, url: str) -> None:
-        """A fresh process has no adapters: load the ones this engine serves before it takes requests."""
+        """A fresh process has no adapters: load the ones this engine serves before it takes requests (an attached
+        engine that kept running may have some already; those are not loaded twice)."""
         client = SGLangClient(self.session, url)
+        have: set[str] = set()
+        if self.replicas is not None:
+            with contextlib.suppress(aiohttp.ClientError, TimeoutError, ValueError):
+                have = await client.loaded_adapters() or set()
         for name, path in list(self.adapters.items()):
+            if name in have:
+                continue
             await client.load_lora_adapter(name, path)
             log.info("%s: restored adapter %s", self.cfg.name, name)
 
@@ -428,18 +435,23 @@ class SGLangEngine:
         if self.replicas is None:
             return None
         listed = await self.replicas.workers()
-        out = []
-        for replica in self.replicas.describe():
-            seen = listed.get(replica["url"]) or {}
-            info: dict[str, Any] = {}
+
+        async def info(replica: dict[str, Any]) -> dict[str, Any]:
             if replica["state"] == "ready":
                 with contextlib.suppress(aiohttp.ClientError, TimeoutError, ValueError):
                     async with self.session.get(f"{replica['url']}/get_server_info",
                                                 timeout=aiohttp.ClientTimeout(total=5)) as r:
-                        info = dict(orjson.loads(await r.read()))
+                        return dict(orjson.loads(await r.read()))
+            return {}
+
+        replicas = self.replicas.describe()
+        infos = await asyncio.gather(*(info(r) for r in replicas))  # one hung replica costs 5 s, not 5 s each
+        out = []
+        for replica, found in zip(replicas, infos, strict=True):
+            seen = listed.get(replica["url"]) or {}
             out.append({**replica, "healthy": seen.get("is_healthy"), "load": seen.get("load"),
-                        "adapters": sorted(info.get("loaded_adapters") or {}),
-                        "requests": (info.get("stats") or {}).get("requests_completed")})
+                        "adapters": sorted(found.get("loaded_adapters") or {}),
+                        "requests": (found.get("stats") or {}).get("requests_completed")})
         return out
 
     # ------------------------------------------------------------ generation
