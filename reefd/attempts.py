@@ -20,13 +20,14 @@ import contextlib
 import json
 import logging
 import math
-import os
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any, Protocol
 
+from reefd.files import write_json
 from reefd.jobs import Job, JobStore
+from reefd.recipes import engine_tokens
 from reefd.records import ClaimTaken, RecordStore
 from reefd.scenarios import Registry, Scenario
 
@@ -118,17 +119,7 @@ class Attempts:
         return search.load_archive(doc["archive"])
 
     def _save(self, name: str) -> None:
-        path, tmp = self.root / f"{name}.json", self.root / f".{name}.json.tmp"
-        with tmp.open("w") as f:
-            json.dump(self._docs[name], f)
-            f.flush()
-            os.fsync(f.fileno())
-        tmp.replace(path)
-        fd = os.open(self.root, os.O_RDONLY)  # the rename itself, durable
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        write_json(self.root / f"{name}.json", self._docs[name])
 
     async def start(self) -> None:
         """After a restart: a grid that was being trained gets its job again (the jobs of a stopped reefd fail)."""
@@ -138,7 +129,7 @@ class Attempts:
                     scenario, search = self._search(name)
                     doc = await asyncio.to_thread(self._doc, name, search)
                     if doc["open"] is not None:  # stopped after the grid's last report, before it closed
-                        await self._maybe_close(name, scenario, search, doc)
+                        await self._maybe_close(name, search, doc)
                     await self._refresh(name, scenario, search, retry_after=0.0)
 
     # ------------------------------------------------------------ the next step
@@ -153,7 +144,7 @@ class Attempts:
             if scenario.release is None:  # starting, or reloading: no release serves yet, so none changed
                 return 202, {"object": "reef.attempts.wait", "scenario": name, "status": "starting",
                              "step": plan["step"] if plan else None, "error": scenario.error, "retry_after_s": 2}
-            if plan is not None and await self._maybe_close(name, scenario, search, doc):
+            if plan is not None and await self._maybe_close(name, search, doc):
                 plan = None  # its last report was stored, but reefd stopped before it closed the step
             if plan is not None and plan["release"] != scenario.release:
                 await self._discard(name, doc, search, f"the serving release changed from {plan['release']} to "
@@ -193,7 +184,7 @@ class Attempts:
         """Store a client's report on an attempt: its coordinate checked against the open step and claimed with
         it; the grid's last coordinate closes the step. Returns what put_report returns."""
         async with self._lock(name):
-            scenario, search = self._search(name)
+            _, search = self._search(name)
             doc = self._doc(name, search)
             known = body.get("report_id") and await asyncio.to_thread(self.store.get_report, str(body["report_id"]))
             if known:
@@ -202,8 +193,7 @@ class Attempts:
             step, group, rollout = self._check(doc, body)
             receipt = body["references"][0]
             record = await asyncio.to_thread(self.store.get_record, str(receipt))
-            ids, logprobs = (record or {}).get("completion_token_ids"), (record or {}).get("completion_logprobs")
-            if record is not None and (not ids or not isinstance(logprobs, list) or len(logprobs) != len(ids)):
+            if record is not None and engine_tokens(record) is None:
                 raise AttemptError(400, f"references: {receipt!r} has no generated token ids and logprobs (an empty "
                                         "or failed answer, or not from this scenario's engine): it cannot be an "
                                         "attempt; send the attempt again", param="references")
@@ -218,7 +208,7 @@ class Attempts:
                 raise AttemptError(409, f"references: {receipt!r} is already the attempt of report "
                                         f"{exc.holder!r}", param="references", code="duplicate_attempt") from None
             if stored[1]:
-                await self._maybe_close(name, scenario, search, doc)
+                await self._maybe_close(name, search, doc)
             return stored
 
     def _check(self, doc: dict[str, Any], body: dict[str, Any]) -> tuple[int, int, int]:
@@ -268,7 +258,7 @@ class Attempts:
 
     # ------------------------------------------------------------ closing a step
 
-    async def _maybe_close(self, name: str, scenario: Scenario, search: Search, doc: dict[str, Any]) -> bool:
+    async def _maybe_close(self, name: str, search: Search, doc: dict[str, Any]) -> bool:
         """Close the open step if every coordinate is claimed; whether it did."""
         plan = doc["open"]
         prefix = f"grid/{plan['step']:08d}/"

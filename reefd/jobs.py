@@ -10,12 +10,12 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
-import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from reefd.files import write_json
 from reefd.receipts import new_receipt
 
 ACTIVE = ("queued", "running")
@@ -74,12 +74,7 @@ class JobStore:
         return job
 
     def save(self, job: Job) -> None:
-        tmp = self.root / f".{job.id}.tmp"
-        with tmp.open("w") as f:
-            json.dump(job.as_json(), f, indent=1)
-            f.flush()
-            os.fsync(f.fileno())
-        tmp.replace(self.root / f"{job.id}.json")
+        write_json(self.root / f"{job.id}.json", job.as_json(), indent=1)
 
     def workdir(self, job: Job) -> Path:
         return self.root / job.id

@@ -174,13 +174,23 @@ class RecordOnly:
         raise RecipeError("the record recipe does not train")
 
 
-def scored_rollout(record: dict[str, Any], reports: list[dict[str, Any]]) -> Sample | None:
-    """The common eligibility rule: a record with engine token ids and logprobs and a numeric score (the
-    latest report's score counts). Upstream records (no token ids) and unscored records are not eligible."""
+def engine_tokens(record: dict[str, Any]) -> tuple[list[int], list[int], list[Any]] | None:
+    """(prompt ids, completion ids, completion logprobs) as the engine consumed and produced them, or None for a
+    record a weight recipe cannot train on: an upstream answer, an empty or failed one."""
     ids, logprobs = record.get("completion_token_ids"), record.get("completion_logprobs")
     prompt = record.get("prompt_token_ids")
     if not ids or not prompt or not isinstance(logprobs, list) or len(logprobs) != len(ids):
         return None
+    return prompt, ids, logprobs
+
+
+def scored_rollout(record: dict[str, Any], reports: list[dict[str, Any]]) -> Sample | None:
+    """The common eligibility rule: a record with engine token ids and logprobs and a numeric score (the
+    latest report's score counts). Upstream records (no token ids) and unscored records are not eligible."""
+    tokens = engine_tokens(record)
+    if tokens is None:
+        return None
+    prompt, ids, logprobs = tokens
     scores = [r for r in reports if isinstance(r.get("score"), int | float) and not isinstance(r.get("score"), bool)]
     if not scores or not math.isfinite(float(scores[-1]["score"])):
         return None

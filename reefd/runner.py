@@ -23,6 +23,7 @@ from typing import Any
 from reefd import gates, plugins
 from reefd.chat import ChatRequest, Completion, add_system_text
 from reefd.engines import Engine, EngineError, EngineUnavailable, ModelConfig
+from reefd.files import write_json
 from reefd.gates.memory import ScoreMemory
 from reefd.gates.tasks import load_tasks
 from reefd.harness import Harness, HarnessError
@@ -361,7 +362,7 @@ class Runner:
                 answers = await self._answer_all(scenario, asks, reflector)
                 calls += len(asks)
                 job.progress = {"calls": calls}
-        await asyncio.to_thread(_write_json, path, found.archive)
+        await asyncio.to_thread(write_json, path, found.archive)
         job.metrics = {**found.metrics, "calls": calls, "reason": found.reason}
         if found.proposed is None:
             job.state, job.error = "skipped", found.reason
@@ -465,17 +466,6 @@ def _advance(search: Search, answers: list[str] | None) -> tuple[list[Ask], Foun
         return (next(search) if answers is None else search.send(answers)), None
     except StopIteration as done:
         return [], done.value
-
-
-def _write_json(path: Path, doc: Any) -> None:
-    """Replace `path` with `doc` as JSON, atomically (written beside it, fsynced, renamed)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
-    with tmp.open("w") as f:
-        json.dump(doc, f)
-        f.flush()
-        os.fsync(f.fileno())
-    tmp.replace(path)
 
 
 async def _answer(engine: Engine, req: ChatRequest, adapter: str | None, timeout_s: float) -> str:

@@ -17,6 +17,8 @@ from typing import Any
 
 import pygit2
 
+from reefd.files import fsync_dir
+
 LFS_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
 GITATTRIBUTES = "".join(f"*{s} filter=lfs diff=lfs merge=lfs -text\n" for s in LFS_SUFFIXES).encode()
 LFS_POINTER = "version https://git-lfs.github.com/spec/v1\noid sha256:{oid}\nsize {size}\n"
@@ -31,14 +33,6 @@ class CorruptObject(OSError):
 
 def is_lfs_path(name: str) -> bool:
     return name.endswith(LFS_SUFFIXES)
-
-
-def fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 File = tuple[str, bytes, str | None, int]  # (path, blob data, LFS oid or None, LFS size)

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from reefd.judge import JudgeSettings
-from reefd.recipes import RecipeError, Sample, WeightJob, check_model_or_function
+from reefd.recipes import RecipeError, Sample, WeightJob, check_model_or_function, engine_tokens
 
 if TYPE_CHECKING:
     from reefd.harness import Harness
@@ -125,10 +125,10 @@ def judged_turn(record: dict[str, Any], reports: list[dict[str, Any]], cfg: Open
     turns have no next state, so they never qualify."""
     if record.get("turn_kind") not in ("main", "retry") or not record.get("next_state"):
         return None
-    ids, logprobs, prompt = record.get("completion_token_ids"), record.get("completion_logprobs"), \
-        record.get("prompt_token_ids")
-    if not ids or not prompt or not isinstance(logprobs, list) or len(logprobs) != len(ids):
+    tokens = engine_tokens(record)
+    if tokens is None:
         return None
+    prompt, ids, logprobs = tokens
     report = judgment(reports)
     if report is None:
         return None

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from recipes.ttt_discover.archive import Archive
 from recipes.ttt_discover.entropic import GroupError, advantages
-from reefd.recipes import RecipeError, Sample, WeightJob
+from reefd.recipes import RecipeError, Sample, WeightJob, engine_tokens
 
 if TYPE_CHECKING:
     from reefd.harness import Harness
@@ -125,10 +125,10 @@ class TTTDiscover:
     def sample(self, record: dict[str, Any], reports: list[dict[str, Any]]) -> Sample | None:
         """An attempt: a record with engine token ids and logprobs and a report at a grid coordinate (none in
         search-only mode)."""
-        ids, logprobs, prompt = record.get("completion_token_ids"), record.get("completion_logprobs"), \
-            record.get("prompt_token_ids")
-        if not self.trains or not ids or not prompt or not isinstance(logprobs, list) or len(logprobs) != len(ids):
+        tokens = engine_tokens(record)
+        if not self.trains or tokens is None:
             return None
+        prompt, ids, logprobs = tokens
         report = next((r for r in reports if coordinate(r) is not None), None)
         if report is None:
             return None
