@@ -47,6 +47,8 @@ bench: venv
 	$(BIN)/python bench/memory.py
 	$(BIN)/python bench/hot_swap.py --model tiny
 	$(BIN)/python bench/hot_swap.py --model smollm2
+	$(BIN)/python bench/hot_swap.py --weights --model tiny
+	$(BIN)/python bench/hot_swap.py --weights --model smollm2
 	$(BIN)/python bench/trainer.py --model tiny
 	$(BIN)/python bench/judge_throughput.py
 	$(BIN)/python bench/replicas.py --model tiny

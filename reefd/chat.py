@@ -75,6 +75,8 @@ class Completion:
     completion_top_ids: list[list[int]] | None = None
     completion_top_logprobs: list[list[float]] | None = None
     top_k_capture: str | None = None  # "full", or "partial" (the engine left some out: the channel is off)
+    weight_version: str | None = None  # the weights that answered, as the engine reported them
+    weights_reported: bool = False  # the engine reports its weight version (SGLang's meta_info.weight_version)
 
 
 # ---------------------------------------------------------------- chat templates

@@ -183,8 +183,12 @@ def cmd_promote(client: Client, args: argparse.Namespace) -> int:
 
 def _publish_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("name", metavar="SCENARIO")
-    p.add_argument("--adapter", metavar="DIR", type=Path, required=True,
-                   help="a LoRA adapter folder (adapter_config.json, adapter_model.safetensors); reefd checks it")
+    what = p.add_mutually_exclusive_group(required=True)
+    what.add_argument("--adapter", metavar="DIR", type=Path,
+                      help="a LoRA adapter folder (adapter_config.json, adapter_model.safetensors); reefd checks it")
+    what.add_argument("--weights", metavar="DIR", type=Path,
+                      help="a full HF model folder (config.json, *.safetensors, the base's tokenizer files) with the "
+                           "base model's architecture; reefd checks it and rolls it across the engine's replicas")
     p.add_argument("--summary", metavar="TEXT", help="one line for the history")
     p.add_argument("--expected-head", metavar="RELEASE", type=_release_id,
                    help="refuse (409 head_conflict) unless the chain's head is still this release")
@@ -196,7 +200,7 @@ def _walk(folder: Path, prefix: str = "") -> Iterator[tuple[str, Path, os.stat_r
     for path in sorted(folder.iterdir()):
         st = path.lstat()
         if stat.S_ISLNK(st.st_mode):
-            raise CliError(f"refusing symbolic link {path}: an adapter folder may hold only files and folders")
+            raise CliError(f"refusing symbolic link {path}: a published folder may hold only files and folders")
         if not (stat.S_ISREG(st.st_mode) or stat.S_ISDIR(st.st_mode)):
             raise CliError(f"refusing {path}: not a regular file or folder")
         yield prefix + path.name, path, st
@@ -220,12 +224,13 @@ def _tar_contents(folder: Path, out: IO[bytes]) -> None:
                 tar.addfile(info, f)
 
 
-@command("publish", "append an adapter release to a scenario's chain", _publish_args)
+@command("publish", "append an adapter or full-weights release to a scenario's chain", _publish_args)
 def cmd_publish(client: Client, args: argparse.Namespace) -> int:
-    folder: Path = args.adapter
+    kind = "weights" if args.weights is not None else "adapter"
+    folder: Path = args.weights if args.weights is not None else args.adapter
     if not folder.is_dir():
-        raise CliError(f"--adapter {folder}: {'not a folder' if folder.exists() else 'no such folder'}")
-    query = {"kind": "adapter"}
+        raise CliError(f"--{kind} {folder}: {'not a folder' if folder.exists() else 'no such folder'}")
+    query = {"kind": kind}
     for key, value in (("expected_head", args.expected_head), ("summary", args.summary)):
         if value is not None:
             query[key] = value

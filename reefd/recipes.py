@@ -56,6 +56,7 @@ class WeightJob:
     # receipts of records the recipe looked at and found nothing to learn from (a group whose rewards are all
     # equal): consumed with the batch, never trained on
     skipped: list[str] = field(default_factory=list)
+    target: str = "lora"  # lora: a LoRA adapter candidate; full: every parameter, a full-weights candidate
 
 
 @dataclass

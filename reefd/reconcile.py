@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import shutil
 import tempfile
@@ -56,6 +57,7 @@ class Reconciler:
         self.registry = registry
         self.chain = chain
         self.serving_dir = state_dir / "serving"
+        self.weights_dir = state_dir / "weights"
         self.scenarios_dir = scenarios_dir
         self._locks: dict[str, asyncio.Lock] = {}
         self._tasks: set[asyncio.Task[None]] = set()
@@ -222,19 +224,22 @@ class Reconciler:
         if current is not None and current.release == rel.id:
             return
         artifacts = await asyncio.to_thread(self.chain.artifacts, rel.id)
-        if "weights" in artifacts:
-            raise EngineError(f"{rel.id} is a full-weights release; reefd serves base and adapter releases, "
-                              f"so {scenario.name} stays on {current.release if current else 'nothing'}")
-        tree = artifacts.get("adapter")
+        tree, weights = artifacts.get("adapter"), artifacts.get("weights")
+        if tree is not None:
+            self._check_base(rel, weights)
         engine = scenario.engine
         harness, harness_tree = await self._harness(scenario, rel, artifacts.get("harness"), current)
+        if weights != (current.weights if current is not None else None):
+            await self._swap_weights(scenario, rel, weights, tree, harness, harness_tree)
+            return
+        on = {"weights": weights, "weights_version": current.weights_version if current is not None else None}
         if tree is None:
-            binding = Binding(rel.id, harness=harness, harness_tree=harness_tree)
+            binding = Binding(rel.id, harness=harness, harness_tree=harness_tree, **on)
         elif current is not None and current.artifact == tree and current.adapter is not None:
             # same adapter bytes (a rollback's copy, a harness-only release): keep the loaded one
-            binding = Binding(rel.id, current.adapter, tree, harness, harness_tree)
+            binding = Binding(rel.id, current.adapter, tree, harness, harness_tree, **on)
         else:
-            binding = Binding(rel.id, rel.id, tree, harness, harness_tree)
+            binding = Binding(rel.id, rel.id, tree, harness, harness_tree, **on)
             if rel.id not in engine.adapters:
                 await self._wait_ready(scenario)
                 folder = await asyncio.to_thread(self._materialize, scenario.name, rel.id)
@@ -245,6 +250,56 @@ class Reconciler:
         if current is not None and current.adapter is not None and current.adapter != binding.adapter:
             self._spawn(self._retire(engine, current, scenario.cfg.serve.request_timeout_s),
                         f"retire-{current.adapter}")
+
+    def _check_base(self, rel: Release, weights: str | None) -> None:
+        """An adapter serves only on the weights it was trained on (its release says which)."""
+        claim = releases.trained_on(rel.meta)
+        if claim is not None and claim.get("tree") != weights:
+            made_on = claim.get("release") or "the base model"
+            raise ReleaseError(f"{rel.id}: its adapter was trained on the weights of {made_on}, not on the "
+                               "weights this release carries; it is not served")
+
+    async def _swap_weights(self, scenario: Scenario, rel: Release, weights: str | None, tree: str | None,
+                            harness: Harness | None, harness_tree: str | None) -> None:
+        """Serve a release whose weights differ from what serves: the engine swaps them (holding new requests on
+        one process, rolling across replicas) and moves the binding at the moment the new weights serve."""
+        engine = scenario.engine
+        swap = getattr(engine, "swap_weights", None)
+        if swap is None:
+            raise EngineError(f"{rel.id} carries full weights, which a {engine.kind} engine cannot load")
+        sharing = [name for name in self.registry.sharing(engine) if name != scenario.name]
+        if sharing:
+            raise EngineError(f"{rel.id} carries full weights, but scenario(s) {', '.join(sharing)} share this "
+                              f"model's engine; give {scenario.name} a model of its own (another model.name) to "
+                              "serve weights releases")
+        await self._wait_ready(scenario)
+        path = await asyncio.to_thread(self._weights_folder, rel.id, weights) if weights is not None else None
+        adapter = (rel.id, await asyncio.to_thread(self._materialize, scenario.name, rel.id)) if tree else None
+        binding = Binding(rel.id, rel.id if tree else None, tree, harness, harness_tree, weights, rel.id)
+        timeout = scenario.cfg.serve.request_timeout_s
+
+        async def drained(version: str | None) -> None:
+            await self.registry.drained(engine, version, timeout)
+
+        report = await swap(path, rel.id, adapter, functools.partial(setattr, scenario, "binding", binding),
+                            drained)
+        log.info("%s: serving %s on its weights (%s)", scenario.name, rel.id, report)
+        await asyncio.to_thread(self._prune_weights)
+        for folder in self.serving_dir.glob(f"{scenario.name}/*"):  # adapters of the old weights: unloaded
+            if folder.name != rel.id:
+                await asyncio.to_thread(shutil.rmtree, folder, True)
+
+    def _weights_folder(self, release_id: str, tree: str) -> Path:
+        """A release's weights folder under STATE/weights/<tree id>, written once (atomically), shared by every
+        release that carries the same weights."""
+        return self._write_once(self.weights_dir / tree, release_id, "weights")
+
+    def _prune_weights(self) -> None:
+        """Drop the weights folders no scenario serves (a rollback writes them again from the chain)."""
+        keep = {s.binding.weights for s in self.registry.scenarios.values() if s.binding is not None}
+        for folder in self.weights_dir.glob("*"):
+            if folder.name not in keep:
+                shutil.rmtree(folder, ignore_errors=True)
 
     async def _harness(self, scenario: Scenario, rel: Release, tree: str | None,
                        current: Binding | None) -> tuple[Harness | None, str | None]:
@@ -265,12 +320,15 @@ class Reconciler:
 
     def _materialize(self, scenario: str, release_id: str) -> Path:
         """The release's adapter folder under STATE/serving/<scenario>/<release>, written once (atomically)."""
-        dest = self.serving_dir / scenario / release_id
+        return self._write_once(self.serving_dir / scenario / release_id, release_id, "adapter")
+
+    def _write_once(self, dest: Path, release_id: str, folder: str) -> Path:
+        """`dest`, holding the release's `folder` from the chain: written beside it, then renamed into place."""
         if dest.is_dir():
             return dest
-        tmp = dest.with_name(f".{release_id}.tmp")
+        tmp = dest.with_name(f".{dest.name}.tmp")
         shutil.rmtree(tmp, ignore_errors=True)
-        self.chain.materialize(release_id, tmp, folder="adapter")
+        self.chain.materialize(release_id, tmp, folder=folder)
         tmp.rename(dest)
         return dest
 

@@ -74,6 +74,19 @@ class Pinned(ReleaseError):
         self.scenario, self.pin = scenario, pin
 
 
+class BaseMismatch(ReleaseError):
+    """An adapter made on other weights than the head's: it would serve on a model it was not trained on."""
+
+    def __init__(self, scenario: str, trained_on: str | None, head_weights: str | None) -> None:
+        super().__init__(f"scenario {scenario!r}: the adapter was trained on "
+                         f"{_weights_label(trained_on)}, but the head serves {_weights_label(head_weights)}")
+        self.scenario, self.trained_on, self.head_weights = scenario, trained_on, head_weights
+
+
+def _weights_label(release: str | None) -> str:
+    return f"the weights of {release}" if release else "the base model's weights"
+
+
 class NoRelease(ReleaseError):
     """The scenario has no release yet (its base is recorded at its first start)."""
 
@@ -193,6 +206,20 @@ class ReleaseChain:
         raise UnknownRelease(release_id)  # an unreachable commit (a lost race) is not a release
 
     @_locked
+    def weights(self, release_id: str) -> dict[str, str | None]:
+        """The weights a release serves: `tree` (the id of its `weights/` folder; None: the base model's own) and
+        `release` (the release those weights came from: the one that published them, or the scenario's base)."""
+        rel = self.get(release_id, include_rejected=True)
+        tree = self.artifacts(rel.id).get("weights")
+        origin = rel
+        while origin.parent is not None:
+            parent = self.get(origin.parent)
+            if self.artifacts(parent.id).get("weights") != tree:
+                break
+            origin = parent
+        return {"tree": tree, "release": origin.id}
+
+    @_locked
     def artifacts(self, release_id: str) -> dict[str, str]:
         """The artifact folders of a release (`adapter`, `weights`, `harness`) and their tree ids: two releases
         serve the same thing exactly when these are equal."""
@@ -233,6 +260,14 @@ class ReleaseChain:
             raise ValueError(f"kind must be one of {sorted(ARTIFACT_FOLDER)}; rollback/promote have their own calls")
         parent = self._expect(scenario, expected_head)
         entries = self._entries(parent)
+        if kind == "weights":  # an adapter trained on the old weights does not apply to the new ones
+            entries.pop("adapter", None)
+        elif kind == "adapter" and parent is not None:
+            claim = trained_on(meta)
+            have = str(entries["weights"][0]) if "weights" in entries else None
+            if claim is not None and claim.get("tree") != have:
+                raise BaseMismatch(scenario, claim.get("release") if claim.get("tree") else None,
+                                   self.weights(parent.id)["release"] if have else None)
         if artifact_dir is not None:
             name = folder or ARTIFACT_FOLDER[kind]
             entries[name] = (self.trees.store(Path(artifact_dir)), pygit2.enums.FileMode.TREE)
@@ -408,6 +443,17 @@ class ReleaseChain:
         return stale
 
 
+def trained_on(meta: dict[str, Any]) -> dict[str, Any] | None:
+    """The weights an adapter release says it was trained on (`meta["weights"]`: tree and release), looked up
+    through the copies (rollback, promote) that carry it; None when it does not say (an older release)."""
+    while isinstance(meta, dict):
+        claim = meta.get("weights")
+        if isinstance(claim, dict):
+            return claim
+        meta = meta.get("target_meta")  # type: ignore[assignment]
+    return None
+
+
 # ---- the commit policy ---------------------------------------------------------------------------------------------
 
 
@@ -485,10 +531,11 @@ def commit(chain: ReleaseChain, scenario: str, cand: Candidate, *, pin: str | No
                 meta = {**meta, "rebased_from": meta.get("rebased_from", built_on)}
                 built_on = exc.actual
         raise AssertionError("unreachable")
-    except (Pinned, HeadConflict) as exc:
+    except (Pinned, HeadConflict, BaseMismatch) as exc:
         if not keep_refused or cand.kind in COPIES:
             raise
         why = (f"the scenario is pinned to {exc.pin}" if isinstance(exc, Pinned)
+               else str(exc) if isinstance(exc, BaseMismatch)
                else f"the head moved to {exc.actual} while the candidate was built")
         return _keep(chain, scenario, cand, cand.built_on, {**meta, "refused": why})
 

@@ -45,6 +45,7 @@ from reefd.records import RecordStore
 from reefd.releases import Candidate, Release, ReleaseChain, ReleaseError
 from reefd.scenarios import Binding, Registry, Scenario
 from reefd.train.backends import Backends, TrainerTimeout
+from reefd.weights import InvalidWeights, check_weights
 
 log = logging.getLogger("reefd.runner")
 
@@ -70,8 +71,9 @@ def eligible(store: RecordStore, recipe: Recipe, scenario: str) -> list[Sample]:
 
 
 def serving_key(binding: Binding) -> str:
-    """What a gate's scores of the serving side belong to: its adapter's tree, or the base model."""
-    return binding.artifact if binding.adapter is not None and binding.artifact is not None else "base"
+    """What a gate's scores of the serving side belong to: its adapter's tree, or the base model, on its weights."""
+    adapter = binding.artifact if binding.adapter is not None and binding.artifact is not None else "base"
+    return adapter if binding.weights is None else f"{adapter}@{binding.weights}"
 
 
 class Runner:
@@ -162,10 +164,12 @@ class Runner:
             await self._search_job(job, scenario, spec, head)
             return
         await self._save(job, "train")
-        out = await self._train(job, scenario, spec, head)
+        weights = await asyncio.to_thread(self.chain.weights, head.id)  # what the candidate is trained on
+        out = await self._train(job, scenario, spec, head, weights)
         await self._save(job, "gate")
         scenario = self._scenario(job)
-        verdict = await self._gate(job, scenario, out)
+        full = spec.target == "full"
+        verdict = await (self._gate_weights(job, scenario, out) if full else self._gate(job, scenario, out))
         job.verdict = verdict.as_meta()
         await self._save(job, "publish")
         meta = {"source": job.recipe, "job": job.id, "summary": f"{job.recipe} on {len(job.receipts)} records",
@@ -173,8 +177,10 @@ class Runner:
                 "reports": sorted({r for s in spec.samples for r in s.reports})}
         if spec.skipped:
             meta["skipped"] = list(spec.skipped)
-        await self._finish(job, scenario, Candidate("adapter", meta, artifact=out, built_on=head.id,
-                                                    verdict=job.verdict), verdict, spec.skipped)
+        # an adapter serves only on the weights it was trained on; full weights say what they started from
+        meta["trained_on" if full else "weights"] = weights
+        await self._finish(job, scenario, Candidate("weights" if full else "adapter", meta, artifact=out,
+                                                    built_on=head.id, verdict=job.verdict), verdict, spec.skipped)
 
     async def _finish(self, job: Job, scenario: Scenario, cand: Candidate, verdict: gates.Verdict,
                       skipped: list[str] | None = None) -> None:
@@ -193,21 +199,26 @@ class Runner:
             binding = live.binding if live is not None else None
             if binding is None or binding.release != rel.id:
                 job.error = f"published, but not serving yet: {live.error if live else 'scenario removed'}"
-            elif cand.kind == "adapter":  # the next gate's current side: scores measured on this adapter's tree
-                self.scores.remember(binding.artifact, verdict.fingerprint, [p["candidate"] for p in verdict.per_task])
+            elif cand.kind in ("adapter", "weights"):  # the next gate's current side: scores measured on this
+                self.scores.remember(serving_key(binding), verdict.fingerprint,
+                                     [p["candidate"] for p in verdict.per_task])
         job.stage = "done"
         job.state = "published" if rel.status == "released" else "rejected"
 
     # ------------------------------------------------------------ train
 
-    async def _train(self, job: Job, scenario: Scenario, spec: WeightJob, head: Release) -> Path:
-        """Train on the batch with the scenario's trainer backend; returns the candidate adapter folder."""
+    async def _train(self, job: Job, scenario: Scenario, spec: WeightJob, head: Release,
+                     weights: dict[str, str | None]) -> Path:
+        """Train on the batch with the scenario's trainer backend, on the weights the head serves; returns the
+        candidate folder (an adapter, or with `target: full` a full HF model folder)."""
         model_dir = scenario.engine.model_folder()
         if model_dir is None:
             raise JobFailed("the scenario's model is not prepared yet")
         work = self.jobs.workdir(job)
         await asyncio.to_thread(shutil.rmtree, work, True)
         work.mkdir(parents=True)
+        if weights["tree"] is not None:  # a weights release serves: train on its weights
+            model_dir = await asyncio.to_thread(self.chain.materialize, head.id, work / "base", "weights")
         init = None
         if "adapter" in await asyncio.to_thread(self.chain.artifacts, head.id):  # continue from what serves
             init = await asyncio.to_thread(self.chain.materialize, head.id, work / "init", "adapter")
@@ -215,7 +226,7 @@ class Runner:
         doc = {"job": job.id, "objective": spec.objective, "settings": spec.settings, "seed": spec.seed,
                "base_model": str(model_dir), "init_adapter": str(init) if init else None, "output_dir": str(out),
                "samples": [{k: v for k, v in dataclasses.asdict(s).items() if k != "context"} for s in spec.samples],
-               "lora": spec.lora, "optim": spec.optim}
+               "lora": spec.lora, "optim": spec.optim, "target": spec.target}
         spec_path = work / "spec.json"
         await asyncio.to_thread(spec_path.write_text, json.dumps(doc))
         error: str | None = None
@@ -237,8 +248,16 @@ class Runner:
         if code != 0:
             died = "the trainer process died" if code in (137, -9) else "no message"
             raise JobFailed(f"the trainer failed (exit {code}): {error or died}")
-        if not (out / "adapter_model.safetensors").is_file():
+        if spec.target == "full":
+            if not (out / "config.json").is_file() or not any(out.glob("*.safetensors")):
+                raise JobFailed("the trainer exited without writing full weights")
+            try:
+                await asyncio.to_thread(check_weights, out, scenario.engine.model_folder() or model_dir)
+            except InvalidWeights as exc:
+                raise JobFailed(f"the trainer wrote unusable weights: {exc}") from None
+        elif not (out / "adapter_model.safetensors").is_file():
             raise JobFailed("the trainer exited without writing an adapter")
+        await asyncio.to_thread(shutil.rmtree, work / "base", True)
         return out
 
     # ------------------------------------------------------------ gate
@@ -297,6 +316,37 @@ class Runner:
         if binding is not None and not verdict.current_reused and verdict.current_mean is not None:
             self.scores.remember(serving_key(binding), verdict.fingerprint, [p["current"] for p in verdict.per_task])
         return verdict
+
+    async def _gate_weights(self, job: Job, scenario: Scenario, out: Path) -> gates.Verdict:
+        """Judge a full-weights candidate: the serving side answers on the scenario's engine, the candidate on an
+        engine of its own, launched on the candidate's folder for the gate and stopped after it (serving is not
+        touched)."""
+        gate = gates.build(scenario.cfg.gate, self.scenarios_dir)
+        if gate.sampling is None:
+            return await gate.evaluate(_no_generate, current=None, candidate=None)
+        binding = scenario.binding
+        serving = binding.adapter if binding else None
+        cfg = dataclasses.replace(scenario.cfg.model, name=f"{scenario.cfg.model.name}-candidate-{job.id}",
+                                  source=None, path=str(out), url=None, replicas=1, workers=[])
+        async with self.registry.borrow(cfg) as candidate:
+            deadline = time.monotonic() + cfg.startup_timeout_s
+            while not candidate.ready:
+                if candidate.describe()["state"] == "failed" or time.monotonic() > deadline:
+                    raise JobFailed(f"the candidate's engine is {candidate.describe()['state']}: "
+                                    f"{candidate.describe().get('last_error')}")
+                await asyncio.sleep(0.25)
+
+            async def generate(messages: list[dict[str, Any]], side: str | None, sampling: gates.Sampling,
+                               seed: int) -> str:
+                req = ChatRequest(messages=messages, max_tokens=sampling.max_tokens,
+                                  temperature=sampling.temperature, seed=seed)
+                if side == "candidate":
+                    return await _answer(candidate, req, None, scenario.cfg.serve.request_timeout_s)
+                return await _answer(scenario.engine, req, serving, scenario.cfg.serve.request_timeout_s)
+
+            width = max(2, scenario.cfg.model.max_batch)
+            with self.registry.using(scenario.engine, serving):
+                return await gate.evaluate(generate, current="current", candidate="candidate", concurrency=width)
 
     # ------------------------------------------------------------ harness candidates
 

@@ -55,6 +55,8 @@ class Binding:
     artifact: str | None = None  # the adapter's tree id: releases with equal trees share one loaded adapter
     harness: Harness | None = None
     harness_tree: str | None = None
+    weights: str | None = None  # the tree id of the release's `weights/` folder (None: the model's own weights)
+    weights_version: str | None = None  # the engine's name for those weights: the release they were swapped in as
 
 
 @dataclass
@@ -112,6 +114,7 @@ class Registry:
         self.scenarios, _ = self._bind(configs)
         self._inflight: Counter[int] = Counter()  # requests per engine (by id), for draining
         self._uses: Counter[tuple[int, str | None]] = Counter()  # requests per (engine, adapter)
+        self._weights: Counter[tuple[int, str | None]] = Counter()  # requests per (engine, weight version)
         self._reloading = asyncio.Lock()
 
     def _bind(self, configs: dict[str, ScenarioConfig]) -> tuple[dict[str, Scenario], list[str]]:
@@ -145,22 +148,38 @@ class Registry:
         for engine in [*self.engines.values(), *(engine for engine, _ in retiring)]:  # draining or not
             await engine.stop()
 
-    @contextlib.contextmanager
-    def serving(self, scenario: Scenario) -> Iterator[Binding]:
+    @contextlib.asynccontextmanager
+    async def serving(self, scenario: Scenario) -> AsyncIterator[Binding]:
         """Take the scenario's current binding for one request and count the request in flight on it, so neither
-        a reload nor a release swap takes its engine or adapter away mid-answer. NotServing before a release is
-        bound."""
+        a reload nor a release swap takes its engine, adapter or weights away mid-answer. While an engine loads
+        new weights the request waits here first (`admit`). NotServing before a release is bound."""
+        admit = getattr(scenario.engine, "admit", None)
+        if admit is not None:
+            await admit()
         binding = scenario.binding
         if binding is None:  # the chain has not named this scenario's release yet
             raise NotServing(scenario.name, scenario.error)
         use = (id(scenario.engine), binding.adapter)
+        weights = (use[0], binding.weights_version)
         self._inflight[use[0]] += 1
         self._uses[use] += 1
+        self._weights[weights] += 1
         try:
             yield binding
         finally:
             self._inflight[use[0]] -= 1
             self._uses[use] -= 1
+            self._weights[weights] -= 1
+
+    async def drained(self, engine: Engine, version: str | None, timeout_s: float) -> None:
+        """Until no request taken on `engine` with weight version `version` is in flight (or `timeout_s`)."""
+        deadline = time.monotonic() + timeout_s
+        while self._weights[(id(engine), version)] > 0 and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+
+    def sharing(self, engine: Engine) -> list[str]:
+        """The scenarios served by `engine`."""
+        return sorted(name for name, s in self.scenarios.items() if s.engine is engine)
 
     @contextlib.contextmanager
     def using(self, engine: Engine, adapter: str | None) -> Iterator[None]:

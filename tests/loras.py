@@ -38,3 +38,22 @@ def make_other_base(out: Path) -> Path:
     torch.manual_seed(1)
     LlamaForCausalLM(config).save_pretrained(out, max_shard_size="100KB")
     return out
+
+
+def make_weights(base: Path, out: Path, *, seed: int = 0, scale: float = 0.05) -> Path:
+    """A full-weights folder for the model in `base`: its files, with seeded noise (times `scale` and each tensor's
+    own spread) added to every 2-D weight, so that greedy answers change while the architecture and tokenizer stay."""
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(base, out)
+    tensors = load_file(str(out / "model.safetensors"))
+    gen = torch.Generator().manual_seed(seed)
+    for name, value in tensors.items():
+        if value.dim() == 2 and value.is_floating_point():
+            noise = torch.randn(value.shape, generator=gen) * float(value.float().std()) * scale
+            tensors[name] = (value.float() + noise).to(value.dtype).contiguous()
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    return out

@@ -692,7 +692,7 @@ def test_publish_refuses_what_is_not_a_file_or_folder(reef: FakeReef, capsys: py
     code, out, err = cli(capsys, "--url", reef.url, "publish", "demo", "--adapter", str(folder))
     assert (code, out) == (1, "")
     assert err == (f"reefctl: refusing {odd}: not a regular file or folder\n" if kind == "fifo" else
-                   f"reefctl: refusing symbolic link {odd}: an adapter folder may hold only files and folders\n")
+                   f"reefctl: refusing symbolic link {odd}: a published folder may hold only files and folders\n")
     assert reef.seen == []
 
 

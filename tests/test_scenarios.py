@@ -46,14 +46,14 @@ def test_a_dropped_engine_stops_once_drained_or_is_taken_back(tmp_path: Path) ->
             await registry.start()
             first = registry.get("s")
             first.binding = Binding("r0-0000000")
-            with registry.serving(first):  # a request in flight on engine a
+            async with registry.serving(first):  # a request in flight on engine a
                 await registry.reload(b, bind)
                 out["moved"] = registry.get("s").engine is not first.engine and Tracked.stopped == []
                 await registry.reload(a, bind)  # a comes back while its request still runs
                 out["taken back"] = registry.get("s").engine is first.engine
             await asyncio.sleep(0.5)
             out["after drain"] = list(Tracked.stopped)  # b, unused and idle, stopped; a serves again
-            with registry.serving(registry.get("s")):
+            async with registry.serving(registry.get("s")):
                 await registry.reload(b, bind)  # a is dropped again, with a request in flight
                 await registry.stop()  # reefd stops before a drained: a is stopped all the same
             out["at stop"] = sorted(Tracked.stopped)

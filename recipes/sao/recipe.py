@@ -36,6 +36,9 @@ class SAOConfig:
                                                     "description": "Upper edge of the ratio band: 1 + eps_high."})
     critic_lr: float = field(default=1e-3, metadata={"exclusiveMinimum": 0,
                                                      "description": "Learning rate of the value head."})
+    target: str = field(default="lora", metadata={"enum": ["lora", "full"],
+                                                  "description": "lora: train a LoRA adapter; full: train every "
+                                                                 "parameter and publish full weights."})
     seed: int = 0
 
 
@@ -62,7 +65,8 @@ class SAO:
             lora={"r": c.lora_r, "alpha": c.lora_alpha, "dropout": 0.0, "target_modules": list(c.target_modules)},
             optim={"lr": c.lr, "weight_decay": c.weight_decay, "epochs": c.epochs, "micro_batch": c.micro_batch,
                    "max_grad_norm": c.max_grad_norm},
-            settings={"eps_low": c.eps_low, "eps_high": c.eps_high, "critic_lr": c.critic_lr}, seed=c.seed)
+            settings={"eps_low": c.eps_low, "eps_high": c.eps_high, "critic_lr": c.critic_lr}, seed=c.seed,
+            target=c.target)
 
 
 class GRPO(SAO):

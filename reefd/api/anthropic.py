@@ -240,7 +240,7 @@ async def messages(request: web.Request) -> web.StreamResponse:
     body = await read_json(request)
     check(_VALIDATOR, body)
     chat = to_chat_request(body)
-    with registry.serving(scenario) as binding:
+    async with registry.serving(scenario) as binding:
         return await serve_turn(request, scenario, binding, request.app[RECORDS],
                                 lambda receipt: AnthropicWire(receipt, scenario.name),
                                 body, chat, bool(body.get("stream")))

@@ -22,6 +22,7 @@ from reefd.engines import EngineError, EngineUnavailable
 from reefd.recipes import RecipeError
 from reefd.records import ReportConflict, StorageError, UnknownReceipt
 from reefd.releases import (
+    BaseMismatch,
     HeadConflict,
     InvalidName,
     NoRelease,
@@ -79,6 +80,9 @@ def from_domain(exc: Exception) -> ApiError | None:
             return ApiError(409, f"scenario {name!r} is pinned to {pin} by its file (release.pin); set "
                             "release.pin: null and reload reefd before publishing, rolling back or promoting",
                             code="scenario_pinned")
+        case BaseMismatch():
+            return ApiError(409, f"{exc}; nothing was written (train or publish it again on the weights served now)",
+                            code="base_mismatch")
         case NothingToRollBack():
             return ApiError(400, str(exc.args[0]), code="invalid_request", param="to")
         case WrongScenario():

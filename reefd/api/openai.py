@@ -177,7 +177,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     chat = to_chat_request(body, scenario.cfg)
     stream = bool(body.get("stream"))
     include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
-    with registry.serving(scenario) as binding:
+    async with registry.serving(scenario) as binding:
         return await serve_turn(request, scenario, binding, request.app[RECORDS],
                                 lambda receipt: OpenAIWire(receipt, scenario.name, include_usage),
                                 body, chat, stream)

@@ -24,9 +24,10 @@ from reefd.api.errors import ApiError, json_response, read_json
 from reefd.loop import CHAIN, REGISTRY
 from reefd.releases import Candidate, Release, validate_name
 from reefd.scenarios import Scenario
+from reefd.weights import InvalidWeights, check_weights
 
 MAX_UPLOAD = 8 << 30  # an artifact upload's size limit (LoRA adapters are megabytes; this leaves room)
-PUBLISH_KINDS = ("adapter",)
+PUBLISH_KINDS = ("adapter", "weights")
 
 
 def release_json(rel: Release) -> dict[str, Any]:
@@ -140,8 +141,9 @@ async def promote(request: web.Request) -> web.Response:
 
 
 async def publish(request: web.Request) -> web.Response:
-    """Publish an artifact uploaded as a tar of its folder (`?kind=adapter`): validated against the
-    scenario's base model first; a mismatch publishes nothing."""
+    """Publish an artifact uploaded as a tar of its folder (`?kind=adapter`, or `weights`: a full HF model
+    folder): validated against the scenario's base model first; a mismatch publishes nothing. An adapter is
+    taken as trained on the weights the head serves, and says so in its release."""
     scenario = _scenario(request)
     kind = request.query.get("kind", "adapter")
     if kind not in PUBLISH_KINDS:
@@ -150,10 +152,12 @@ async def publish(request: web.Request) -> web.Response:
     expected = _release_id(request.query.get("expected_head") or None, "expected_head")
     cand = Candidate(kind, {"source": "publish", "summary": request.query.get("summary", "")}, built_on=expected,
                      exact=expected is not None)
-    await _plan(request, scenario, cand)  # refused (pinned, a stale expected head) before the upload
+    plan = await _plan(request, scenario, cand)  # refused (pinned, a stale expected head) before the upload
+    code = "invalid_weights" if kind == "weights" else "invalid_adapter"
     if scenario.cfg.model.engine == "upstream":
+        what = "full weights" if kind == "weights" else "LoRA adapters"
         raise ApiError(400, f"scenario {scenario.name!r} is served by an upstream provider, which cannot "
-                       "serve LoRA adapters", code="invalid_adapter")
+                       f"serve {what}", code=code)
     model_dir = scenario.engine.model_folder()
     if model_dir is None:
         raise ApiError(503, f"scenario {scenario.name!r}: the model is still being prepared; retry shortly",
@@ -161,21 +165,24 @@ async def publish(request: web.Request) -> web.Response:
     chain = request.app[CHAIN]
     tmp = Path(await asyncio.to_thread(tempfile.mkdtemp, prefix="upload-", dir=chain.path / "lfs" / "tmp"))
     try:
-        folder = await _receive_tar(request, tmp)
+        folder = await _receive_tar(request, tmp, code)
         try:
-            warnings = await asyncio.to_thread(check_adapter, folder, model_dir)
-        except InvalidAdapter as exc:
-            problem = str(exc).replace(f"{folder}/", "").replace(str(folder), "the adapter folder")
-            raise ApiError(400, f"not published: {problem}", code="invalid_adapter") from None
+            check = check_weights if kind == "weights" else check_adapter
+            warnings = await asyncio.to_thread(check, folder, model_dir)
+        except (InvalidAdapter, InvalidWeights) as exc:
+            problem = str(exc).replace(f"{folder}/", "").replace(str(folder), f"the {kind} folder")
+            raise ApiError(400, f"not published: {problem}", code=code) from None
         base = (await asyncio.to_thread(chain.history, scenario.name))[-1]
         meta = {**cand.meta, "base_identity": base.meta.get("identity"), "warnings": warnings}
+        if kind == "adapter" and plan.head is not None:
+            meta["weights"] = await asyncio.to_thread(chain.weights, plan.head.id)
         rel = await loop.commit(request.app, scenario, dataclasses.replace(cand, meta=meta, artifact=folder))
     finally:
         await asyncio.to_thread(shutil.rmtree, tmp, True)
     return json_response(await _written(request, scenario, rel, warnings=warnings), status=201)
 
 
-async def _receive_tar(request: web.Request, tmp: Path) -> Path:
+async def _receive_tar(request: web.Request, tmp: Path, code: str) -> Path:
     """Stream the body to disk (up to MAX_UPLOAD), then unpack regular files and folders only."""
     ctype = request.content_type
     if ctype not in ("application/x-tar", "application/gzip", "application/x-gzip"):
@@ -190,13 +197,13 @@ async def _receive_tar(request: web.Request, tmp: Path) -> Path:
             await asyncio.to_thread(out.write, chunk)
     folder = tmp / "artifact"
     folder.mkdir()
-    await asyncio.to_thread(_unpack, archive, folder)
+    await asyncio.to_thread(_unpack, archive, folder, code)
     with contextlib.suppress(OSError):
         archive.unlink()
     return folder
 
 
-def _unpack(archive: Path, dest: Path) -> None:
+def _unpack(archive: Path, dest: Path, code: str) -> None:
     try:
         with tarfile.open(archive, "r:*") as tar:
             members = tar.getmembers()
@@ -204,13 +211,13 @@ def _unpack(archive: Path, dest: Path) -> None:
                 parts = Path(m.name).parts
                 if not (m.isfile() or m.isdir()):
                     raise ApiError(400, f"{m.name}: only regular files and folders may be uploaded "
-                                   "(no links or devices)", code="invalid_adapter")
+                                   "(no links or devices)", code=code)
                 if Path(m.name).is_absolute() or ".." in parts or "\0" in m.name:
                     raise ApiError(400, f"{m.name!r}: archive paths must stay inside the artifact folder",
-                                   code="invalid_adapter")
+                                   code=code)
             if sum(m.size for m in members) > MAX_UPLOAD:
                 raise ApiError(413, f"the unpacked artifact exceeds {MAX_UPLOAD >> 30} GiB", code="invalid_request")
             tar.extractall(dest, members=members, filter="data")
     except (tarfile.TarError, EOFError, OSError) as exc:
         raise ApiError(400, f"not published: the upload is not a readable tar archive ({exc})",
-                       code="invalid_adapter") from None
+                       code=code) from None

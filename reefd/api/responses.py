@@ -306,7 +306,7 @@ async def create(request: web.Request) -> web.StreamResponse:
     check(_VALIDATOR, body)
     store = request.app[RECORDS]
     chat = to_chat_request(body, scenario.cfg, await asyncio.to_thread(_prior, store, scenario, body))
-    with registry.serving(scenario) as binding:
+    async with registry.serving(scenario) as binding:
         return await serve_turn(request, scenario, binding, store,
                                 lambda receipt: ResponsesWire(receipt, scenario.name, body, chat),
                                 body, chat, bool(body.get("stream")))

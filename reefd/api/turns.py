@@ -91,6 +91,7 @@ def new_record(request: web.Request, scenario: Scenario, binding: Binding, recei
             if k.lower().startswith(prefix)}
     return {"id": receipt, "scenario": scenario.name, "release": binding.release, "adapter": binding.adapter,
             "harness": binding.release if binding.harness is not None and scenario.cfg.harness.inject else None,
+            "weights": binding.weights_version,
             "engine": scenario.engine.kind, "model": scenario.cfg.model.name, "api": api,
             "requested_model": body.get("model"),
             "created_at": time.time(), **placement.fields(),
@@ -126,6 +127,7 @@ def finish_record(record: dict[str, Any], c: Completion, answer: dict[str, Any],
         "completion_logprobs": c.completion_logprobs,
         **top_k_fields(c),
         "usage": {"prompt_tokens": c.prompt_tokens, "completion_tokens": c.completion_tokens},
+        **({"engine_weights": c.weight_version} if c.weights_reported else {}),
         "latency_s": round(now - started, 6),
         "ttft_s": round(ttft - started, 6) if ttft is not None else None,
         "finished_at": time.time()})
@@ -179,8 +181,10 @@ async def serve_turn(request: web.Request, scenario: Scenario, binding: Binding,
     turn = Served(request.app[CONVERSATIONS], store, record, placement)
     headers = {RECEIPT_HEADER: record["id"], RELEASE_HEADER: binding.release}
     started = time.monotonic()
+    # an engine that swaps weights answers on the binding's weights only (a swap may be rolling across replicas)
+    on_weights = {"weights": binding.weights_version} if hasattr(scenario.engine, "swap_weights") else {}
     events = scenario.engine.generate(chat, stream=stream, timeout_s=scenario.cfg.serve.request_timeout_s,
-                                      adapter=binding.adapter)
+                                      adapter=binding.adapter, **on_weights)
     try:
         first = await anext(events)  # engine refusals become proper statuses, not broken streams
     except StopAsyncIteration:

@@ -18,6 +18,9 @@ from reefd import plugins
 from reefd.chat import ChatRequest, Completion
 
 MODEL_SOURCES = ["tiny", "smollm2"]
+ANY_WEIGHTS = "*"
+"""`generate(weights=...)` default: whatever weights serve new requests now. A binding passes its own version
+instead (a release id; None: the weights the engine was launched with), so an answer never comes from others."""
 TOOL_PARSERS = ["hermes"]
 
 
@@ -144,6 +147,9 @@ class Engine(Protocol):
     exactly one Completion; it raises EngineUnavailable before yielding anything when the
     engine is not ready. `start` returns promptly (start-up continues in the background);
     `stop` ends anything the engine launched. `describe` is for status pages.
+
+    Engines that serve full-weight releases also have `swap_weights` and `admit` (see SGLangEngine), and take
+    `weights=` in `generate`; the reconciler refuses weights releases on engines without them.
     """
 
     kind: str

@@ -41,11 +41,16 @@ class Replica:
     supervisor: Supervisor | None = None
     worker_id: str | None = None  # the router's id for it, while it is in the router
     attached: bool = False
-    state: str = "starting"  # starting | ready | unhealthy | restarting | stopped
+    # starting | ready | unhealthy | restarting | stopped; during a weights swap also updating (out of the router),
+    # standby (updated, waiting for the switch) and draining (old weights, out of the router, finishing requests)
+    state: str = "starting"
+    weights: str | None = None  # the weight version it serves (a release id; None: the weights it launched with)
+    direct: int = 0  # requests sent to it directly (a request on old weights during a swap), in flight
 
     def describe(self) -> dict[str, Any]:
         sup = self.supervisor
         return {"replica": self.index, "url": self.url, "state": self.state, "in_router": self.worker_id is not None,
+                "weights": self.weights,
                 "attached": self.attached, "pid": sup.pid if sup else None, "restarts": sup.restarts if sup else 0,
                 "last_error": sup.last_error if sup else None}
 
@@ -155,12 +160,12 @@ class Replicas:
                 if r.status >= 300:
                     raise RuntimeError(f"the router refused {replica.url}: {r.status} {body}")
             replica.worker_id = body.get("worker_id")
-            # the router adds a worker in the background: wait until it lists it
-            for _ in range(100):
+            # the router adds a worker in the background (listed after ~10 ms here): wait until it lists it
+            for _ in range(1000):
                 if replica.url in await self._listed(router):
                     log.info("%s: replica %d (%s) joined the router", self.name, replica.index, replica.url)
                     return
-                await asyncio.sleep(0.1)
+                await asyncio.sleep(0.01)
             raise RuntimeError(f"the router did not list {replica.url} within 10 s")
 
     async def _remove(self, replica: Replica) -> None:
@@ -230,6 +235,19 @@ class Replicas:
                 if failures >= 3 and replica.state == "ready":
                     await self._left(replica, "3 failed health checks")
             await asyncio.sleep(Supervisor.HEALTH_INTERVAL_S if replica.state == "ready" else 2.0)
+
+    # ------------------------------------------------------------ a weights swap moves replicas in and out
+
+    async def leave(self, replica: Replica, state: str) -> None:
+        """Take a serving replica out of the router (its running requests go on): `updating` or `draining`."""
+        replica.state = state
+        await self._remove(replica)
+
+    async def join(self, replica: Replica) -> None:
+        """Put an updated replica (back) into the router."""
+        replica.state = "ready"
+        if self.router_url:
+            await self._add(self.router_url, replica)
 
     # ------------------------------------------------------------ what the engine asks
 

@@ -14,8 +14,10 @@ import json
 import logging
 import os
 import sys
+import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -23,8 +25,16 @@ import aiohttp
 import orjson
 
 from reefd.chat import ChatRequest, ChatTemplate, Completion, TemplateError, parse_tool_calls
-from reefd.engines import ContextLengthExceeded, EngineError, EngineUnavailable, ModelConfig, Prompt, retry_after
-from reefd.engines.replicas import ROUTING_HEADER, Replicas
+from reefd.engines import (
+    ANY_WEIGHTS,
+    ContextLengthExceeded,
+    EngineError,
+    EngineUnavailable,
+    ModelConfig,
+    Prompt,
+    retry_after,
+)
+from reefd.engines.replicas import ROUTING_HEADER, Replica, Replicas
 from reefd.engines.stream import StreamGuard
 from reefd.engines.supervisor import Supervisor, die_with_parent
 from reefd.worker.prepare import is_complete
@@ -63,6 +73,11 @@ class SGLangClient:
 
     async def _lora(self, path: str, body: dict[str, Any], timeout_s: float) -> None:
         """SGLang's LoRAUpdateOutput: {success, error_message, loaded_adapters}; failures raise EngineError."""
+        await self._admin_call(path, body, timeout_s, "error_message")
+
+    async def _admin_call(self, path: str, body: dict[str, Any], timeout_s: float, message_key: str) -> None:
+        """An SGLang admin route answering {success, <message_key>, ...}: failures raise EngineError (the server
+        answered) or EngineUnavailable (it did not)."""
         try:
             async with self.session.post(f"{self.base_url}{path}", json=body,
                                          timeout=aiohttp.ClientTimeout(total=timeout_s)) as r:
@@ -74,9 +89,24 @@ class SGLangClient:
         except orjson.JSONDecodeError:
             answer = {}
         if r.status != 200 or not isinstance(answer, dict) or not answer.get("success"):
-            message = answer.get("error_message") if isinstance(answer, dict) else None
+            message = answer.get(message_key) if isinstance(answer, dict) else None
             raise EngineError(f"{path} failed ({r.status}): {message or raw[:300].decode(errors='replace')}",
                               status=400 if 400 <= r.status < 500 else 502)
+
+    async def update_weights_from_disk(self, path: Path, version: str | None, timeout_s: float = 900.0) -> None:
+        """SGLang's UpdateWeightFromDiskReqInput: the server waits for its running requests, then loads `path`;
+        `weight_version` names the weights in every answer's meta_info afterwards. Failures raise EngineError and
+        leave the old weights serving."""
+        body: dict[str, Any] = {"model_path": str(path), "abort_all_requests": False}
+        if version is not None:
+            body["weight_version"] = version
+        await self._admin_call("/update_weights_from_disk", body, timeout_s, "message")
+
+    async def server_info(self, timeout_s: float = 10.0) -> dict[str, Any]:
+        async with self.session.get(f"{self.base_url}/get_server_info",
+                                    timeout=aiohttp.ClientTimeout(total=timeout_s)) as r:
+            info = orjson.loads(await r.read())
+        return info if isinstance(info, dict) else {}
 
     async def loaded_adapters(self) -> set[str] | None:
         """The adapters the server reports loaded (`/get_server_info`), or None when it does not say."""
@@ -166,6 +196,18 @@ def sampling_params(req: ChatRequest) -> dict[str, Any]:
     return params
 
 
+@dataclass(frozen=True)
+class Weights:
+    """The weights an engine serves to new requests."""
+
+    version: str | None = None  # the release id they were swapped in as (None: the weights it launched with)
+    path: Path | None = None  # their folder (None: the model folder it launched with)
+
+
+Drained = Callable[[str | None], Awaitable[None]]
+"""drained(version): returns once no request taken on that weight version is in flight (reefd's own count)."""
+
+
 class SGLangEngine:
     """`engine: worker` (launched `reefd.worker`) or `engine: sglang` (launched or attached)."""
 
@@ -183,8 +225,12 @@ class SGLangEngine:
         self._task: asyncio.Task[None] | None = None
         self.adapters: dict[str, Path] = {}  # loaded LoRA adapters, put back after every restart
         self.replicas: Replicas | None = None  # several replicas behind sglang-router (model.replicas, workers)
-        self._admin = asyncio.Lock()  # adapter changes, and the replicas' repair pass, one at a time
+        self._admin = asyncio.Lock()  # adapter and weight changes, and the replicas' repair pass, one at a time
         self.repairs = 0
+        self.weights = Weights()  # what new requests get; a (re)started process is given them before it serves
+        self._admission = asyncio.Event()  # cleared while one engine process loads new weights: new requests wait
+        self._admission.set()
+        self.last_swap: dict[str, Any] | None = None  # the last weights swap: when, how long, how long requests held
 
     # ------------------------------------------------------------ lifecycle
 
@@ -306,18 +352,34 @@ class SGLangEngine:
             joined()
 
     async def _restore(self, url: str) -> None:
-        """A fresh process has no adapters: load the ones this engine serves before it takes requests (an attached
-        engine that kept running may have some already; those are not loaded twice)."""
+        """A fresh process has the launch weights and no adapters: give it the weights and the adapters this
+        engine serves before it takes requests (an attached engine that kept running may have them already;
+        those are not loaded twice)."""
         client = SGLangClient(self.session, url)
         have: set[str] = set()
+        info: dict[str, Any] = {}
         if self.replicas is not None:
             with contextlib.suppress(aiohttp.ClientError, TimeoutError, ValueError):
-                have = await client.loaded_adapters() or set()
+                info = await client.server_info()
+                have = set(info.get("loaded_adapters") or ())
+        if self.weights.version is not None and info.get("weight_version") != self.weights.version:
+            await client.update_weights_from_disk(self._weights_path(self.weights), self.weights.version)
+            log.info("%s: restored weights %s", self.cfg.name, self.weights.version)
+        if self.replicas is not None:
+            for replica in self.replicas.replicas:
+                if replica.url == url:
+                    replica.weights = self.weights.version
         for name, path in list(self.adapters.items()):
             if name in have:
                 continue
             await client.load_lora_adapter(name, path)
             log.info("%s: restored adapter %s", self.cfg.name, name)
+
+    def _weights_path(self, weights: Weights) -> Path:
+        path = weights.path or self.model_dir
+        if path is None:
+            raise EngineUnavailable(f"engine for model {self.cfg.name!r} has no model folder yet")
+        return path
 
     async def load_adapter(self, name: str, path: Path) -> None:
         async with self._admin:
@@ -327,10 +389,163 @@ class SGLangEngine:
         async with self._admin:
             await self._unload_adapter(name)
 
+    # ------------------------------------------------------------ full weights
+
+    async def admit(self) -> None:
+        """Wait while new weights load into a single engine process (new requests are held, not refused)."""
+        await self._admission.wait()
+
+    async def swap_weights(self, path: Path | None, version: str, adapter: tuple[str, Path] | None,
+                           switch: Callable[[], None], drained: Drained) -> dict[str, Any]:
+        """Serve the weights at `path` (None: the launch model's) as `version`, with `adapter` (name, folder) as
+        the only adapter on them; the adapters of the old weights are dropped. `switch()` is called at the moment
+        new requests get the new weights, so the caller moves its binding then. Returns what the swap measured.
+
+        One process: new requests are held (`admit`) while the requests taken on the old weights finish and the
+        new ones load. Replicas: a rolling swap that holds nothing (`_roll`). A failure leaves the old weights
+        serving and raises."""
+        async with self._admin:
+            self._client()  # not ready: EngineUnavailable
+            started = time.monotonic()
+            if self.replicas is None:
+                report = await self._swap_one(path, version, adapter, switch, drained)
+            else:
+                report = await self._roll(path, version, adapter, switch, drained)
+            report.update(version=version, total_s=round(time.monotonic() - started, 3), at=time.time())
+            self.last_swap = report
+            log.info("%s: now serving weights %s (%s)", self.cfg.name, version, report)
+            return report
+
+    async def _swap_one(self, path: Path | None, version: str, adapter: tuple[str, Path] | None,
+                        switch: Callable[[], None], drained: Drained) -> dict[str, Any]:
+        client, old = self._client(), self.weights
+        new = Weights(version, path)
+        self._admission.clear()
+        held = time.monotonic()
+        try:
+            await drained(old.version)
+            await client.update_weights_from_disk(self._weights_path(new), version)
+            try:
+                for name in list(self.adapters):  # made for the old weights; nothing uses them any more
+                    await client.unload_lora_adapter(name)
+                    del self.adapters[name]
+                if adapter is not None:
+                    await client.load_lora_adapter(*adapter)
+                    self.adapters[adapter[0]] = adapter[1]
+            except BaseException:
+                await client.update_weights_from_disk(self._weights_path(old), old.version)
+                raise
+            self.weights = new
+            switch()
+        finally:
+            self._admission.set()
+        return {"replicas": 1, "held_s": round(time.monotonic() - held, 3)}
+
+    async def _roll(self, path: Path | None, version: str, adapter: tuple[str, Path] | None,
+                    switch: Callable[[], None], drained: Drained) -> dict[str, Any]:
+        """A rolling swap. Half the replicas (at least one) are updated one at a time out of the router; then, in
+        one step, they return to it while the others leave it, and new requests get the new weights. The others
+        finish the requests taken on the old weights (reefd sends them there directly), then are updated one at a
+        time and return. No request waits, and none is answered by weights other than those it was taken on."""
+        assert self.replicas is not None
+        serving = [r for r in self.replicas.replicas if r.state == "ready" and r.worker_id is not None]
+        if not serving:
+            raise EngineUnavailable(f"engine for model {self.cfg.name!r}: no replica serves", retry_after=2)
+        first, rest = serving[:max(1, len(serving) // 2)], serving[max(1, len(serving) // 2):]
+        old, new = self.weights, Weights(version, path)
+        old_adapters = dict(self.adapters)
+        done: list[Replica] = []
+        try:
+            for replica in first:
+                await self.replicas.leave(replica, "updating")
+                await self._update(replica, new, adapter)
+                replica.state = "standby"
+                done.append(replica)
+        except BaseException:
+            for replica in [*done, *(r for r in first if r.state == "updating")]:
+                await self._revert(replica, old, old_adapters)
+            raise
+        switched = time.monotonic()
+        for replica in done:
+            await self.replicas.join(replica)
+        for replica in rest:
+            await self.replicas.leave(replica, "draining")
+        self.weights = new
+        self.adapters = {adapter[0]: adapter[1]} if adapter is not None else {}
+        switch()
+        switch_s = time.monotonic() - switched
+        drain = time.monotonic()
+        await drained(old.version)  # requests taken on the old weights, sent to the draining replicas, finish
+        drain_s = time.monotonic() - drain
+        for replica in rest:
+            replica.state = "updating"
+            try:
+                await self._update(replica, new, adapter)
+                await self.replicas.join(replica)
+            except Exception as exc:  # restarted: a fresh process is given the new weights before it joins
+                log.error("%s: replica %d did not take weights %s (%s); restarting it", self.cfg.name,
+                          replica.index, version, exc)
+                replica.state = "restarting"
+                if replica.supervisor is not None:
+                    replica.supervisor.kill(f"weights update failed: {exc}")
+        return {"replicas": len(serving), "held_s": 0.0, "switch_s": round(switch_s, 3),
+                "drain_s": round(drain_s, 3)}
+
+    async def _update(self, replica: Replica, weights: Weights, adapter: tuple[str, Path] | None) -> None:
+        """One replica out of the router: its running requests finish, then the weights load, its adapters become
+        `adapter` alone, and a generate checks it."""
+        client = SGLangClient(self.session, replica.url)
+        await self._idle(replica)
+        await client.update_weights_from_disk(self._weights_path(weights), weights.version)
+        replica.weights = weights.version
+        for name in sorted(await client.loaded_adapters() or ()):
+            await client.unload_lora_adapter(name)
+        if adapter is not None:
+            await client.load_lora_adapter(*adapter)
+        if not await client.healthy():
+            raise EngineError(f"replica {replica.index} does not generate after its weights update")
+        info = await client.server_info()
+        if "weight_version" in info and info["weight_version"] != weights.version:
+            raise EngineError(f"replica {replica.index} reports weights {info['weight_version']}, "
+                              f"not {weights.version}")
+
+    async def _revert(self, replica: Replica, weights: Weights, adapters: dict[str, Path]) -> None:
+        """Put a replica back on the old weights and adapters after a failed swap (or restart it)."""
+        assert self.replicas is not None
+        try:
+            client = SGLangClient(self.session, replica.url)
+            if replica.weights != weights.version:
+                await client.update_weights_from_disk(self._weights_path(weights), weights.version)
+                replica.weights = weights.version
+            have = await client.loaded_adapters() or set()
+            for name in sorted(have - set(adapters)):
+                await client.unload_lora_adapter(name)
+            for name, folder in adapters.items():
+                if name not in have:
+                    await client.load_lora_adapter(name, folder)
+            await self.replicas.join(replica)
+        except Exception as exc:
+            log.error("%s: replica %d could not be put back (%s); restarting it", self.cfg.name, replica.index, exc)
+            replica.state = "restarting"
+            if replica.supervisor is not None:
+                replica.supervisor.kill(f"weights revert failed: {exc}")
+
+    async def _idle(self, replica: Replica, timeout_s: float = 900.0) -> None:
+        """Until a replica out of the router has finished its requests (as its server info counts them; a server
+        that does not count them waits in its own update, as SGLang's does)."""
+        deadline = time.monotonic() + timeout_s
+        client = SGLangClient(self.session, replica.url)
+        while time.monotonic() < deadline:
+            info = await client.server_info()
+            if "running_requests" not in info or \
+                    (replica.direct == 0 and not info.get("running_requests") and not info.get("waiting_requests")):
+                return
+            await asyncio.sleep(0.02)
+
     async def repair(self) -> list[str]:
-        """A reconcile pass over the replicas: each serving replica's loaded adapters against the ones this engine
-        serves. A missing adapter is loaded and one no longer served is unloaded; returns what was repaired. A
-        replica that does not report its adapters is left alone."""
+        """A reconcile pass over the replicas: each serving replica's weight version and loaded adapters against
+        what this engine serves. Other weights are replaced, a missing adapter is loaded and one no longer served
+        is unloaded; returns what was repaired. What a replica does not report is left alone."""
         if self.replicas is None:
             return []
         done: list[str] = []
@@ -338,11 +553,16 @@ class SGLangEngine:
             for url in self.replicas.urls():
                 client = SGLangClient(self.session, url)
                 try:
-                    loaded = await client.loaded_adapters()
+                    info = await client.server_info()
                 except (aiohttp.ClientError, TimeoutError, ValueError):
                     continue
-                if loaded is None:
+                if "weight_version" in info and info["weight_version"] != self.weights.version:
+                    await client.update_weights_from_disk(self._weights_path(self.weights), self.weights.version)
+                    done.append(f"{url}: weights {info['weight_version']} -> {self.weights.version}")
+                found = info.get("loaded_adapters")
+                if not isinstance(found, dict | list):
                     continue
+                loaded = set(found)
                 for name, path in self.adapters.items():
                     if name not in loaded:
                         await client.load_lora_adapter(name, path)
@@ -422,8 +642,9 @@ class SGLangEngine:
                     "model_dir": str(self.model_dir) if self.model_dir else None,
                     "context_length": self.context_length, "adapters": sorted(self.adapters),
                     "last_error": router.last_error if router else None, "replicas": self.replicas.describe(),
+                    "weights": self.weights.version, "last_swap": self.last_swap,
                     "repairs": self.repairs}
-        return {"kind": self.kind, "state": self.state,
+        return {"kind": self.kind, "state": self.state, "weights": self.weights.version, "last_swap": self.last_swap,
                 "url": sup.url if sup else (self.cfg.url or ""),
                 "restarts": sup.restarts if sup else 0, "pid": sup.pid if sup else None,
                 "model_dir": str(self.model_dir) if self.model_dir else None,
@@ -477,9 +698,59 @@ class SGLangEngine:
         except TemplateError as exc:
             raise EngineError(str(exc), status=400) from exc
 
-    async def generate(self, req: ChatRequest, *, stream: bool = True, timeout_s: float = 600.0,
-                       adapter: str | None = None) -> AsyncIterator[Prompt | str | Completion]:
+    def _route(self, weights: str | None, tried: set[int]) -> tuple[SGLangClient, Replica | None]:
+        """Where a request on `weights` goes: the router (or the one process) while they are the serving weights,
+        else straight to a replica that still has them (a request taken just before a rolling swap switched)."""
         client = self._client()
+        if self.replicas is None or weights == ANY_WEIGHTS or (weights == self.weights.version and -1 not in tried):
+            return client, None
+        found = [r for r in self.replicas.replicas
+                 if r.state in ("ready", "draining") and r.url and r.weights == weights and r.index not in tried]
+        if not found:
+            raise EngineUnavailable(f"engine for model {self.cfg.name!r}: the weights "
+                                    f"{weights or 'it launched with'} no longer serve; retry", retry_after=1)
+        replica = min(found, key=lambda r: r.direct)
+        return SGLangClient(self.session, replica.url), replica
+
+    async def _open(self, payload: dict[str, Any], timeout_s: float, routing_key: str | None,
+                    weights: str | None) -> tuple[dict[str, Any], AsyncIterator[dict[str, Any]], Replica | None]:
+        """The first chunk of the answer, the rest, and the replica it was sent to directly (if it was). An answer
+        whose first chunk names other weights than `weights` (the router picked a replica that had just switched)
+        is dropped and the request is sent again where those weights still serve."""
+        tried: set[int] = set()
+        while True:
+            client, replica = self._route(weights, tried)
+            headers = {ROUTING_HEADER: routing_key} if routing_key and replica is None and self.replicas else None
+            if replica is not None:
+                replica.direct += 1
+            chunks = client.generate(payload, timeout_s, headers)
+            try:
+                first = await anext(chunks)
+            except StopAsyncIteration:
+                if replica is not None:
+                    replica.direct -= 1
+                raise EngineError("the engine answered without any output") from None
+            except BaseException:
+                if replica is not None:
+                    replica.direct -= 1
+                await chunks.aclose()  # type: ignore[attr-defined]
+                raise
+            meta = first.get("meta_info") or {}
+            if weights == ANY_WEIGHTS or "weight_version" not in meta or meta["weight_version"] == weights or \
+                    self.replicas is None:
+                return first, chunks, replica
+            await chunks.aclose()  # type: ignore[attr-defined]
+            if replica is not None:
+                replica.direct -= 1
+            log.info("%s: a request on weights %s reached weights %s; sent again", self.cfg.name, weights,
+                     meta["weight_version"])
+            tried.add(-1 if replica is None else replica.index)
+            payload = {**payload, "rid": uuid.uuid4().hex}
+
+    async def generate(self, req: ChatRequest, *, stream: bool = True, timeout_s: float = 600.0,
+                       adapter: str | None = None, weights: str | None = ANY_WEIGHTS
+                       ) -> AsyncIterator[Prompt | str | Completion]:
+        self._client()  # not ready: EngineUnavailable
         assert self.template is not None
         try:
             prompt_ids = self.template.prompt_ids(req)
@@ -499,18 +770,31 @@ class SGLangEngine:
         if req.top_logprobs > 0:
             payload["top_logprobs_num"] = req.top_logprobs
         tools_on = bool(req.tools) and req.tool_choice != "none"
+        first, chunks, replica = await self._open(payload, timeout_s, req.routing_key, weights)
+        try:
+            async for out in self._decode(first, chunks, prompt_ids, req, stream, tools_on):
+                yield out
+        finally:
+            if replica is not None:
+                replica.direct -= 1
+            await chunks.aclose()  # type: ignore[attr-defined]
+
+    async def _decode(self, first: dict[str, Any], chunks: AsyncIterator[dict[str, Any]], prompt_ids: list[int],
+                      req: ChatRequest, stream: bool, tools_on: bool) -> AsyncIterator[Prompt | str | Completion]:
         guard = StreamGuard(req.stop, hold_tool_markup=tools_on)
         text = ""
         ids: list[int] = []
         logprobs: list[float | None] = []
         top: list[Any] = []
         meta: dict[str, Any] = {}
-        started = False
-        headers = {ROUTING_HEADER: req.routing_key} if req.routing_key and self.replicas is not None else None
-        async for chunk in client.generate(payload, timeout_s, headers):
-            if not started:  # failures before the first chunk raise before anything is yielded
-                started = True
-                yield Prompt(len(prompt_ids))
+        yield Prompt(len(prompt_ids))
+
+        async def every() -> AsyncIterator[dict[str, Any]]:
+            yield first
+            async for chunk in chunks:
+                yield chunk
+
+        async for chunk in every():
             meta = chunk.get("meta_info") or {}
             new_ids = chunk.get("output_ids") or []
             new_lps = meta.get("output_token_logprobs") or []
@@ -531,8 +815,6 @@ class SGLangEngine:
                 out = guard.feed(delta)
                 if out:
                     yield out
-        if not started:
-            raise EngineError("the engine answered without any output")
         completion = self._finish(text, ids, logprobs, meta, prompt_ids, req, tools_on)
         if req.top_logprobs > 0:
             captured = top_k_rows(top, len(ids), req.top_logprobs)
@@ -560,5 +842,6 @@ class SGLangEngine:
             prompt_tokens=int(meta.get("prompt_tokens", len(prompt_ids))),
             completion_tokens=int(meta.get("completion_tokens", len(ids))),
             raw_text=text, prompt_token_ids=prompt_ids, completion_token_ids=ids,
-            completion_logprobs=logprobs if len(logprobs) == len(ids) else None)
+            completion_logprobs=logprobs if len(logprobs) == len(ids) else None,
+            weight_version=meta.get("weight_version"), weights_reported="weight_version" in meta)
 

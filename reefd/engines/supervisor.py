@@ -172,6 +172,12 @@ class Supervisor:
         await self._terminate()
         return False
 
+    def kill(self, why: str) -> None:
+        """Kill the process now (it is restarted as after a crash): for one left in a state reefd cannot repair."""
+        if self._proc is not None and self._proc.returncode is None:
+            self.last_error = why
+            self._proc.kill()
+
     async def _terminate(self, grace_s: float = 10.0) -> None:
         proc = self._proc
         if proc is None or proc.returncode is not None:

@@ -137,8 +137,8 @@ def staged(out: Path) -> Iterator[Path]:
     os.chmod(tmp, 0o777 & ~umask)  # mkdtemp's 0700 would follow the folder into the release chain
     try:
         yield tmp
-        for path in tmp.iterdir():
-            os.chmod(path, 0o666 & ~umask)  # safetensors writes 0600
+        for path in sorted(tmp.rglob("*"), reverse=True):  # files before the folders that hold them
+            os.chmod(path, (0o777 if path.is_dir() else 0o666) & ~umask)  # safetensors writes 0600
             _fsync(path)
         _fsync(tmp)
         os.rename(tmp, out)  # atomic; replaces an empty `out`, fails on a non-empty one

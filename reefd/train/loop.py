@@ -9,9 +9,11 @@ candidate folder finally lands.
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import math
 import os
+import shutil
 import time
 import warnings
 from collections import OrderedDict
@@ -26,6 +28,7 @@ from reefd.train import NonFinite
 from reefd.train.batch import Batch, collate
 from reefd.train.objective import Context, Objective, Outputs, resolve
 from reefd.train.spec import SpecError, TrainSpec
+from reefd.weights import OBJECTIVE_FOLDER, TOKENIZER_FILES
 
 Emit = Callable[[dict[str, Any]], None]
 # Heads that are not a plain `lm_head(h)`: use the model's own forward for their logits.
@@ -33,29 +36,41 @@ _SCALED_LOGITS = ("final_logit_softcapping", "logit_scale", "logits_scaling")
 
 
 class Policy:
-    """The base model with its LoRA (fresh from spec.lora, or continued from init_adapter)."""
+    """The base model with its LoRA (fresh from spec.lora, or continued from init_adapter); with `target: full`,
+    every parameter of the base (an init_adapter merged in first) and a frozen copy as the reference."""
 
     def __init__(self, spec: TrainSpec) -> None:
+        self.full = spec.target == "full"
+        self.frozen: Any = None
+        self.model: Any
         from peft import LoraConfig, PeftModel, get_peft_model
         from transformers import AutoModelForCausalLM
         from transformers.utils import logging as hf_logging
 
         hf_logging.disable_progress_bar()
+        self.base_model = spec.base_model
         base: Any = AutoModelForCausalLM.from_pretrained(
-            spec.base_model, local_files_only=True, dtype=torch.float32, attn_implementation="sdpa"
-        ).float()
+            spec.base_model, local_files_only=True, dtype="auto", attn_implementation="sdpa"
+        )
+        self.dtype = base.config.dtype if hasattr(base.config, "dtype") else None
+        base = base.float()
         with warnings.catch_warnings():
             # peft 0.21 reads transformers' deprecated `is_gradient_checkpointing`
             warnings.filterwarnings("ignore", ".*is_gradient_checkpointing.*", FutureWarning)
-            if spec.init_adapter is not None:
-                self.model: Any = PeftModel.from_pretrained(base, str(spec.init_adapter), is_trainable=True)
+            if self.full:
+                if spec.init_adapter is not None:  # what serves: the adapter folded into the weights
+                    base = PeftModel.from_pretrained(base, str(spec.init_adapter)).merge_and_unload()
+                self.frozen = copy.deepcopy(base).eval().requires_grad_(False)
+                self.model = base.requires_grad_(True)
+            elif spec.init_adapter is not None:
+                self.model = PeftModel.from_pretrained(base, str(spec.init_adapter), is_trainable=True)
             else:
                 lora = spec.lora
                 config = LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
                                     target_modules=list(lora.target_modules), task_type="CAUSAL_LM")
                 self.model = get_peft_model(base, config)
         self.model.train()
-        self.causal_lm: Any = self.model.get_base_model()
+        self.causal_lm: Any = self.model if self.full else self.model.get_base_model()
         self.config = self.causal_lm.config
         self.plain_head = not any(getattr(self.config, k, None) for k in _SCALED_LOGITS)
         self.hidden_size = int(self.config.hidden_size)
@@ -66,19 +81,21 @@ class Policy:
         if not self.params:
             raise ValueError("the adapter has no trainable parameters")
 
-    def forward(self, batch: Batch, own_top: int = 0) -> Outputs:
+    def forward(self, batch: Batch, own_top: int = 0, model: Any = None) -> Outputs:
         """Log-probs [B, T] of the completion tokens, the hidden states [B, T, H] that predict them, the
         log-probs [B, T, K] of the batch's top-K ids when it has them, and with `own_top` the model's own
         `own_top` most likely ids at each completion position."""
         index = batch.positions.unsqueeze(-1)
+        causal_lm = self.causal_lm if model is None else model
         if self.plain_head:  # the LM head only where a completion token is predicted
-            out = self.causal_lm.get_decoder()(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
-                                               use_cache=False)
+            out = causal_lm.get_decoder()(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
+                                          use_cache=False)
             hidden = out.last_hidden_state.gather(1, index.expand(-1, -1, self.hidden_size))
-            logits = self.causal_lm.get_output_embeddings()(hidden).float()
+            logits = causal_lm.get_output_embeddings()(hidden).float()
         else:
-            out = self.model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False,
-                             output_hidden_states=True)
+            call = self.model if model is None else model
+            out = call(input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False,
+                       output_hidden_states=True)
             hidden = out.hidden_states[-1].gather(1, index.expand(-1, -1, self.hidden_size))
             logits = out.logits.float().gather(1, index.expand(-1, -1, out.logits.shape[-1]))
         picked = logits.gather(-1, batch.completion.unsqueeze(-1)).squeeze(-1)
@@ -88,9 +105,14 @@ class Policy:
         return Outputs(picked - norm, hidden, top, own)
 
     def reference(self, batch: Batch, own_top: int = 0) -> Outputs:
-        """`forward` under the frozen base model: the adapter disabled, no gradient."""
-        with torch.no_grad(), self.model.disable_adapter():
-            out = self.forward(batch, own_top)
+        """`forward` under the frozen base model (the adapter disabled, or the copy kept before training), no
+        gradient."""
+        if self.full:
+            with torch.no_grad():
+                out = self.forward(batch, own_top, self.frozen)
+        else:
+            with torch.no_grad(), self.model.disable_adapter():
+                out = self.forward(batch, own_top)
         return Outputs(out.logp.detach(), out.hidden.detach(),
                        None if out.top_logp is None else out.top_logp.detach(), out.own_top_ids)
 
@@ -118,6 +140,21 @@ class Trained:
     optimizers: dict[str, Any] = field(default_factory=dict)
 
     def save(self, folder: Path) -> None:
+        if self.policy.full:  # a full HF model folder, in the base's dtype, with the base's tokenizer
+            model = self.policy.causal_lm
+            if isinstance(self.policy.dtype, torch.dtype):
+                model = model.to(self.policy.dtype)
+            model.save_pretrained(str(folder), safe_serialization=True)
+            for name in TOKENIZER_FILES:
+                source = Path(self.policy.base_model) / name
+                if source.is_file():
+                    shutil.copyfile(source, folder / name)
+            own = folder / OBJECTIVE_FOLDER  # engines read the top level only: the objective's files go apart
+            own.mkdir()
+            self.objective.save(own)
+            if not any(own.iterdir()):
+                own.rmdir()
+            return
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", ".*is_gradient_checkpointing.*", FutureWarning)
             self.policy.model.save_pretrained(str(folder), safe_serialization=True)
@@ -161,7 +198,12 @@ def train(spec: TrainSpec, emit: Emit, fault: str | None = None) -> Trained:
                   for s in spec.samples)
     if too_big >= policy.vocab_size:
         raise SpecError(f"samples: token id {too_big} is outside the model's vocabulary ({policy.vocab_size})")
-    objective: Objective = objective_cls(settings, Context(spec.samples, policy.hidden_size, spec.init_adapter,
+    # the files the objective saved last time: beside the adapter it continues from, or (full weights) in the
+    # weights folder's objective/ folder
+    previous = spec.init_adapter
+    if previous is None and spec.target == "full" and (spec.base_model / OBJECTIVE_FOLDER).is_dir():
+        previous = spec.base_model / OBJECTIVE_FOLDER
+    objective: Objective = objective_cls(settings, Context(spec.samples, policy.hidden_size, previous,
                                                            spec.base_model, policy.reference))
     opt = torch.optim.AdamW(policy.params, lr=spec.optim.lr, weight_decay=spec.optim.weight_decay,
                             betas=(spec.optim.beta1, spec.optim.beta2))

@@ -16,7 +16,8 @@ from pathlib import Path
 from typing import Any
 
 TOP_KEYS = {"job", "objective", "settings", "base_model", "init_adapter", "output_dir", "samples", "lora", "optim",
-            "seed"}
+            "seed", "target"}
+TARGETS = ("lora", "full")
 SAMPLE_KEYS = {"receipt", "prompt_ids", "completion_ids", "logprobs", "reward", "group", "reports", "top_ids", "extra"}
 
 
@@ -73,6 +74,7 @@ class TrainSpec:
     lora: LoraSpec
     optim: OptimSpec
     seed: int = 0
+    target: str = "lora"  # lora: a PEFT adapter; full: every parameter, written as a full HF model folder
 
     @property
     def steps(self) -> int:
@@ -105,6 +107,9 @@ def parse_spec(raw: Any) -> TrainSpec:
     seed = obj.get("seed", 0)
     if not _is_int(seed) or seed < 0:
         raise SpecError(f"seed: {seed!r} is not a non-negative integer")
+    target = obj.get("target", "lora")
+    if target not in TARGETS:
+        raise SpecError(f"target: {target!r} is not one of {', '.join(TARGETS)}")
     settings = obj.get("settings") or {}
     if not isinstance(settings, dict):
         raise SpecError(f"settings: expected a JSON object, got {type(settings).__name__}")
@@ -119,6 +124,7 @@ def parse_spec(raw: Any) -> TrainSpec:
         lora=block(LoraSpec, obj.get("lora"), "lora"),
         optim=block(OptimSpec, obj.get("optim"), "optim"),
         seed=seed,
+        target=target,
     )
 
 

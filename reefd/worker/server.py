@@ -33,8 +33,9 @@ from reefd.worker.wire import (
 class Result:
     """The growing SGLang answer of one job (cumulative, as SGLang streams by default)."""
 
-    def __init__(self, job: Generation) -> None:
+    def __init__(self, job: Generation, weight_version: Any = None) -> None:
         self.job = job
+        self.weight_version = weight_version  # what the job runs on: updates wait for running jobs
         self.ids: list[int] = []
         self.logprobs: list[float] = []
         self.top_logprobs: list[list[list[Any]]] = []
@@ -60,6 +61,7 @@ class Result:
             "completion_tokens": len(self.ids),
             "cached_tokens": 0,
             "e2e_latency": round(time.monotonic() - self.job.created, 6),
+            "weight_version": self.weight_version,
         }
         if req.return_logprob:
             meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(self.logprobs, self.ids, strict=True)]
@@ -83,6 +85,7 @@ async def generate(request: web.Request) -> web.StreamResponse:
     if not req.stream:
         async with aclosing(updates(job)) as stream:
             async for update in stream:
+                result.weight_version = state.batcher.engine.weight_version
                 result.add(update)
         if aborted(result):
             return error_response(503, str(result.finish and result.finish.get("message")), "server_error")
@@ -90,6 +93,7 @@ async def generate(request: web.Request) -> web.StreamResponse:
     response = await open_sse(request)
     async with aclosing(updates(job)) as stream:
         async for update in stream:
+            result.weight_version = state.batcher.engine.weight_version
             result.add(update)
             await send_sse(response, result.body())
     return await close_sse(response)
@@ -246,6 +250,11 @@ async def update_weights_from_disk(request: web.Request) -> web.Response:
     )
 
 
+async def weight_version(request: web.Request) -> web.Response:
+    """SGLang's GetWeightsVersion answer."""
+    return web.json_response({"weight_version": request.app[STATE].batcher.engine.weight_version})
+
+
 def build_app(state: WorkerState) -> web.Application:
     """The worker's routes over one batcher."""
     app = web.Application(middlewares=[errors_middleware], client_max_size=64 * 1024 * 1024)
@@ -259,6 +268,7 @@ def build_app(state: WorkerState) -> web.Application:
     app.router.add_post("/load_lora_adapter", load_lora_adapter)
     app.router.add_post("/unload_lora_adapter", unload_lora_adapter)
     app.router.add_post("/update_weights_from_disk", update_weights_from_disk)
+    app.router.add_get("/get_weight_version", weight_version)
     app.router.add_post("/v1/chat/completions", openai_chat.chat_completions)
     app.router.add_get("/v1/models", openai_chat.models)
     return app

@@ -318,3 +318,59 @@ def test_the_gate_scores_the_serving_release_once(tmp_path: Path) -> None:
         assert [p["current"] for p in third["per_task"]] == [p["candidate"] for p in second["per_task"]]
     finally:
         stop(d)
+
+
+FULL = """defaults:
+  - model: tiny
+  - recipe: sao
+  - trigger: manual
+  - release: follow
+  - _self_
+recipe:
+  params: {batch_size: 4, target: full, lr: 1.0e-4}
+gate:
+  kind: floor
+  tasks: tasks.jsonl
+  min_tasks: 2
+  floor: 0.0
+  max_tokens: 4
+serve:
+  default_max_tokens: 8
+"""
+
+
+def test_sao_with_target_full_publishes_weights_releases(tmp_path: Path) -> None:
+    """`recipe.params.target: full`: the job trains every parameter, the gate asks the candidate on an engine of
+    its own, the weights release is swapped in, and the next job trains on those weights."""
+    scen = make_scenarios(tmp_path / "scenarios", names=(), extra={"learn": FULL})
+    (scen / "tasks.jsonl").write_text('{"prompt": "a", "answer": "b"}\n' * 2)
+    d = Daemon(scenarios=scen, state=tmp_path / "state", log_path=tmp_path / "reefd.log")
+    d.start()
+    try:
+        c = client(d)
+        for i in range(4):
+            turn(d, c, f"task {i}", score=float(i % 2))
+        out = reefctl(d, "train", "learn", "--follow")
+        assert out.returncode == 0, out.stderr
+        job = jobs(d)[0]
+        assert job["state"] == "published", job
+        assert job["verdict"]["verdict"] == "pass" and job["verdict"]["tasks"] == 2
+        rel = json.loads(d.get(f"/reef/releases/{job['release']}")[1])
+        assert rel["kind"] == "weights" and rel["meta"]["trained_on"]["tree"] is None
+        paths = {f["path"] for f in rel["files"]}
+        assert {"weights/model.safetensors", "weights/config.json", "weights/objective/critic.safetensors"} <= paths
+        receipt, release, _ = turn(d, c, "after")
+        assert release == job["release"]
+        record = json.loads(d.get(f"/reef/records/{receipt}")[1])
+        assert record["weights"] == record["engine_weights"] == job["release"]
+        # the next job starts from the weights that serve (and the critic saved beside them)
+        for i in range(4):
+            turn(d, c, f"more {i}", score=float(i % 2))
+        assert reefctl(d, "train", "learn", "--follow").returncode == 0
+        second = jobs(d)[0]
+        assert second["state"] == "published", second
+        rel2 = json.loads(d.get(f"/reef/releases/{second['release']}")[1])
+        assert rel2["parent"] == job["release"] and rel2["meta"]["trained_on"]["release"] == job["release"]
+        assert turn(d, c, "again")[1] == second["release"]
+    finally:
+        stop(d)

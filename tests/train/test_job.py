@@ -381,3 +381,52 @@ def test_a_hint_while_a_job_trains_starts_no_second_trainer(tiny_model: Path, ba
     status, spawned, kept = asyncio.run(main())
     assert status == 0
     assert len(spawned) == 1 and kept == spawned
+
+
+def test_full_target_trains_every_parameter_into_a_full_model_folder(tiny_model: Path, base: Any,
+                                                                    tmp_path: Path) -> None:
+    """`target: full`: no adapter; the job writes an HF model folder the base's engine can load as new weights
+    (reefd's own check passes), and the rewarded token becomes likelier under it."""
+    from transformers import AutoModelForCausalLM
+
+    from reefd.weights import check_weights
+
+    spec = make_spec(tiny_model, tmp_path / "out", toy_samples(base), target="full",
+                     optim={"lr": 1e-3, "epochs": 3, "micro_batch": 8})
+    job = run_job(spec, tmp_path)
+    assert job.returncode == 0, job.stderr
+    out = tmp_path / "out"
+    names = {p.name for p in out.iterdir()}
+    assert {"config.json", "model.safetensors", "tokenizer.json", "objective"} <= names
+    assert "adapter_config.json" not in names and not list(out.glob("critic*"))
+    assert (out / "objective" / "critic.safetensors").is_file()  # the objective's state, apart from the weights
+    total = sum(p.numel() for p in base.parameters())
+    assert job.of("start")[0]["trainable_params"] == total
+    assert check_weights(out, tiny_model) == []
+    trained = AutoModelForCausalLM.from_pretrained(out, local_files_only=True, dtype=torch.float32).eval()
+    with torch.no_grad():
+        before = torch.log_softmax(base(input_ids=torch.tensor([PROMPT])).logits[0, -1], -1)
+        after = torch.log_softmax(trained(input_ids=torch.tensor([PROMPT])).logits[0, -1], -1)
+    assert after[GOOD] - before[GOOD] > 0.5
+
+
+def test_full_target_starts_from_the_serving_adapter_merged(trained: tuple[Job, Path], tiny_model: Path, base: Any,
+                                                            tmp_path: Path) -> None:
+    """A full job on a release that serves an adapter starts from what serves: the adapter folded into the weights
+    (checked with lr 0: the written weights answer as base + adapter does)."""
+    from transformers import AutoModelForCausalLM
+
+    _, adapter = trained
+    spec = make_spec(tiny_model, tmp_path / "out", toy_samples(base), target="full", init_adapter=str(adapter),
+                     optim={"lr": 1e-12, "epochs": 1, "micro_batch": 8})
+    job = run_job(spec, tmp_path)
+    assert job.returncode == 0, job.stderr
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "out", local_files_only=True, dtype=torch.float32)
+    with torch.no_grad():
+        got = merged.eval()(input_ids=torch.tensor([PROMPT])).logits[0, -1]
+    assert torch.allclose(got, peft_logits(tiny_model, adapter), atol=1e-3)
+
+
+def test_an_unknown_target_is_a_bad_spec(tiny_model: Path, base: Any, tmp_path: Path) -> None:
+    job = run_job(make_spec(tiny_model, tmp_path / "out", toy_samples(base), target="half"), tmp_path)
+    assert job.returncode == 2 and "target: 'half' is not one of lora, full" in job.of("error")[0]["reason"]

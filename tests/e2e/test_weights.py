@@ -1,0 +1,254 @@
+"""Full-weights releases through the real daemon, real worker processes and (with 2 replicas) the real
+sglang-router, on the tiny model: `reefctl publish --weights` under load fails no request; with one engine new
+requests are held while the weights load, with two the swap rolls one replica at a time and holds nothing; every
+answer's release names the weights that really produced it (the engine's own weight_version, in its record);
+adapters ride on the weights they were trained on; and a weights release comes back byte-exact from a plain
+`git clone` + `git lfs pull`."""
+
+from __future__ import annotations
+
+import io
+import json
+import shutil
+import tarfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import openai
+import pytest
+
+from tests.conftest import Daemon, make_scenarios, sdk
+from tests.e2e.test_grow import stop
+from tests.e2e.test_reefctl import reefctl
+from tests.loras import make_lora, make_weights
+from tests.test_releases import git
+
+pytestmark = pytest.mark.filterwarnings("ignore:.*is_gradient_checkpointing.*:FutureWarning")
+
+
+def scenario(replicas: int) -> str:
+    return f"""defaults:
+  - model: tiny
+  - _self_
+model:
+  replicas: {replicas}
+serve:
+  temperature: 0.0
+"""
+
+
+class Load:
+    """Clients of the official SDK (no retries) asking in a loop, streamed and not, each on its own session, until
+    stopped; every answer's status, release header and receipt is kept."""
+
+    def __init__(self, d: Daemon, name: str, clients: int = 3) -> None:
+        self.d, self.name = d, name
+        self.results: list[dict[str, Any]] = []
+        self.failures: list[str] = []
+        self._stop = threading.Event()
+        self._threads = [threading.Thread(target=self._run, args=(i,), daemon=True) for i in range(clients)]
+
+    def __enter__(self) -> Load:
+        for t in self._threads:
+            t.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._stop.set()
+        for t in self._threads:
+            t.join(120)
+
+    def wait(self, answers: int, timeout_s: float = 120) -> None:
+        deadline = time.monotonic() + timeout_s
+        start = len(self.results)
+        while len(self.results) < start + answers and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert len(self.results) >= start + answers, (self.failures, len(self.results))
+
+    def _run(self, i: int) -> None:
+        client = sdk(openai.OpenAI(base_url=self.d.url + "/v1", api_key=self.d.token, max_retries=0,
+                                   default_headers={"x-reef-scenario": self.name, "x-reef-session": f"s{i}"}))
+        n = 0
+        while not self._stop.is_set():
+            n += 1
+            stream = n % 2 == 0
+            started = time.monotonic()
+            try:
+                if stream:
+                    with client.chat.completions.with_streaming_response.create(
+                            model=self.name, messages=[{"role": "user", "content": f"count {n}"}], stream=True,
+                            max_tokens=8) as resp:
+                        lines = [line for line in resp.iter_lines() if line]
+                        headers = resp.headers
+                    if lines[-1] != "data: [DONE]":
+                        raise AssertionError(f"stream ended without [DONE]: {lines[-2:]}")
+                else:
+                    raw = client.chat.completions.with_raw_response.create(
+                        model=self.name, messages=[{"role": "user", "content": f"count {n}"}], max_tokens=8)
+                    headers = raw.headers
+                self.results.append({"receipt": headers["x-reef-agent-record-id"],
+                                     "release": headers["x-reef-release-id"], "stream": stream,
+                                     "latency_s": time.monotonic() - started})
+            except Exception as exc:  # a failed request: the test fails on it
+                self.failures.append(f"{type(exc).__name__}: {exc}")
+
+
+def record(d: Daemon, receipt: str) -> dict[str, Any]:
+    code, body = d.get(f"/reef/records/{receipt}")
+    assert code == 200, body
+    return dict(json.loads(body))
+
+
+def engine(d: Daemon) -> dict[str, Any]:
+    return dict(json.loads(d.get("/reef/status")[1])["scenarios"][0]["engine"])
+
+
+def check_weights_of_answers(d: Daemon, results: list[dict[str, Any]], expected: dict[str, str | None]) -> None:
+    """Every answer's record: the weights its release serves are the weights the engine says answered it."""
+    for r in results:
+        rec = record(d, r["receipt"])
+        assert rec["release"] == r["release"]
+        assert r["release"] in expected, (r, expected)
+        want = expected[r["release"]]
+        assert rec["weights"] == want, (rec["release"], rec["weights"], want)
+        assert rec["engine_weights"] == want, (rec["release"], rec["engine_weights"], want)
+
+
+def greedy(d: Daemon, name: str) -> tuple[str, str]:
+    code, body, headers = d.post("/v1/chat/completions", {
+        "model": name, "messages": [{"role": "user", "content": "tell me a story"}], "max_tokens": 12,
+        "temperature": 0}, headers={"x-reef-scenario": name})
+    assert code == 200, body
+    return body["choices"][0]["message"]["content"], headers["x-reef-release-id"]
+
+
+def test_weights_release_on_one_engine(tmp_path: Path) -> None:
+    scen = make_scenarios(tmp_path / "scenarios", names=(), extra={"w": scenario(1)})
+    d = Daemon(scenarios=scen, state=tmp_path / "state", log_path=tmp_path / "reefd.log")
+    d.start()
+    try:
+        base_text, base = greedy(d, "w")
+        tiny = d.state / "models" / "tiny"
+        weights = make_weights(tiny, tmp_path / "weights", seed=1, scale=0.5)
+
+        # a folder that is not the base's architecture is refused, and nothing is published
+        bad = tmp_path / "bad"
+        shutil.copytree(weights, bad)
+        config = json.loads((bad / "config.json").read_text())
+        (bad / "config.json").write_text(json.dumps({**config, "num_hidden_layers": 7}))
+        out = reefctl(d, "publish", "w", "--weights", str(bad))
+        assert out.returncode == 1 and "num_hidden_layers is 7" in out.stderr, out.stderr
+        code, body, _ = d.post("/reef/scenarios/w/releases?kind=weights", tar_of(bad),
+                               headers={"content-type": "application/x-tar"})
+        assert code == 400 and body["error"]["code"] == "invalid_weights", body
+        assert [r["id"] for r in json.loads(d.get("/reef/scenarios/w/releases")[1])["data"]] == [base]
+
+        with Load(d, "w") as load:
+            load.wait(6)
+            out = reefctl(d, "publish", "w", "--weights", str(weights), "--summary", "noisy", "-o", "json")
+            assert out.returncode == 0, out.stderr
+            answer = json.loads(out.stdout)
+            w = answer["release"]["id"]
+            assert answer["serving"] == w and answer["release"]["kind"] == "weights"
+            load.wait(6)
+        assert load.failures == []
+        assert {r["release"] for r in load.results} == {base, w}
+        check_weights_of_answers(d, load.results, {base: None, w: w})
+        swap = engine(d)["last_swap"]
+        assert swap["replicas"] == 1 and swap["version"] == w and swap["held_s"] > 0
+        text, served = greedy(d, "w")
+        assert served == w and text != base_text
+
+        # an adapter on top names the weights it was trained on and serves on them
+        lora = make_lora(weights, tmp_path / "lora", seed=3, scale=2.0)
+        out = reefctl(d, "publish", "w", "--adapter", str(lora), "-o", "json")
+        assert out.returncode == 0, out.stderr
+        on_w = json.loads(out.stdout)["release"]
+        assert on_w["meta"]["weights"]["release"] == w
+        shown = json.loads(d.get(f"/reef/releases/{on_w['id']}")[1])
+        assert {f["path"].split("/")[0] for f in shown["files"]} >= {"weights", "adapter"}
+        adapted, served = greedy(d, "w")
+        assert served == on_w["id"] and adapted != text
+        assert record(d, load_one(d))["engine_weights"] == w
+
+        # rollback to the base: the launch weights serve again, as that rollback release
+        out = reefctl(d, "rollback", "w", "--to", base, "-o", "json")
+        assert out.returncode == 0, out.stderr
+        back = json.loads(out.stdout)["release"]["id"]
+        again, served = greedy(d, "w")
+        assert served == back and again == base_text
+        assert record(d, load_one(d))["engine_weights"] == back
+
+        # promote the weights release again: its tree is already in the chain
+        out = reefctl(d, "promote", "w", w, "-o", "json")
+        assert out.returncode == 0, out.stderr
+        assert greedy(d, "w")[0] == text
+
+        # a plain git clone + git lfs pull restores the weights byte for byte
+        work = tmp_path / "work"
+        git(tmp_path, "lfs", "install", "--skip-repo")
+        git(tmp_path, "clone", "-q", (d.state / "releases.git").as_uri(), str(work))
+        git(tmp_path, "fetch", "-q", "origin", "refs/reef/*:refs/reef/*", cwd=work)
+        commit = json.loads(d.get(f"/reef/releases/{w}")[1])["commit"]
+        git(tmp_path, "checkout", "-q", commit, cwd=work, extra={"GIT_LFS_SKIP_SMUDGE": "1"})
+        git(tmp_path, "lfs", "pull", cwd=work)
+        for f in weights.iterdir():
+            assert (work / "weights" / f.name).read_bytes() == f.read_bytes(), f.name
+        assert "weights/model.safetensors" in git(tmp_path, "lfs", "ls-files", cwd=work)
+        assert "Git LFS fsck OK" in git(tmp_path, "lfs", "fsck", cwd=work)
+    finally:
+        stop(d)
+
+
+def tar_of(folder: Path) -> bytes:
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w") as tar:
+        for f in sorted(folder.iterdir()):
+            tar.add(f, arcname=f.name)
+    return buf.getvalue()
+
+
+def load_one(d: Daemon) -> str:
+    code, body, headers = d.post("/v1/chat/completions", {"model": "w", "messages": [{"role": "user", "content": "x"}],
+                                                         "max_tokens": 2}, headers={"x-reef-scenario": "w"})
+    assert code == 200, body
+    return str(headers["x-reef-agent-record-id"])
+
+
+def test_weights_roll_across_two_replicas(tmp_path: Path) -> None:
+    scen = make_scenarios(tmp_path / "scenarios", names=(), extra={"w": scenario(2)})
+    d = Daemon(scenarios=scen, state=tmp_path / "state", log_path=tmp_path / "reefd.log")
+    d.start()
+    try:
+        deadline = time.monotonic() + 120
+        while not all(r["in_router"] for r in engine(d)["replicas"]) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        base_text, base = greedy(d, "w")
+        weights = make_weights(d.state / "models" / "tiny", tmp_path / "weights", seed=1, scale=0.5)
+        with Load(d, "w", clients=4) as load:
+            load.wait(8)
+            out = reefctl(d, "publish", "w", "--weights", str(weights), "-o", "json")
+            assert out.returncode == 0, out.stderr
+            w = json.loads(out.stdout)["release"]["id"]
+            load.wait(8)
+        assert load.failures == []
+        assert {r["release"] for r in load.results} == {base, w}
+        check_weights_of_answers(d, load.results, {base: None, w: w})
+        status = engine(d)
+        swap = status["last_swap"]
+        assert swap["replicas"] == 2 and swap["held_s"] == 0.0, swap
+        assert [r["weights"] for r in status["replicas"]] == [w, w]
+        assert all(r["in_router"] and r["state"] == "ready" for r in status["replicas"])
+        text, served = greedy(d, "w")
+        assert served == w and text != base_text
+        # both replicas answer with the new weights (sessions pin each to one replica)
+        for session in ("a", "b", "c", "d"):
+            code, body, headers = d.post("/v1/chat/completions", {
+                "model": "w", "messages": [{"role": "user", "content": "tell me a story"}], "max_tokens": 12,
+                "temperature": 0}, headers={"x-reef-scenario": "w", "x-reef-session": session})
+            assert code == 200 and body["choices"][0]["message"]["content"] == text
+            assert record(d, headers["x-reef-agent-record-id"])["engine_weights"] == w
+    finally:
+        stop(d)
