@@ -242,7 +242,7 @@ def cmd_publish(client: Client, args: argparse.Namespace) -> int:
         size = tar.tell()
         tar.seek(0)
         answer = client.call("POST", f"/reef/scenarios/{urllib.parse.quote(args.name, safe='')}/releases",
-                             query=query, data=tar, timeout=PUBLISH_TIMEOUT_S,
+                             query=query, data=tar, timeout=PUBLISH_TIMEOUT_S * (6 if kind == "weights" else 1),
                              headers={"Content-Type": "application/x-tar", "Content-Length": str(size)})
     rel_id = (answer.get("release") or {}).get("id")
     if args.output == "json":

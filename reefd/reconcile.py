@@ -229,7 +229,8 @@ class Reconciler:
             self._check_base(rel, weights)
         engine = scenario.engine
         harness, harness_tree = await self._harness(scenario, rel, artifacts.get("harness"), current)
-        if weights != (current.weights if current is not None else None):
+        served = getattr(getattr(engine, "weights", None), "version", None)  # what the engine really has
+        if weights != (current.weights if current is not None else None) or (current is None and served is not None):
             await self._swap_weights(scenario, rel, weights, tree, harness, harness_tree)
             return
         on = {"weights": weights, "weights_version": current.weights_version if current is not None else None}
@@ -297,8 +298,12 @@ class Reconciler:
     def _prune_weights(self) -> None:
         """Drop the weights folders no scenario serves (a rollback writes them again from the chain)."""
         keep = {s.binding.weights for s in self.registry.scenarios.values() if s.binding is not None}
+        for engine in self.registry.engines.values():
+            path = getattr(getattr(engine, "weights", None), "path", None)
+            if path is not None:
+                keep.add(Path(path).name)
         for folder in self.weights_dir.glob("*"):
-            if folder.name not in keep:
+            if folder.name not in keep and not folder.name.startswith("."):
                 shutil.rmtree(folder, ignore_errors=True)
 
     async def _harness(self, scenario: Scenario, rel: Release, tree: str | None,

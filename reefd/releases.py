@@ -320,6 +320,8 @@ class ReleaseChain:
             raise ValueError(f"kind must be one of {sorted(ARTIFACT_FOLDER)}")
         parent = self.get(built_on) if built_on is not None else None
         entries = self._entries(parent)
+        if kind == "weights":  # as publish: the old weights' adapter does not come with new weights
+            entries.pop("adapter", None)
         if artifact_dir is not None:
             entries[ARTIFACT_FOLDER[kind]] = (self.trees.store(Path(artifact_dir)), pygit2.enums.FileMode.TREE)
         oid = self._commit(scenario, parent, kind, entries, meta)

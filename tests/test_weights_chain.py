@@ -96,3 +96,14 @@ def test_an_adapter_made_on_other_weights_is_refused(chain: ReleaseChain, tmp_pa
     ok = releases.commit(chain, "w", Candidate("adapter", {"weights": chain.weights(w.id)},
                                                artifact=adapter_dir(tmp_path, "art2")), pin=None, on_conflict="rebase")
     assert chain.head("w") == ok and ok.parent == w.id
+
+
+def test_a_refused_weights_candidate_is_kept_without_the_old_adapter(chain: ReleaseChain, tmp_path: Path) -> None:
+    base = chain.publish("w", expected_head=None, kind="base", artifact_dir=None, meta={})
+    ad = chain.publish("w", expected_head=base.id, kind="adapter", artifact_dir=adapter_dir(tmp_path),
+                       meta={"weights": chain.weights(base.id)})
+    cand = Candidate("weights", {}, artifact=weights_dir(tmp_path, "a", {"model.safetensors": os.urandom(100)}),
+                     built_on=ad.id, verdict={"verdict": "fail"})
+    kept = releases.commit(chain, "w", cand, pin=None, on_conflict="discard")
+    assert kept.status == "rejected" and set(chain.artifacts(kept.id)) == {"weights"}
+    assert chain.head("w") == ad

@@ -26,7 +26,7 @@ from reefd.releases import Candidate, Release, validate_name
 from reefd.scenarios import Scenario
 from reefd.weights import InvalidWeights, check_weights
 
-MAX_UPLOAD = 8 << 30  # an artifact upload's size limit (LoRA adapters are megabytes; this leaves room)
+MAX_UPLOAD = {"adapter": 8 << 30, "weights": 512 << 30}  # upload limits (adapters are megabytes, weights gigabytes)
 PUBLISH_KINDS = ("adapter", "weights")
 
 
@@ -158,6 +158,11 @@ async def publish(request: web.Request) -> web.Response:
         what = "full weights" if kind == "weights" else "LoRA adapters"
         raise ApiError(400, f"scenario {scenario.name!r} is served by an upstream provider, which cannot "
                        f"serve {what}", code=code)
+    sharing = [n for n in request.app[REGISTRY].sharing(scenario.engine) if n != scenario.name]
+    if kind == "weights" and sharing:
+        raise ApiError(409, f"scenario {scenario.name!r} shares its model's engine with {', '.join(sharing)}: full "
+                       "weights would change their answers too; give it a model of its own (another model.name)",
+                       code="engine_shared")
     model_dir = scenario.engine.model_folder()
     if model_dir is None:
         raise ApiError(503, f"scenario {scenario.name!r}: the model is still being prepared; retry shortly",
@@ -184,6 +189,7 @@ async def publish(request: web.Request) -> web.Response:
 
 async def _receive_tar(request: web.Request, tmp: Path, code: str) -> Path:
     """Stream the body to disk (up to MAX_UPLOAD), then unpack regular files and folders only."""
+    limit = MAX_UPLOAD["weights" if code == "invalid_weights" else "adapter"]
     ctype = request.content_type
     if ctype not in ("application/x-tar", "application/gzip", "application/x-gzip"):
         raise ApiError(415, f"send the artifact folder as application/x-tar (or application/gzip), not {ctype!r}",
@@ -192,8 +198,8 @@ async def _receive_tar(request: web.Request, tmp: Path, code: str) -> Path:
     with archive.open("wb") as out:
         async for chunk in request.content.iter_chunked(1 << 20):
             size += len(chunk)
-            if size > MAX_UPLOAD:
-                raise ApiError(413, f"the upload exceeds {MAX_UPLOAD >> 30} GiB", code="invalid_request")
+            if size > limit:
+                raise ApiError(413, f"the upload exceeds {limit >> 30} GiB", code="invalid_request")
             await asyncio.to_thread(out.write, chunk)
     folder = tmp / "artifact"
     folder.mkdir()
@@ -215,8 +221,9 @@ def _unpack(archive: Path, dest: Path, code: str) -> None:
                 if Path(m.name).is_absolute() or ".." in parts or "\0" in m.name:
                     raise ApiError(400, f"{m.name!r}: archive paths must stay inside the artifact folder",
                                    code=code)
-            if sum(m.size for m in members) > MAX_UPLOAD:
-                raise ApiError(413, f"the unpacked artifact exceeds {MAX_UPLOAD >> 30} GiB", code="invalid_request")
+            limit = MAX_UPLOAD["weights" if code == "invalid_weights" else "adapter"]
+            if sum(m.size for m in members) > limit:
+                raise ApiError(413, f"the unpacked artifact exceeds {limit >> 30} GiB", code="invalid_request")
             tar.extractall(dest, members=members, filter="data")
     except (tarfile.TarError, EOFError, OSError) as exc:
         raise ApiError(400, f"not published: the upload is not a readable tar archive ({exc})",

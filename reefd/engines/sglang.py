@@ -97,10 +97,20 @@ class SGLangClient:
         """SGLang's UpdateWeightFromDiskReqInput: the server waits for its running requests, then loads `path`;
         `weight_version` names the weights in every answer's meta_info afterwards. Failures raise EngineError and
         leave the old weights serving."""
-        body: dict[str, Any] = {"model_path": str(path), "abort_all_requests": False}
-        if version is not None:
-            body["weight_version"] = version
+        body = {"model_path": str(path), "abort_all_requests": False, "weight_version": version or LAUNCH_VERSION}
         await self._admin_call("/update_weights_from_disk", body, timeout_s, "message")
+
+    async def weight_version(self) -> tuple[bool, str | None]:
+        """(reported, version): the server's weight version (`/get_weight_version`, else its server info), with
+        SGLang's name for the weights it launched with read as None."""
+        for path, key in (("/get_weight_version", "weight_version"), ("/get_server_info", "weight_version")):
+            async with self.session.get(f"{self.base_url}{path}", timeout=aiohttp.ClientTimeout(total=10)) as r:
+                if r.status != 200:
+                    continue
+                info = orjson.loads(await r.read())
+            if isinstance(info, dict) and key in info:
+                return True, launch_or(info[key])
+        return False, None
 
     async def server_info(self, timeout_s: float = 10.0) -> dict[str, Any]:
         async with self.session.get(f"{self.base_url}/get_server_info",
@@ -194,6 +204,14 @@ def sampling_params(req: ChatRequest) -> dict[str, Any]:
     if req.ignore_eos:
         params["ignore_eos"] = True
     return params
+
+
+LAUNCH_VERSION = "default"  # SGLang's weight_version for the weights a server launched with
+
+
+def launch_or(version: Any) -> str | None:
+    """A reported weight version, with the launch weights' ("default", or none at all) as None."""
+    return None if version in (None, LAUNCH_VERSION) else str(version)
 
 
 @dataclass(frozen=True)
@@ -362,7 +380,7 @@ class SGLangEngine:
             with contextlib.suppress(aiohttp.ClientError, TimeoutError, ValueError):
                 info = await client.server_info()
                 have = set(info.get("loaded_adapters") or ())
-        if self.weights.version is not None and info.get("weight_version") != self.weights.version:
+        if self.weights.version is not None and launch_or(info.get("weight_version")) != self.weights.version:
             await client.update_weights_from_disk(self._weights_path(self.weights), self.weights.version)
             log.info("%s: restored weights %s", self.cfg.name, self.weights.version)
         if self.replicas is not None:
@@ -407,50 +425,88 @@ class SGLangEngine:
         async with self._admin:
             self._client()  # not ready: EngineUnavailable
             started = time.monotonic()
-            if self.replicas is None:
-                report = await self._swap_one(path, version, adapter, switch, drained)
+            serving = [] if self.replicas is None else \
+                [r for r in self.replicas.replicas if r.state == "ready" and r.worker_id is not None]
+            if len(serving) < 2:  # one process, or one replica left serving: nothing to roll across
+                report = await self._swap_held(path, version, adapter, switch, drained, serving)
             else:
-                report = await self._roll(path, version, adapter, switch, drained)
+                report = await self._roll(path, version, adapter, switch, drained, serving)
             report.update(version=version, total_s=round(time.monotonic() - started, 3), at=time.time())
             self.last_swap = report
             log.info("%s: now serving weights %s (%s)", self.cfg.name, version, report)
             return report
 
-    async def _swap_one(self, path: Path | None, version: str, adapter: tuple[str, Path] | None,
-                        switch: Callable[[], None], drained: Drained) -> dict[str, Any]:
-        client, old = self._client(), self.weights
-        new = Weights(version, path)
+    async def _swap_held(self, path: Path | None, version: str, adapter: tuple[str, Path] | None,
+                         switch: Callable[[], None], drained: Drained, serving: list[Replica]) -> dict[str, Any]:
+        """New requests wait while the requests on the old weights finish and every serving process takes the new
+        weights and adapter; on a failure each is put back on the old ones (or restarted)."""
+        old, new, old_adapters = self.weights, Weights(version, path), dict(self.adapters)
+        targets = [SGLangClient(self.session, r.url) for r in serving] if self.replicas is not None else \
+            [self._client()]
         self._admission.clear()
         held = time.monotonic()
+        done: list[SGLangClient] = []
         try:
             await drained(old.version)
-            await client.update_weights_from_disk(self._weights_path(new), version)
             try:
-                for name in list(self.adapters):  # made for the old weights; nothing uses them any more
-                    await client.unload_lora_adapter(name)
-                    del self.adapters[name]
-                if adapter is not None:
-                    await client.load_lora_adapter(*adapter)
-                    self.adapters[adapter[0]] = adapter[1]
+                for client in targets:
+                    done.append(client)
+                    await self._take(client, new, adapter)
             except BaseException:
-                await client.update_weights_from_disk(self._weights_path(old), old.version)
+                for client in done:
+                    await self._put_back(client, old, old_adapters)
                 raise
+            for replica in serving:
+                replica.weights = version
             self.weights = new
+            self.adapters = {adapter[0]: adapter[1]} if adapter is not None else {}
             switch()
         finally:
             self._admission.set()
-        return {"replicas": 1, "held_s": round(time.monotonic() - held, 3)}
+        return {"replicas": len(targets), "held_s": round(time.monotonic() - held, 3)}
+
+    async def _take(self, client: SGLangClient, weights: Weights, adapter: tuple[str, Path] | None) -> None:
+        """One process: the weights, then `adapter` as its only adapter."""
+        await client.update_weights_from_disk(self._weights_path(weights), weights.version)
+        for name in sorted(await client.loaded_adapters() or set(self.adapters)):
+            await client.unload_lora_adapter(name)
+        if adapter is not None:
+            await client.load_lora_adapter(*adapter)
+
+    async def _put_back(self, client: SGLangClient, weights: Weights, adapters: dict[str, Path]) -> None:
+        """After a failed swap: the old weights and adapters, or (when even that fails) a restart of the process,
+        which comes back with them (`_restore`)."""
+        try:
+            await client.update_weights_from_disk(self._weights_path(weights), weights.version)
+            have = await client.loaded_adapters() or set()
+            for name in sorted(have - set(adapters)):
+                await client.unload_lora_adapter(name)
+            for name, folder in adapters.items():
+                if name not in have:
+                    await client.load_lora_adapter(name, folder)
+        except Exception as exc:
+            log.error("%s: %s could not be put back on weights %s (%s); restarting it", self.cfg.name,
+                      client.base_url, weights.version, exc)
+            self._kill(client.base_url, f"weights revert failed: {exc}")
+
+    def _kill(self, url: str, why: str) -> None:
+        if self.replicas is not None:
+            for replica in self.replicas.replicas:
+                if replica.url == url and replica.supervisor is not None:
+                    replica.state = "restarting"
+                    replica.supervisor.kill(why)
+                elif replica.url == url:  # attached: its watcher gives it the weights again, then it rejoins
+                    replica.state = "unhealthy"
+        elif self.supervisor is not None:
+            self.supervisor.kill(why)
 
     async def _roll(self, path: Path | None, version: str, adapter: tuple[str, Path] | None,
-                    switch: Callable[[], None], drained: Drained) -> dict[str, Any]:
+                    switch: Callable[[], None], drained: Drained, serving: list[Replica]) -> dict[str, Any]:
         """A rolling swap. Half the replicas (at least one) are updated one at a time out of the router; then, in
         one step, they return to it while the others leave it, and new requests get the new weights. The others
         finish the requests taken on the old weights (reefd sends them there directly), then are updated one at a
         time and return. No request waits, and none is answered by weights other than those it was taken on."""
         assert self.replicas is not None
-        serving = [r for r in self.replicas.replicas if r.state == "ready" and r.worker_id is not None]
-        if not serving:
-            raise EngineUnavailable(f"engine for model {self.cfg.name!r}: no replica serves", retry_after=2)
         first, rest = serving[:max(1, len(serving) // 2)], serving[max(1, len(serving) // 2):]
         old, new = self.weights, Weights(version, path)
         old_adapters = dict(self.adapters)
@@ -466,8 +522,14 @@ class SGLangEngine:
                 await self._revert(replica, old, old_adapters)
             raise
         switched = time.monotonic()
-        for replica in done:
-            await self.replicas.join(replica)
+        try:
+            for replica in done:
+                await self.replicas.join(replica)
+        except BaseException:  # the router refused one: the old weights keep serving, the updated ones restart
+            for replica in done:
+                if replica.state == "standby" or replica.worker_id is None:
+                    self._kill(replica.url, "left out of the router during a weights swap")
+            raise
         for replica in rest:
             await self.replicas.leave(replica, "draining")
         self.weights = new
@@ -485,9 +547,7 @@ class SGLangEngine:
             except Exception as exc:  # restarted: a fresh process is given the new weights before it joins
                 log.error("%s: replica %d did not take weights %s (%s); restarting it", self.cfg.name,
                           replica.index, version, exc)
-                replica.state = "restarting"
-                if replica.supervisor is not None:
-                    replica.supervisor.kill(f"weights update failed: {exc}")
+                self._kill(replica.url, f"weights update failed: {exc}")
         return {"replicas": len(serving), "held_s": 0.0, "switch_s": round(switch_s, 3),
                 "drain_s": round(drain_s, 3)}
 
@@ -496,39 +556,25 @@ class SGLangEngine:
         `adapter` alone, and a generate checks it."""
         client = SGLangClient(self.session, replica.url)
         await self._idle(replica)
-        await client.update_weights_from_disk(self._weights_path(weights), weights.version)
+        await self._take(client, weights, adapter)
         replica.weights = weights.version
-        for name in sorted(await client.loaded_adapters() or ()):
-            await client.unload_lora_adapter(name)
-        if adapter is not None:
-            await client.load_lora_adapter(*adapter)
         if not await client.healthy():
             raise EngineError(f"replica {replica.index} does not generate after its weights update")
-        info = await client.server_info()
-        if "weight_version" in info and info["weight_version"] != weights.version:
-            raise EngineError(f"replica {replica.index} reports weights {info['weight_version']}, "
-                              f"not {weights.version}")
+        reported, version = await client.weight_version()
+        if reported and version != weights.version:
+            raise EngineError(f"replica {replica.index} reports weights {version}, not {weights.version}")
 
     async def _revert(self, replica: Replica, weights: Weights, adapters: dict[str, Path]) -> None:
         """Put a replica back on the old weights and adapters after a failed swap (or restart it)."""
         assert self.replicas is not None
+        await self._put_back(SGLangClient(self.session, replica.url), weights, adapters)
+        if replica.state == "restarting":
+            return
+        replica.weights = weights.version
         try:
-            client = SGLangClient(self.session, replica.url)
-            if replica.weights != weights.version:
-                await client.update_weights_from_disk(self._weights_path(weights), weights.version)
-                replica.weights = weights.version
-            have = await client.loaded_adapters() or set()
-            for name in sorted(have - set(adapters)):
-                await client.unload_lora_adapter(name)
-            for name, folder in adapters.items():
-                if name not in have:
-                    await client.load_lora_adapter(name, folder)
             await self.replicas.join(replica)
         except Exception as exc:
-            log.error("%s: replica %d could not be put back (%s); restarting it", self.cfg.name, replica.index, exc)
-            replica.state = "restarting"
-            if replica.supervisor is not None:
-                replica.supervisor.kill(f"weights revert failed: {exc}")
+            self._kill(replica.url, f"did not rejoin the router after a failed weights swap: {exc}")
 
     async def _idle(self, replica: Replica, timeout_s: float = 900.0) -> None:
         """Until a replica out of the router has finished its requests (as its server info counts them; a server
@@ -556,7 +602,7 @@ class SGLangEngine:
                     info = await client.server_info()
                 except (aiohttp.ClientError, TimeoutError, ValueError):
                     continue
-                if "weight_version" in info and info["weight_version"] != self.weights.version:
+                if "weight_version" in info and launch_or(info["weight_version"]) != self.weights.version:
                     await client.update_weights_from_disk(self._weights_path(self.weights), self.weights.version)
                     done.append(f"{url}: weights {info['weight_version']} -> {self.weights.version}")
                 found = info.get("loaded_adapters")
@@ -736,12 +782,12 @@ class SGLangEngine:
                 await chunks.aclose()  # type: ignore[attr-defined]
                 raise
             meta = first.get("meta_info") or {}
-            if weights == ANY_WEIGHTS or "weight_version" not in meta or meta["weight_version"] == weights or \
-                    self.replicas is None:
+            if weights == ANY_WEIGHTS or "weight_version" not in meta or \
+                    launch_or(meta["weight_version"]) == weights or self.replicas is None:
                 return first, chunks, replica
-            await chunks.aclose()  # type: ignore[attr-defined]
             if replica is not None:
                 replica.direct -= 1
+            await chunks.aclose()  # type: ignore[attr-defined]
             log.info("%s: a request on weights %s reached weights %s; sent again", self.cfg.name, weights,
                      meta["weight_version"])
             tried.add(-1 if replica is None else replica.index)

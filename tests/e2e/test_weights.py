@@ -101,8 +101,9 @@ def record(d: Daemon, receipt: str) -> dict[str, Any]:
     return dict(json.loads(body))
 
 
-def engine(d: Daemon) -> dict[str, Any]:
-    return dict(json.loads(d.get("/reef/status")[1])["scenarios"][0]["engine"])
+def engine(d: Daemon, name: str = "w") -> dict[str, Any]:
+    found = [s for s in json.loads(d.get("/reef/status")[1])["scenarios"] if s["name"] == name]
+    return dict(found[0]["engine"])
 
 
 def check_weights_of_answers(d: Daemon, results: list[dict[str, Any]], expected: dict[str, str | None]) -> None:
@@ -124,8 +125,16 @@ def greedy(d: Daemon, name: str) -> tuple[str, str]:
     return body["choices"][0]["message"]["content"], headers["x-reef-release-id"]
 
 
+PAIR = """defaults:
+  - model: tiny
+  - _self_
+model:
+  max_batch: 4
+"""
+
+
 def test_weights_release_on_one_engine(tmp_path: Path) -> None:
-    scen = make_scenarios(tmp_path / "scenarios", names=(), extra={"w": scenario(1)})
+    scen = make_scenarios(tmp_path / "scenarios", names=(), extra={"w": scenario(1), "pair": PAIR, "pair2": PAIR})
     d = Daemon(scenarios=scen, state=tmp_path / "state", log_path=tmp_path / "reefd.log")
     d.start()
     try:
@@ -144,6 +153,11 @@ def test_weights_release_on_one_engine(tmp_path: Path) -> None:
                                headers={"content-type": "application/x-tar"})
         assert code == 400 and body["error"]["code"] == "invalid_weights", body
         assert [r["id"] for r in json.loads(d.get("/reef/scenarios/w/releases")[1])["data"]] == [base]
+
+        # scenarios that share one engine cannot take full weights: the others would answer from them too
+        code, body, _ = d.post("/reef/scenarios/pair/releases?kind=weights", tar_of(weights),
+                               headers={"content-type": "application/x-tar"})
+        assert code == 409 and body["error"]["code"] == "engine_shared" and "pair2" in body["error"]["message"]
 
         with Load(d, "w") as load:
             load.wait(6)
@@ -250,5 +264,17 @@ def test_weights_roll_across_two_replicas(tmp_path: Path) -> None:
                 "temperature": 0}, headers={"x-reef-scenario": "w", "x-reef-session": session})
             assert code == 200 and body["choices"][0]["message"]["content"] == text
             assert record(d, headers["x-reef-agent-record-id"])["engine_weights"] == w
+        # an adapter release on those weights reaches both replicas under load, failing nothing
+        lora = make_lora(weights, tmp_path / "lora", seed=3, scale=2.0)
+        with Load(d, "w", clients=4) as load:
+            load.wait(8)
+            out = reefctl(d, "publish", "w", "--adapter", str(lora), "-o", "json")
+            assert out.returncode == 0, out.stderr
+            on_w = json.loads(out.stdout)["release"]["id"]
+            load.wait(8)
+        assert load.failures == []
+        assert {r["release"] for r in load.results} == {w, on_w}
+        check_weights_of_answers(d, load.results, {w: w, on_w: w})
+        assert all(r["adapters"] == [on_w] for r in engine(d)["replicas"])
     finally:
         stop(d)

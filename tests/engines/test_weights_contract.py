@@ -63,6 +63,25 @@ async def server(version: str | None, seen: list[tuple[str, dict[str, Any]]], fa
     return runner, f"http://127.0.0.1:{port}"
 
 
+def test_sglangs_default_version_is_the_launch_weights(tiny_model: Path) -> None:
+    """SGLang names the weights it launched with "default": a request on them is answered there, not re-sent."""
+    async def go() -> tuple[list[Any], list[Any]]:
+        at_router: list[tuple[str, dict[str, Any]]] = []
+        router, router_url = await server("default", at_router)
+        try:
+            async with aiohttp.ClientSession() as session:
+                engine = SGLangEngine(ModelConfig(name="t", path=str(tiny_model)), tiny_model, session)
+                engine._load_template(tiny_model)
+                engine.replicas = Routed(router_url, [])  # type: ignore[assignment]
+                req = ChatRequest(messages=[{"role": "user", "content": "x"}], max_tokens=1)
+                return [e async for e in engine.generate(req, stream=False, weights=None)], at_router
+        finally:
+            await router.cleanup()
+
+    events, at_router = asyncio.run(go())
+    assert isinstance(events[-1], Completion) and len(at_router) == 1
+
+
 def test_update_weights_from_disk_sends_sglangs_request(tmp_path: Path) -> None:
     async def go() -> list[tuple[str, dict[str, Any]]]:
         seen: list[tuple[str, dict[str, Any]]] = []
@@ -71,6 +90,7 @@ def test_update_weights_from_disk_sends_sglangs_request(tmp_path: Path) -> None:
         try:
             async with aiohttp.ClientSession() as session:
                 await SGLangClient(session, url).update_weights_from_disk(tmp_path, "r4-abcdef0")
+                await SGLangClient(session, url).update_weights_from_disk(tmp_path, None)  # back to the launch
                 with pytest.raises(EngineError, match="model_path has no safetensors") as e:
                     await SGLangClient(session, bad_url).update_weights_from_disk(tmp_path, "r5-abcdef0")
                 assert e.value.status == 400
@@ -82,6 +102,7 @@ def test_update_weights_from_disk_sends_sglangs_request(tmp_path: Path) -> None:
     seen = asyncio.run(go())
     assert seen[0] == ("update_weights_from_disk", {"model_path": str(tmp_path), "abort_all_requests": False,
                                                     "weight_version": "r4-abcdef0"})
+    assert seen[1][1]["weight_version"] == "default"  # SGLang keeps its old version when none is sent
 
 
 class Routed:
