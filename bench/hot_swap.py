@@ -250,17 +250,20 @@ def weights_scenario(model: str, replicas: int) -> str:
 
 async def weight_swaps(daemon: Daemon, tars: dict[str, bytes], clients: int, gap_s: float
                        ) -> tuple[list[dict[str, Any]], Load]:
-    """Publish two weights releases and roll back once under load; per swap the publish call, the time to the
-    first answer from the new release, and the latency of the answers sent while it ran against before it."""
+    """Publish two weights releases and roll back once under load. Per swap: the publish call, the time to the
+    first answer from the new release, and how much longer than normal the answers took that were in flight
+    while the engine swapped (its own window, from the engine's report) and while the whole publish ran (upload,
+    checks, LFS store and the swap, all on the same cores as the engines here). Normal: the median latency of
+    the answers that overlap no publish."""
     body = {"model": "w", "messages": MESSAGES, "max_tokens": 4, "temperature": 0}
     load = Load(daemon.url + "/v1/chat/completions", {**daemon.headers(), "x-reef-scenario": "w"}, body)
     tasks = [asyncio.create_task(load.client(stream=i % 2 == 1)) for i in range(clients)]
-    swaps: list[dict[str, Any]] = []
+    offset = time.time() - time.perf_counter()  # wall clock (the engine's report) to perf_counter
+    raw: list[dict[str, Any]] = []
     try:
         async with aiohttp.ClientSession(timeout=TIMEOUT) as session:
             await asyncio.sleep(gap_s)
             for step in ("a", "b", "rollback"):
-                before = [lat for _, lat in load.answers[-40:]]
                 t0 = time.perf_counter()
                 path = "/reef/scenarios/w/" + ("rollback" if step == "rollback" else "releases?kind=weights")
                 headers = {**daemon.headers(),
@@ -277,19 +280,31 @@ async def weight_swaps(daemon: Daemon, tars: dict[str, bytes], clients: int, gap
                     if time.perf_counter() > deadline:
                         raise RuntimeError(f"{step}: no answer from {release} within 120 s")
                     await asyncio.sleep(0.005)
-                await asyncio.sleep(gap_s)
-                during = [lat for sent, lat in load.answers if t0 <= sent <= t0 + called]
                 async with session.get(daemon.url + "/reef/status", headers=daemon.headers()) as r:
-                    engine = (await r.json())["scenarios"][0]["engine"]
-                normal = median(before) if before else 0.0
-                swaps.append({"step": step, "release": release, "publish_call_s": called,
-                              "first_answer_s": load.first[release] - t0, "normal_latency_s": normal,
-                              "answers_during": len(during),
-                              "max_excess_s": max((lat - normal for lat in during), default=0.0),
-                              "engine_held_s": engine["last_swap"]["held_s"], "swap": engine["last_swap"]})
+                    swap = (await r.json())["scenarios"][0]["engine"]["last_swap"]
+                end = swap["at"] - offset
+                raw.append({"step": step, "release": release, "t0": t0, "called": called, "swap": swap,
+                            "window": (end - swap["total_s"], end)})
+                await asyncio.sleep(gap_s)
     finally:
         load.stop.set()
         await asyncio.gather(*tasks)
+
+    def overlapping(lo: float, hi: float) -> list[float]:
+        return [lat for sent, lat in load.answers if sent <= hi and sent + lat >= lo]
+
+    publishes = [(s["t0"], s["t0"] + s["called"]) for s in raw]
+    normal = median([lat for sent, lat in load.answers
+                     if not any(sent <= hi and sent + lat >= lo for lo, hi in publishes)] or [0.0])
+    swaps = []
+    for s in raw:
+        in_swap, in_publish = overlapping(*s["window"]), overlapping(s["t0"], s["t0"] + s["called"])
+        swaps.append({"step": s["step"], "release": s["release"], "publish_call_s": s["called"],
+                      "first_answer_s": load.first[s["release"]] - s["t0"], "normal_latency_s": normal,
+                      "answers_in_swap": len(in_swap),
+                      "max_excess_in_swap_s": max((lat - normal for lat in in_swap), default=0.0),
+                      "max_excess_in_publish_s": max((lat - normal for lat in in_publish), default=0.0),
+                      "engine_held_s": s["swap"]["held_s"], "swap": s["swap"]})
     return swaps, load
 
 
@@ -324,30 +339,32 @@ def weights_bench(model: str, clients: int, gap_s: float) -> None:
     for replicas, (swaps, load) in runs.items():
         failed = load.failed_status + load.broken_streams + load.exceptions
         first = [s["first_answer_s"] for s in swaps]
-        excess = max(s["max_excess_s"] for s in swaps)
+        in_swap = max(s["max_excess_in_swap_s"] for s in swaps)
+        in_publish = max(s["max_excess_in_publish_s"] for s in swaps)
+        held = max(s["engine_held_s"] for s in swaps)
         print(f"weights swap ({model}, {replicas} replica{'s' if replicas > 1 else ''}, {clients} clients): "
-              f"publish -> first answer median {median(first):.3f} s, max {max(first):.3f} s; "
-              f"engine hold max {max(s['engine_held_s'] for s in swaps):.3f} s; answers sent during a swap "
-              f"took at most {excess * 1000:.0f} ms beyond the normal latency; {load.completed} answers, "
-              f"{failed} failed")
+              f"publish -> first answer median {median(first):.3f} s, max {max(first):.3f} s; requests held by "
+              f"reefd at most {held:.3f} s; answers in flight during the engine swap took at most "
+              f"{in_swap * 1000:.0f} ms beyond the normal {swaps[0]['normal_latency_s'] * 1000:.0f} ms "
+              f"({in_publish * 1000:.0f} ms during the whole publish); {load.completed} answers, {failed} failed")
         for s in swaps:
             print(f"  {s['step']:>8} -> {s['release']}: publish call {s['publish_call_s']:.3f} s, first answer "
-                  f"{s['first_answer_s']:.3f} s, {s['answers_during']} answers during, max excess "
-                  f"{s['max_excess_s'] * 1000:.0f} ms (normal {s['normal_latency_s'] * 1000:.0f} ms), "
-                  f"swap {s['swap']}")
+                  f"{s['first_answer_s']:.3f} s, {s['answers_in_swap']} answers in the swap, max excess "
+                  f"{s['max_excess_in_swap_s'] * 1000:.0f} ms, swap {s['swap']}")
         for sample in load.samples:
             print(f"  failure: {sample}")
         out[f"replicas_{replicas}"] = {
             "first_answer_s": {"median": round(median(first), 4), "max": round(max(first), 4)},
-            "engine_held_s_max": max(s["engine_held_s"] for s in swaps), "max_excess_s": round(excess, 4),
+            "held_s_max": held, "max_excess_in_swap_s": round(in_swap, 4),
+            "max_excess_in_publish_s": round(in_publish, 4), "normal_latency_s": round(swaps[0]["normal_latency_s"], 4),
             "answers": load.completed, "failed": failed, "swaps": [
                 {k: (round(v, 4) if isinstance(v, float) else v) for k, v in s.items() if k != "swap"}
                 for s in swaps]}
-    one, two = out["replicas_1"]["max_excess_s"], out["replicas_2"]["max_excess_s"]
+    one, two = out["replicas_1"]["max_excess_in_swap_s"], out["replicas_2"]["max_excess_in_swap_s"]
     out["ratio_excess_1_over_2"] = round(one / two, 2) if two > 0 else None
     out["goal"] = {"failed": 0, "replicas_2_max_excess_s": 0.1}
-    print(f"max excess latency: 1 replica {one * 1000:.0f} ms vs 2 replicas {two * 1000:.0f} ms "
-          f"({'meets' if two <= 0.1 else 'misses'} the 100 ms goal with 2)")
+    print(f"max excess latency in the engine swap: 1 replica {one * 1000:.0f} ms vs 2 replicas {two * 1000:.0f} ms "
+          f"(ratio {out['ratio_excess_1_over_2']}; {'meets' if two <= 0.1 else 'misses'} the 100 ms goal with 2)")
     print(json.dumps(out))
 
 

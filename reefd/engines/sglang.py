@@ -112,6 +112,27 @@ class SGLangClient:
                 return True, launch_or(info[key])
         return False, None
 
+    async def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int,
+                                        world_size: int, group_name: str, backend: str,
+                                        timeout_s: float = 600.0) -> None:
+        """SGLang's InitWeightsUpdateGroupReqInput: join the trainer's group as rank `rank_offset` (blocks until
+        the whole group has joined)."""
+        await self._admin_call("/init_weights_update_group", {
+            "master_address": master_address, "master_port": master_port, "rank_offset": rank_offset,
+            "world_size": world_size, "group_name": group_name, "backend": backend}, timeout_s, "message")
+
+    async def update_weights_from_distributed(self, names: list[str], dtypes: list[str], shapes: list[list[int]],
+                                              version: str | None, group_name: str,
+                                              timeout_s: float = 900.0) -> None:
+        """SGLang's UpdateWeightsFromDistributedReqInput: receive the named tensors as the trainer (rank 0)
+        broadcasts them, then serve them as `version`."""
+        await self._admin_call("/update_weights_from_distributed", {
+            "names": names, "dtypes": dtypes, "shapes": shapes, "group_name": group_name, "flush_cache": True,
+            "abort_all_requests": False, "weight_version": version or LAUNCH_VERSION}, timeout_s, "message")
+
+    async def destroy_weights_update_group(self, group_name: str) -> None:
+        await self._admin_call("/destroy_weights_update_group", {"group_name": group_name}, 60.0, "message")
+
     async def server_info(self, timeout_s: float = 10.0) -> dict[str, Any]:
         async with self.session.get(f"{self.base_url}/get_server_info",
                                     timeout=aiohttp.ClientTimeout(total=timeout_s)) as r:
@@ -249,6 +270,7 @@ class SGLangEngine:
         self._admission = asyncio.Event()  # cleared while one engine process loads new weights: new requests wait
         self._admission.set()
         self.last_swap: dict[str, Any] | None = None  # the last weights swap: when, how long, how long requests held
+        self._group: tuple[str, list[str]] | None = None  # a trainer's weight update group: its name, its processes
 
     # ------------------------------------------------------------ lifecycle
 
@@ -465,6 +487,83 @@ class SGLangEngine:
             self._admission.set()
         return {"replicas": len(targets), "held_s": round(time.monotonic() - held, 3)}
 
+    # ------------------------------------------------------------ weights from a trainer beside the engines
+
+    def _weight_clients(self) -> list[SGLangClient]:
+        """Every process serving now: each replica directly (the router 404s admin calls), or the one process."""
+        if self.replicas is None:
+            return [self._client()]
+        return [SGLangClient(self.session, u) for u in self.replicas.urls()]
+
+    def weight_group_size(self) -> int:
+        """The world size of a weight update group with this engine: the trainer (rank 0) and every serving
+        process (ranks 1..N)."""
+        return 1 + len(self._weight_clients())
+
+    async def join_weight_group(self, master_address: str, master_port: int, *,
+                                group_name: str = "weight_update_group", backend: str = "nccl") -> int:
+        """Every serving process joins the trainer's weight update group at once (`init_weights_update_group`;
+        it returns when the trainer has joined too). Returns the world size."""
+        async with self._admin:
+            clients = self._weight_clients()
+            world = 1 + len(clients)
+            await asyncio.gather(*(c.init_weights_update_group(master_address, master_port, rank, world,
+                                                               group_name, backend)
+                                   for rank, c in enumerate(clients, start=1)))
+            self._group = (group_name, [c.base_url for c in clients])
+        return world
+
+    async def update_weights_from_distributed(self, names: list[str], dtypes: list[str], shapes: list[list[int]],
+                                              *, version: str, path: Path | None,
+                                              switch: Callable[[], None] | None = None,
+                                              drained: Drained | None = None) -> dict[str, Any]:
+        """Serve the tensors the trainer broadcasts next (in the order named) as `version`, on every process of
+        the group at once: new requests are held while those on the old weights finish and the tensors arrive.
+        `path` holds the same weights on disk, for a process that restarts (None: the launch model's, when the
+        broadcast only changes what it names for now). A failure restarts the group's processes, which come back
+        on the old weights."""
+        if self._group is None:
+            raise EngineError("no weight update group: join_weight_group first", status=400)
+        group, urls = self._group
+        async with self._admin:
+            clients = [SGLangClient(self.session, u) for u in urls]
+            self._admission.clear()
+            held = time.monotonic()
+            try:
+                if drained is not None:
+                    await drained(self.weights.version)
+                results = await asyncio.gather(*(c.update_weights_from_distributed(names, dtypes, shapes, version,
+                                                                                   group) for c in clients),
+                                               return_exceptions=True)
+                failed = [r for r in results if isinstance(r, BaseException)]
+                if failed:
+                    for client in clients:
+                        self._kill(client.base_url, f"distributed weight update failed: {failed[0]}")
+                    raise failed[0]
+                self.weights = Weights(version, path)
+                if self.replicas is not None:
+                    for replica in self.replicas.replicas:
+                        if replica.url in urls:
+                            replica.weights = version
+                if switch is not None:
+                    switch()
+            finally:
+                self._admission.set()
+            report = {"replicas": len(clients), "held_s": round(time.monotonic() - held, 3), "version": version,
+                      "source": "distributed", "at": time.time()}
+            self.last_swap = report
+            return report
+
+    async def leave_weight_group(self) -> None:
+        if self._group is None:
+            return
+        group, urls = self._group
+        self._group = None
+        async with self._admin:
+            for url in urls:
+                with contextlib.suppress(EngineError, EngineUnavailable):
+                    await SGLangClient(self.session, url).destroy_weights_update_group(group)
+
     async def _take(self, client: SGLangClient, weights: Weights, adapter: tuple[str, Path] | None) -> None:
         """One process: the weights, then `adapter` as its only adapter."""
         await client.update_weights_from_disk(self._weights_path(weights), weights.version)
@@ -524,6 +623,8 @@ class SGLangEngine:
         switched = time.monotonic()
         try:
             for replica in done:
+                if replica.state != "standby":  # it died meanwhile: its restart gives it the new weights
+                    continue
                 await self.replicas.join(replica)
         except BaseException:  # the router refused one: the old weights keep serving, the updated ones restart
             for replica in done:
@@ -540,6 +641,8 @@ class SGLangEngine:
         await drained(old.version)  # requests taken on the old weights, sent to the draining replicas, finish
         drain_s = time.monotonic() - drain
         for replica in rest:
+            if replica.state != "draining":  # it died meanwhile: its restart gives it the new weights
+                continue
             replica.state = "updating"
             try:
                 await self._update(replica, new, adapter)
@@ -782,8 +885,11 @@ class SGLangEngine:
                 await chunks.aclose()  # type: ignore[attr-defined]
                 raise
             meta = first.get("meta_info") or {}
-            if weights == ANY_WEIGHTS or "weight_version" not in meta or \
-                    launch_or(meta["weight_version"]) == weights or self.replicas is None:
+            if weights == ANY_WEIGHTS or "weight_version" not in meta or launch_or(meta["weight_version"]) == weights:
+                return first, chunks, replica
+            if self.replicas is None:  # one process: nowhere else to send it (a swap outlasted its drain wait)
+                log.warning("%s: a request on weights %s was answered by weights %s", self.cfg.name, weights,
+                            meta["weight_version"])
                 return first, chunks, replica
             if replica is not None:
                 replica.direct -= 1

@@ -52,7 +52,7 @@ class Policy:
         base: Any = AutoModelForCausalLM.from_pretrained(
             spec.base_model, local_files_only=True, dtype="auto", attn_implementation="sdpa"
         )
-        self.dtype = base.config.dtype if hasattr(base.config, "dtype") else None
+        self.dtype = getattr(base.config, "dtype", None) or getattr(base.config, "torch_dtype", None)
         base = base.float()
         with warnings.catch_warnings():
             # peft 0.21 reads transformers' deprecated `is_gradient_checkpointing`
@@ -198,10 +198,10 @@ def train(spec: TrainSpec, emit: Emit, fault: str | None = None) -> Trained:
                   for s in spec.samples)
     if too_big >= policy.vocab_size:
         raise SpecError(f"samples: token id {too_big} is outside the model's vocabulary ({policy.vocab_size})")
-    # the files the objective saved last time: beside the adapter it continues from, or (full weights) in the
-    # weights folder's objective/ folder
+    # the files the objective saved last time: beside the adapter it continues from, or (on a weights release)
+    # in the weights folder's objective/ folder
     previous = spec.init_adapter
-    if previous is None and spec.target == "full" and (spec.base_model / OBJECTIVE_FOLDER).is_dir():
+    if previous is None and (spec.base_model / OBJECTIVE_FOLDER).is_dir():
         previous = spec.base_model / OBJECTIVE_FOLDER
     objective: Objective = objective_cls(settings, Context(spec.samples, policy.hidden_size, previous,
                                                            spec.base_model, policy.reference))

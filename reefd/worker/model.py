@@ -272,24 +272,29 @@ class Model:
             raise BadRequest(f"cannot load weights from {path}: {exc}") from None
         return {name: p.detach().float() for name, p in model.named_parameters()}
 
-    def apply_weights(self, weights: dict[str, torch.Tensor], path: Path, version: str | None = None) -> None:
-        """Copy read weights into the running model (batcher thread); all checked before any copy."""
+    def apply_weights(self, weights: dict[str, torch.Tensor], path: Path | None, version: str | None = None,
+                      partial: bool = False) -> None:
+        """Copy weights into the running model (batcher thread); all checked before any copy. `path` None: they
+        came over a weight update group, and `partial`: only the parameters named change."""
         params: dict[str, torch.nn.Parameter] = {}
         for name, param in self.model.named_parameters():
             if ".lora_" not in name:
                 params[name.replace(".base_layer", "")] = param
-        if set(weights) != set(params):
-            diff = sorted(set(weights) ^ set(params))[:5]
-            raise BadRequest(f"{path}: the parameters differ from the served model's (e.g. {diff})")
+        source = path or "the broadcast"
+        if (set(weights) - set(params)) if partial else set(weights) != set(params):
+            diff = sorted(set(weights) ^ set(params) if not partial else set(weights) - set(params))[:5]
+            raise BadRequest(f"{source}: the parameters differ from the served model's (e.g. {diff})")
         for name, tensor in weights.items():
             if tuple(tensor.shape) != tuple(params[name].shape):
-                raise BadRequest(f"{path}: {name} has shape {tuple(tensor.shape)}, not {tuple(params[name].shape)}")
+                raise BadRequest(f"{source}: {name} has shape {tuple(tensor.shape)}, not "
+                                 f"{tuple(params[name].shape)}")
         with torch.no_grad():
             for name, tensor in weights.items():
                 params[name].copy_(tensor.to(params[name].device))
-        self.path = Path(path)
+        if path is not None:
+            self.path = Path(path)
         self.weight_version = version
-        log.info("weights updated from %s (version %s)", path, version)
+        log.info("weights updated from %s (version %s, %d tensors)", source, version, len(weights))
 
     def cache_from(self, kv: kvcache.KV) -> DynamicCache:
         return kvcache.build(kv, self.config)

@@ -17,6 +17,7 @@ from aiohttp import web
 from reefd.worker import openai_chat
 from reefd.worker.generation import Generation, Update
 from reefd.worker.params import BadRequest, GenerateRequest, SamplingParams, parse_generate
+from reefd.worker.weight_sync import WeightGroup, parse_update
 from reefd.worker.wire import (
     STATE,
     WorkerState,
@@ -70,6 +71,9 @@ class Result:
             if req.logprob_start_len >= 0:
                 meta["input_token_logprobs"] = self.input_logprobs or []
         return {"text": self.text, "output_ids": list(self.ids), "meta_info": meta}
+
+
+WEIGHT_GROUP = web.AppKey("reefd_worker_weight_group", WeightGroup)
 
 
 def aborted(result: Result) -> bool:
@@ -250,6 +254,67 @@ async def update_weights_from_disk(request: web.Request) -> web.Response:
     )
 
 
+def _weights_answer(error: str | None, status: int = 400) -> web.Response:
+    """SGLang's weight-update answers: {success, message}."""
+    if error is None:
+        return web.json_response({"success": True, "message": "Succeeded to update model weights."})
+    return web.json_response({"success": False, "message": error}, status=status)
+
+
+async def init_weights_update_group(request: web.Request) -> web.Response:
+    """Join the trainer's weight update group (InitWeightsUpdateGroupReqInput); blocks until the group forms."""
+    group = request.app[WEIGHT_GROUP]
+    try:
+        body = await read_json(request)
+        if not isinstance(body, dict):
+            raise BadRequest("the request body must be a JSON object")
+        address = _name(body, "master_address")
+        numbers: list[int] = []
+        for key in ("master_port", "rank_offset", "world_size"):
+            value = body.get(key, 1 if key == "rank_offset" else None)
+            if not isinstance(value, int) or isinstance(value, bool):
+                raise BadRequest(f"{key} must be an integer")
+            numbers.append(value)
+        port, offset, world = numbers
+        await asyncio.to_thread(group.join, address, port, offset, world,
+                                str(body.get("group_name", "weight_update_group")), str(body.get("backend", "nccl")))
+    except BadRequest as exc:
+        return _weights_answer(str(exc))
+    return web.json_response({"success": True, "message": "Succeeded to initialize the weight update group."})
+
+
+async def update_weights_from_distributed(request: web.Request) -> web.Response:
+    """Receive the named tensors from the trainer (rank 0), then apply them between decode steps once the running
+    requests have finished (UpdateWeightsFromDistributedReqInput, with `weight_version`)."""
+    state, group = request.app[STATE], request.app[WEIGHT_GROUP]
+    batcher, engine = state.batcher, state.batcher.engine
+    try:
+        body = await read_json(request)
+        name, names, dtypes, shapes = parse_update(body)
+        version = body.get("weight_version")
+        if version is not None and not isinstance(version, str):
+            raise BadRequest("weight_version must be a string")
+        weights = await asyncio.to_thread(group.receive, name, names, dtypes, shapes)
+        await batcher.control(lambda: engine.apply_weights(weights, None, version, partial=True),
+                              ready=lambda: not batcher.rows, exclusive=True)
+    except BadRequest as exc:
+        return _weights_answer(str(exc))
+    return _weights_answer(None)
+
+
+async def destroy_weights_update_group(request: web.Request) -> web.Response:
+    group = request.app[WEIGHT_GROUP]
+    try:
+        body = await read_json(request)
+        name = body.get("group_name", "weight_update_group") if isinstance(body, dict) else None
+        if not isinstance(name, str):
+            raise BadRequest("group_name must be a string")
+        await asyncio.to_thread(group.leave, name)
+    except BadRequest as exc:
+        return _weights_answer(str(exc))
+    return web.json_response({"success": True, "message": "Succeeded to destroy the weight update group."})
+
+
 async def weight_version(request: web.Request) -> web.Response:
     """SGLang's GetWeightsVersion answer."""
     return web.json_response({"weight_version": request.app[STATE].batcher.engine.weight_version})
@@ -259,6 +324,7 @@ def build_app(state: WorkerState) -> web.Application:
     """The worker's routes over one batcher."""
     app = web.Application(middlewares=[errors_middleware], client_max_size=64 * 1024 * 1024)
     app[STATE] = state
+    app[WEIGHT_GROUP] = WeightGroup(state.batcher.engine.device)
     app.router.add_post("/generate", generate)
     app.router.add_get("/health", health)
     app.router.add_get("/health_generate", health_generate)
@@ -269,6 +335,9 @@ def build_app(state: WorkerState) -> web.Application:
     app.router.add_post("/unload_lora_adapter", unload_lora_adapter)
     app.router.add_post("/update_weights_from_disk", update_weights_from_disk)
     app.router.add_get("/get_weight_version", weight_version)
+    app.router.add_post("/init_weights_update_group", init_weights_update_group)
+    app.router.add_post("/update_weights_from_distributed", update_weights_from_distributed)
+    app.router.add_post("/destroy_weights_update_group", destroy_weights_update_group)
     app.router.add_post("/v1/chat/completions", openai_chat.chat_completions)
     app.router.add_get("/v1/models", openai_chat.models)
     return app
