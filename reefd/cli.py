@@ -103,9 +103,14 @@ def _conversation_lines(sc: Mapping[str, Any]) -> list[str]:
         health = "healthy" if r.get("healthy") else "unhealthy" if r.get("healthy") is False else "-"
         out.append(f"scenario {sc.get('name')}: replica {r.get('replica')} {r.get('url') or '-'}: {r.get('state')}, "
                    f"{health}{'' if r.get('in_router') else ', not in the router'}, release {r.get('release')}, "
+                   f"weights {r.get('weights') or 'as launched'}, "
                    f"load {r.get('load') if r.get('load') is not None else '-'}, "
                    f"adapters {','.join(r.get('adapters') or []) or '-'}"
                    + (f", last error: {r['last_error']}" if r.get("last_error") else ""))
+    swap = engine.get("last_swap") if isinstance(engine.get("last_swap"), dict) else None
+    if swap is not None:
+        out.append(f"scenario {sc.get('name')}: last weights swap: {swap.get('version')} on {swap.get('replicas')} "
+                   f"process(es) in {swap.get('total_s', 0):.2f} s, new requests held {swap.get('held_s', 0):.2f} s")
     search = sc.get("search") if isinstance(sc.get("search"), dict) else None
     if search is not None:
         state = "open" if search.get("open") else "training" if search.get("training") else "waiting for a client"

@@ -567,7 +567,8 @@ class SGLangEngine:
     async def _take(self, client: SGLangClient, weights: Weights, adapter: tuple[str, Path] | None) -> None:
         """One process: the weights, then `adapter` as its only adapter."""
         await client.update_weights_from_disk(self._weights_path(weights), weights.version)
-        for name in sorted(await client.loaded_adapters() or set(self.adapters)):
+        loaded = await client.loaded_adapters()
+        for name in sorted(set(self.adapters) if loaded is None else loaded):  # None: the server does not say
             await client.unload_lora_adapter(name)
         if adapter is not None:
             await client.load_lora_adapter(*adapter)

@@ -254,6 +254,8 @@ def test_weights_roll_across_two_replicas(tmp_path: Path) -> None:
         swap = status["last_swap"]
         assert swap["replicas"] == 2 and swap["held_s"] == 0.0, swap
         assert [r["weights"] for r in status["replicas"]] == [w, w]
+        text = reefctl(d, "status").stdout
+        assert text.count(f"weights {w}") == 2 and f"last weights swap: {w} on 2 process(es)" in text, text
         assert all(r["in_router"] and r["state"] == "ready" for r in status["replicas"])
         text, served = greedy(d, "w")
         assert served == w and text != base_text
