@@ -230,6 +230,10 @@ def sampling_params(req: ChatRequest) -> dict[str, Any]:
 LAUNCH_VERSION = "default"  # SGLang's weight_version for the weights a server launched with
 
 
+def only(adapter: tuple[str, Path] | None) -> dict[str, Path]:
+    return {adapter[0]: adapter[1]} if adapter is not None else {}
+
+
 def launch_or(version: Any) -> str | None:
     """A reported weight version, with the launch weights' ("default", or none at all) as None."""
     return None if version in (None, LAUNCH_VERSION) else str(version)
@@ -473,7 +477,7 @@ class SGLangEngine:
             try:
                 for client in targets:
                     done.append(client)
-                    await self._take(client, new, adapter)
+                    await self._take(client, new, only(adapter))
             except BaseException:
                 for client in done:
                     await self._put_back(client, old, old_adapters)
@@ -481,7 +485,7 @@ class SGLangEngine:
             for replica in serving:
                 replica.weights = version
             self.weights = new
-            self.adapters = {adapter[0]: adapter[1]} if adapter is not None else {}
+            self.adapters = only(adapter)
             switch()
         finally:
             self._admission.set()
@@ -564,14 +568,14 @@ class SGLangEngine:
                 with contextlib.suppress(EngineError, EngineUnavailable):
                     await SGLangClient(self.session, url).destroy_weights_update_group(group)
 
-    async def _take(self, client: SGLangClient, weights: Weights, adapter: tuple[str, Path] | None) -> None:
-        """One process: the weights, then `adapter` as its only adapter."""
+    async def _take(self, client: SGLangClient, weights: Weights, adapters: dict[str, Path]) -> None:
+        """One process: the weights, then `adapters` as its only adapters."""
         await client.update_weights_from_disk(self._weights_path(weights), weights.version)
         loaded = await client.loaded_adapters()
         for name in sorted(set(self.adapters) if loaded is None else loaded):  # None: the server does not say
             await client.unload_lora_adapter(name)
-        if adapter is not None:
-            await client.load_lora_adapter(*adapter)
+        for name, folder in adapters.items():
+            await client.load_lora_adapter(name, folder)
 
     async def _put_back(self, client: SGLangClient, weights: Weights, adapters: dict[str, Path]) -> None:
         """After a failed swap: the old weights and adapters, or (when even that fails) a restart of the process,
@@ -614,7 +618,7 @@ class SGLangEngine:
         try:
             for replica in first:
                 await self.replicas.leave(replica, "updating")
-                await self._update(replica, new, adapter)
+                await self._update(replica, new, only(adapter))
                 replica.state = "standby"
                 done.append(replica)
         except BaseException:
@@ -635,18 +639,24 @@ class SGLangEngine:
         for replica in rest:
             await self.replicas.leave(replica, "draining")
         self.weights = new
-        self.adapters = {adapter[0]: adapter[1]} if adapter is not None else {}
+        self.adapters = only(adapter)
         switch()
         switch_s = time.monotonic() - switched
         drain = time.monotonic()
-        await drained(old.version)  # requests taken on the old weights, sent to the draining replicas, finish
+        # requests taken on the old weights, sent to the draining replicas, finish; meanwhile the new weights and
+        # adapter serve, so admin calls (a gate's adapter, a crashed replica's restore) need not wait for them
+        self._admin.release()
+        try:
+            await drained(old.version)
+        finally:
+            await self._admin.acquire()
         drain_s = time.monotonic() - drain
         for replica in rest:
             if replica.state != "draining":  # it died meanwhile: its restart gives it the new weights
                 continue
             replica.state = "updating"
             try:
-                await self._update(replica, new, adapter)
+                await self._update(replica, new, dict(self.adapters))  # with any adapter loaded since the switch
                 await self.replicas.join(replica)
             except Exception as exc:  # restarted: a fresh process is given the new weights before it joins
                 log.error("%s: replica %d did not take weights %s (%s); restarting it", self.cfg.name,
@@ -655,12 +665,12 @@ class SGLangEngine:
         return {"replicas": len(serving), "held_s": 0.0, "switch_s": round(switch_s, 3),
                 "drain_s": round(drain_s, 3)}
 
-    async def _update(self, replica: Replica, weights: Weights, adapter: tuple[str, Path] | None) -> None:
+    async def _update(self, replica: Replica, weights: Weights, adapters: dict[str, Path]) -> None:
         """One replica out of the router: its running requests finish, then the weights load, its adapters become
-        `adapter` alone, and a generate checks it."""
+        `adapters`, and a generate checks it."""
         client = SGLangClient(self.session, replica.url)
         await self._idle(replica)
-        await self._take(client, weights, adapter)
+        await self._take(client, weights, adapters)
         replica.weights = weights.version
         if not await client.healthy():
             raise EngineError(f"replica {replica.index} does not generate after its weights update")
