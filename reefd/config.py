@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import importlib.util
+import os
 import re
 import typing
 from dataclasses import dataclass, field
@@ -66,8 +67,9 @@ class RecipeConfig:
     )
     backend: str = field(
         default="local",
-        metadata={"description": "Where weight jobs run: local runs `python -m reefd.train` as a subprocess; "
-                                 "or pkg.mod:Class, a TrainerBackend of your own."},
+        metadata={"description": "Where weight jobs run: local runs `python -m reefd.train` as a subprocess; ray "
+                                 "submits it to a Ray cluster as a job; or pkg.mod:Class, a TrainerBackend of your "
+                                 "own."},
     )
     params: dict[str, Any] = field(
         default_factory=dict,
@@ -76,6 +78,9 @@ class RecipeConfig:
     job_timeout_s: float = field(
         default=3600.0, metadata={"exclusiveMinimum": 0, "description": "A training job running longer fails."}
     )
+    ray_address: str | None = field(
+        default=None, metadata={"description": "backend ray: the cluster's dashboard (Ray Jobs API), e.g. "
+                                               "http://127.0.0.1:8265; default: the REEF_RAY_ADDRESS variable."})
 
 
 @dataclass
@@ -276,6 +281,11 @@ def _grow_problem(cfg: ScenarioConfig, scenarios_dir: Path) -> str | None:
         plugins.resolve(plugins.BACKENDS, cfg.recipe.backend, "trainer backend")
     except plugins.PluginError as exc:
         return f"recipe.backend: {exc}"
+    if cfg.recipe.backend == "ray":
+        if importlib.util.find_spec("ray") is None:
+            return "recipe.backend: ray needs Ray, which is not installed: pip install 'reefd[ray]'"
+        if not (cfg.recipe.ray_address or os.environ.get("REEF_RAY_ADDRESS")):
+            return "recipe.ray_address: backend ray needs the cluster's address (or set REEF_RAY_ADDRESS)"
     if cfg.trigger.cron is not None:
         from apscheduler.triggers.cron import CronTrigger
 

@@ -240,7 +240,7 @@ class Runner:
             elif event.get("event") == "error":
                 error = str(event.get("reason"))
 
-        backend = self.backends.get(scenario.cfg.recipe.backend)
+        backend = self.backends.get(scenario.cfg.recipe.backend, scenario.cfg.recipe.ray_address)
         try:
             code = await backend.run(spec_path, on_event, scenario.cfg.recipe.job_timeout_s)
         except TrainerTimeout as exc:

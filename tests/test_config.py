@@ -134,3 +134,19 @@ def test_each_gate_kind_has_its_group_and_its_own_keys(tmp_path: Path) -> None:
     with pytest.raises(config.ConfigError, match=r"gate: Additional properties are not allowed \('margin' was "
                                                  r"unexpected\): the floor kind has no such key .*`- gate: floor`"):
         config.compose(scen / "mixed.yaml")
+
+
+def test_the_ray_backend_is_checked_at_load(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    head = "defaults:\n  - model: tiny\n  - recipe: sao\n  - _self_\nrecipe:\n  backend: ray\n"
+    scen = make_scenarios(tmp_path, names=(), extra={"ok": head + "  ray_address: http://127.0.0.1:8265\n",
+                                                     "nowhere": head})
+    monkeypatch.delenv("REEF_RAY_ADDRESS", raising=False)
+    assert config.compose(scen / "ok.yaml").recipe.ray_address == "http://127.0.0.1:8265"
+    with pytest.raises(config.ConfigError, match=r"recipe\.ray_address: backend ray needs the cluster's address"):
+        config.compose(scen / "nowhere.yaml")
+    monkeypatch.setenv("REEF_RAY_ADDRESS", "http://10.0.0.9:8265")
+    assert config.compose(scen / "nowhere.yaml").recipe.backend == "ray"
+    real = config.importlib.util.find_spec
+    monkeypatch.setattr(config.importlib.util, "find_spec", lambda name, *a: None if name == "ray" else real(name, *a))
+    with pytest.raises(config.ConfigError, match=r"recipe\.backend: ray needs Ray.*pip install 'reefd\[ray\]'"):
+        config.compose(scen / "ok.yaml")

@@ -57,13 +57,14 @@ def graph() -> dict[str, set[str]]:
 
 
 def test_the_daemon_loads_no_torch() -> None:
-    """Every daemon-side module imported, and the app built: not one torch, transformers or peft module loaded."""
+    """Every daemon-side module imported, and the app built: not one torch, transformers, peft or ray module
+    loaded."""
     daemon = sorted(m for m in modules() if m.startswith("reefd") and not m.startswith(TORCH_SIDE))
     code = (f"import importlib, sys, tempfile, pathlib\n"
             f"for m in {daemon!r}: importlib.import_module(m)\n"
             "from reefd.app import Settings, build_app\n"
             "build_app(Settings(state_dir=pathlib.Path(tempfile.mkdtemp()), tokens=['t' * 16]))\n"
-            "print(sorted({m.split('.')[0] for m in sys.modules} & {'torch', 'transformers', 'peft'}))\n")
+            "print(sorted({m.split('.')[0] for m in sys.modules} & {'torch', 'transformers', 'peft', 'ray'}))\n")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]", f"the daemon loaded {out.stdout.strip()} ({len(daemon)} modules imported)"

@@ -57,16 +57,18 @@ class Backends:
         self.work_dir, self.max_jobs = work_dir, max_jobs
         self._built: dict[str, TrainerBackend] = {}
 
-    def get(self, name: str) -> TrainerBackend:
-        """PluginError when `name` names no importable TrainerBackend (a scenario's load checks it first)."""
-        if name not in self._built:
+    def get(self, name: str, address: str | None = None) -> TrainerBackend:
+        """PluginError when `name` names no importable TrainerBackend (a scenario's load checks it first).
+        `address`: the cluster of a `ray` backend (one backend per cluster)."""
+        key = f"{name}@{address}" if name == "ray" and address else name
+        if key not in self._built:
             cls = plugins.resolve(plugins.BACKENDS, name, "trainer backend")
             missing = plugins.missing(TrainerBackend, cls)
             if missing:
                 raise plugins.PluginError(f"trainer backend {name!r} is not a TrainerBackend (no {missing[0]})")
             folder = self.work_dir if name in plugins.BACKENDS else self.work_dir / "backends" / name
-            self._built[name] = cls(folder, self.max_jobs)
-        return self._built[name]
+            self._built[key] = cls(folder, self.max_jobs, address) if name == "ray" else cls(folder, self.max_jobs)
+        return self._built[key]
 
     def prewarm(self, names: Iterable[str]) -> None:
         """Get these backends ready ahead of their first job (a name that cannot be loaded is logged)."""

@@ -1,0 +1,123 @@
+"""`recipe.backend: ray` for real: a local Ray head started as a child process (`ray start --head --block`, its
+own --temp-dir, bound to loopback, token auth), a Grow job on the tiny model submitted through the Ray Jobs API,
+its progress relayed, its adapter gated, published and served. The head is ended by its PID, never `ray stop`
+(which would stop every Ray process on the machine)."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import secrets
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import Daemon, free_port, make_scenarios
+from tests.e2e.test_grow import client, stop, turn
+from tests.e2e.test_reefctl import reefctl
+
+pytestmark = pytest.mark.filterwarnings("ignore:.*is_gradient_checkpointing.*:FutureWarning")
+
+LEARN = """defaults:
+  - model: tiny
+  - recipe: sao
+  - trigger: manual
+  - gate: always
+  - release: follow
+  - _self_
+recipe:
+  backend: ray
+  ray_address: {address}
+  job_timeout_s: 300
+  params: {{batch_size: 4}}
+serve:
+  default_max_tokens: 8
+"""
+
+
+@pytest.fixture(scope="module")
+def ray_head(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path]]:
+    """A Ray head of the test's own: (dashboard URL, token file)."""
+    tmp = tmp_path_factory.mktemp("ray")
+    token = tmp / "token"
+    token.write_text(secrets.token_hex(16))
+    dashboard = free_port()
+    env = {**os.environ, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(token)}
+    ray = Path(sys.executable).with_name("ray")
+    head_log = (tmp / "head.log").open("wb")
+    proc = subprocess.Popen(
+        [str(ray), "start", "--head", "--block", "--temp-dir", str(tmp / "t"), "--port", str(free_port()),
+         "--dashboard-host", "127.0.0.1", "--dashboard-port", str(dashboard), "--node-ip-address", "127.0.0.1",
+         "--ray-client-server-port", str(free_port()), "--num-cpus", "2", "--include-dashboard", "true",
+         "--disable-usage-stats"],
+        env=env, stdout=head_log, stderr=subprocess.STDOUT, start_new_session=True)
+    url = f"http://127.0.0.1:{dashboard}"
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            req = urllib.request.Request(url + "/api/version", headers={"Authorization": f"Bearer {token.read_text()}"})
+            try:
+                with urllib.request.urlopen(req, timeout=5) as r:
+                    if r.status == 200:
+                        break
+            except OSError:
+                pass
+            assert proc.poll() is None and time.monotonic() < deadline, (tmp / "head.log").read_text()[-3000:]
+            time.sleep(0.25)
+        yield url, token
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)  # the head and everything it started: its own process group
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(15)
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(15)
+        head_log.close()
+
+
+def test_a_grow_job_runs_as_a_ray_job(ray_head: tuple[str, Path], tmp_path: Path) -> None:
+    url, token = ray_head
+    scen = make_scenarios(tmp_path / "scenarios", names=(), extra={
+        "learn": LEARN.format(address=url), "unreachable": LEARN.format(address="http://127.0.0.1:9")})
+    d = Daemon(scenarios=scen, state=tmp_path / "state", log_path=tmp_path / "reefd.log",
+               env={"RAY_AUTH_TOKEN_PATH": str(token)})
+    d.start()
+    try:
+        c = client(d)
+        receipts = [turn(d, c, f"task {i}", score=float(i % 2))[0] for i in range(4)]
+        out = reefctl(d, "train", "learn", "--follow")
+        assert out.returncode == 0, out.stdout + out.stderr
+        job = json.loads(d.get("/reef/jobs?scenario=learn")[1])["data"][0]
+        assert job["state"] == "published", job
+        assert job["receipts"] == receipts and job["progress"]["step"] == job["progress"]["steps"] >= 1
+        assert "loss" in job["metrics"]
+        # the cluster ran it: the Ray job of that id succeeded
+        req = urllib.request.Request(f"{url}/api/jobs/reef-{job['id']}",
+                                     headers={"Authorization": f"Bearer {token.read_text()}"})
+        with urllib.request.urlopen(req, timeout=10) as r:
+            ray_job = json.loads(r.read())
+        assert ray_job["status"] == "SUCCEEDED" and ray_job["metadata"] == {"reef_job": job["id"]}
+        assert turn(d, c, "after")[1] == job["release"]  # served: the next answer names the new release
+
+        # an unreachable cluster: a failed job saying so, nothing published, serving untouched
+        c2 = client(d).with_options(default_headers={"x-reef-scenario": "unreachable"})
+        before = turn(d, c2, "x")[1]
+        for i in range(4):
+            raw = c2.chat.completions.with_raw_response.create(
+                model="unreachable", messages=[{"role": "user", "content": f"t{i}"}], max_tokens=4)
+            receipt = raw.headers["x-reef-agent-record-id"]
+            assert d.post("/reef/report", {"score": 1.0, "references": [receipt]},
+                          headers={"x-reef-scenario": "unreachable"})[0] == 200
+        out = reefctl(d, "train", "unreachable", "--follow")
+        failed = json.loads(d.get("/reef/jobs?scenario=unreachable")[1])["data"][0]
+        assert failed["state"] == "failed" and "cannot reach the Ray cluster at http://127.0.0.1:9" in \
+            failed["error"], failed
+        assert json.loads(d.get("/reef/scenarios/unreachable/releases")[1])["head"] == before
+    finally:
+        stop(d)
