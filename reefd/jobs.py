@@ -40,6 +40,8 @@ class Job:
     error: str | None = None
     receipts: list[str] = field(default_factory=list)
     metrics: dict[str, Any] = field(default_factory=dict)
+    skipped: list[str] = field(default_factory=list)  # records the recipe looked at and found nothing in
+    detachable: bool = False  # its trainer runs on a cluster that outlives reefd: a restart follows it
 
     def as_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -58,14 +60,23 @@ class JobStore:
                 self.jobs[data["id"]] = Job(**data)
 
     def recover(self) -> list[Job]:
-        """Jobs a stopped reefd left queued or running: marked failed, with the reason."""
-        lost = [j for j in self.jobs.values() if j.state in ACTIVE]
+        """Jobs a stopped reefd left queued or running: marked failed, with the reason (those training on a
+        cluster that outlives reefd are left running: `resumable`)."""
+        lost = [j for j in self.jobs.values() if j.state in ACTIVE and not self._resumable(j)]
         for job in lost:
             job.state, job.finished_at = "failed", time.time()
             job.error = ("reefd stopped while the job was queued" if job.stage == "queued"
                          else f"reefd stopped during the job's {job.stage} stage")
             self.save(job)
         return lost
+
+    def resumable(self) -> list[Job]:
+        """Jobs a stopped reefd left training on a cluster, oldest first: the scheduler runs them again."""
+        return sorted((j for j in self.jobs.values() if self._resumable(j)), key=lambda j: j.created_at)
+
+    @staticmethod
+    def _resumable(job: Job) -> bool:
+        return job.state == "running" and job.detachable and job.stage == "train"
 
     def new(self, scenario: str, reason: str, recipe: str) -> Job:
         """A queued job, listed at once (the caller saves it)."""

@@ -107,11 +107,16 @@ class Runner:
         await asyncio.to_thread(self.jobs.save, job)
 
     async def run(self, job: Job) -> None:
-        job.state, job.started_at = "running", time.time()
+        resuming = job.state == "running" and job.detachable
+        job.state, job.started_at = "running", job.started_at or time.time()
         await self._save(job)
         try:
-            await self._run(job)
+            await (self._resume(job) if resuming else self._run(job))
         except asyncio.CancelledError:
+            if job.detachable:  # its trainer runs on its cluster: the next reefd follows it (`_resume`)
+                job.error = "reefd stopped while the job trained on its cluster; a restart follows it"
+                await asyncio.shield(self._save(job))
+                raise
             job.state, job.error = "failed", "reefd stopped while the job was running"
             raise
         except (JobFailed, RecipeError, gates.GateError, ReleaseError, EngineError, EngineUnavailable,
@@ -122,12 +127,16 @@ class Runner:
             log.exception("%s %s failed", job.scenario, job.id)
             job.state, job.error = "failed", f"internal error: {exc}"
         finally:
-            job.finished_at = time.time()
-            if job.state == "running":
-                job.state = "failed"
-            await asyncio.shield(self._save(job))
-            if job.state != "failed" or not os.environ.get("REEF_KEEP_FAILED_JOBS"):
-                await asyncio.to_thread(shutil.rmtree, self.jobs.workdir(job), True)
+            if not (job.detachable and job.state == "running"):  # else: followed again after a restart
+                await self._close(job)
+
+    async def _close(self, job: Job) -> None:
+        job.finished_at = time.time()
+        if job.state == "running":
+            job.state = "failed"
+        await asyncio.shield(self._save(job))
+        if job.state != "failed" or not os.environ.get("REEF_KEEP_FAILED_JOBS"):
+            await asyncio.to_thread(shutil.rmtree, self.jobs.workdir(job), True)
 
     def _scenario(self, job: Job) -> Scenario:
         """The scenario as served now (a reload may have replaced its objects since the job started)."""
@@ -163,24 +172,43 @@ class Runner:
         if isinstance(spec, HarnessSearch):
             await self._search_job(job, scenario, spec, head)
             return
+        job.skipped = list(spec.skipped)
         await self._save(job, "train")
-        weights = await asyncio.to_thread(self.chain.weights, head.id)  # what the candidate is trained on
-        out = await self._train(job, scenario, spec, head, weights)
+        spec_path = await self._write_spec(job, scenario, spec, head)
+        await self._weights_job(job, scenario, spec_path)
+
+    async def _resume(self, job: Job) -> None:
+        """A job reefd stopped while its trainer ran on a cluster that outlived it: follow the same trainer job
+        (the backend finds it by the job's id; nothing is trained twice), then gate and publish as usual."""
+        scenario = self._scenario(job)
+        spec_path = self.jobs.workdir(job) / "spec.json"
+        if job.built_on is None or not spec_path.is_file():
+            raise JobFailed("reefd stopped during the job and its files are gone")
+        log.info("%s %s: following its trainer job again after a restart", job.scenario, job.id)
+        await self._weights_job(job, scenario, spec_path)
+
+    async def _weights_job(self, job: Job, scenario: Scenario, spec_path: Path) -> None:
+        """Train (the spec is written), gate, publish."""
+        assert job.built_on is not None
+        doc = json.loads(await asyncio.to_thread(spec_path.read_text))
+        full = doc.get("target") == "full"
+        weights = await asyncio.to_thread(self.chain.weights, job.built_on)  # what the candidate is trained on
+        out = await self._train(job, scenario, spec_path, full)
         await self._save(job, "gate")
         scenario = self._scenario(job)
-        full = spec.target == "full"
         verdict = await (self._gate_weights(job, scenario, out) if full else self._gate(job, scenario, out))
         job.verdict = verdict.as_meta()
         await self._save(job, "publish")
         meta = {"source": job.recipe, "job": job.id, "summary": f"{job.recipe} on {len(job.receipts)} records",
                 "metrics": job.metrics, "receipts": job.receipts,
-                "reports": sorted({r for s in spec.samples for r in s.reports})}
-        if spec.skipped:
-            meta["skipped"] = list(spec.skipped)
+                "reports": sorted({r for s in doc["samples"] for r in s.get("reports") or ()})}
+        if job.skipped:
+            meta["skipped"] = list(job.skipped)
         # an adapter serves only on the weights it was trained on; full weights say what they started from
         meta["trained_on" if full else "weights"] = weights
         await self._finish(job, scenario, Candidate("weights" if full else "adapter", meta, artifact=out,
-                                                    built_on=head.id, verdict=job.verdict), verdict, spec.skipped)
+                                                    built_on=job.built_on, verdict=job.verdict), verdict,
+                           job.skipped)
 
     async def _finish(self, job: Job, scenario: Scenario, cand: Candidate, verdict: gates.Verdict,
                       skipped: list[str] | None = None) -> None:
@@ -207,17 +235,15 @@ class Runner:
 
     # ------------------------------------------------------------ train
 
-    async def _train(self, job: Job, scenario: Scenario, spec: WeightJob, head: Release,
-                     weights: dict[str, str | None]) -> Path:
-        """Train on the batch with the scenario's trainer backend, on the weights the head serves; returns the
-        candidate folder (an adapter, or with `target: full` a full HF model folder)."""
+    async def _write_spec(self, job: Job, scenario: Scenario, spec: WeightJob, head: Release) -> Path:
+        """The job's folder with its trainer spec (and the weights it trains on, when a weights release serves)."""
         model_dir = scenario.engine.model_folder()
         if model_dir is None:
             raise JobFailed("the scenario's model is not prepared yet")
         work = self.jobs.workdir(job)
         await asyncio.to_thread(shutil.rmtree, work, True)
         work.mkdir(parents=True)
-        if weights["tree"] is not None:  # a weights release serves: train on its weights
+        if "weights" in await asyncio.to_thread(self.chain.artifacts, head.id):  # train on the weights served
             model_dir = await asyncio.to_thread(self.chain.materialize, head.id, work / "base", "weights")
         init = None
         if "adapter" in await asyncio.to_thread(self.chain.artifacts, head.id):  # continue from what serves
@@ -229,6 +255,12 @@ class Runner:
                "lora": spec.lora, "optim": spec.optim, "target": spec.target}
         spec_path = work / "spec.json"
         await asyncio.to_thread(spec_path.write_text, json.dumps(doc))
+        return spec_path
+
+    async def _train(self, job: Job, scenario: Scenario, spec_path: Path, full: bool) -> Path:
+        """Run the spec on the scenario's trainer backend; returns the candidate folder (an adapter, or with
+        `target: full` a full HF model folder)."""
+        work, out = spec_path.parent, spec_path.parent / "candidate"
         error: str | None = None
 
         def on_event(event: dict[str, Any]) -> None:
@@ -241,6 +273,7 @@ class Runner:
                 error = str(event.get("reason"))
 
         backend = self.backends.get(scenario.cfg.recipe.backend, scenario.cfg.recipe.ray_address)
+        job.detachable = bool(getattr(backend, "detachable", False))
         try:
             code = await backend.run(spec_path, on_event, scenario.cfg.recipe.job_timeout_s)
         except TrainerTimeout as exc:
@@ -248,11 +281,12 @@ class Runner:
         if code != 0:
             died = "the trainer process died" if code in (137, -9) else "no message"
             raise JobFailed(f"the trainer failed (exit {code}): {error or died}")
-        if spec.target == "full":
+        job.detachable = False
+        if full:
             if not (out / "config.json").is_file() or not any(out.glob("*.safetensors")):
                 raise JobFailed("the trainer exited without writing full weights")
             try:
-                await asyncio.to_thread(check_weights, out, scenario.engine.model_folder() or model_dir)
+                await asyncio.to_thread(check_weights, out, scenario.engine.model_folder() or work / "base")
             except InvalidWeights as exc:
                 raise JobFailed(f"the trainer wrote unusable weights: {exc}") from None
         elif not (out / "adapter_model.safetensors").is_file():

@@ -50,6 +50,13 @@ class Scheduler:
     async def start(self) -> None:
         for job in await asyncio.to_thread(self.jobs.recover):
             log.warning("%s %s: marked failed: %s", job.scenario, job.id, job.error)
+        for job in self.jobs.resumable():  # trained on a cluster while reefd was down: followed again first
+            if job.scenario in self.registry.scenarios:
+                self._queue.append(job)
+            else:
+                job.state, job.error, job.finished_at = "failed", "its scenario is no longer served", time.time()
+                await asyncio.to_thread(self.jobs.save, job)
+        self._wake.set()
         with warnings.catch_warnings():  # tzlocal's deprecation chatter on import
             warnings.simplefilter("ignore", DeprecationWarning)
             from apscheduler.schedulers.asyncio import AsyncIOScheduler

@@ -160,5 +160,5 @@ def test_a_trainer_backend_of_your_own_by_dotted_path(tmp_path: Path) -> None:
     assert isinstance(backends.get("local"), LocalTrainers)
     with pytest.raises(plugins.PluginError, match=r"is not a TrainerBackend"):
         backends.get("tests.test_plugins:EchoEngine")
-    with pytest.raises(config.ConfigError, match=r"recipe\.backend: unknown trainer backend 'ray': use one of local"):
-        compose(tmp_path / "bad", "recipe:\n  backend: ray\n")
+    with pytest.raises(config.ConfigError, match=r"recipe\.backend: unknown trainer backend 'nope': use one of local"):
+        compose(tmp_path / "bad", "recipe:\n  backend: nope\n")

@@ -54,6 +54,7 @@ def ray_token() -> str | None:
 class RayJobs:
     """Weight jobs on a Ray cluster (`Class(work_dir, max_jobs, address)`)."""
 
+    detachable = True  # a job outlives reefd: after a restart, `run` with the same spec follows it
     POLL_S = 0.5
     START_TIMEOUT_S = 300.0  # a job that never leaves PENDING (no resources, a dead cluster) fails after this
 
@@ -115,8 +116,10 @@ class RayJobs:
             return
         entrypoint = (f"cd {shlex.quote(str(ROOT))} && {shlex.quote(sys.executable)} -m reefd.train "
                       f"--spec {shlex.quote(str(Path(spec).resolve()))}")
+        # the trainer's own switches (REEF_TRAIN_*: faults for tests, holds) travel with the job
+        env = {k: v for k, v in os.environ.items() if k.startswith("REEF_TRAIN_")}
         status, answer = await self._call("POST", "/api/jobs/", {
-            "entrypoint": entrypoint, "submission_id": submission,
+            "entrypoint": entrypoint, "submission_id": submission, "runtime_env": {"env_vars": env} if env else None,
             "metadata": {"reef_job": submission.removeprefix("reef-")}})
         if status != 200:
             raise RayUnavailable(f"the Ray cluster at {self.address} did not take job {submission} "

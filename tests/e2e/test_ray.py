@@ -73,10 +73,12 @@ def ray_head(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Pa
             time.sleep(0.25)
         yield url, token
     finally:
-        os.killpg(proc.pid, signal.SIGTERM)  # the head and everything it started: its own process group
+        with contextlib.suppress(ProcessLookupError):  # the head and everything it started: its process group
+            os.killpg(proc.pid, signal.SIGTERM)
         with contextlib.suppress(subprocess.TimeoutExpired):
             proc.wait(15)
-        os.killpg(proc.pid, signal.SIGKILL)
+        with contextlib.suppress(ProcessLookupError):  # whatever did not stop on SIGTERM
+            os.killpg(proc.pid, signal.SIGKILL)
         proc.wait(15)
         head_log.close()
 
@@ -119,5 +121,52 @@ def test_a_grow_job_runs_as_a_ray_job(ray_head: tuple[str, Path], tmp_path: Path
         assert failed["state"] == "failed" and "cannot reach the Ray cluster at http://127.0.0.1:9" in \
             failed["error"], failed
         assert json.loads(d.get("/reef/scenarios/unreachable/releases")[1])["head"] == before
+    finally:
+        stop(d)
+
+
+def ray_get(url: str, token: Path, path: str) -> object:
+    req = urllib.request.Request(url + path, headers={"Authorization": f"Bearer {token.read_text()}"})
+    with urllib.request.urlopen(req, timeout=10) as r:
+        return json.loads(r.read())
+
+
+def test_a_restart_mid_job_follows_the_ray_job_instead_of_training_twice(ray_head: tuple[str, Path],
+                                                                          tmp_path: Path) -> None:
+    url, token = ray_head
+    hold = tmp_path / "hold"
+    hold.write_text("")  # the trainer waits while this file exists (REEF_TRAIN_FAULT=hold travels with the job)
+    scen = make_scenarios(tmp_path / "scenarios", names=(), extra={"learn": LEARN.format(address=url)})
+    d = Daemon(scenarios=scen, state=tmp_path / "state", log_path=tmp_path / "reefd.log",
+               env={"RAY_AUTH_TOKEN_PATH": str(token), "REEF_TRAIN_FAULT": "hold", "REEF_TRAIN_HOLD": str(hold)})
+    d.start()
+    try:
+        c = client(d)
+        receipts = [turn(d, c, f"task {i}", score=float(i % 2))[0] for i in range(4)]
+        assert reefctl(d, "train", "learn").returncode == 0
+        deadline = time.monotonic() + 120
+        while True:
+            jobs = json.loads(d.get("/reef/jobs?scenario=learn")[1])["data"]
+            if jobs and jobs[0]["stage"] == "train" and jobs[0]["progress"] == {}:
+                with contextlib.suppress(OSError):
+                    if ray_get(url, token, f"/api/jobs/reef-{jobs[0]['id']}")["status"] == "RUNNING":  # type: ignore[index]
+                        break
+            assert time.monotonic() < deadline, jobs
+            time.sleep(0.3)
+        job_id = jobs[0]["id"]
+        d.stop()  # reefd goes; the Ray job goes on, held
+        saved = json.loads((d.state / "jobs" / f"{job_id}.json").read_text())
+        assert saved["state"] == "running" and saved["detachable"] is True
+        d.start()
+        hold.unlink()  # the held trainer goes on
+        deadline = time.monotonic() + 180
+        while (job := json.loads(d.get(f"/reef/jobs/{job_id}")[1]))["state"] == "running":
+            assert time.monotonic() < deadline, job
+            time.sleep(0.3)
+        assert job["state"] == "published" and job["receipts"] == receipts, job
+        submitted = [j for j in ray_get(url, token, "/api/jobs/")  # type: ignore[union-attr]
+                     if j["submission_id"] == f"reef-{job_id}"]
+        assert len(submitted) == 1 and submitted[0]["status"] == "SUCCEEDED"  # trained once, followed twice
+        assert turn(d, c, "after")[1] == job["release"]
     finally:
         stop(d)
