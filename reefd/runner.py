@@ -274,6 +274,8 @@ class Runner:
 
         backend = self.backends.get(scenario.cfg.recipe.backend, scenario.cfg.recipe.ray_address)
         job.detachable = bool(getattr(backend, "detachable", False))
+        if job.detachable:  # on disk before the job starts, so even a killed reefd's successor follows it
+            await self._save(job)
         try:
             code = await backend.run(spec_path, on_event, scenario.cfg.recipe.job_timeout_s)
         except TrainerTimeout as exc:
