@@ -75,8 +75,8 @@ def ray_head(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Pa
     finally:
         with contextlib.suppress(ProcessLookupError):  # the head and everything it started: its process group
             os.killpg(proc.pid, signal.SIGTERM)
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            proc.wait(15)
+        with contextlib.suppress(subprocess.TimeoutExpired):  # a test head has nothing to save: 3 s is plenty
+            proc.wait(3)
         with contextlib.suppress(ProcessLookupError):  # whatever did not stop on SIGTERM
             os.killpg(proc.pid, signal.SIGKILL)
         proc.wait(15)
