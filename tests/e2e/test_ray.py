@@ -5,6 +5,7 @@ its progress relayed, its adapter gated, published and served. The head is ended
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import os
@@ -170,3 +171,26 @@ def test_a_restart_mid_job_follows_the_ray_job_instead_of_training_twice(ray_hea
         assert turn(d, c, "after")[1] == job["release"]
     finally:
         stop(d)
+
+
+def test_a_wrong_token_fails_the_job_with_a_clear_message(ray_head: tuple[str, Path], tmp_path: Path,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    from reefd.train.ray_jobs import RayJobs
+
+    url, _ = ray_head
+    monkeypatch.delenv("RAY_AUTH_TOKEN_PATH", raising=False)
+    monkeypatch.setenv("RAY_AUTH_TOKEN", "not-the-token")
+    spec = tmp_path / "spec.json"
+    spec.write_text(json.dumps({"job": "j-wrong-token"}))
+    events: list[dict[str, object]] = []
+
+    async def go() -> int:
+        backend = RayJobs(tmp_path, 1, url)
+        try:
+            return await backend.run(spec, events.append, 60)
+        finally:
+            await backend.close()
+
+    assert asyncio.run(go()) == 1
+    assert events == [{"event": "error", "reason": f"the Ray cluster at {url} refused reefd's token (403); set "
+                                                   "RAY_AUTH_TOKEN, RAY_AUTH_TOKEN_PATH or the ray-token credential"}]
