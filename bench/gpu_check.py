@@ -30,16 +30,8 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # tests.loras: the same LoRA helper the test suite uses
 
-PROMPTS = [
-    "Write a short poem about the sea.",
-    "Explain what a coral reef is to a child.",
-    "List three uses of a paperclip.",
-    "What is the capital of Norway, and why is it famous?",
-    "Describe your favourite breakfast.",
-    "Give two tips for learning a new language.",
-    "Summarise the plot of a detective story in one paragraph.",
-    "Why is the sky blue? Answer briefly.",
-]
+from engine_batching import PROMPTS  # noqa: E402  (the same prompts as the CPU batching bench)
+
 PROBE = "The three most important things about coral reefs are"  # the greedy prompt each change is judged on
 PROBE_TOKENS = 24
 LORA_NAME = "gpu-check"

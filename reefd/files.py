@@ -11,8 +11,8 @@ from pathlib import Path
 from typing import Any
 
 
-def fsync_dir(path: Path) -> None:
-    """Make a rename or a new entry in `path` durable."""
+def fsync_path(path: Path) -> None:
+    """Make a file's data, or a folder's entries (a rename, a new file), durable."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -29,4 +29,4 @@ def write_json(path: Path, doc: Any, indent: int | None = None) -> None:
         f.flush()
         os.fsync(f.fileno())
     tmp.replace(path)
-    fsync_dir(path.parent)
+    fsync_path(path.parent)

@@ -243,10 +243,11 @@ class Runner:
         work = self.jobs.workdir(job)
         await asyncio.to_thread(shutil.rmtree, work, True)
         work.mkdir(parents=True)
-        if "weights" in await asyncio.to_thread(self.chain.artifacts, head.id):  # train on the weights served
+        artifacts = await asyncio.to_thread(self.chain.artifacts, head.id)
+        if "weights" in artifacts:  # train on the weights served
             model_dir = await asyncio.to_thread(self.chain.materialize, head.id, work / "base", "weights")
         init = None
-        if "adapter" in await asyncio.to_thread(self.chain.artifacts, head.id):  # continue from what serves
+        if "adapter" in artifacts:  # continue from what serves
             init = await asyncio.to_thread(self.chain.materialize, head.id, work / "init", "adapter")
         out = work / "candidate"
         doc = {"job": job.id, "objective": spec.objective, "settings": spec.settings, "seed": spec.seed,
@@ -365,12 +366,7 @@ class Runner:
         cfg = dataclasses.replace(scenario.cfg.model, name=f"{scenario.cfg.model.name}-candidate-{job.id}",
                                   source=None, path=str(out), url=None, replicas=1, workers=[])
         async with self.registry.borrow(cfg) as candidate:
-            deadline = time.monotonic() + cfg.startup_timeout_s
-            while not candidate.ready:
-                if candidate.describe()["state"] == "failed" or time.monotonic() > deadline:
-                    raise JobFailed(f"the candidate's engine is {candidate.describe()['state']}: "
-                                    f"{candidate.describe().get('last_error')}")
-                await asyncio.sleep(0.25)
+            await _until_ready(candidate, cfg.startup_timeout_s, "candidate's", detail=True)
 
             async def generate(messages: list[dict[str, Any]], side: str | None, sampling: gates.Sampling,
                                seed: int) -> str:
@@ -488,11 +484,7 @@ class Runner:
         else:
             engine, adapter = scenario.engine, scenario.binding.adapter if scenario.binding else None
             startup_s = scenario.cfg.model.startup_timeout_s
-        deadline = time.monotonic() + startup_s
-        while not engine.ready:
-            if engine.describe()["state"] == "failed" or time.monotonic() > deadline:
-                raise JobFailed(f"the reflection engine is {engine.describe()['state']}")
-            await asyncio.sleep(0.25)
+        await _until_ready(engine, startup_s, "reflection")
         stack.enter_context(self.registry.using(engine, adapter))
 
         async def ask_engine(ask: Ask) -> str:
@@ -538,11 +530,7 @@ class Runner:
                     raise JobFailed(f"recipe.params.proposer: {exc}") from None
                 engine, adapter, startup_s = await stack.enter_async_context(self.registry.borrow(cfg)), None, \
                     cfg.startup_timeout_s
-            deadline = time.monotonic() + startup_s
-            while not engine.ready:
-                if engine.describe()["state"] == "failed" or time.monotonic() > deadline:
-                    raise JobFailed(f"the proposer engine is {engine.describe()['state']}")
-                await asyncio.sleep(0.25)
+            await _until_ready(engine, startup_s, "proposer")
             return await _answer(engine, req, adapter, scenario.cfg.serve.request_timeout_s)
 
 
@@ -552,6 +540,18 @@ def _advance(search: Search, answers: list[str] | None) -> tuple[list[Ask], Foun
         return (next(search) if answers is None else search.send(answers)), None
     except StopIteration as done:
         return [], done.value
+
+
+async def _until_ready(engine: Engine, startup_s: float, what: str, detail: bool = False) -> None:
+    """Wait for an engine a job borrows (JobFailed once it failed or `startup_s` passed); `detail` adds its
+    last error to the message."""
+    deadline = time.monotonic() + startup_s
+    while not engine.ready:
+        state = engine.describe()
+        if state["state"] == "failed" or time.monotonic() > deadline:
+            raise JobFailed(f"the {what} engine is {state['state']}"
+                            + (f": {state.get('last_error')}" if detail else ""))
+        await asyncio.sleep(0.25)
 
 
 async def _answer(engine: Engine, req: ChatRequest, adapter: str | None, timeout_s: float) -> str:

@@ -17,7 +17,7 @@ from typing import Any
 
 import pygit2
 
-from reefd.files import fsync_dir
+from reefd.files import fsync_path
 
 LFS_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
 GITATTRIBUTES = "".join(f"*{s} filter=lfs diff=lfs merge=lfs -text\n" for s in LFS_SUFFIXES).encode()
@@ -82,7 +82,7 @@ class Trees:
             dest = self.lfs_object(h.hexdigest())
             dest.parent.mkdir(parents=True, exist_ok=True)
             os.replace(tmp, dest)
-            fsync_dir(dest.parent)
+            fsync_path(dest.parent)
         finally:
             if os.path.exists(tmp):
                 os.unlink(tmp)

@@ -189,7 +189,7 @@ async def publish(request: web.Request) -> web.Response:
 
 async def _receive_tar(request: web.Request, tmp: Path, code: str) -> Path:
     """Stream the body to disk (up to MAX_UPLOAD), then unpack regular files and folders only."""
-    limit = MAX_UPLOAD["weights" if code == "invalid_weights" else "adapter"]
+    limit = MAX_UPLOAD["weights" if code == "invalid_weights" else "adapter"]  # the kind's, told by its code
     ctype = request.content_type
     if ctype not in ("application/x-tar", "application/gzip", "application/x-gzip"):
         raise ApiError(415, f"send the artifact folder as application/x-tar (or application/gzip), not {ctype!r}",
@@ -203,13 +203,13 @@ async def _receive_tar(request: web.Request, tmp: Path, code: str) -> Path:
             await asyncio.to_thread(out.write, chunk)
     folder = tmp / "artifact"
     folder.mkdir()
-    await asyncio.to_thread(_unpack, archive, folder, code)
+    await asyncio.to_thread(_unpack, archive, folder, code, limit)
     with contextlib.suppress(OSError):
         archive.unlink()
     return folder
 
 
-def _unpack(archive: Path, dest: Path, code: str) -> None:
+def _unpack(archive: Path, dest: Path, code: str, limit: int) -> None:
     try:
         with tarfile.open(archive, "r:*") as tar:
             members = tar.getmembers()
@@ -221,7 +221,6 @@ def _unpack(archive: Path, dest: Path, code: str) -> None:
                 if Path(m.name).is_absolute() or ".." in parts or "\0" in m.name:
                     raise ApiError(400, f"{m.name!r}: archive paths must stay inside the artifact folder",
                                    code=code)
-            limit = MAX_UPLOAD["weights" if code == "invalid_weights" else "adapter"]
             if sum(m.size for m in members) > limit:
                 raise ApiError(413, f"the unpacked artifact exceeds {limit >> 30} GiB", code="invalid_request")
             tar.extractall(dest, members=members, filter="data")

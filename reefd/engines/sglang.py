@@ -439,6 +439,16 @@ class SGLangEngine:
         """Wait while new weights load into a single engine process (new requests are held, not refused)."""
         await self._admission.wait()
 
+    @contextlib.asynccontextmanager
+    async def _holding(self) -> AsyncIterator[Callable[[], float]]:
+        """New requests wait (`admit`) for the block; yields a function giving the seconds held so far."""
+        self._admission.clear()
+        started = time.monotonic()
+        try:
+            yield lambda: round(time.monotonic() - started, 3)
+        finally:
+            self._admission.set()
+
     async def swap_weights(self, path: Path | None, version: str, adapter: tuple[str, Path] | None,
                            switch: Callable[[], None], drained: Drained) -> dict[str, Any]:
         """Serve the weights at `path` (None: the launch model's) as `version`, with `adapter` (name, folder) as
@@ -469,10 +479,8 @@ class SGLangEngine:
         old, new, old_adapters = self.weights, Weights(version, path), dict(self.adapters)
         targets = [SGLangClient(self.session, r.url) for r in serving] if self.replicas is not None else \
             [self._client()]
-        self._admission.clear()
-        held = time.monotonic()
         done: list[SGLangClient] = []
-        try:
+        async with self._holding() as held:
             await drained(old.version)
             try:
                 for client in targets:
@@ -487,9 +495,7 @@ class SGLangEngine:
             self.weights = new
             self.adapters = only(adapter)
             switch()
-        finally:
-            self._admission.set()
-        return {"replicas": len(targets), "held_s": round(time.monotonic() - held, 3)}
+            return {"replicas": len(targets), "held_s": held()}
 
     # ------------------------------------------------------------ weights from a trainer beside the engines
 
@@ -531,9 +537,7 @@ class SGLangEngine:
         group, urls = self._group
         async with self._admin:
             clients = [SGLangClient(self.session, u) for u in urls]
-            self._admission.clear()
-            held = time.monotonic()
-            try:
+            async with self._holding() as held:
                 if drained is not None:
                     await drained(self.weights.version)
                 results = await asyncio.gather(*(c.update_weights_from_distributed(names, dtypes, shapes, version,
@@ -551,10 +555,8 @@ class SGLangEngine:
                             replica.weights = version
                 if switch is not None:
                     switch()
-            finally:
-                self._admission.set()
-            report = {"replicas": len(clients), "held_s": round(time.monotonic() - held, 3), "version": version,
-                      "source": "distributed", "at": time.time()}
+                report = {"replicas": len(clients), "held_s": held(), "version": version, "source": "distributed",
+                          "at": time.time()}
             self.last_swap = report
             return report
 

@@ -26,6 +26,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, NoReturn
 
+from reefd.files import fsync_path
 from reefd.train import NonFinite
 from reefd.train.spec import SpecError, TrainSpec, load_spec
 
@@ -139,21 +140,13 @@ def staged(out: Path) -> Iterator[Path]:
         yield tmp
         for path in sorted(tmp.rglob("*"), reverse=True):  # files before the folders that hold them
             os.chmod(path, (0o777 if path.is_dir() else 0o666) & ~umask)  # safetensors writes 0600
-            _fsync(path)
-        _fsync(tmp)
+            fsync_path(path)
+        fsync_path(tmp)
         os.rename(tmp, out)  # atomic; replaces an empty `out`, fails on a non-empty one
-        _fsync(out.parent)
+        fsync_path(out.parent)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-
-
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _fail(reason: str, status: int) -> int:

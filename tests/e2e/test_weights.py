@@ -95,6 +95,17 @@ class Load:
                 self.failures.append(f"{type(exc).__name__}: {exc}")
 
 
+def publish_under_load(d: Daemon, *args: str, clients: int, answers: int) -> tuple[dict[str, Any], Load]:
+    """`reefctl publish w ARGS -o json` while `clients` ask without pause, with `answers` answers before and
+    after it: reefd's answer and the load."""
+    with Load(d, "w", clients=clients) as load:
+        load.wait(answers)
+        out = reefctl(d, "publish", "w", *args, "-o", "json")
+        assert out.returncode == 0, out.stderr
+        load.wait(answers)
+    return dict(json.loads(out.stdout)), load
+
+
 def record(d: Daemon, receipt: str) -> dict[str, Any]:
     code, body = d.get(f"/reef/records/{receipt}")
     assert code == 200, body
@@ -159,14 +170,9 @@ def test_weights_release_on_one_engine(tmp_path: Path) -> None:
                                headers={"content-type": "application/x-tar"})
         assert code == 409 and body["error"]["code"] == "engine_shared" and "pair2" in body["error"]["message"]
 
-        with Load(d, "w") as load:
-            load.wait(6)
-            out = reefctl(d, "publish", "w", "--weights", str(weights), "--summary", "noisy", "-o", "json")
-            assert out.returncode == 0, out.stderr
-            answer = json.loads(out.stdout)
-            w = answer["release"]["id"]
-            assert answer["serving"] == w and answer["release"]["kind"] == "weights"
-            load.wait(6)
+        answer, load = publish_under_load(d, "--weights", str(weights), "--summary", "noisy", clients=3, answers=6)
+        w = answer["release"]["id"]
+        assert answer["serving"] == w and answer["release"]["kind"] == "weights"
         assert load.failures == []
         assert {r["release"] for r in load.results} == {base, w}
         check_weights_of_answers(d, load.results, {base: None, w: w})
@@ -241,12 +247,8 @@ def test_weights_roll_across_two_replicas(tmp_path: Path) -> None:
             time.sleep(0.2)
         base_text, base = greedy(d, "w")
         weights = make_weights(d.state / "models" / "tiny", tmp_path / "weights", seed=1, scale=0.5)
-        with Load(d, "w", clients=4) as load:
-            load.wait(8)
-            out = reefctl(d, "publish", "w", "--weights", str(weights), "-o", "json")
-            assert out.returncode == 0, out.stderr
-            w = json.loads(out.stdout)["release"]["id"]
-            load.wait(8)
+        answer, load = publish_under_load(d, "--weights", str(weights), clients=4, answers=8)
+        w = answer["release"]["id"]
         assert load.failures == []
         assert {r["release"] for r in load.results} == {base, w}
         check_weights_of_answers(d, load.results, {base: None, w: w})
@@ -268,12 +270,8 @@ def test_weights_roll_across_two_replicas(tmp_path: Path) -> None:
             assert record(d, headers["x-reef-agent-record-id"])["engine_weights"] == w
         # an adapter release on those weights reaches both replicas under load, failing nothing
         lora = make_lora(weights, tmp_path / "lora", seed=3, scale=2.0)
-        with Load(d, "w", clients=4) as load:
-            load.wait(8)
-            out = reefctl(d, "publish", "w", "--adapter", str(lora), "-o", "json")
-            assert out.returncode == 0, out.stderr
-            on_w = json.loads(out.stdout)["release"]["id"]
-            load.wait(8)
+        answer, load = publish_under_load(d, "--adapter", str(lora), clients=4, answers=8)
+        on_w = answer["release"]["id"]
         assert load.failures == []
         assert {r["release"] for r in load.results} == {w, on_w}
         check_weights_of_answers(d, load.results, {w: w, on_w: w})
