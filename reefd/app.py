@@ -51,6 +51,7 @@ def build_app(settings: Settings) -> web.Application:
     app.router.add_get("/reef/scenarios/{name}/archive", attempts_api.archive)
     app.router.add_get("/reef/jobs", jobs_api.list_jobs)
     app.router.add_get("/reef/jobs/{job}", jobs_api.get_job)
+    app.router.add_post("/reef/jobs/{job}/cancel", jobs_api.cancel_job)
     # The harness: files per release, and installers for coding agents.
     app.router.add_get("/reef/harness", harness_api.get_harness)
     app.router.add_get("/reef/harness/releases", harness_api.releases)

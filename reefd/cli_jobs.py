@@ -1,4 +1,4 @@
-"""reefctl's Grow verbs: train (start a job, optionally follow it with a progress bar) and jobs.
+"""reefctl's Grow verbs: train (start a job, optionally follow it with a progress bar), jobs and cancel.
 
 Standard library only; each verb is an admin API call (see reefd/api/jobs.py for the routes).
 """
@@ -15,7 +15,7 @@ from typing import Any
 from reefd.adminclient import Client, CliError
 from reefd.clikit import Table, age, cell, command, note, print_json, printable
 
-FINISHED = ("published", "rejected", "failed", "skipped")
+FINISHED = ("published", "rejected", "failed", "skipped", "cancelled")
 POLL_S = 0.5
 BAR = 24
 
@@ -104,6 +104,22 @@ def cmd_jobs(client: Client, args: argparse.Namespace) -> int:
     return 0
 
 
+def _cancel_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("job", metavar="JOB", help="the job's id (job/<id> also works), from `reefctl jobs`")
+    p.add_argument("-o", "--output", choices=["json", "name"], help="json: the job; name: job/<id>")
+
+
+@command("cancel", "stop a queued or running training job; nothing is published", _cancel_args)
+def cmd_cancel(client: Client, args: argparse.Namespace) -> int:
+    job_id = args.job.removeprefix("job/")
+    job = client.call("POST", f"/reef/jobs/{urllib.parse.quote(job_id, safe='')}/cancel", body={})
+    if args.output == "json":
+        print_json(job)
+    else:
+        print(f"job/{job['id']}" + ("" if args.output == "name" else f" {job['state']}"))
+    return 0
+
+
 def _archive_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("name", metavar="SCENARIO")
     p.add_argument("--top", type=int, default=5, help="how many of the best states to list (default 5)")
@@ -143,4 +159,4 @@ def cmd_archive(client: Client, args: argparse.Namespace) -> int:
     return 0
 
 
-__all__ = ["CliError", "cmd_archive", "cmd_jobs", "cmd_train"]
+__all__ = ["CliError", "cmd_archive", "cmd_cancel", "cmd_jobs", "cmd_train"]

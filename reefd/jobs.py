@@ -19,7 +19,7 @@ from reefd.files import write_json
 from reefd.receipts import new_receipt
 
 ACTIVE = ("queued", "running")
-STATES = (*ACTIVE, "published", "rejected", "failed", "skipped")
+STATES = (*ACTIVE, "published", "rejected", "failed", "skipped", "cancelled")
 
 
 @dataclass

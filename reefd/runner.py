@@ -84,6 +84,7 @@ class Runner:
         self.backends = backends
         self.write, self.swap = write, swap
         self.scores = ScoreMemory(self._meta_of)
+        self.cancelling: set[str] = set()  # jobs an operator cancelled: their task's CancelledError is that
 
     def _meta_of(self, release: str) -> dict[str, Any] | None:
         try:
@@ -113,12 +114,23 @@ class Runner:
         try:
             await (self._resume(job) if resuming else self._run(job))
         except asyncio.CancelledError:
-            if job.detachable:  # its trainer runs on its cluster: the next reefd follows it (`_resume`)
+            if job.id in self.cancelling:  # `reefctl cancel`: nothing is published, its records stay eligible
+                self.cancelling.discard(job.id)
+                current = asyncio.current_task()
+                if current is not None:
+                    current.uncancel()
+                if job.detachable:  # its trainer runs on a cluster: stop it there too
+                    await asyncio.shield(self.stop_trainer(job))
+                job.state, job.error = "cancelled", f"cancelled during its {job.stage} stage"
+                job.detachable = False
+                log.info("%s %s: %s", job.scenario, job.id, job.error)
+            elif job.detachable:  # its trainer runs on its cluster: the next reefd follows it (`_resume`)
                 job.error = "reefd stopped while the job trained on its cluster; a restart follows it"
                 await asyncio.shield(self._save(job))
                 raise
-            job.state, job.error = "failed", "reefd stopped while the job was running"
-            raise
+            else:
+                job.state, job.error = "failed", "reefd stopped while the job was running"
+                raise
         except (JobFailed, RecipeError, gates.GateError, ReleaseError, EngineError, EngineUnavailable,
                 plugins.PluginError, OSError) as exc:
             job.state, job.error = "failed", str(exc) or type(exc).__name__
@@ -129,6 +141,19 @@ class Runner:
         finally:
             if not (job.detachable and job.state == "running"):  # else: followed again after a restart
                 await self._close(job)
+
+    async def stop_trainer(self, job: Job) -> None:
+        """Stop the job's trainer where it runs, when its backend runs jobs that outlive reefd (a cluster)."""
+        scenario = self.registry.scenarios.get(job.scenario)
+        if scenario is None:
+            return
+        try:
+            backend = self.backends.get(scenario.cfg.recipe.backend, scenario.cfg.recipe.ray_address)
+        except plugins.PluginError:
+            return
+        stop = getattr(backend, "stop", None)
+        if stop is not None:
+            await stop(self.jobs.workdir(job) / "spec.json")
 
     async def _close(self, job: Job) -> None:
         job.finished_at = time.time()
@@ -280,7 +305,13 @@ class Runner:
         try:
             code = await backend.run(spec_path, on_event, scenario.cfg.recipe.job_timeout_s)
         except TrainerTimeout as exc:
-            raise JobFailed(str(exc)) from None
+            if not await asyncio.to_thread(_saved, out, job):
+                raise JobFailed(str(exc)) from None
+            code = 0  # stopped at the timeout, it saved the steps it finished: the gate judges those
+            log.warning("%s %s: %s; gating the %s step(s) it saved", job.scenario, job.id, exc,
+                        job.metrics.get("steps"))
+        if code == 143 and await asyncio.to_thread(_saved, out, job):
+            code = 0  # stopped on its cluster (not by reefd), it saved the steps it finished
         if code != 0:
             died = "the trainer process died" if code in (137, -9) else "no message"
             raise JobFailed(f"the trainer failed (exit {code}): {error or died}")
@@ -532,6 +563,20 @@ class Runner:
                     cfg.startup_timeout_s
             await _until_ready(engine, startup_s, "proposer")
             return await _answer(engine, req, adapter, scenario.cfg.serve.request_timeout_s)
+
+
+def _saved(out: Path, job: Job) -> bool:
+    """Whether a stopped trainer left a complete candidate (its folder appears whole, metrics.json inside); the
+    job's metrics are then the ones saved with it (marked `stopped`)."""
+    try:
+        saved = json.loads((out / "metrics.json").read_text())
+    except (OSError, ValueError):
+        return False
+    metrics = saved.get("metrics") if isinstance(saved, dict) else None
+    if not isinstance(metrics, dict):
+        return False
+    job.metrics = metrics
+    return True
 
 
 def _advance(search: Search, answers: list[str] | None) -> tuple[list[Ask], Found | None]:

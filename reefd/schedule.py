@@ -26,6 +26,10 @@ from reefd.scenarios import Registry
 log = logging.getLogger("reefd.schedule")
 
 
+class CannotCancel(Exception):
+    """The job has ended, or is writing its release."""
+
+
 class Scheduler:
     COUNT_DEBOUNCE_S = 0.2
     FAILURE_COOLDOWN_S = 60.0  # a failed or skipped job's records stay eligible: count triggers wait this long
@@ -142,6 +146,30 @@ class Scheduler:
         self._wake.set()
         return job
 
+    async def cancel(self, job: Job) -> Job:
+        """Stop a queued or running job (`reefctl cancel`): nothing is published, its records stay eligible (count
+        triggers wait FAILURE_COOLDOWN_S, so the job does not start again at once). CannotCancel once it has
+        ended or is publishing (the release is being written)."""
+        if job.state not in ("queued", "running"):
+            raise CannotCancel(f"job {job.id} already ended: {job.state}")
+        if job.stage in ("publish", "done"):
+            raise CannotCancel(f"job {job.id} is publishing its release; it can no longer be cancelled")
+        self._cooldown[job.scenario] = time.monotonic() + self.FAILURE_COOLDOWN_S
+        task = self._running.get(job.scenario)
+        if job in self._queue or task is None:  # not started (or, after a restart, not followed yet)
+            with contextlib.suppress(ValueError):
+                self._queue.remove(job)
+            if job.detachable:
+                await self.runner.stop_trainer(job)
+            job.state, job.error, job.finished_at = "cancelled", f"cancelled during its {job.stage} stage", time.time()
+            job.detachable = False
+            await asyncio.to_thread(self.jobs.save, job)
+            return job
+        self.runner.cancelling.add(job.id)
+        task.cancel()
+        await asyncio.wait({task})  # the trainer stopped (SIGTERM, its grace), the job's files removed
+        return job
+
     # ------------------------------------------------------------ dispatch
 
     async def _dispatch(self) -> None:
@@ -161,7 +189,7 @@ class Scheduler:
             self._running.pop(job.scenario, None)
             self._wake.set()
             # the batch of a failed job, or of a refused proposal, is still eligible: count triggers wait a while
-            if job.state == "failed" or (job.state == "skipped" and job.reason != "manual"):
+            if job.state in ("failed", "cancelled") or (job.state == "skipped" and job.reason != "manual"):
                 self._cooldown[job.scenario] = time.monotonic() + self.FAILURE_COOLDOWN_S
             with contextlib.suppress(RuntimeError):
                 self.check(job.scenario)  # rollouts that arrived meanwhile may make the next batch

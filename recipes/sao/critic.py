@@ -15,6 +15,8 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import Tensor, nn
 
+from reefd.train import uninterrupted
+
 FORMAT = "reef-sao-critic-v1"
 
 
@@ -52,7 +54,8 @@ def critic_update(head: ValueHead, optimizer: torch.optim.Optimizer, hidden: Ten
         loss = value_loss(head(hidden), targets, mask)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
-        optimizer.step()
+        with uninterrupted():  # a SIGTERM never leaves the head half-updated
+            optimizer.step()
         losses.append(loss.item())
     return losses
 

@@ -1,4 +1,4 @@
-"""Grow jobs over HTTP: start one (`reefctl train`), list them, follow one.
+"""Grow jobs over HTTP: start one (`reefctl train`), list them, follow one, cancel one (`reefctl cancel`).
 
 Knows the admin wire shapes; reefd/schedule.py decides when jobs run and reefd/runner.py runs them.
 """
@@ -8,8 +8,10 @@ from __future__ import annotations
 from aiohttp import web
 
 from reefd.api.errors import ApiError, json_response
+from reefd.jobs import Job
 from reefd.loop import REGISTRY, SCHEDULER
 from reefd.recipes import build
+from reefd.schedule import CannotCancel
 
 
 async def train(request: web.Request) -> web.Response:
@@ -33,8 +35,21 @@ async def list_jobs(request: web.Request) -> web.Response:
     return json_response({"object": "list", "data": [j.as_json() for j in jobs]})
 
 
-async def get_job(request: web.Request) -> web.Response:
+def _job(request: web.Request) -> Job:
     job = request.app[SCHEDULER].jobs.jobs.get(request.match_info["job"])
     if job is None:
-        raise ApiError(404, f"no job {request.match_info['job']!r}", code="job_not_found")
+        raise ApiError(404, f"no job {request.match_info['job'][:200]!r}", code="job_not_found")
+    return job
+
+
+async def get_job(request: web.Request) -> web.Response:
+    return json_response(_job(request).as_json())
+
+
+async def cancel_job(request: web.Request) -> web.Response:
+    """Stop a queued or running job (its trainer too, wherever it runs); 409 once it ended or is publishing."""
+    try:
+        job = await request.app[SCHEDULER].cancel(_job(request))
+    except CannotCancel as exc:
+        raise ApiError(409, str(exc), code="job_not_cancellable") from None
     return json_response(job.as_json())

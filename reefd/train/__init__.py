@@ -5,6 +5,49 @@ contract) are torch-free, so reefd imports them. The trainer process's: `loop`, 
 torch. The losses live with their recipes, as the objective a spec names (`recipes.sao.objective:SAOObjective`).
 """
 
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
 
 class NonFinite(RuntimeError):
     """A NaN/inf loss or gradient: the job stops before the optimizer applies it (exit 3)."""
+
+
+class Terminated(Exception):
+    """SIGTERM arrived (a cancel, a job timeout, a cluster's `stop_job`, which kills 3 s later): the job stops at
+    once and keeps the optimizer steps it finished."""
+
+
+_deferred = False  # inside `uninterrupted`: a SIGTERM waits for the block's end
+_pending = False
+
+
+def on_sigterm(signum: int, frame: Any) -> None:
+    """The trainer process's SIGTERM handler: raise Terminated where the job is, unless a block that must not stop
+    half-way (an optimizer step, a save) is running; that block raises it when it ends."""
+    global _pending
+    if _deferred:
+        _pending = True
+        return
+    raise Terminated()
+
+
+@contextmanager
+def uninterrupted() -> Iterator[None]:
+    """Run a block that must complete or not start (an optimizer step: parameters half updated are worse than
+    either side); a SIGTERM that arrives meanwhile raises Terminated once the block ends."""
+    global _deferred, _pending
+    if _deferred:  # nested: the outer block decides
+        yield
+        return
+    _deferred = True
+    try:
+        yield
+    finally:
+        _deferred = False
+    if _pending:
+        _pending = False
+        raise Terminated()

@@ -7,6 +7,10 @@ Owns the job's contract with reefd: the event lines, the exit statuses (0 done, 
 3 non-finite loss, 143 SIGTERM, 137 injected crash) and the atomic output folder (written beside
 output_dir, fsynced, renamed into place). The training itself is `loop.train`, with the objective the
 spec names.
+
+SIGTERM (a cancel, a job timeout, Ray's `stop_job`, which sends SIGKILL 3 s later) stops the job at once:
+the optimizer steps it finished are saved as the candidate, marked `"stopped": true` in its metrics (a
+`done` event, then the error event and exit 143); a job stopped before its first step leaves nothing.
 """
 
 from __future__ import annotations
@@ -24,17 +28,13 @@ import traceback
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any
 
 from reefd.files import fsync_path
-from reefd.train import NonFinite
+from reefd.train import NonFinite, Terminated, on_sigterm, uninterrupted
 from reefd.train.spec import SpecError, TrainSpec, load_spec
 
-FAULTS = ("crash", "nan", "hang", "hold")
-
-
-class Terminated(Exception):
-    """SIGTERM arrived: stop, leave nothing behind."""
+FAULTS = ("crash", "nan", "hang", "hold", "pause")
 
 
 def emit(event: dict[str, Any]) -> None:
@@ -99,7 +99,7 @@ def job(path: str, fault: str | None) -> int:
         spec = load_spec(path)
     except SpecError as exc:
         return _fail(f"bad spec: {one_line(exc)}", 2)
-    signal.signal(signal.SIGTERM, _on_sigterm)
+    signal.signal(signal.SIGTERM, on_sigterm)
     try:
         return run(spec, fault)
     except SpecError as exc:
@@ -118,11 +118,15 @@ def run(spec: TrainSpec, fault: str | None) -> int:
 
     trained = train(spec, emit, fault)
     metrics = trained.metrics
-    with staged(spec.output_dir) as folder:
-        trained.save(folder)
-        report = {"job": spec.job, "objective": spec.objective, "metrics": metrics}
-        (folder / "metrics.json").write_text(json.dumps(report, indent=2, allow_nan=False) + "\n")
-    emit({"event": "done", "adapter": str(spec.output_dir), "metrics": metrics})
+    with uninterrupted():  # a SIGTERM now waits for the save and its event
+        with staged(spec.output_dir) as folder:
+            trained.save(folder)
+            report = {"job": spec.job, "objective": spec.objective, "metrics": metrics}
+            (folder / "metrics.json").write_text(json.dumps(report, indent=2, allow_nan=False) + "\n")
+        emit({"event": "done", "adapter": str(spec.output_dir), "metrics": metrics})
+    if metrics.get("stopped"):
+        return _fail(f"terminated by SIGTERM after {metrics['steps']} of {spec.steps} steps; the steps done are "
+                     "saved", 143)
     return 0
 
 
@@ -152,10 +156,6 @@ def staged(out: Path) -> Iterator[Path]:
 def _fail(reason: str, status: int) -> int:
     emit({"event": "error", "reason": reason})
     return status
-
-
-def _on_sigterm(signum: int, frame: Any) -> NoReturn:
-    raise Terminated()
 
 
 if __name__ == "__main__":

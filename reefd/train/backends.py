@@ -40,7 +40,10 @@ class TrainerBackend(Protocol):
     `python -m reefd.train --spec` would give (0 means the candidate is in the spec's output_dir, complete);
     TrainerTimeout past `timeout_s`, with the job stopped. `close` stops what the backend started. A `ray` or
     `slime` backend submits the same spec as a cluster job and relays its event lines, with no change to recipes
-    or the runner."""
+    or the runner.
+
+    A backend whose jobs outlive reefd sets `detachable = True` and has `async stop(spec)`, which stops that job
+    wherever it runs (a cancel); the others stop their jobs when the task running `run` is cancelled."""
 
     async def run(self, spec: Path, on_event: Callable[[Event], None], timeout_s: float) -> int: ...
 
@@ -83,7 +86,12 @@ class Backends:
 
 
 class LocalTrainers:
-    """`local`: trainer subprocesses of this machine; their stderr goes to WORK_DIR/trainer.log."""
+    """`local`: trainer subprocesses of this machine; their stderr goes to WORK_DIR/trainer.log.
+
+    A job is stopped (its timeout, a cancel, reefd stopping) as a Ray cluster stops one: SIGTERM, and SIGKILL
+    STOP_GRACE_S later; the trainer saves the steps it finished meanwhile."""
+
+    STOP_GRACE_S = 3.0  # Ray's RAY_JOB_STOP_WAIT_TIME_S default
 
     def __init__(self, work_dir: Path, max_jobs: int = 1) -> None:
         self.log_path = work_dir / "trainer.log"
@@ -168,7 +176,11 @@ class LocalTrainers:
                 if status is None:  # the process died mid-job
                     status = await proc.wait()
         except TimeoutError:
-            raise TrainerTimeout(f"the trainer ran past the job timeout ({timeout_s:.0f} s)") from None
+            with contextlib.suppress(ProcessLookupError):
+                proc.terminate()  # the trainer saves the steps it finished, then exits
+            await self._last_events(proc, on_event)
+            raise TrainerTimeout(f"the trainer ran past the job timeout ({timeout_s:.0f} s); it was stopped"
+                                 ) from None
         except (BrokenPipeError, ConnectionResetError):
             status = await proc.wait()
         finally:
@@ -177,8 +189,20 @@ class LocalTrainers:
                 while len(self._idle) > self.keep:  # the oldest idle one goes: this one carries optimizer state
                     await _stop(self._idle.pop(0))
             elif proc.returncode is None:
-                await _stop(proc)
+                await asyncio.shield(_stop(proc, self.STOP_GRACE_S))  # a cancel: it saves, as above
         return status, heard
+
+    async def _last_events(self, proc: asyncio.subprocess.Process, on_event: Callable[[Event], None]) -> None:
+        """Relay what a stopped trainer says until it exits (at most STOP_GRACE_S)."""
+        assert proc.stdout is not None
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(self.STOP_GRACE_S):
+                async for line in proc.stdout:
+                    event = _event(line)
+                    if event.get("event") == "exit":
+                        return
+                    if event:
+                        on_event(event)
 
     async def close(self) -> None:
         if self._warming is not None:
@@ -188,7 +212,13 @@ class LocalTrainers:
         await asyncio.gather(*(_stop(p) for p in idle), return_exceptions=True)
 
 
-async def _stop(proc: asyncio.subprocess.Process) -> None:
+async def _stop(proc: asyncio.subprocess.Process, grace_s: float = 0.0) -> None:
+    """End a trainer process: SIGTERM first when it has `grace_s` to save its work, then SIGKILL."""
+    if grace_s > 0:
+        with contextlib.suppress(ProcessLookupError):
+            proc.terminate()
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(proc.wait(), grace_s)
     with contextlib.suppress(ProcessLookupError):
         proc.kill()
     await proc.wait()

@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from reefd.train import NonFinite
+from reefd.train import NonFinite, Terminated, uninterrupted
 from reefd.train.batch import Batch, collate
 from reefd.train.objective import Context, Objective, Outputs, resolve
 from reefd.train.spec import SpecError, TrainSpec
@@ -214,17 +214,31 @@ def train(spec: TrainSpec, emit: Emit, fault: str | None = None) -> Trained:
     _fault_before_training(fault)
     gen = torch.Generator().manual_seed(spec.seed)
     totals, step, started = _Totals(), 0, time.perf_counter()
-    for _ in range(spec.optim.epochs):
-        order = torch.randperm(len(spec.samples), generator=gen).tolist()
-        for lo in range(0, len(order), spec.optim.micro_batch):
-            step += 1
-            batch = collate(spec.samples, order[lo : lo + spec.optim.micro_batch], policy.pad_id)
-            line, grad_norm = _step(spec, policy, objective, opt, batch, step, poison=fault == "nan" and step == 1)
-            totals.add(line["loss"], grad_norm, batch)
-            emit({"event": "progress", "step": step, "steps": spec.steps, **line})
-            if fault == "crash":
-                os._exit(137)
+    stopped = False
+    try:
+        for _ in range(spec.optim.epochs):
+            order = torch.randperm(len(spec.samples), generator=gen).tolist()
+            for lo in range(0, len(order), spec.optim.micro_batch):
+                step += 1
+                batch = collate(spec.samples, order[lo : lo + spec.optim.micro_batch], policy.pad_id)
+                t0 = time.perf_counter()
+                line, grad_norm = _step(spec, policy, objective, opt, batch, step,
+                                        poison=fault == "nan" and step == 1)
+                with uninterrupted():  # SIGTERM stops a step before this point (nothing changed) or after it
+                    opt.step()
+                    line["tokens_per_s"] = round(batch.n_tokens / (time.perf_counter() - t0), 2)
+                    totals.add(line["loss"], grad_norm, batch)
+                    emit({"event": "progress", "step": step, "steps": spec.steps, **line})
+                if fault == "crash":
+                    os._exit(137)
+                _fault_after_step(fault)
+    except Terminated:
+        if not totals.losses:  # nothing trained: nothing to keep
+            raise
+        stopped = True
     metrics = {**totals.summary(spec, time.perf_counter() - started), **objective.metrics(), "optimizer": origin}
+    if stopped:
+        metrics["stopped"] = True
     return Trained(policy, objective, metrics, {name: o.state_dict() for name, o in optimizers.items()})
 
 
@@ -238,10 +252,17 @@ def _fault_before_training(fault: str | None) -> None:
         time.sleep(0.05)
 
 
+def _fault_after_step(fault: str | None) -> None:
+    """REEF_TRAIN_FAULT=pause waits after each step while the file REEF_TRAIN_HOLD names exists (tests)."""
+    hold = Path(os.environ.get("REEF_TRAIN_HOLD") or "/nonexistent") if fault == "pause" else None
+    while hold is not None and hold.exists():
+        time.sleep(0.05)
+
+
 def _step(spec: TrainSpec, policy: Policy, objective: Objective, opt: torch.optim.Optimizer, batch: Batch,
           step: int, poison: bool = False) -> tuple[dict[str, Any], float]:
-    """One optimizer step on a micro-batch; returns the progress line's fields and the gradient's norm."""
-    t0 = time.perf_counter()
+    """A micro-batch's loss and gradient, clipped (the caller steps the optimizer); returns the progress line's
+    fields and the gradient's norm."""
     loss, stats = objective.loss(batch, policy.forward(batch))
     if poison:  # REEF_TRAIN_FAULT=nan
         loss = loss + float("nan")
@@ -253,10 +274,7 @@ def _step(spec: TrainSpec, policy: Policy, objective: Objective, opt: torch.opti
     grad_norm = float(torch.nn.utils.clip_grad_norm_(policy.params, spec.optim.max_grad_norm))
     if not math.isfinite(grad_norm):
         raise NonFinite(f"non-finite gradient at step {step}")
-    opt.step()
-    seconds = time.perf_counter() - t0
-    line = {"loss": value, "tokens_per_s": round(batch.n_tokens / seconds, 2), "grad_norm": round(grad_norm, 6),
-            **{k: round(float(v), 6) for k, v in stats.items()}}
+    line = {"loss": value, "grad_norm": round(grad_norm, 6), **{k: round(float(v), 6) for k, v in stats.items()}}
     return line, grad_norm
 
 

@@ -1,11 +1,17 @@
 """`recipe.backend: ray`: weight jobs as Ray jobs, through the Ray Jobs REST API of a cluster's dashboard
-(`POST /api/jobs/`, `GET /api/jobs/{id}` and `/logs`, `POST /api/jobs/{id}/stop`). reefd never imports ray.
+(`POST /api/jobs/`, `GET /api/jobs/{id}` and `/logs`, `POST /api/jobs/{id}/stop`, `PUT /api/packages/...`).
+reefd never imports ray.
 
-The job runs `python -m reefd.train --spec FILE` on the cluster, exactly as the local backend does, and its
+The job runs `python -m reefd.train --spec spec.json` on the cluster, as the local backend does, and its
 JSON-line events come back through the job's logs, polled. The submission id is the Reef job id (`reef-<job>`),
 so a job submitted again (a reefd restart mid-job) attaches to the one that exists instead of training twice.
-The spec, the base model and the output folder are paths that reefd and the cluster share: a head on the same
-machine, or a shared filesystem with the same checkout and virtual environment at the same paths.
+The spec, with the batch in it, travels as the job's `runtime_env.working_dir`: a zip uploaded to the cluster's
+own package store (`gcs://_ray_pkg_<sha1>.zip`, as Ray's job SDK does it). The base model, the adapter it
+continues from and the output folder are paths the spec names: a head on the same machine, or a filesystem
+the cluster shares with reefd (the same paths, and the same virtual environment at the same path).
+
+Stopping (a cancel, the job timeout) is Ray's `stop_job`: SIGTERM, SIGKILL 3 s later; the trainer saves the steps
+it finished. A job that fails shows the cluster's message and the last lines of its log.
 
 Address: the scenario's `recipe.ray_address`, else REEF_RAY_ADDRESS (the dashboard, http://host:8265). Token
 (Ray's `RAY_AUTH_MODE=token`): RAY_AUTH_TOKEN, else the file RAY_AUTH_TOKEN_PATH names, else the systemd
@@ -15,12 +21,16 @@ credential `ray-token` ($CREDENTIALS_DIRECTORY/ray-token). Torch-free, ray-free:
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import hashlib
+import io
 import json
 import logging
 import os
 import shlex
 import sys
 import time
+import zipfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -57,6 +67,7 @@ class RayJobs:
     detachable = True  # a job outlives reefd: after a restart, `run` with the same spec follows it
     POLL_S = 0.5
     START_TIMEOUT_S = 300.0  # a job that never leaves PENDING (no resources, a dead cluster) fails after this
+    STOP_WAIT_S = 10.0  # after `stop`: Ray's 3 s to SIGKILL, and the poll that sees the job end
 
     def __init__(self, work_dir: Path, max_jobs: int = 1, address: str | None = None) -> None:
         self.work_dir, self.max_jobs = work_dir, max_jobs
@@ -78,11 +89,12 @@ class RayJobs:
             self._session = aiohttp.ClientSession(headers=headers, timeout=aiohttp.ClientTimeout(total=30))
         return self._session
 
-    async def _call(self, method: str, path: str, body: dict[str, Any] | None = None) -> tuple[int, Any]:
+    async def _call(self, method: str, path: str, body: dict[str, Any] | None = None,
+                    data: bytes | None = None) -> tuple[int, Any]:
         if not self.address:
             raise RayUnavailable(f"no Ray cluster address: set recipe.ray_address or {ADDRESS_ENV}")
         try:
-            async with self._http().request(method, f"{self.address}{path}", json=body) as r:
+            async with self._http().request(method, f"{self.address}{path}", json=body, data=data) as r:
                 raw = await r.read()
                 status = r.status
         except (aiohttp.ClientError, TimeoutError) as exc:
@@ -96,11 +108,16 @@ class RayJobs:
         except ValueError:
             return status, raw.decode(errors="replace")
 
+    @staticmethod
+    def submission_id(spec: Path) -> str:
+        """The Ray job of a spec: `reef-<the Reef job id>`."""
+        return f"reef-{json.loads(Path(spec).read_text()).get('job') or Path(spec).parent.name}"
+
     async def run(self, spec: Path, on_event: Callable[[Event], None], timeout_s: float) -> int:
         """Submit (or find) the job, relay its event lines, return its exit status; TrainerTimeout past
-        `timeout_s` (the job is stopped). A cluster that cannot run it gives an error event and status 1."""
-        job = str(json.loads(Path(spec).read_text()).get("job") or Path(spec).parent.name)
-        submission = f"reef-{job}"
+        `timeout_s` (the job is stopped, and what it said while stopping is relayed). A cluster that cannot run
+        it gives an error event and status 1."""
+        submission = self.submission_id(spec)
         deadline = time.monotonic() + timeout_s
         try:
             await self._submit(submission, spec)
@@ -109,25 +126,48 @@ class RayJobs:
             on_event({"event": "error", "reason": str(exc)})
             return 1
 
+    async def stop(self, spec: Path) -> None:
+        """Stop the spec's Ray job (a cancel): SIGTERM, SIGKILL 3 s later. Nothing if it is gone or never was."""
+        with contextlib.suppress(RayUnavailable, OSError, ValueError):
+            await self._call("POST", f"/api/jobs/{self.submission_id(spec)}/stop")
+
     async def _submit(self, submission: str, spec: Path) -> None:
         status, found = await self._call("GET", f"/api/jobs/{submission}")
         if status == 200 and isinstance(found, dict):
             log.info("Ray job %s exists (%s): following it", submission, found.get("status"))
             return
-        entrypoint = (f"cd {shlex.quote(str(ROOT))} && {shlex.quote(sys.executable)} -m reefd.train "
-                      f"--spec {shlex.quote(str(Path(spec).resolve()))}")
+        working_dir = await self._upload(spec)
+        entrypoint = f"exec {shlex.quote(sys.executable)} -m reefd.train --spec {shlex.quote(spec.name)}"
         # the trainer's own switches (REEF_TRAIN_*: faults for tests, holds) travel with the job
         env = {k: v for k, v in os.environ.items() if k.startswith("REEF_TRAIN_")}
+        # the objective a spec names imports as it would for reefd (from a checkout, or reefd's PYTHONPATH)
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
         status, answer = await self._call("POST", "/api/jobs/", {
-            "entrypoint": entrypoint, "submission_id": submission, "runtime_env": {"env_vars": env} if env else None,
+            "entrypoint": entrypoint, "submission_id": submission,
+            "runtime_env": {"working_dir": working_dir, "env_vars": env},
             "metadata": {"reef_job": submission.removeprefix("reef-")}})
         if status != 200:
             raise RayUnavailable(f"the Ray cluster at {self.address} did not take job {submission} "
                                  f"({status}): {_tail(answer)}")
         log.info("submitted Ray job %s to %s", submission, self.address)
 
+    async def _upload(self, spec: Path) -> str:
+        """The spec file as a working_dir package in the cluster's store; its `gcs://` URI. Content-addressed, as
+        Ray names packages: one already there is not sent again."""
+        data = await asyncio.to_thread(_zip_one, spec)
+        name = f"_ray_pkg_{hashlib.sha1(data).hexdigest()}.zip"
+        status, _ = await self._call("GET", f"/api/packages/gcs/{name}")
+        if status != 200:
+            status, answer = await self._call("PUT", f"/api/packages/gcs/{name}", data=data)
+            if status != 200:
+                raise RayUnavailable(f"the Ray cluster at {self.address} did not take the job's files "
+                                     f"({status}): {_tail(answer)}")
+        return f"gcs://{name}"
+
     async def _follow(self, submission: str, on_event: Callable[[Event], None], deadline: float) -> int:
         seen, started = 0, time.monotonic()
+        lines: list[str] = []
+        stopped_at: float | None = None  # when reefd stopped it (the timeout)
         while True:
             _, info = await self._call("GET", f"/api/jobs/{submission}")
             state = info.get("status") if isinstance(info, dict) else None
@@ -145,12 +185,14 @@ class RayJobs:
                         continue
                     if isinstance(event, dict) and "event" in event:
                         on_event(event)
-            if state in TERMINAL:
-                return self._exit_status(submission, info, on_event)
             now = time.monotonic()
-            if now > deadline:
-                await self._call("POST", f"/api/jobs/{submission}/stop")
+            if stopped_at is not None and (state in TERMINAL or now > stopped_at + self.STOP_WAIT_S):
                 raise TrainerTimeout(f"the Ray job {submission} ran past its timeout; it was stopped")
+            if state in TERMINAL:
+                return self._exit_status(submission, info, lines, on_event)
+            if stopped_at is None and now > deadline:
+                await self._call("POST", f"/api/jobs/{submission}/stop")
+                stopped_at = now  # what the trainer says while it saves still comes through
             if state == "PENDING" and now - started > self.START_TIMEOUT_S:
                 await self._call("POST", f"/api/jobs/{submission}/stop")
                 raise RayUnavailable(f"the Ray job {submission} did not start within "
@@ -158,15 +200,29 @@ class RayJobs:
             await asyncio.sleep(self.POLL_S)
 
     @staticmethod
-    def _exit_status(submission: str, info: dict[str, Any], on_event: Callable[[Event], None]) -> int:
-        code = info.get("driver_exit_code")
+    def _exit_status(submission: str, info: dict[str, Any], lines: list[str],
+                     on_event: Callable[[Event], None]) -> int:
+        """0 when the job succeeded; else its exit code (1 without one), after an error event with the cluster's
+        message and the last lines of the job's log (which end with the trainer's own error, or its traceback)."""
         if info.get("status") == "SUCCEEDED":
             return 0
-        if isinstance(code, int) and code != 0:
-            return code
+        code = 143 if info.get("status") == "STOPPED" else info.get("driver_exit_code")  # stopped: SIGTERM
+        tail = [line.strip() for line in lines if line.strip()][-LOG_TAIL_LINES:]
         on_event({"event": "error", "reason": f"the Ray job {submission} {str(info.get('status')).lower()}: "
-                                              f"{_tail(info.get('message'))}"})
-        return 1
+                                              f"{_tail(info.get('message'))}"
+                                              + (" | log: " + _tail(" | ".join(tail), 1500) if tail else "")})
+        return code if isinstance(code, int) and code != 0 else 1
+
+
+LOG_TAIL_LINES = 8
+
+
+def _zip_one(path: Path) -> bytes:
+    """A zip holding `path` at its root (a working_dir package)."""
+    buf = io.BytesIO()
+    with zipfile.ZipFile(buf, "w", zipfile.ZIP_DEFLATED) as z:
+        z.write(path, path.name)
+    return buf.getvalue()
 
 
 def _tail(value: Any, limit: int = 500) -> str:

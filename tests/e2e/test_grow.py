@@ -25,17 +25,19 @@ LEARN = """defaults:
   - release: follow
   - _self_
 recipe:
-  params:
+{recipe}  params:
     batch_size: 4
-serve:
+{params}serve:
   default_max_tokens: 8
 {extra}"""
 
 
 def daemon(tmp_path: Path, trigger: str = "count", gate: str = "always", extra: str = "",
-           env: dict[str, str] | None = None, files: dict[str, str] | None = None) -> Daemon:
-    scen = make_scenarios(tmp_path / "scenarios", names=(),
-                          extra={"learn": LEARN.format(trigger=trigger, gate=gate, extra=extra)})
+           env: dict[str, str] | None = None, files: dict[str, str] | None = None, recipe: str = "",
+           params: str = "") -> Daemon:
+    """`recipe`: lines under `recipe:` (indented 2), `params`: lines under its params (indented 4)."""
+    scen = make_scenarios(tmp_path / "scenarios", names=(), extra={
+        "learn": LEARN.format(trigger=trigger, gate=gate, extra=extra, recipe=recipe, params=params)})
     for name, text in (files or {}).items():
         (scen / name).write_text(text)
     if trigger == "count":
@@ -183,6 +185,68 @@ def test_restart_in_the_middle_of_a_job_marks_it_failed(tmp_path: Path) -> None:
         assert after["error"] == "reefd stopped during the job's train stage"
         out = reefctl(d, "train", "learn", "--follow")  # the records are still eligible
         assert out.returncode == 0 and "published" in out.stdout, out
+    finally:
+        stop(d)
+
+
+def wait_step(d: Daemon, step: int = 1, timeout_s: float = 120) -> dict[str, Any]:
+    """The newest job once its trainer reported `step`."""
+    deadline = time.monotonic() + timeout_s
+    while (job := jobs(d)[0])["progress"].get("step", 0) < step:
+        assert job["state"] in ("queued", "running") and time.monotonic() < deadline, job
+        time.sleep(0.1)
+    return job
+
+
+def test_cancel_stops_a_running_job_and_publishes_nothing(tmp_path: Path) -> None:
+    hold = tmp_path / "hold"  # the trainer waits after each step while this file exists
+    hold.touch()
+    d = daemon(tmp_path, trigger="manual", params="    micro_batch: 2\n",
+               env={"REEF_TRAIN_FAULT": "pause", "REEF_TRAIN_HOLD": str(hold)})
+    try:
+        c = client(d)
+        receipts = [turn(d, c, f"task {i}", score=float(i % 2))[0] for i in range(4)]
+        head = turn(d, c, "before")[1]
+        assert reefctl(d, "train", "learn").returncode == 0
+        job = wait_step(d)
+        assert job["progress"]["steps"] == 2
+        out = reefctl(d, "cancel", f"job/{job['id']}")
+        assert out.returncode == 0 and out.stdout == f"job/{job['id']} cancelled\n", out
+        (after,) = jobs(d)
+        assert after["state"] == "cancelled" and after["error"] == "cancelled during its train stage"
+        assert not (d.state / "jobs" / job["id"]).exists()  # its folder (and what the trainer saved) is gone
+        assert turn(d, c, "after")[1] == head  # nothing published; serving untouched
+        again = reefctl(d, "cancel", job["id"])
+        assert again.returncode == 1 and f"job {job['id']} already ended: cancelled" in again.stderr, again
+        code, body, _ = d.post("/reef/jobs/j-nope/cancel", {})
+        assert code == 404 and body["error"]["code"] == "job_not_found"
+        hold.unlink()  # the records stayed eligible: the next job learns from them
+        out = reefctl(d, "train", "learn", "--follow")
+        assert out.returncode == 0 and "published" in out.stdout, out
+        assert jobs(d)[0]["receipts"] == receipts
+    finally:
+        stop(d)
+
+
+def test_a_job_stopped_at_its_timeout_gates_the_steps_it_saved(tmp_path: Path) -> None:
+    """At `job_timeout_s` the trainer gets SIGTERM (and SIGKILL 3 s later, as Ray's stop_job does): it saves the
+    steps it finished, and that candidate is gated and published like any other."""
+    hold = tmp_path / "hold"
+    hold.touch()
+    d = daemon(tmp_path, trigger="manual", recipe="  job_timeout_s: 20\n", params="    micro_batch: 2\n",
+               env={"REEF_TRAIN_FAULT": "pause", "REEF_TRAIN_HOLD": str(hold)})
+    try:
+        c = client(d)
+        for i in range(4):
+            turn(d, c, f"task {i}", score=float(i % 2))
+        out = reefctl(d, "train", "learn", "--follow")
+        assert out.returncode == 0, out
+        job = jobs(d)[0]
+        assert job["state"] == "published", job
+        assert job["metrics"]["stopped"] is True and job["metrics"]["steps"] == 1, job["metrics"]
+        rel = json.loads(d.get(f"/reef/releases/{job['release']}")[1])
+        assert rel["kind"] == "adapter" and rel["meta"]["metrics"]["stopped"] is True
+        assert turn(d, c, "after")[1] == job["release"]
     finally:
         stop(d)
 

@@ -236,6 +236,33 @@ def test_sigterm_stops_a_hanging_job(tiny_model: Path, base: Any, tmp_path: Path
     assert not (tmp_path / "out").exists()
 
 
+def test_sigterm_mid_job_saves_the_steps_done(tiny_model: Path, base: Any, tmp_path: Path) -> None:
+    """Ray's stop_job (and reefd's cancel or timeout) sends SIGTERM and SIGKILL 3 s later: the trainer stops at once
+    and saves the optimizer steps it finished as a complete candidate, marked stopped."""
+    hold = tmp_path / "hold"  # the trainer waits after each step while this exists
+    hold.touch()
+    out = tmp_path / "out"
+    (tmp_path / "spec.json").write_text(json.dumps(make_spec(tiny_model, out, toy_samples(base), seed=3)))
+    env = {**os.environ, "REEF_TRAIN_FAULT": "pause", "REEF_TRAIN_HOLD": str(hold)}
+    proc = subprocess.Popen([sys.executable, "-m", "reefd.train", "--spec", str(tmp_path / "spec.json")], cwd=ROOT,
+                            env=env, stdout=subprocess.PIPE, text=True)
+    assert proc.stdout is not None
+    assert json.loads(proc.stdout.readline())["event"] == "start"
+    first = json.loads(proc.stdout.readline())
+    assert first["event"] == "progress" and first["step"] == 1 and first["steps"] == 4
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=60) == 143
+    done, error = (json.loads(line) for line in proc.stdout.read().splitlines())
+    proc.stdout.close()
+    assert done["event"] == "done" and done["metrics"]["stopped"] is True and done["metrics"]["steps"] == 1
+    assert error == {"event": "error",
+                     "reason": "terminated by SIGTERM after 1 of 4 steps; the steps done are saved"}
+    saved = load_file(str(out / "adapter_model.safetensors"))
+    assert json.loads((out / "metrics.json").read_text())["metrics"]["stopped"] is True
+    assert any(float(t.abs().sum()) > 0 for k, t in saved.items() if "lora_B" in k)  # one step moved B off zero
+    assert not list(tmp_path.glob(".out.*.partial"))
+
+
 def test_spec_in_the_shape_reefd_writes(tiny_model: Path, tmp_path: Path) -> None:
     """reefd's runner names the recipe's objective and its settings, and keeps each sample's report ids; a
     null logprob is accepted (the token then gets no ratio), and a block left out takes its defaults."""
