@@ -50,10 +50,12 @@ bench: venv
 	$(BIN)/python bench/hot_swap.py --weights --model tiny
 	$(BIN)/python bench/hot_swap.py --weights --model smollm2
 	$(BIN)/python bench/trainer.py --model tiny
+	$(BIN)/python bench/trainer_backends.py --model tiny
 	$(BIN)/python bench/judge_throughput.py
 	$(BIN)/python bench/replicas.py --model tiny
 	$(BIN)/python bench/replicas.py --model smollm2 --requests 32
 	$(BIN)/python bench/trainer.py --model smollm2
+	$(BIN)/python bench/trainer_backends.py --model smollm2
 
 demo: venv
 	@$(BIN)/python -m pytest -m slow; rc=$$?; \

@@ -81,6 +81,16 @@ class RecipeConfig:
     ray_address: str | None = field(
         default=None, metadata={"description": "backend ray: the cluster's dashboard (Ray Jobs API), e.g. "
                                                "http://127.0.0.1:8265; default: the REEF_RAY_ADDRESS variable."})
+    slime: dict[str, Any] = field(
+        default_factory=dict,
+        metadata={"description": "backend slime: where slime is on the cluster and how it runs (model: its "
+                                 "scripts/models/<model>.sh; path; python; megatron_path; actor_num_nodes; "
+                                 "actor_num_gpus_per_node; args: more slime arguments). See the README."})
+    ray_resources: dict[str, Any] = field(
+        default_factory=dict,
+        metadata={"description": "backend ray: what the job's process needs on the cluster, as Ray's entrypoint "
+                                 "resources: num_cpus, num_gpus, memory (bytes), resources ({name: amount}). A job "
+                                 "the cluster has no room for waits, and fails at job_timeout_s."})
 
 
 @dataclass
@@ -270,6 +280,9 @@ def compose(path: Path) -> ScenarioConfig:
     return cfg
 
 
+RAY_RESOURCES = ("num_cpus", "num_gpus", "memory", "resources")  # Ray's entrypoint_* fields
+
+
 def _grow_problem(cfg: ScenarioConfig, scenarios_dir: Path) -> str | None:
     """The recipe and its params, the trainer backend, the cron expression, the gate (its task file and scorer)
     and the harness folder, checked now rather than at the first job (each plug point owns its rules)."""
@@ -281,11 +294,26 @@ def _grow_problem(cfg: ScenarioConfig, scenarios_dir: Path) -> str | None:
         plugins.resolve(plugins.BACKENDS, cfg.recipe.backend, "trainer backend")
     except plugins.PluginError as exc:
         return f"recipe.backend: {exc}"
-    if cfg.recipe.backend == "ray":
+    if cfg.recipe.backend in ("ray", "slime"):
+        backend = cfg.recipe.backend
         if importlib.util.find_spec("ray") is None:
-            return "recipe.backend: ray needs Ray, which is not installed: pip install 'reefd[ray]'"
+            return f"recipe.backend: {backend} needs Ray, which is not installed: pip install 'reefd[ray]'"
         if not (cfg.recipe.ray_address or os.environ.get("REEF_RAY_ADDRESS")):
-            return "recipe.ray_address: backend ray needs the cluster's address (or set REEF_RAY_ADDRESS)"
+            return f"recipe.ray_address: backend {backend} needs the cluster's address (or set REEF_RAY_ADDRESS)"
+        if backend == "slime":
+            from reefd.train.slime import SlimeError, SlimeSettings
+
+            try:
+                SlimeSettings.parse(dict(cfg.recipe.slime))
+            except (SlimeError, TypeError) as exc:
+                return str(exc)
+        for key, value in cfg.recipe.ray_resources.items():
+            if key not in RAY_RESOURCES:
+                return f"recipe.ray_resources.{key}: not one of {', '.join(RAY_RESOURCES)}"
+            ok = isinstance(value, dict) if key == "resources" else isinstance(value, int | float) and value >= 0
+            if not ok or isinstance(value, bool):
+                return f"recipe.ray_resources.{key}: {value!r} is not " + (
+                    "a map of resource names to amounts" if key == "resources" else "a number >= 0")
     if cfg.trigger.cron is not None:
         from apscheduler.triggers.cron import CronTrigger
 

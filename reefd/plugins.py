@@ -15,7 +15,8 @@ ENGINES = {"worker": "reefd.engines.sglang:SGLangEngine", "sglang": "reefd.engin
            "upstream": "reefd.engines.upstream:UpstreamEngine"}
 GATES = {"always": "reefd.gates.kinds:Always", "holdout": "reefd.gates.kinds:Holdout",
          "floor": "reefd.gates.kinds:Floor", "paired": "reefd.gates.kinds:Paired"}
-BACKENDS = {"local": "reefd.train.backends:LocalTrainers", "ray": "reefd.train.ray_jobs:RayJobs"}
+BACKENDS = {"local": "reefd.train.backends:LocalTrainers", "ray": "reefd.train.ray_jobs:RayJobs",
+            "slime": "reefd.train.slime:SlimeJobs"}
 RECIPES = {"record": "reefd.recipes:RecordOnly", "sao": "recipes.sao.recipe:SAO", "grpo": "recipes.sao.recipe:GRPO",
            "skillclaw": "recipes.skillclaw.recipe:SkillClaw", "openclaw-rl": "recipes.openclaw_rl.recipe:OpenClawRL",
            "ttt-discover": "recipes.ttt_discover.recipe:TTTDiscover", "gepa": "recipes.gepa.recipe:GEPA"}

@@ -148,7 +148,7 @@ class Runner:
         if scenario is None:
             return
         try:
-            backend = self.backends.get(scenario.cfg.recipe.backend, scenario.cfg.recipe.ray_address)
+            backend = self.backends.of(scenario.cfg.recipe)
         except plugins.PluginError:
             return
         stop = getattr(backend, "stop", None)
@@ -216,7 +216,8 @@ class Runner:
         """Train (the spec is written), gate, publish."""
         assert job.built_on is not None
         doc = json.loads(await asyncio.to_thread(spec_path.read_text))
-        full = doc.get("target") == "full"
+        # a full HF model folder: asked for by the recipe, or what the backend always trains (slime)
+        full = doc.get("target") == "full" or getattr(self.backends.of(scenario.cfg.recipe), "full_weights", False)
         weights = await asyncio.to_thread(self.chain.weights, job.built_on)  # what the candidate is trained on
         out = await self._train(job, scenario, spec_path, full)
         await self._save(job, "gate")
@@ -298,7 +299,7 @@ class Runner:
             elif event.get("event") == "error":
                 error = str(event.get("reason"))
 
-        backend = self.backends.get(scenario.cfg.recipe.backend, scenario.cfg.recipe.ray_address)
+        backend = self.backends.of(scenario.cfg.recipe)
         job.detachable = bool(getattr(backend, "detachable", False))
         if job.detachable:  # on disk before the job starts, so even a killed reefd's successor follows it
             await self._save(job)

@@ -13,7 +13,7 @@ from pathlib import Path
 from tests.conftest import ROOT
 
 TORCH_SIDE = ("reefd.worker", "reefd.train.__main__", "reefd.train.loop", "reefd.train.batch",
-              "reefd.train.objective")
+              "reefd.train.objective", "reefd.train.slime_batch")
 
 
 def modules() -> dict[str, Path]:

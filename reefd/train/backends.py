@@ -25,6 +25,7 @@ from reefd.engines.supervisor import die_with_parent
 log = logging.getLogger("reefd.train")
 
 Event = dict[str, Any]
+CLUSTER_BACKENDS = ("ray", "slime")  # built with the scenario's cluster settings (recipe.ray_*, recipe.slime)
 
 
 class TrainerTimeout(Exception):
@@ -60,22 +61,30 @@ class Backends:
         self.work_dir, self.max_jobs = work_dir, max_jobs
         self._built: dict[str, TrainerBackend] = {}
 
-    def get(self, name: str, address: str | None = None) -> TrainerBackend:
+    def of(self, recipe: Any) -> TrainerBackend:
+        """The backend a scenario's `recipe` config names (a cluster backend: one per cluster and settings)."""
+        cluster = None
+        if recipe.backend in CLUSTER_BACKENDS:
+            cluster = {"address": recipe.ray_address, "resources": recipe.ray_resources,
+                       **({"slime": recipe.slime} if recipe.backend == "slime" else {})}
+        return self.get(recipe.backend, cluster)
+
+    def get(self, name: str, cluster: dict[str, Any] | None = None) -> TrainerBackend:
         """PluginError when `name` names no importable TrainerBackend (a scenario's load checks it first).
-        `address`: the cluster of a `ray` backend (one backend per cluster)."""
-        key = f"{name}@{address}" if name == "ray" and address else name
+        `cluster`: a cluster backend's settings (`Class(work_dir, max_jobs, **cluster)`)."""
+        key = name if cluster is None else f"{name}@{json.dumps(cluster, sort_keys=True, default=str)}"
         if key not in self._built:
             cls = plugins.resolve(plugins.BACKENDS, name, "trainer backend")
             missing = plugins.missing(TrainerBackend, cls)
             if missing:
                 raise plugins.PluginError(f"trainer backend {name!r} is not a TrainerBackend (no {missing[0]})")
             folder = self.work_dir if name in plugins.BACKENDS else self.work_dir / "backends" / name
-            self._built[key] = cls(folder, self.max_jobs, address) if name == "ray" else cls(folder, self.max_jobs)
+            self._built[key] = cls(folder, self.max_jobs, **(cluster or {}))
         return self._built[key]
 
     def prewarm(self, names: Iterable[str]) -> None:
         """Get these backends ready ahead of their first job (a name that cannot be loaded is logged)."""
-        for name in sorted(set(names)):
+        for name in sorted(set(names) - set(CLUSTER_BACKENDS)):  # a cluster starts each job's process itself
             try:
                 self.get(name).prewarm()
             except plugins.PluginError as exc:

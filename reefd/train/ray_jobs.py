@@ -69,9 +69,11 @@ class RayJobs:
     START_TIMEOUT_S = 300.0  # a job that never leaves PENDING (no resources, a dead cluster) fails after this
     STOP_WAIT_S = 10.0  # after `stop`: Ray's 3 s to SIGKILL, and the poll that sees the job end
 
-    def __init__(self, work_dir: Path, max_jobs: int = 1, address: str | None = None) -> None:
+    def __init__(self, work_dir: Path, max_jobs: int = 1, address: str | None = None,
+                 resources: dict[str, Any] | None = None) -> None:
         self.work_dir, self.max_jobs = work_dir, max_jobs
         self.address = (address or os.environ.get(ADDRESS_ENV) or "").rstrip("/")
+        self.resources = dict(resources or {})  # the entrypoint's: num_cpus, num_gpus, memory, resources
         self._session: aiohttp.ClientSession | None = None
 
     def prewarm(self) -> None:
@@ -118,10 +120,10 @@ class RayJobs:
         `timeout_s` (the job is stopped, and what it said while stopping is relayed). A cluster that cannot run
         it gives an error event and status 1."""
         submission = self.submission_id(spec)
-        deadline = time.monotonic() + timeout_s
+        started = time.monotonic()
         try:
             await self._submit(submission, spec)
-            return await self._follow(submission, on_event, deadline)
+            return await self._follow(submission, on_event, started, started + timeout_s)
         except RayUnavailable as exc:
             on_event({"event": "error", "reason": str(exc)})
             return 1
@@ -137,7 +139,7 @@ class RayJobs:
             log.info("Ray job %s exists (%s): following it", submission, found.get("status"))
             return
         working_dir = await self._upload(spec)
-        entrypoint = f"exec {shlex.quote(sys.executable)} -m reefd.train --spec {shlex.quote(spec.name)}"
+        entrypoint = self.entrypoint(spec)
         # the trainer's own switches (REEF_TRAIN_*: faults for tests, holds) travel with the job
         env = {k: v for k, v in os.environ.items() if k.startswith("REEF_TRAIN_")}
         # the objective a spec names imports as it would for reefd (from a checkout, or reefd's PYTHONPATH)
@@ -145,16 +147,25 @@ class RayJobs:
         status, answer = await self._call("POST", "/api/jobs/", {
             "entrypoint": entrypoint, "submission_id": submission,
             "runtime_env": {"working_dir": working_dir, "env_vars": env},
-            "metadata": {"reef_job": submission.removeprefix("reef-")}})
+            "metadata": {"reef_job": submission.removeprefix("reef-")},
+            **{f"entrypoint_{k}": v for k, v in self.resources.items()}})
         if status != 200:
             raise RayUnavailable(f"the Ray cluster at {self.address} did not take job {submission} "
                                  f"({status}): {_tail(answer)}")
         log.info("submitted Ray job %s to %s", submission, self.address)
 
+    def package(self, spec: Path) -> bytes:
+        """The job's working_dir, zipped: the spec (with its batch) at its root."""
+        return _zip_one(spec)
+
+    def entrypoint(self, spec: Path) -> str:
+        """The job's command, run in its working_dir."""
+        return f"exec {shlex.quote(sys.executable)} -m reefd.train --spec {shlex.quote(spec.name)}"
+
     async def _upload(self, spec: Path) -> str:
-        """The spec file as a working_dir package in the cluster's store; its `gcs://` URI. Content-addressed, as
-        Ray names packages: one already there is not sent again."""
-        data = await asyncio.to_thread(_zip_one, spec)
+        """The job's package in the cluster's store; its `gcs://` URI. Content-addressed, as Ray names packages:
+        one already there is not sent again."""
+        data = await asyncio.to_thread(self.package, spec)
         name = f"_ray_pkg_{hashlib.sha1(data).hexdigest()}.zip"
         status, _ = await self._call("GET", f"/api/packages/gcs/{name}")
         if status != 200:
@@ -164,8 +175,9 @@ class RayJobs:
                                      f"({status}): {_tail(answer)}")
         return f"gcs://{name}"
 
-    async def _follow(self, submission: str, on_event: Callable[[Event], None], deadline: float) -> int:
-        seen, started = 0, time.monotonic()
+    async def _follow(self, submission: str, on_event: Callable[[Event], None], started: float,
+                      deadline: float) -> int:
+        seen = 0
         lines: list[str] = []
         stopped_at: float | None = None  # when reefd stopped it (the timeout)
         while True:
@@ -190,13 +202,16 @@ class RayJobs:
                 raise TrainerTimeout(f"the Ray job {submission} ran past its timeout; it was stopped")
             if state in TERMINAL:
                 return self._exit_status(submission, info, lines, on_event)
+            if state == "PENDING" and (now > deadline or now - started > self.START_TIMEOUT_S):
+                # queued on the job's supervisor: it stops the job the moment the cluster could start it
+                await self._call("POST", f"/api/jobs/{submission}/stop")
+                asks = ", ".join(f"{k} {v}" for k, v in self.resources.items())
+                raise RayUnavailable(f"the Ray job {submission} did not start within {round(now - started)} s: "
+                                     f"the cluster at {self.address} has no room for it"
+                                     + (f" (it asks for {asks})" if asks else "") + f": {_tail(info.get('message'))}")
             if stopped_at is None and now > deadline:
                 await self._call("POST", f"/api/jobs/{submission}/stop")
                 stopped_at = now  # what the trainer says while it saves still comes through
-            if state == "PENDING" and now - started > self.START_TIMEOUT_S:
-                await self._call("POST", f"/api/jobs/{submission}/stop")
-                raise RayUnavailable(f"the Ray job {submission} did not start within "
-                                     f"{self.START_TIMEOUT_S:.0f} s (is the cluster short of resources?)")
             await asyncio.sleep(self.POLL_S)
 
     @staticmethod
@@ -208,8 +223,9 @@ class RayJobs:
             return 0
         code = 143 if info.get("status") == "STOPPED" else info.get("driver_exit_code")  # stopped: SIGTERM
         tail = [line.strip() for line in lines if line.strip()][-LOG_TAIL_LINES:]
+        message = str(info.get("message") or "").split(", last available logs")[0]  # the log follows, once
         on_event({"event": "error", "reason": f"the Ray job {submission} {str(info.get('status')).lower()}: "
-                                              f"{_tail(info.get('message'))}"
+                                              f"{_tail(message)}"
                                               + (" | log: " + _tail(" | ".join(tail), 1500) if tail else "")})
         return code if isinstance(code, int) and code != 0 else 1
 

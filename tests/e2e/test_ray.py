@@ -8,19 +8,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import os
-import secrets
-import signal
-import subprocess
-import sys
 import time
 import urllib.request
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import Daemon, free_port, make_scenarios
+from tests.conftest import Daemon, make_scenarios
 from tests.e2e.test_grow import client, stop, turn
 from tests.e2e.test_reefctl import reefctl
 
@@ -41,47 +35,6 @@ recipe:
 serve:
   default_max_tokens: 8
 """
-
-
-@pytest.fixture(scope="module")
-def ray_head(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path]]:
-    """A Ray head of the test's own: (dashboard URL, token file)."""
-    tmp = tmp_path_factory.mktemp("ray")
-    token = tmp / "token"
-    token.write_text(secrets.token_hex(16))
-    dashboard = free_port()
-    env = {**os.environ, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(token)}
-    ray = Path(sys.executable).with_name("ray")
-    head_log = (tmp / "head.log").open("wb")
-    proc = subprocess.Popen(
-        [str(ray), "start", "--head", "--block", "--temp-dir", str(tmp / "t"), "--port", str(free_port()),
-         "--dashboard-host", "127.0.0.1", "--dashboard-port", str(dashboard), "--node-ip-address", "127.0.0.1",
-         "--ray-client-server-port", str(free_port()), "--num-cpus", "2", "--include-dashboard", "true",
-         "--disable-usage-stats"],
-        env=env, stdout=head_log, stderr=subprocess.STDOUT, start_new_session=True)
-    url = f"http://127.0.0.1:{dashboard}"
-    try:
-        deadline = time.monotonic() + 120
-        while True:
-            req = urllib.request.Request(url + "/api/version", headers={"Authorization": f"Bearer {token.read_text()}"})
-            try:
-                with urllib.request.urlopen(req, timeout=5) as r:
-                    if r.status == 200:
-                        break
-            except OSError:
-                pass
-            assert proc.poll() is None and time.monotonic() < deadline, (tmp / "head.log").read_text()[-3000:]
-            time.sleep(0.25)
-        yield url, token
-    finally:
-        with contextlib.suppress(ProcessLookupError):  # the head and everything it started: its process group
-            os.killpg(proc.pid, signal.SIGTERM)
-        with contextlib.suppress(subprocess.TimeoutExpired):  # a test head has nothing to save: 3 s is plenty
-            proc.wait(3)
-        with contextlib.suppress(ProcessLookupError):  # whatever did not stop on SIGTERM
-            os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait(15)
-        head_log.close()
 
 
 def test_a_grow_job_runs_as_a_ray_job(ray_head: tuple[str, Path], tmp_path: Path) -> None:
@@ -194,3 +147,90 @@ def test_a_wrong_token_fails_the_job_with_a_clear_message(ray_head: tuple[str, P
     assert asyncio.run(go()) == 1
     assert events == [{"event": "error", "reason": f"the Ray cluster at {url} refused reefd's token (403); set "
                                                    "RAY_AUTH_TOKEN, RAY_AUTH_TOKEN_PATH or the ray-token credential"}]
+
+
+def ray_job(url: str, token: Path, submission: str, states: tuple[str, ...], timeout_s: float = 60) -> dict:
+    """The Ray job once it is in one of `states`."""
+    deadline = time.monotonic() + timeout_s
+    while (info := ray_get(url, token, f"/api/jobs/{submission}"))["status"] not in states:  # type: ignore[index]
+        assert time.monotonic() < deadline, info
+        time.sleep(0.3)
+    return dict(info)  # type: ignore[arg-type]
+
+
+def test_cancel_stops_the_ray_job_and_its_trainer_saves_first(ray_head: tuple[str, Path], tmp_path: Path) -> None:
+    url, token = ray_head
+    hold = tmp_path / "hold"  # the trainer waits after each step while this exists
+    hold.write_text("")
+    learn = LEARN.format(address=url).replace("{batch_size: 4}", "{batch_size: 4, micro_batch: 2}")
+    scen = make_scenarios(tmp_path / "scenarios", names=(), extra={"learn": learn})
+    d = Daemon(scenarios=scen, state=tmp_path / "state", log_path=tmp_path / "reefd.log",
+               env={"RAY_AUTH_TOKEN_PATH": str(token), "REEF_TRAIN_FAULT": "pause", "REEF_TRAIN_HOLD": str(hold)})
+    d.start()
+    try:
+        c = client(d)
+        head = turn(d, c, "before")[1]
+        for i in range(4):
+            turn(d, c, f"task {i}", score=float(i % 2))
+        assert reefctl(d, "train", "learn").returncode == 0
+        deadline = time.monotonic() + 120
+        while (job := json.loads(d.get("/reef/jobs?scenario=learn")[1])["data"][0])["progress"].get("step") != 1:
+            assert time.monotonic() < deadline, job
+            time.sleep(0.2)
+        out = reefctl(d, "cancel", job["id"])
+        assert out.returncode == 0 and out.stdout == f"job/{job['id']} cancelled\n", out
+        after = json.loads(d.get(f"/reef/jobs/{job['id']}")[1])
+        assert after["state"] == "cancelled" and after["error"] == "cancelled during its train stage"
+        ray = ray_job(url, token, f"reef-{job['id']}", ("STOPPED",))
+        assert ray["status"] == "STOPPED"
+        logs = ray_get(url, token, f"/api/jobs/reef-{job['id']}/logs")["logs"]  # type: ignore[index]
+        # the trainer heard SIGTERM and saved its step before Ray's SIGKILL (3 s later)
+        assert "terminated by SIGTERM after 1 of 2 steps; the steps done are saved" in logs, logs[-2000:]
+        assert turn(d, c, "after")[1] == head  # nothing published
+    finally:
+        stop(d)
+
+
+def run_backend(url: str, spec: Path, timeout_s: float, **kw: object) -> tuple[int, list[dict[str, object]]]:
+    from reefd.train.ray_jobs import RayJobs
+
+    events: list[dict[str, object]] = []
+
+    async def go() -> int:
+        backend = RayJobs(spec.parent, 1, url, **kw)  # type: ignore[arg-type]
+        try:
+            return await backend.run(spec, events.append, timeout_s)
+        finally:
+            await backend.close()
+
+    return asyncio.run(go()), events
+
+
+def test_a_job_that_fails_on_the_cluster_shows_its_message_and_log(ray_head: tuple[str, Path], tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    url, token = ray_head
+    monkeypatch.setenv("RAY_AUTH_TOKEN_PATH", str(token))
+    spec = tmp_path / "spec.json"
+    spec.write_text(json.dumps({"job": "j-bad-spec", "objective": "recipes.sao.objective:SAOObjective"}))
+    code, events = run_backend(url, spec, 120)
+    assert code == 2  # the trainer's own exit status: a bad spec
+    reason = str(events[-1]["reason"])
+    assert reason.startswith("the Ray job reef-j-bad-spec failed: Job entrypoint command failed with exit code 2 "
+                             "| log: "), reason  # the cluster's message, then the tail of the job's log
+    assert reason.endswith(' | {"event": "error", "reason": "bad spec: base_model: missing"}'), reason
+
+
+def test_a_job_the_cluster_never_starts_fails_at_its_timeout(ray_head: tuple[str, Path], tmp_path: Path,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    url, token = ray_head
+    monkeypatch.setenv("RAY_AUTH_TOKEN_PATH", str(token))
+    spec = tmp_path / "spec.json"
+    spec.write_text(json.dumps({"job": "j-no-gpu"}))
+    started = time.monotonic()
+    code, events = run_backend(url, spec, 8, resources={"num_gpus": 1})  # the test head has no GPU
+    assert code == 1 and time.monotonic() - started < 30
+    assert str(events[-1]["reason"]).startswith(f"the Ray job reef-j-no-gpu did not start within 8 s: the cluster "
+                                                f"at {url} has no room for it (it asks for num_gpus 1)"), events
+    # Ray queues the stop on the job's supervisor, which waits for the same GPU: the job stays pending, and stops
+    # the moment it could start (Ray fails it after RAY_JOB_START_TIMEOUT_SECONDS, 15 min, anyway)
+    assert ray_get(url, token, "/api/jobs/reef-j-no-gpu")["status"] == "PENDING"  # type: ignore[index]
