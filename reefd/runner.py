@@ -216,13 +216,21 @@ class Runner:
         """Train (the spec is written), gate, publish."""
         assert job.built_on is not None
         doc = json.loads(await asyncio.to_thread(spec_path.read_text))
+        backend = self.backends.of(scenario.cfg.recipe)
         # a full HF model folder: asked for by the recipe, or what the backend always trains (slime)
-        full = doc.get("target") == "full" or getattr(self.backends.of(scenario.cfg.recipe), "full_weights", False)
+        full = doc.get("target") == "full" or getattr(backend, "full_weights", False)
         weights = await asyncio.to_thread(self.chain.weights, job.built_on)  # what the candidate is trained on
-        out = await self._train(job, scenario, spec_path, full)
-        await self._save(job, "gate")
-        scenario = self._scenario(job)
-        verdict = await (self._gate_weights(job, scenario, out) if full else self._gate(job, scenario, out))
+        async with contextlib.AsyncExitStack() as stack:
+            pushed = None  # the engine the trainer pushes its weights to, where the gate then judges them
+            if getattr(backend, "pushes", False):
+                pushed = await self._push_engine(stack, job, scenario, spec_path, doc)
+            out = await self._train(job, scenario, spec_path, full)
+            await self._save(job, "gate")
+            scenario = self._scenario(job)
+            if pushed is not None:
+                await self._check_pushed(pushed, backend.pushed_version(doc), out)  # type: ignore[attr-defined]
+            verdict = await (self._gate_weights(job, scenario, out, pushed) if full
+                             else self._gate(job, scenario, out))
         job.verdict = verdict.as_meta()
         await self._save(job, "publish")
         meta = {"source": job.recipe, "job": job.id, "summary": f"{job.recipe} on {len(job.receipts)} records",
@@ -386,18 +394,54 @@ class Runner:
             self.scores.remember(serving_key(binding), verdict.fingerprint, [p["current"] for p in verdict.per_task])
         return verdict
 
-    async def _gate_weights(self, job: Job, scenario: Scenario, out: Path) -> gates.Verdict:
+    def _candidate_cfg(self, job: Job, scenario: Scenario, folder: Path) -> ModelConfig:
+        """The scenario's model, as one engine of its own on `folder`, outside the router."""
+        return dataclasses.replace(scenario.cfg.model, name=f"{scenario.cfg.model.name}-candidate-{job.id}",
+                                   source=None, path=str(folder), url=None, replicas=1, workers=[])
+
+    async def _push_engine(self, stack: contextlib.AsyncExitStack, job: Job, scenario: Scenario, spec_path: Path,
+                           doc: dict[str, Any]) -> Engine:
+        """An engine for the trainer to push its weights to (slime's external engine): the weights the job
+        starts from, launched for the job and stopped after its gate; its address goes into the spec."""
+        cfg = self._candidate_cfg(job, scenario, Path(doc["base_model"]))
+        engine = await stack.enter_async_context(self.registry.borrow(cfg))
+        await _until_ready(engine, cfg.startup_timeout_s, "push target", detail=True)
+        url = str(engine.describe().get("url") or "")
+        if not url:
+            raise JobFailed("the engine for the trainer's pushes has no HTTP address")
+        doc["engines"] = [url.removeprefix("http://")]
+        await asyncio.to_thread(spec_path.write_text, json.dumps(doc))
+        return engine
+
+    async def _check_pushed(self, engine: Engine, version: str, out: Path) -> None:
+        """The gate judges what the trainer pushed only if its last push arrived (the engine reports that weight
+        version); else the engine loads the checkpoint the trainer saved."""
+        reported = await engine.adopt_weights(out)  # type: ignore[attr-defined]
+        if reported == version:
+            log.info("the trainer's last push (weight version %s) is on the gate's engine", version)
+            return
+        log.warning("the gate's engine reports weight version %s, not the trainer's last push %s: loading the "
+                    "checkpoint it saved", reported, version)
+
+        async def nothing_in_flight(weights: str | None) -> None:
+            return None
+
+        await engine.swap_weights(out, version, None, lambda: None, nothing_in_flight)  # type: ignore[attr-defined]
+
+    async def _gate_weights(self, job: Job, scenario: Scenario, out: Path,
+                            pushed: Engine | None = None) -> gates.Verdict:
         """Judge a full-weights candidate: the serving side answers on the scenario's engine, the candidate on an
-        engine of its own, launched on the candidate's folder for the gate and stopped after it (serving is not
-        touched)."""
+        engine of its own (the one the trainer pushed to, or one launched on the candidate's folder for the gate
+        and stopped after it); serving is not touched."""
         gate = gates.build(scenario.cfg.gate, self.scenarios_dir)
         if gate.sampling is None:
             return await gate.evaluate(_no_generate, current=None, candidate=None)
         binding = scenario.binding
         serving = binding.adapter if binding else None
-        cfg = dataclasses.replace(scenario.cfg.model, name=f"{scenario.cfg.model.name}-candidate-{job.id}",
-                                  source=None, path=str(out), url=None, replicas=1, workers=[])
-        async with self.registry.borrow(cfg) as candidate:
+        cfg = self._candidate_cfg(job, scenario, out)
+        async with contextlib.AsyncExitStack() as stack:
+            candidate: Engine = pushed if pushed is not None else \
+                await stack.enter_async_context(self.registry.borrow(cfg))
             await _until_ready(candidate, cfg.startup_timeout_s, "candidate's", detail=True)
 
             async def generate(messages: list[dict[str, Any]], side: str | None, sampling: gates.Sampling,

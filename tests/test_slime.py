@@ -70,7 +70,8 @@ def test_sao_maps_to_slime_arguments_that_slime_accepts(tiny_model: Path, tmp_pa
     assert (args.rollout_batch_size, args.n_samples_per_prompt, args.global_batch_size) == (4, 1, 2)
     assert args.num_rollout == 2  # one rollout step per pass over the batch
     assert args.save_hf == str(tmp_path / "slime" / "hf" / "rollout_{rollout_id}") and args.save_interval == 1
-    assert args.load_debug_rollout_data == "rollout.pt" and args.debug_train_only  # train-only: no push
+    assert args.load_debug_rollout_data == str(tmp_path / "slime" / "rollout.pt") and args.debug_train_only
+    assert args.rollout_external_engine_addrs is None  # train-only: no engine, no push before the gate
     assert (args.lr, args.clip_grad, args.seed, args.eps_clip, args.eps_clip_high) == (5e-4, 1.0, 3, 0.3, 5.0)
     assert (args.optimizer, args.lr_decay_style) == ("adam", "constant")
 
@@ -107,6 +108,20 @@ def test_the_batch_file_is_what_slime_loads(tiny_model: Path, tmp_path: Path) ->
     assert standin().check_samples(samples, args) == []
     broken = [dict(samples[0], loss_mask=[1]), *samples[1:]]
     assert standin().check_samples(broken, args) == ["sample 0: loss_mask length 1 != response_length 2"]
+
+
+def test_push_sends_the_batch_through_the_forge_loader_to_reefds_engine(tiny_model: Path, tmp_path: Path) -> None:
+    settings = SlimeSettings.parse({"model": "tiny", "push": True})
+    doc = spec(tiny_model, tmp_path)
+    with pytest.raises(SlimeError, match="reefd gave the job no engine to push to"):
+        slime_args(doc, settings, tmp_path)
+    args, problems = parse(slime_args({**doc, "engines": ["127.0.0.1:30001"]}, settings, tmp_path))
+    assert problems == [] and not args.debug_train_only and args.load_debug_rollout_data is None
+    assert args.rollout_function_path == "slime.rollout.forge_load.generate_rollout"
+    assert args.load_forge_rollout_data == str(tmp_path / "slime" / "rollout.pt")
+    assert args.rollout_external_engine_addrs == ["127.0.0.1:30001"] and args.sglang_router_ip is None
+    assert (args.update_weight_transport, args.update_weight_disk_dir) == ("disk", str(tmp_path / "slime" / "push"))
+    assert SlimeJobs.pushed_version(doc) == "3"  # one push before training, one per rollout step (2)
 
 
 def test_scenario_args_win_and_null_drops_one(tiny_model: Path, tmp_path: Path) -> None:
@@ -152,7 +167,7 @@ def test_the_entrypoint_runs_prepare_train_finish(tiny_model: Path, tmp_path: Pa
     assert cmd.startswith("exec bash -c ")
     lines = shlex.split(cmd)[3].strip().splitlines()
     assert lines[0] == "set -e"
-    assert lines[1] == "/usr/bin/python3 reef_slime.py prepare batch.jsonl rollout.pt --num-rollout 2"
+    assert lines[1] == f"/usr/bin/python3 reef_slime.py prepare batch.jsonl {tmp_path}/slime/rollout.pt --num-rollout 2"
     assert lines[2] == ". /opt/slime/scripts/models/tiny.sh"
     assert lines[3].startswith("PYTHONPATH=/root/Megatron-LM${PYTHONPATH:+:$PYTHONPATH} /usr/bin/python3 "
                                "/opt/slime/train.py --train-backend megatron ")

@@ -449,6 +449,16 @@ class SGLangEngine:
         finally:
             self._admission.set()
 
+    async def adopt_weights(self, path: Path | None = None) -> str | None:
+        """Take the weights a trainer pushed to this engine's one process, not through reefd (slime's weight
+        sync), as what it serves: their version as the server reports it (None when it reports none). `path`: the
+        same weights on disk, for a process that restarts."""
+        async with self._admin:
+            reported, version = await self._client().weight_version()
+            if reported and version is not None:
+                self.weights = Weights(version, path)
+            return version if reported else None
+
     async def swap_weights(self, path: Path | None, version: str, adapter: tuple[str, Path] | None,
                            switch: Callable[[], None], drained: Drained) -> dict[str, Any]:
         """Serve the weights at `path` (None: the launch model's) as `version`, with `adapter` (name, folder) as

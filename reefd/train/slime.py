@@ -39,6 +39,7 @@ from reefd.train.backends import Event
 from reefd.train.ray_jobs import RayJobs
 
 HELPER = Path(__file__).with_name("slime_batch.py")
+ROLLOUT_FILE = "rollout.pt"
 # The recipe objective -> slime's --advantage-estimator (slime/utils/arguments.py: grpo, gspo, cispo,
 # reinforce_plus_plus, reinforce_plus_plus_baseline, ppo). SAO's advantage is reward - V(critic): slime's ppo
 # trains a critic beside the actor.
@@ -63,6 +64,9 @@ class SlimeSettings:
                                                         "scripts do (empty: none)."})
     actor_num_nodes: int = field(default=1, metadata={"minimum": 1})
     actor_num_gpus_per_node: int = field(default=8, metadata={"minimum": 1})
+    push: bool = field(default=False,
+                       metadata={"description": "slime pushes the weights of every step to an engine reefd launches "
+                                                "for the job (outside the router), where the gate then judges them."})
     args: dict[str, Any] = field(default_factory=dict,
                                  metadata={"description": "More slime or Megatron arguments, without their "
                                                           "dashes ({tensor-model-parallel-size: 2}); true is a "
@@ -84,6 +88,8 @@ class SlimeSettings:
                 raise SlimeError(f"recipe.slime.{name}: {value!r} is not a whole number >= 1")
         if not isinstance(settings.args, dict):
             raise SlimeError("recipe.slime.args: a map of argument names to values")
+        if not isinstance(settings.push, bool):
+            raise SlimeError(f"recipe.slime.push: {settings.push!r} is not true or false")
         return settings
 
 
@@ -152,7 +158,7 @@ def slime_args(doc: dict[str, Any], settings: SlimeSettings, work: Path) -> list
         "no-save-optim": True,
         "save-hf": str(work / "slime" / "hf" / "rollout_{rollout_id}"),
         # the batch, as slime's own rollout dump: train-only, no engine of slime's, no weight push before the gate
-        "load-debug-rollout-data": "rollout.pt",
+        "load-debug-rollout-data": str(work / "slime" / ROLLOUT_FILE),
         "num-rollout": int(optim.get("epochs") or 1),  # one pass over the batch per rollout step
         "rollout-batch-size": rollout_batch,
         "n-samples-per-prompt": per_prompt,
@@ -167,6 +173,16 @@ def slime_args(doc: dict[str, Any], settings: SlimeSettings, work: Path) -> list
         "clip-grad": optim.get("max_grad_norm", 1.0),
         "seed": doc.get("seed", 0),
     }
+    if settings.push:  # the same batch through slime's forge loader: its engines stay, and weights are pushed
+        engines = doc.get("engines") or []
+        if not engines:
+            raise SlimeError("recipe.slime.push: reefd gave the job no engine to push to")
+        args.pop("load-debug-rollout-data")
+        args.update({"rollout-function-path": "slime.rollout.forge_load.generate_rollout",
+                     "load-forge-rollout-data": str(work / "slime" / ROLLOUT_FILE),
+                     "rollout-external-engine-addrs": list(engines),
+                     # over the filesystem reefd and the cluster share: the engine needs no NCCL group
+                     "update-weight-transport": "disk", "update-weight-disk-dir": str(work / "slime" / "push")})
     if "eps_low" in settings_:  # SAO's ratio band [1 - eps_low, 1 + eps_high] is slime's PPO clip range
         args["eps-clip"] = settings_["eps_low"]
         args["eps-clip-high"] = settings_.get("eps_high", settings_["eps_low"])
@@ -190,6 +206,13 @@ class SlimeJobs(RayJobs):
                  resources: dict[str, Any] | None = None, slime: dict[str, Any] | None = None) -> None:
         super().__init__(work_dir, max_jobs, address, resources)
         self.settings = SlimeSettings.parse(dict(slime or {}))
+        self.pushes = self.settings.push  # the runner launches an engine for the job, named in the spec's `engines`
+
+    @staticmethod
+    def pushed_version(doc: dict[str, Any]) -> str:
+        """The weight_version slime's last push gives the engine: it counts pushes from 1, one before training
+        (train.py's first update_weights) and one after each rollout step."""
+        return str(int(doc["optim"].get("epochs") or 1) + 1)
 
     async def run(self, spec: Path, on_event: Callable[[Event], None], timeout_s: float) -> int:
         try:
@@ -229,7 +252,8 @@ class SlimeJobs(RayJobs):
         path = f"PYTHONPATH={q(s.megatron_path)}${{PYTHONPATH:+:$PYTHONPATH}} " if s.megatron_path else ""
         script = (
             "set -e\n"
-            f"{py} reef_slime.py prepare batch.jsonl rollout.pt --num-rollout {q(num_rollout)}\n"
+            f"{py} reef_slime.py prepare batch.jsonl {q(str(work / 'slime' / ROLLOUT_FILE))} "
+            f"--num-rollout {q(num_rollout)}\n"
             f". {q(s.path + '/scripts/models/' + s.model + '.sh')}\n"
             f'{path}{py} {q(s.path + "/train.py")} {args} "${{MODEL_ARGS[@]}}"\n'
             f"{py} reef_slime.py finish {q(save_hf)} --num-rollout {q(num_rollout)} "

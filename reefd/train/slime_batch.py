@@ -43,6 +43,7 @@ def prepare(batch: Path, out: Path, num_rollout: int) -> int:
             return 2
     import torch
 
+    out.parent.mkdir(parents=True, exist_ok=True)
     torch.save({"rollout_id": 0, "samples": samples}, out)
     emit({"event": "start", "samples": len(samples), "steps": num_rollout, "trainer": "slime"})
     return 0

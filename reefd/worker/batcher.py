@@ -102,12 +102,11 @@ class Batcher:
         )
 
     def abort_running(self, message: str) -> None:
-        """Cancel every running and waiting request (call on the loop); they finish as `abort`."""
+        """Cancel every running and waiting request (call on the loop); they finish as `abort` with `message`."""
         with self._cond:
-            for job in self._waiting:
+            for job in [*self._waiting, *(row.job for row in self.rows)]:
+                job.aborted = message
                 job.cancelled = True
-            for row in list(self.rows):
-                row.job.cancelled = True
             self._cond.notify()
 
     @property
@@ -185,6 +184,8 @@ class Batcher:
                 job = self._waiting.popleft()
                 if not job.cancelled:
                     taken.append(job)
+                elif job.aborted is not None:  # its client still waits for an answer
+                    _deliver([(job, Update([], [], "", {"type": "abort", "message": job.aborted}))])
             return taken
 
     def _new_row(self, job: Generation) -> Row:
@@ -314,9 +315,13 @@ class Batcher:
 
     def _reap(self) -> None:
         """Drop finished and cancelled rows from the batch."""
+        aborted = []
         for row in self.rows:
             if row.finish is None and row.job.cancelled:
-                row.finish = {"type": "abort", "message": "cancelled by the client"}
+                row.finish = {"type": "abort", "message": row.job.aborted or "cancelled by the client"}
+                if row.job.aborted is not None:  # its client still waits for the end of the answer
+                    aborted.append((row.job, Update([], [], row.tracker.text, row.finish)))
+        _deliver(aborted)
         keep = [i for i, r in enumerate(self.rows) if r.finish is None]
         if len(keep) == len(self.rows):
             return

@@ -43,6 +43,7 @@ class Generation:
         self.loop = loop
         self.queue: asyncio.Queue[Update] = asyncio.Queue()
         self.cancelled = False  # written by the loop, read by the batcher thread
+        self.aborted: str | None = None  # cancelled by the server (not the client): the answer ends `abort` saying so
         self.created = time.monotonic()
 
 

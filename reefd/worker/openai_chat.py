@@ -113,6 +113,7 @@ def _usage(job: Generation, completion: int) -> dict[str, int]:
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE]
     req, options = _request(state, await read_json(request))
+    await state.admit()
     job = state.batcher.submit(req, req.input_ids or [])
     if req.stream:
         return await _stream(request, state, job, options)

@@ -84,6 +84,7 @@ async def generate(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE]
     req = parse_generate(await read_json(request))
     prompt = req.input_ids if req.input_ids is not None else list(state.tokenizer.encode(req.text))
+    await state.admit()
     job = state.batcher.submit(req, prompt)
     result = Result(job)
     if not req.stream:
@@ -148,6 +149,15 @@ def server_info_body(state: WorkerState) -> dict[str, Any]:
         "loaded_adapters": dict(engine.adapters),
         "lora_paths": dict(engine.adapters),
         "weight_version": engine.weight_version,
+        # SGLang ServerArgs a trainer reads before it pushes weights (slime's external engines): one process,
+        # one device, no memory saver, no prefill/decode split
+        "tp_size": 1,
+        "pp_size": 1,
+        "dp_size": 1,
+        "ep_size": 1,
+        "enable_memory_saver": False,
+        "disaggregation_mode": "null",
+        "is_paused": not state.running.is_set(),
     }
 
 
@@ -315,6 +325,38 @@ async def destroy_weights_update_group(request: web.Request) -> web.Response:
     return web.json_response({"success": True, "message": "Succeeded to destroy the weight update group."})
 
 
+PAUSE_MODES = ("abort", "retract", "in_place")
+
+
+async def pause_generation(request: web.Request) -> web.Response:
+    """SGLang's PauseGenerationReqInput (`mode`, default abort): new requests wait until /continue_generation.
+    abort ends the running ones (as `abort`); retract and in_place let them finish (the worker has no KV cache to
+    retract or keep)."""
+    state = request.app[STATE]
+    body = await read_json(request) if request.can_read_body else {}
+    mode = body.get("mode", "abort") if isinstance(body, dict) else None
+    if mode not in PAUSE_MODES:
+        raise BadRequest(f"mode must be one of {', '.join(PAUSE_MODES)}")
+    state.running.clear()
+    if mode == "abort":
+        state.batcher.abort_running("aborted by pause_generation")
+    return web.json_response({"message": "Generation paused successfully.", "status": "ok"})
+
+
+async def continue_generation(request: web.Request) -> web.Response:
+    request.app[STATE].running.set()
+    return web.json_response({"message": "Generation continued successfully.", "status": "ok"})
+
+
+async def flush_cache(request: web.Request) -> web.Response:
+    """SGLang's /flush_cache (GET or POST): 200 when idle, 400 while requests run or wait. The worker keeps no
+    prefix cache, so there is nothing else to drop."""
+    if request.app[STATE].batcher.busy:
+        return web.Response(status=400, text="Flush cache failed.\n")
+    return web.Response(text="Cache flushed.\nPlease check backend logs for more details. (When there are running "
+                             "or waiting requests, the operation will not be performed.)\n")
+
+
 async def weight_version(request: web.Request) -> web.Response:
     """SGLang's GetWeightsVersion answer."""
     return web.json_response({"weight_version": request.app[STATE].batcher.engine.weight_version})
@@ -335,6 +377,10 @@ def build_app(state: WorkerState) -> web.Application:
     app.router.add_post("/unload_lora_adapter", unload_lora_adapter)
     app.router.add_post("/update_weights_from_disk", update_weights_from_disk)
     app.router.add_get("/get_weight_version", weight_version)
+    app.router.add_post("/pause_generation", pause_generation)
+    app.router.add_post("/continue_generation", continue_generation)
+    app.router.add_route("GET", "/flush_cache", flush_cache)
+    app.router.add_route("POST", "/flush_cache", flush_cache)
     app.router.add_post("/init_weights_update_group", init_weights_update_group)
     app.router.add_post("/update_weights_from_distributed", update_weights_from_distributed)
     app.router.add_post("/destroy_weights_update_group", destroy_weights_update_group)

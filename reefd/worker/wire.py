@@ -6,6 +6,7 @@ Knows nothing about torch or about either protocol's body shapes.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from collections.abc import AsyncGenerator
@@ -30,6 +31,14 @@ class WorkerState:
     version: str
     started: float = field(default_factory=time.time)
     draining: bool = False
+    running: asyncio.Event = field(default_factory=asyncio.Event)  # clear while generation is paused
+
+    def __post_init__(self) -> None:
+        self.running.set()
+
+    async def admit(self) -> None:
+        """Wait while generation is paused (SGLang's /pause_generation), as SGLang holds new requests."""
+        await self.running.wait()
 
 
 STATE = web.AppKey("reefd_worker_state", WorkerState)

@@ -26,7 +26,7 @@ LEARN = """defaults:
   - model: tiny
   - recipe: sao
   - trigger: manual
-  - gate: always
+  - gate: {gate}
   - release: follow
   - _self_
 model:
@@ -42,17 +42,25 @@ recipe:
     python: {python}
     megatron_path: ""
     actor_num_gpus_per_node: 1
+    push: {push}
 serve:
   default_max_tokens: 8
-"""
+{extra}"""
+# with push: a gate that generates, so the candidate answers on the engine slime pushed to
+FLOOR = "gate:\n  tasks: tasks.jsonl\n  floor: 0.0\n  min_tasks: 2\n  max_tokens: 4\n"
 
 
+@pytest.mark.parametrize("push", [False, True], ids=["train-only", "push"])
 def test_a_job_trained_by_slime_is_published_as_weights_and_rolled_across_replicas(
-        ray_head: tuple[str, Path], tmp_path: Path) -> None:
+        ray_head: tuple[str, Path], tmp_path: Path, push: bool) -> None:
+    """train-only: slime trains from its rollout dump and pushes nothing; push: slime pushes every step's weights to
+    an engine reefd launched for the job (its external engine), and the gate's candidate answers come from it."""
     url, token = ray_head
     log = tmp_path / "standin.jsonl"  # what the stand-in checked, one line per run
     scen = make_scenarios(tmp_path / "scenarios", names=(), extra={
-        "learn": LEARN.format(address=url, standin=STANDIN, python=sys.executable)})
+        "learn": LEARN.format(address=url, standin=STANDIN, python=sys.executable, push=str(push).lower(),
+                              gate="floor" if push else "always", extra=FLOOR if push else "")})
+    (scen / "tasks.jsonl").write_text('{"prompt": "a", "answer": "x"}\n{"prompt": "b", "answer": "y"}\n')
     d = Daemon(scenarios=scen, state=tmp_path / "state", log_path=tmp_path / "reefd.log",
                env={"RAY_AUTH_TOKEN_PATH": str(token), "REEF_TRAIN_STANDIN_LOG": str(log)})
     d.start()
@@ -81,7 +89,18 @@ def test_a_job_trained_by_slime_is_published_as_weights_and_rolled_across_replic
         assert (arg("--advantage-estimator"), arg("--rollout-batch-size"), arg("--n-samples-per-prompt"),
                 arg("--global-batch-size"), arg("--num-rollout")) == ("ppo", "4", "1", "2", "2")
         assert arg("--hf-checkpoint") == arg("--ref-load") == str(d.state / "models" / "tiny")
-        assert arg("--load-debug-rollout-data") == "rollout.pt" and arg("--lr") == "0.05"
+        assert arg("--lr") == "0.05"
+        rollout = str(d.state / "jobs" / job["id"] / "slime" / "rollout.pt")
+        if push:  # slime's external engine: the one reefd launched for the job, on the weights it started from
+            assert arg("--load-forge-rollout-data") == rollout and "--load-debug-rollout-data" not in argv
+            (pushed_to,) = argv[argv.index("--rollout-external-engine-addrs") + 1:][:1]
+            assert ran["engines"] == [{"url": f"http://{pushed_to}", "tp_size": 1, "pp_size": 1}]
+            assert pushed_to not in {r["url"].removeprefix("http://") for r in engine(d, "learn")["replicas"]}
+            assert ran["pushes"] == ["1", "2", "3"]  # before training, then after each of the 2 rollout steps
+            assert "the trainer's last push (weight version 3) is on the gate's engine" in d.logs()
+            assert job["verdict"]["verdict"] == "pass" and len(job["verdict"]["per_task"]) == 2
+        else:
+            assert arg("--load-debug-rollout-data") == rollout and "--rollout-external-engine-addrs" not in argv
         assert arg("--num-layers") == "2" and arg("--hidden-size") == "128"  # the model script's MODEL_ARGS
 
         # the cluster ran it, as a Ray job of that id
