@@ -13,6 +13,7 @@ import importlib.util
 import os
 import re
 import typing
+import urllib.parse
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -304,9 +305,14 @@ def _grow_problem(cfg: ScenarioConfig, scenarios_dir: Path) -> str | None:
             from reefd.train.slime import SlimeError, SlimeSettings
 
             try:
-                SlimeSettings.parse(dict(cfg.recipe.slime))
+                slime = SlimeSettings.parse(dict(cfg.recipe.slime))
             except (SlimeError, TypeError) as exc:
                 return str(exc)
+            address = cfg.recipe.ray_address or os.environ.get("REEF_RAY_ADDRESS") or ""
+            host = urllib.parse.urlsplit(address if "//" in address else f"//{address}").hostname
+            if slime.push and host not in ("127.0.0.1", "localhost", "::1"):
+                return ("recipe.slime.push: the engine reefd launches for slime to push to listens on 127.0.0.1, so "
+                        f"slime must run on reefd's machine (a Ray head on localhost, not {host})")
         for key, value in cfg.recipe.ray_resources.items():
             if key not in RAY_RESOURCES:
                 return f"recipe.ray_resources.{key}: not one of {', '.join(RAY_RESOURCES)}"

@@ -104,14 +104,18 @@ class Runner:
         await self.backends.close()
 
     async def _save(self, job: Job, stage: str | None = None) -> None:
+        if stage == "publish" and job.id in self.cancelling:
+            # a cancel that a stage swallowed (an engine being stopped absorbs its CancelledError): honoured
+            # here, before anything is written to the chain
+            raise asyncio.CancelledError
         job.stage = stage or job.stage
         await asyncio.to_thread(self.jobs.save, job)
 
     async def run(self, job: Job) -> None:
         resuming = job.state == "running" and job.detachable
-        job.state, job.started_at = "running", job.started_at or time.time()
-        await self._save(job)
         try:
+            job.state, job.started_at = "running", job.started_at or time.time()
+            await self._save(job)
             await (self._resume(job) if resuming else self._run(job))
         except asyncio.CancelledError:
             if job.id in self.cancelling:  # `reefctl cancel`: nothing is published, its records stay eligible
@@ -119,11 +123,7 @@ class Runner:
                 current = asyncio.current_task()
                 if current is not None:
                     current.uncancel()
-                if job.detachable:  # its trainer runs on a cluster: stop it there too
-                    await asyncio.shield(self.stop_trainer(job))
-                job.state, job.error = "cancelled", f"cancelled during its {job.stage} stage"
-                job.detachable = False
-                log.info("%s %s: %s", job.scenario, job.id, job.error)
+                await self._cancelled(job)
             elif job.detachable:  # its trainer runs on its cluster: the next reefd follows it (`_resume`)
                 job.error = "reefd stopped while the job trained on its cluster; a restart follows it"
                 await asyncio.shield(self._save(job))
@@ -142,18 +142,35 @@ class Runner:
             if not (job.detachable and job.state == "running"):  # else: followed again after a restart
                 await self._close(job)
 
-    async def stop_trainer(self, job: Job) -> None:
-        """Stop the job's trainer where it runs, when its backend runs jobs that outlive reefd (a cluster)."""
+    async def _cancelled(self, job: Job) -> None:
+        """An operator cancelled the job: it is on record as cancelled, and no longer followed after a restart,
+        before its trainer is stopped on its cluster, so that nothing can publish it any more (a second cancel,
+        or reefd stopping, meanwhile changes nothing)."""
+        on_cluster, job.detachable = job.detachable, False
+        job.state, job.error = "cancelled", f"cancelled during its {job.stage} stage"
+        await asyncio.shield(self._save(job))
+        log.info("%s %s: %s", job.scenario, job.id, job.error)
+        if on_cluster:
+            problem = await asyncio.shield(self.stop_trainer(job))
+            if problem:
+                job.error = f"{job.error}; {problem}"
+                log.warning("%s %s: %s", job.scenario, job.id, problem)
+
+    async def stop_trainer(self, job: Job) -> str | None:
+        """Stop the job's trainer where it runs, when its backend runs jobs that outlive reefd (a cluster); what
+        went wrong, or None."""
         scenario = self.registry.scenarios.get(job.scenario)
         if scenario is None:
-            return
+            return "its scenario is no longer served, so its trainer was not stopped on the cluster"
         try:
             backend = self.backends.of(scenario.cfg.recipe)
-        except plugins.PluginError:
-            return
+        except plugins.PluginError as exc:
+            return f"its trainer was not stopped on the cluster: {exc}"
         stop = getattr(backend, "stop", None)
-        if stop is not None:
-            await stop(self.jobs.workdir(job) / "spec.json")
+        spec = self.jobs.workdir(job) / "spec.json"
+        if stop is None or not spec.is_file():  # not on a cluster, or it never got there
+            return None
+        return await stop(spec)
 
     async def _close(self, job: Job) -> None:
         job.finished_at = time.time()

@@ -156,18 +156,29 @@ class Scheduler:
             raise CannotCancel(f"job {job.id} is publishing its release; it can no longer be cancelled")
         self._cooldown[job.scenario] = time.monotonic() + self.FAILURE_COOLDOWN_S
         task = self._running.get(job.scenario)
+        if task is not None and job.id in self.runner.cancelling:  # a cancel under way: wait for it
+            await asyncio.wait({task})
+            return job
         if job in self._queue or task is None:  # not started (or, after a restart, not followed yet)
             with contextlib.suppress(ValueError):
                 self._queue.remove(job)
-            if job.detachable:
-                await self.runner.stop_trainer(job)
+            problem = await self.runner.stop_trainer(job) if job.detachable else None
             job.state, job.error, job.finished_at = "cancelled", f"cancelled during its {job.stage} stage", time.time()
+            if problem:
+                job.error = f"{job.error}; {problem}"
             job.detachable = False
             await asyncio.to_thread(self.jobs.save, job)
             return job
         self.runner.cancelling.add(job.id)
         task.cancel()
         await asyncio.wait({task})  # the trainer stopped (SIGTERM, its grace), the job's files removed
+        if job.state in ("queued", "running"):  # cancelled before its task ran a line: the runner never saw it
+            self.runner.cancelling.discard(job.id)
+            job.state, job.error, job.finished_at = "cancelled", f"cancelled during its {job.stage} stage", time.time()
+            await asyncio.to_thread(self.jobs.save, job)
+            if self._running.get(job.scenario) is task:
+                self._running.pop(job.scenario)
+                self._wake.set()
         return job
 
     # ------------------------------------------------------------ dispatch

@@ -121,7 +121,9 @@ def test_push_sends_the_batch_through_the_forge_loader_to_reefds_engine(tiny_mod
     assert args.load_forge_rollout_data == str(tmp_path / "slime" / "rollout.pt")
     assert args.rollout_external_engine_addrs == ["127.0.0.1:30001"] and args.sglang_router_ip is None
     assert (args.update_weight_transport, args.update_weight_disk_dir) == ("disk", str(tmp_path / "slime" / "push"))
-    assert SlimeJobs.pushed_version(doc) == "3"  # one push before training, one per rollout step (2)
+    jobs = SlimeJobs(tmp_path, 1, "http://127.0.0.1:1", None, {"model": "tiny", "push": True})
+    assert jobs.pushed_version(doc) == "3"  # one push before training, one per rollout step (2)
+    assert jobs.detachable is False  # its engine lives with reefd: the job does not outlive it
 
 
 def test_scenario_args_win_and_null_drops_one(tiny_model: Path, tmp_path: Path) -> None:
@@ -130,6 +132,9 @@ def test_scenario_args_win_and_null_drops_one(tiny_model: Path, tmp_path: Path) 
     args, problems = parse(slime_args(spec(tiny_model, tmp_path), settings, tmp_path))
     assert problems == [] and args.tensor_model_parallel_size == 2 and args.colocate
     assert args.eps_clip_high is None and args.lr == 1e-6
+    drop = SlimeSettings.parse({"model": "tiny", "args": {"save-hf": None}})
+    with pytest.raises(SlimeError, match="--save-hf cannot be dropped: reefd finds slime's checkpoint by it"):
+        slime_args(spec(tiny_model, tmp_path), drop, tmp_path)
 
 
 def test_the_stand_in_fails_what_slime_would(tiny_model: Path, tmp_path: Path) -> None:
@@ -169,9 +174,9 @@ def test_the_entrypoint_runs_prepare_train_finish(tiny_model: Path, tmp_path: Pa
     assert lines[0] == "set -e"
     assert lines[1] == f"/usr/bin/python3 reef_slime.py prepare batch.jsonl {tmp_path}/slime/rollout.pt --num-rollout 2"
     assert lines[2] == ". /opt/slime/scripts/models/tiny.sh"
+    # the model script's arguments first: the scenario's (reefd's, then recipe.slime.args) come last and win
     assert lines[3].startswith("PYTHONPATH=/root/Megatron-LM${PYTHONPATH:+:$PYTHONPATH} /usr/bin/python3 "
-                               "/opt/slime/train.py --train-backend megatron ")
-    assert lines[3].endswith(' "${MODEL_ARGS[@]}"')
+                               '/opt/slime/train.py "${MODEL_ARGS[@]}" --train-backend megatron ')
     assert shlex.split(lines[4]) == ["/usr/bin/python3", "reef_slime.py", "finish",
                                      f"{tmp_path}/slime/hf/rollout_{{rollout_id}}", "--num-rollout", "2",
                                      "--out", f"{tmp_path}/candidate"]
@@ -185,9 +190,13 @@ def test_a_scenario_asking_for_slime_is_checked_at_load(tmp_path: Path) -> None:
            "  ray_address: http://127.0.0.1:8265\n"
     scen = make_scenarios(tmp_path / "s", names=(), extra={
         "bad": head + "  slime: {path: /opt/slime}\n", "good": head + "  slime: {model: qwen3-4B}\n",
-        "gpus": head + "  slime: {model: qwen3-4B}\n  ray_resources: {num_gpus: one}\n"})
+        "gpus": head + "  slime: {model: qwen3-4B}\n  ray_resources: {num_gpus: one}\n",
+        "push": head.replace("127.0.0.1", "gpu-head") + "  slime: {model: qwen3-4B, push: true}\n"})
     with pytest.raises(config.ConfigError, match=r"recipe\.slime\.model: name slime's model script"):
         config.compose(scen / "bad.yaml")
     with pytest.raises(config.ConfigError, match=r"recipe\.ray_resources\.num_gpus: 'one' is not a number >= 0"):
         config.compose(scen / "gpus.yaml")
     assert config.compose(scen / "good.yaml").recipe.slime == {"model": "qwen3-4B"}
+    with pytest.raises(config.ConfigError, match=r"recipe\.slime\.push: .* slime must run on reefd's machine \(a Ray "
+                                                 r"head on localhost, not gpu-head\)"):
+        config.compose(scen / "push.yaml")

@@ -452,9 +452,15 @@ class SGLangEngine:
     async def adopt_weights(self, path: Path | None = None) -> str | None:
         """Take the weights a trainer pushed to this engine's one process, not through reefd (slime's weight
         sync), as what it serves: their version as the server reports it (None when it reports none). `path`: the
-        same weights on disk, for a process that restarts."""
+        same weights on disk, for a process that restarts. Generation is resumed first (`/continue_generation`),
+        in case the trainer stopped between its pause and its continue."""
         async with self._admin:
-            reported, version = await self._client().weight_version()
+            client = self._client()
+            with contextlib.suppress(aiohttp.ClientError, TimeoutError):  # a trainer that died while it was paused
+                async with self.session.post(f"{client.base_url}/continue_generation", json={},
+                                             timeout=aiohttp.ClientTimeout(total=30)):
+                    pass
+            reported, version = await client.weight_version()
             if reported and version is not None:
                 self.weights = Weights(version, path)
             return version if reported else None

@@ -35,6 +35,11 @@ def on_sigterm(signum: int, frame: Any) -> None:
     raise Terminated()
 
 
+def sigterm_pending() -> bool:
+    """A SIGTERM arrived inside a block that then failed: the process was asked to go."""
+    return _pending
+
+
 @contextmanager
 def uninterrupted() -> Iterator[None]:
     """Run a block that must complete or not start (an optimizer step: parameters half updated are worse than

@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from reefd.files import fsync_path
-from reefd.train import NonFinite, Terminated, on_sigterm, uninterrupted
+from reefd.train import NonFinite, Terminated, on_sigterm, sigterm_pending, uninterrupted
 from reefd.train.spec import SpecError, TrainSpec, load_spec
 
 FAULTS = ("crash", "nan", "hang", "hold", "pause")
@@ -73,8 +73,8 @@ def serve(fault: str | None) -> int:
             status = job(path, fault)
             emit({"event": "exit", "status": status})
             gc.collect()
-            if status == 143:  # SIGTERM: the process is asked to go
-                return status
+            if status == 143 or sigterm_pending():  # SIGTERM: the process is asked to go
+                return 143
     except Terminated:  # SIGTERM between jobs
         return 143
     return 0

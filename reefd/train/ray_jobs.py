@@ -68,6 +68,8 @@ class RayJobs:
     POLL_S = 0.5
     START_TIMEOUT_S = 300.0  # a job that never leaves PENDING (no resources, a dead cluster) fails after this
     STOP_WAIT_S = 10.0  # after `stop`: Ray's 3 s to SIGKILL, and the poll that sees the job end
+    UNREACHABLE_S = 60.0  # a running job's cluster may fail to answer this long (a dashboard restart) before it fails
+    SLOW_POLL_S = 2.0  # past the first minute, the job's state and log are read this often
 
     def __init__(self, work_dir: Path, max_jobs: int = 1, address: str | None = None,
                  resources: dict[str, Any] | None = None) -> None:
@@ -128,10 +130,29 @@ class RayJobs:
             on_event({"event": "error", "reason": str(exc)})
             return 1
 
-    async def stop(self, spec: Path) -> None:
-        """Stop the spec's Ray job (a cancel): SIGTERM, SIGKILL 3 s later. Nothing if it is gone or never was."""
-        with contextlib.suppress(RayUnavailable, OSError, ValueError):
-            await self._call("POST", f"/api/jobs/{self.submission_id(spec)}/stop")
+    async def stop(self, spec: Path) -> str | None:
+        """Stop the spec's Ray job (a cancel): SIGTERM, SIGKILL 3 s later. Returns once the cluster says it ended
+        (None; also when there is no such job), or what went wrong. A job still pending stops the moment the cluster
+        could start it (Ray queues the stop on its supervisor)."""
+        try:
+            submission = self.submission_id(spec)
+        except (OSError, ValueError):
+            return None  # no spec: it never reached the cluster
+        try:
+            status, _ = await self._call("POST", f"/api/jobs/{submission}/stop")
+            if status == 404:
+                return None
+            deadline = time.monotonic() + self.STOP_WAIT_S
+            while True:
+                _, info = await self._call("GET", f"/api/jobs/{submission}")
+                state = info.get("status") if isinstance(info, dict) else None
+                if state in (*TERMINAL, "PENDING", None):
+                    return None
+                if time.monotonic() > deadline:
+                    return f"the Ray job {submission} was still {state} {self.STOP_WAIT_S:.0f} s after its stop"
+                await asyncio.sleep(self.POLL_S)
+        except RayUnavailable as exc:
+            return f"its Ray job {submission} may still run: {exc}"
 
     async def _submit(self, submission: str, spec: Path) -> None:
         status, found = await self._call("GET", f"/api/jobs/{submission}")
@@ -180,10 +201,22 @@ class RayJobs:
         seen = 0
         lines: list[str] = []
         stopped_at: float | None = None  # when reefd stopped it (the timeout)
+        unanswered: float | None = None  # since when the cluster has not answered
         while True:
-            _, info = await self._call("GET", f"/api/jobs/{submission}")
+            try:
+                _, info = await self._call("GET", f"/api/jobs/{submission}")
+                _, logs = await self._call("GET", f"/api/jobs/{submission}/logs")
+                unanswered = None
+            except RayUnavailable:
+                now = time.monotonic()
+                unanswered = unanswered or now
+                if now - unanswered < self.UNREACHABLE_S and now < deadline:
+                    await asyncio.sleep(self.SLOW_POLL_S)
+                    continue
+                with contextlib.suppress(RayUnavailable):  # given up on: it must not train on unwatched
+                    await self._call("POST", f"/api/jobs/{submission}/stop")
+                raise
             state = info.get("status") if isinstance(info, dict) else None
-            _, logs = await self._call("GET", f"/api/jobs/{submission}/logs")
             text = logs.get("logs", "") if isinstance(logs, dict) else ""
             lines = text.splitlines(keepends=True)
             for line in lines[seen:]:
@@ -212,7 +245,7 @@ class RayJobs:
             if stopped_at is None and now > deadline:
                 await self._call("POST", f"/api/jobs/{submission}/stop")
                 stopped_at = now  # what the trainer says while it saves still comes through
-            await asyncio.sleep(self.POLL_S)
+            await asyncio.sleep(self.POLL_S if now - started < 60 or stopped_at else self.SLOW_POLL_S)
 
     @staticmethod
     def _exit_status(submission: str, info: dict[str, Any], lines: list[str],

@@ -14,7 +14,7 @@ What a job sends, as its `runtime_env.working_dir` package:
 slime's arguments (`slime_args`) come from the scenario: the model (`--hf-checkpoint`, `--ref-load`, and
 `scripts/models/<model>.sh`'s Megatron shape arguments), the batch and rollout sizes, the advantage estimator the
 recipe's objective maps to (SAO → ppo, its critic baseline; GRPO → grpo), the optimizer, `--save`/`--save-hf`, and
-`recipe.slime.args` last (any slime or Megatron argument; they win).
+`recipe.slime.args` (any slime or Megatron argument; they win, over MODEL_ARGS too).
 
 Gated: `--load-debug-rollout-data` puts slime in train-only mode, so it starts no SGLang engine and pushes no
 weights. The HF checkpoint it saves comes back to reefd as a full-weights candidate. The gate judges it on an
@@ -159,7 +159,7 @@ def slime_args(doc: dict[str, Any], settings: SlimeSettings, work: Path) -> list
         "save-hf": str(work / "slime" / "hf" / "rollout_{rollout_id}"),
         # the batch, as slime's own rollout dump: train-only, no engine of slime's, no weight push before the gate
         "load-debug-rollout-data": str(work / "slime" / ROLLOUT_FILE),
-        "num-rollout": int(optim.get("epochs") or 1),  # one pass over the batch per rollout step
+        "num-rollout": int(optim.get("epochs") or 1),  # one pass over the batch per rollout step (pushed_version)
         "rollout-batch-size": rollout_batch,
         "n-samples-per-prompt": per_prompt,
         "global-batch-size": micro if n % micro == 0 else n,
@@ -187,6 +187,9 @@ def slime_args(doc: dict[str, Any], settings: SlimeSettings, work: Path) -> list
         args["eps-clip"] = settings_["eps_low"]
         args["eps-clip-high"] = settings_.get("eps_high", settings_["eps_low"])
     args.update(settings.args)
+    for kept in ("num-rollout", "save-hf", "save", "save-interval"):  # reefd reads the checkpoint back by them
+        if args.get(kept) in (None, False):
+            raise SlimeError(f"recipe.slime.args: --{kept} cannot be dropped: reefd finds slime's checkpoint by it")
     argv: list[str] = []
     for key, value in args.items():
         if value is None or value is False:
@@ -207,12 +210,13 @@ class SlimeJobs(RayJobs):
         super().__init__(work_dir, max_jobs, address, resources)
         self.settings = SlimeSettings.parse(dict(slime or {}))
         self.pushes = self.settings.push  # the runner launches an engine for the job, named in the spec's `engines`
+        # the engine slime pushes to lives with reefd: a job that outlives reefd would push to nothing
+        self.detachable = not self.pushes
 
-    @staticmethod
-    def pushed_version(doc: dict[str, Any]) -> str:
+    def pushed_version(self, doc: dict[str, Any]) -> str:
         """The weight_version slime's last push gives the engine: it counts pushes from 1, one before training
         (train.py's first update_weights) and one after each rollout step."""
-        return str(int(doc["optim"].get("epochs") or 1) + 1)
+        return str(int(self.settings.args.get("num-rollout") or doc["optim"].get("epochs") or 1) + 1)
 
     async def run(self, spec: Path, on_event: Callable[[Event], None], timeout_s: float) -> int:
         try:
@@ -255,7 +259,7 @@ class SlimeJobs(RayJobs):
             f"{py} reef_slime.py prepare batch.jsonl {q(str(work / 'slime' / ROLLOUT_FILE))} "
             f"--num-rollout {q(num_rollout)}\n"
             f". {q(s.path + '/scripts/models/' + s.model + '.sh')}\n"
-            f'{path}{py} {q(s.path + "/train.py")} {args} "${{MODEL_ARGS[@]}}"\n'
+            f'{path}{py} {q(s.path + "/train.py")} "${{MODEL_ARGS[@]}}" {args}\n'
             f"{py} reef_slime.py finish {q(save_hf)} --num-rollout {q(num_rollout)} "
             f"--out {q(str(doc['output_dir']))}\n")
         return f"exec bash -c {q(script)}"
