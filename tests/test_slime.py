@@ -5,6 +5,7 @@ export, read back as slime reads its rollout dumps. The end-to-end run on a Ray 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import importlib.util
 import io
 import json
@@ -161,6 +162,16 @@ def test_settings_and_objectives_without_a_slime_counterpart(tiny_model: Path, t
         SlimeSettings.parse({"model": "tiny", "gpus": 8})
     with pytest.raises(SlimeError, match="slime has no advantage estimator for the objective x:Y"):
         slime_args(spec(tiny_model, tmp_path, "x:Y"), SlimeSettings.parse({"model": "tiny"}), tmp_path)
+
+
+def test_a_job_slime_cannot_run_fails_before_reaching_the_cluster(tiny_model: Path, tmp_path: Path) -> None:
+    (tmp_path / "spec.json").write_text(json.dumps(spec(tiny_model, tmp_path, "x:Y")))
+    jobs = SlimeJobs(tmp_path, 1, "http://127.0.0.1:9", None, {"model": "tiny"})  # nothing listens there
+    events: list[dict[str, Any]] = []
+    assert asyncio.run(jobs.run(tmp_path / "spec.json", events.append, 10)) == 2
+    assert events == [{"event": "error", "reason": "slime has no advantage estimator for the objective x:Y; set "
+                       "recipe.slime.args.advantage-estimator (grpo, gspo, cispo, reinforce_plus_plus, "
+                       "reinforce_plus_plus_baseline or ppo)"}]
 
 
 def test_the_entrypoint_runs_prepare_train_finish(tiny_model: Path, tmp_path: Path) -> None:

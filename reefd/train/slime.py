@@ -219,8 +219,10 @@ class SlimeJobs(RayJobs):
         return str(int(self.settings.args.get("num-rollout") or doc["optim"].get("epochs") or 1) + 1)
 
     async def run(self, spec: Path, on_event: Callable[[Event], None], timeout_s: float) -> int:
-        try:
-            self._check(json.loads(await asyncio.to_thread(Path(spec).read_text)))
+        try:  # what cannot be a slime run fails here, with the reason, before anything reaches the cluster
+            doc = json.loads(await asyncio.to_thread(Path(spec).read_text))
+            self._check(doc)
+            slime_args(doc, self.settings, Path(spec).parent)
         except SlimeError as exc:
             on_event({"event": "error", "reason": str(exc)})
             return 2
