@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import importlib.util
+import ipaddress
 import os
 import re
 import typing
@@ -284,6 +285,15 @@ def compose(path: Path) -> ScenarioConfig:
 RAY_RESOURCES = ("num_cpus", "num_gpus", "memory", "resources")  # Ray's entrypoint_* fields
 
 
+def _loopback(host: str) -> bool:
+    if host.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
 def _grow_problem(cfg: ScenarioConfig, scenarios_dir: Path) -> str | None:
     """The recipe and its params, the trainer backend, the cron expression, the gate (its task file and scorer)
     and the harness folder, checked now rather than at the first job (each plug point owns its rules)."""
@@ -309,8 +319,11 @@ def _grow_problem(cfg: ScenarioConfig, scenarios_dir: Path) -> str | None:
             except (SlimeError, TypeError) as exc:
                 return str(exc)
             address = cfg.recipe.ray_address or os.environ.get("REEF_RAY_ADDRESS") or ""
-            host = urllib.parse.urlsplit(address if "//" in address else f"//{address}").hostname
-            if slime.push and host not in ("127.0.0.1", "localhost", "::1"):
+            try:
+                host = urllib.parse.urlsplit(address if "//" in address else f"//{address}").hostname or ""
+            except ValueError as exc:
+                return f"recipe.ray_address: {address!r} is not an address: {exc}"
+            if slime.push and not _loopback(host):
                 return ("recipe.slime.push: the engine reefd launches for slime to push to listens on 127.0.0.1, so "
                         f"slime must run on reefd's machine (a Ray head on localhost, not {host})")
         for key, value in cfg.recipe.ray_resources.items():

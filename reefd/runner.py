@@ -104,9 +104,9 @@ class Runner:
         await self.backends.close()
 
     async def _save(self, job: Job, stage: str | None = None) -> None:
-        if stage == "publish" and job.id in self.cancelling:
-            # a cancel that a stage swallowed (an engine being stopped absorbs its CancelledError): honoured
-            # here, before anything is written to the chain
+        if stage is not None and job.id in self.cancelling:
+            # a cancel that a stage swallowed (an engine being stopped absorbs its CancelledError): honoured at
+            # the next stage, and always before anything is written to the chain
             raise asyncio.CancelledError
         job.stage = stage or job.stage
         await asyncio.to_thread(self.jobs.save, job)
@@ -130,6 +130,7 @@ class Runner:
                 raise
             else:
                 job.state, job.error = "failed", "reefd stopped while the job was running"
+                await asyncio.shield(self.stop_trainer(job))  # a cluster job that would not outlive reefd
                 raise
         except (JobFailed, RecipeError, gates.GateError, ReleaseError, EngineError, EngineUnavailable,
                 plugins.PluginError, OSError) as exc:
@@ -139,6 +140,10 @@ class Runner:
             log.exception("%s %s failed", job.scenario, job.id)
             job.state, job.error = "failed", f"internal error: {exc}"
         finally:
+            if job.id in self.cancelling:  # cancelled, but the job ended first some other way (not published)
+                self.cancelling.discard(job.id)
+                if job.state in ("running", "failed", "skipped"):
+                    job.state, job.error = "cancelled", f"cancelled during its {job.stage} stage"
             if not (job.detachable and job.state == "running"):  # else: followed again after a restart
                 await self._close(job)
 
@@ -146,15 +151,15 @@ class Runner:
         """An operator cancelled the job: it is on record as cancelled, and no longer followed after a restart,
         before its trainer is stopped on its cluster, so that nothing can publish it any more (a second cancel,
         or reefd stopping, meanwhile changes nothing)."""
-        on_cluster, job.detachable = job.detachable, False
+        job.detachable = False
         job.state, job.error = "cancelled", f"cancelled during its {job.stage} stage"
         await asyncio.shield(self._save(job))
         log.info("%s %s: %s", job.scenario, job.id, job.error)
-        if on_cluster:
-            problem = await asyncio.shield(self.stop_trainer(job))
-            if problem:
-                job.error = f"{job.error}; {problem}"
-                log.warning("%s %s: %s", job.scenario, job.id, problem)
+        # on a cluster (whether or not its job outlives reefd); a local trainer stopped with the task
+        problem = await asyncio.shield(self.stop_trainer(job))
+        if problem:
+            job.error = f"{job.error}; {problem}"
+            log.warning("%s %s: %s", job.scenario, job.id, problem)
 
     async def stop_trainer(self, job: Job) -> str | None:
         """Stop the job's trainer where it runs, when its backend runs jobs that outlive reefd (a cluster); what

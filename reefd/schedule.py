@@ -162,24 +162,30 @@ class Scheduler:
         if job in self._queue or task is None:  # not started (or, after a restart, not followed yet)
             with contextlib.suppress(ValueError):
                 self._queue.remove(job)
-            problem = await self.runner.stop_trainer(job) if job.detachable else None
-            job.state, job.error, job.finished_at = "cancelled", f"cancelled during its {job.stage} stage", time.time()
-            if problem:
-                job.error = f"{job.error}; {problem}"
-            job.detachable = False
-            await asyncio.to_thread(self.jobs.save, job)
+            await self._cancel_unstarted(job)
             return job
         self.runner.cancelling.add(job.id)
         task.cancel()
         await asyncio.wait({task})  # the trainer stopped (SIGTERM, its grace), the job's files removed
         if job.state in ("queued", "running"):  # cancelled before its task ran a line: the runner never saw it
             self.runner.cancelling.discard(job.id)
-            job.state, job.error, job.finished_at = "cancelled", f"cancelled during its {job.stage} stage", time.time()
-            await asyncio.to_thread(self.jobs.save, job)
             if self._running.get(job.scenario) is task:
                 self._running.pop(job.scenario)
                 self._wake.set()
+            await self._cancel_unstarted(job)
         return job
+
+    async def _cancel_unstarted(self, job: Job) -> None:
+        """A job no task runs: on record as cancelled first (a reefd stopped meanwhile does not follow it again),
+        then its trainer stopped on its cluster when a restarted reefd had left it training there."""
+        on_cluster, job.detachable = job.detachable, False
+        job.state, job.error, job.finished_at = "cancelled", f"cancelled during its {job.stage} stage", time.time()
+        await asyncio.shield(asyncio.to_thread(self.jobs.save, job))
+        if on_cluster:
+            problem = await asyncio.shield(self.runner.stop_trainer(job))
+            if problem:
+                job.error = f"{job.error}; {problem}"
+                await asyncio.to_thread(self.jobs.save, job)
 
     # ------------------------------------------------------------ dispatch
 

@@ -144,9 +144,9 @@ class RayJobs:
                 return None
             deadline = time.monotonic() + self.STOP_WAIT_S
             while True:
-                _, info = await self._call("GET", f"/api/jobs/{submission}")
+                code, info = await self._call("GET", f"/api/jobs/{submission}")
                 state = info.get("status") if isinstance(info, dict) else None
-                if state in (*TERMINAL, "PENDING", None):
+                if code == 404 or state in (*TERMINAL, "PENDING"):  # PENDING: stops the moment it could start
                     return None
                 if time.monotonic() > deadline:
                     return f"the Ray job {submission} was still {state} {self.STOP_WAIT_S:.0f} s after its stop"
@@ -207,15 +207,24 @@ class RayJobs:
                 _, info = await self._call("GET", f"/api/jobs/{submission}")
                 _, logs = await self._call("GET", f"/api/jobs/{submission}/logs")
                 unanswered = None
-            except RayUnavailable:
+            except RayUnavailable as exc:
                 now = time.monotonic()
                 unanswered = unanswered or now
-                if now - unanswered < self.UNREACHABLE_S and now < deadline:
-                    await asyncio.sleep(self.SLOW_POLL_S)
-                    continue
-                with contextlib.suppress(RayUnavailable):  # given up on: it must not train on unwatched
-                    await self._call("POST", f"/api/jobs/{submission}/stop")
-                raise
+                if stopped_at is None and now > deadline:  # past its timeout: stopped, as below
+                    with contextlib.suppress(RayUnavailable):
+                        await self._call("POST", f"/api/jobs/{submission}/stop")
+                    stopped_at = now
+                if stopped_at is not None:  # what it saved while stopping may be there: the runner looks
+                    if now > stopped_at + self.STOP_WAIT_S:
+                        raise TrainerTimeout(f"the Ray job {submission} ran past its timeout; reefd asked it to "
+                                             f"stop, but the cluster stopped answering: {exc}") from None
+                elif now - unanswered >= self.UNREACHABLE_S:
+                    with contextlib.suppress(RayUnavailable):  # given up on: it must not train on unwatched
+                        await self._call("POST", f"/api/jobs/{submission}/stop")
+                    raise RayUnavailable(f"{exc} (for {now - unanswered:.0f} s; its Ray job {submission} was asked "
+                                         "to stop, and may still run)") from None
+                await asyncio.sleep(self.SLOW_POLL_S)
+                continue
             state = info.get("status") if isinstance(info, dict) else None
             text = logs.get("logs", "") if isinstance(logs, dict) else ""
             lines = text.splitlines(keepends=True)
@@ -243,7 +252,8 @@ class RayJobs:
                                      f"the cluster at {self.address} has no room for it"
                                      + (f" (it asks for {asks})" if asks else "") + f": {_tail(info.get('message'))}")
             if stopped_at is None and now > deadline:
-                await self._call("POST", f"/api/jobs/{submission}/stop")
+                with contextlib.suppress(RayUnavailable):  # a cluster that does not answer: retried above
+                    await self._call("POST", f"/api/jobs/{submission}/stop")
                 stopped_at = now  # what the trainer says while it saves still comes through
             await asyncio.sleep(self.POLL_S if now - started < 60 or stopped_at else self.SLOW_POLL_S)
 
