@@ -20,7 +20,9 @@ from reefd.api.errors import ApiError, render
 
 log = logging.getLogger("reefd.auth")
 
-OPEN_PATHS = frozenset({"/", "/healthz"})  # "/" answers agents' connectivity probes (HEAD /)
+# "/" answers agents' connectivity probes (HEAD /); /readyz answers Kubernetes' probes, which send no token
+OPEN_PATHS = frozenset({"/", "/healthz", "/readyz"})
+AUTHENTICATED = web.RequestKey("reef_authenticated", bool)  # on open paths: whether a valid token came too
 
 
 def _split(value: str) -> list[str]:
@@ -73,7 +75,9 @@ def auth_middleware(tokens: list[str]) -> Callable[..., Awaitable[web.StreamResp
     async def check(request: web.Request,
                     handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
                     ) -> web.StreamResponse:
-        if request.path in OPEN_PATHS or matches(presented_token(request), tokens):
+        valid = matches(presented_token(request), tokens)
+        if request.path in OPEN_PATHS or valid:
+            request[AUTHENTICATED] = valid
             return await handler(request)
         given = presented_token(request)
         message = ("missing API token: send 'Authorization: Bearer <token>' or 'x-api-key'"

@@ -92,9 +92,14 @@ def test_malformed_json_gets_400_in_each_providers_shape(daemon: Daemon) -> None
     assert answer["error"]["type"] == "invalid_request_error"
 
 
-def test_every_route_but_healthz_needs_the_token(daemon: Daemon) -> None:
+def test_every_route_but_the_probes_needs_the_token(daemon: Daemon) -> None:
     assert daemon.get("/healthz", token="bad")[0] == 200
-    for path in ("/readyz", "/reef/status", "/v1/models", "/reef/scenarios/tiny/records"):
+    # /readyz answers a probe without a token (Kubernetes sends none) and then says only whether it is ready
+    status, body = daemon.get("/readyz", token="")
+    assert status == 200 and json.loads(body) == {"ready": True}
+    assert json.loads(daemon.get("/readyz", token="bad")[1]) == {"ready": True}
+    assert json.loads(daemon.get("/readyz")[1]) == {"ready": True, "scenarios": {"tiny": "ready"}}
+    for path in ("/reef/status", "/v1/models", "/reef/scenarios/tiny/records"):
         status, body = daemon.get(path, token="bad")
         assert status == 401, path
         assert json.loads(body)["error"]["message"] == "invalid API token"
