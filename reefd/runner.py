@@ -123,7 +123,7 @@ class Runner:
                 current = asyncio.current_task()
                 if current is not None:
                     current.uncancel()
-                await self._cancelled(job)
+                await self.cancelled(job)
             elif job.detachable:  # its trainer runs on its cluster: the next reefd follows it (`_resume`)
                 job.error = "reefd stopped while the job trained on its cluster; a restart follows it"
                 await asyncio.shield(self._save(job))
@@ -147,7 +147,7 @@ class Runner:
             if not (job.detachable and job.state == "running"):  # else: followed again after a restart
                 await self._close(job)
 
-    async def _cancelled(self, job: Job) -> None:
+    async def cancelled(self, job: Job) -> None:
         """An operator cancelled the job: it is on record as cancelled, and no longer followed after a restart,
         before its trainer is stopped on its cluster, so that nothing can publish it any more (a second cancel,
         or reefd stopping, meanwhile changes nothing)."""

@@ -176,16 +176,11 @@ class Scheduler:
         return job
 
     async def _cancel_unstarted(self, job: Job) -> None:
-        """A job no task runs: on record as cancelled first (a reefd stopped meanwhile does not follow it again),
-        then its trainer stopped on its cluster when a restarted reefd had left it training there."""
-        on_cluster, job.detachable = job.detachable, False
-        job.state, job.error, job.finished_at = "cancelled", f"cancelled during its {job.stage} stage", time.time()
-        await asyncio.shield(asyncio.to_thread(self.jobs.save, job))
-        if on_cluster:
-            problem = await asyncio.shield(self.runner.stop_trainer(job))
-            if problem:
-                job.error = f"{job.error}; {problem}"
-                await asyncio.to_thread(self.jobs.save, job)
+        """A job no task runs (queued, or left training on its cluster by a stopped reefd): cancelled as the
+        runner cancels one, and closed."""
+        job.finished_at = time.time()
+        await self.runner.cancelled(job)
+        await asyncio.to_thread(self.jobs.save, job)
 
     # ------------------------------------------------------------ dispatch
 

@@ -174,20 +174,15 @@ class LocalTrainers:
             proc.stdin.write(f"{spec}\n".encode())
             await proc.stdin.drain()
             async with asyncio.timeout(timeout_s):
-                async for line in proc.stdout:
-                    event = _event(line)
-                    heard = heard or bool(event)
-                    if event.get("event") == "exit":
-                        status = int(event.get("status", 1))
-                        break
-                    if event:
-                        on_event(event)
+                status, heard = await _relay(proc, on_event)
                 if status is None:  # the process died mid-job
                     status = await proc.wait()
         except TimeoutError:
             with contextlib.suppress(ProcessLookupError):
                 proc.terminate()  # the trainer saves the steps it finished, then exits
-            await self._last_events(proc, on_event)
+            with contextlib.suppress(TimeoutError):  # what it says meanwhile, until it exits
+                async with asyncio.timeout(self.STOP_GRACE_S):
+                    await _relay(proc, on_event)
             raise TrainerTimeout(f"the trainer ran past the job timeout ({timeout_s:.0f} s); it was stopped"
                                  ) from None
         except (BrokenPipeError, ConnectionResetError):
@@ -200,18 +195,6 @@ class LocalTrainers:
             elif proc.returncode is None:
                 await asyncio.shield(_stop(proc, self.STOP_GRACE_S))  # a cancel: it saves, as above
         return status, heard
-
-    async def _last_events(self, proc: asyncio.subprocess.Process, on_event: Callable[[Event], None]) -> None:
-        """Relay what a stopped trainer says until it exits (at most STOP_GRACE_S)."""
-        assert proc.stdout is not None
-        with contextlib.suppress(TimeoutError):
-            async with asyncio.timeout(self.STOP_GRACE_S):
-                async for line in proc.stdout:
-                    event = _event(line)
-                    if event.get("event") == "exit":
-                        return
-                    if event:
-                        on_event(event)
 
     async def close(self) -> None:
         if self._warming is not None:
@@ -231,6 +214,21 @@ async def _stop(proc: asyncio.subprocess.Process, grace_s: float = 0.0) -> None:
     with contextlib.suppress(ProcessLookupError):
         proc.kill()
     await proc.wait()
+
+
+async def _relay(proc: asyncio.subprocess.Process, on_event: Callable[[Event], None]) -> tuple[int | None, bool]:
+    """Relay one job's events until its exit line: (the status that line names, None when the process ended
+    first; whether it said anything)."""
+    assert proc.stdout is not None
+    heard = False
+    async for line in proc.stdout:
+        event = _event(line)
+        heard = heard or bool(event)
+        if event.get("event") == "exit":
+            return int(event.get("status", 1)), True
+        if event:
+            on_event(event)
+    return None, heard
 
 
 def _event(line: bytes) -> Event:
