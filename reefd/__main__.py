@@ -18,8 +18,8 @@ from pathlib import Path
 
 from aiohttp import web
 
-from reefd import __version__, config, loop, systemd
-from reefd.app import Settings, build_app
+from reefd import __version__, config, loop, memory, systemd
+from reefd.app import Settings, build_app, metrics_app
 from reefd.auth import load_tokens
 
 log = logging.getLogger("reefd")
@@ -74,6 +74,7 @@ async def serve(settings: Settings, host: str, port: int, scenarios_dir: Path) -
         return 1
     log.info("listening on http://%s:%d (scenarios: %s)", host, port,
              ", ".join(sorted(settings.scenarios)))
+    scraper = await _metrics_site(app)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -91,9 +92,24 @@ async def serve(settings: Settings, host: str, port: int, scenarios_dir: Path) -
     log.info("stopping: draining in-flight requests (up to %.0f s)", settings.shutdown_timeout_s)
     await systemd.notify_async("STOPPING=1")
     ready.cancel()
+    if scraper is not None:
+        await scraper.cleanup()
     await runner.cleanup()
     log.info("stopped")
     return 0
+
+
+async def _metrics_site(app: web.Application) -> web.AppRunner | None:
+    """REEF_METRICS_LISTEN=HOST:PORT: `/metrics` alone, without the token, for a scraper on loopback."""
+    listen = os.environ.get("REEF_METRICS_LISTEN")
+    if not listen:
+        return None
+    host, port = parse_listen(listen)
+    runner = web.AppRunner(metrics_app(app), handle_signals=False, access_log=None)
+    await runner.setup()
+    await web.TCPSite(runner, host, port, reuse_address=True).start()
+    log.info("metrics on http://%s:%d/metrics (no token)", host, port)
+    return runner
 
 
 async def _reload(app: web.Application, scenarios_dir: Path) -> None:
@@ -146,6 +162,13 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{name}: ok (model {cfg.model.name}, engine {cfg.model.engine})")
         return 0
     host, port = args.listen
+    if os.environ.get("REEF_METRICS_LISTEN"):
+        try:
+            parse_listen(os.environ["REEF_METRICS_LISTEN"])
+        except argparse.ArgumentTypeError as exc:
+            print(f"REEF_METRICS_LISTEN: {exc}", file=sys.stderr)
+            return 2
+    memory.return_big_buffers()
     args.state.mkdir(mode=0o700, parents=True, exist_ok=True)  # records and the token live here
     settings = Settings(state_dir=args.state, tokens=load_tokens(args.state),
                         scenarios=scenarios, scenarios_dir=args.scenarios,

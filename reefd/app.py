@@ -4,23 +4,94 @@
 
 from __future__ import annotations
 
+import asyncio
+from collections.abc import Awaitable, Callable
+
 from aiohttp import web
 
-from reefd import loop
+from reefd import loop, memory
 from reefd.api import admin, anthropic, openai, reports, responses
 from reefd.api import attempts as attempts_api
 from reefd.api import harness as harness_api
 from reefd.api import jobs as jobs_api
 from reefd.api import releases as release_api
-from reefd.api.errors import error_middleware
+from reefd.api.errors import SCENARIO_HEADER, ApiError, error_middleware
 from reefd.auth import auth_middleware
 from reefd.loop import Settings
+from reefd.metrics import INSTALL_HINT
 
-__all__ = ["Settings", "build_app"]
+__all__ = ["Settings", "build_app", "metrics_app"]
+
+
+@web.middleware
+async def trim_after_big_bodies(request: web.Request,
+                                handler: Callable[[web.Request], Awaitable[web.StreamResponse]]) -> web.StreamResponse:
+    """After a request with a big body (a long prompt, an upload), the memory it used goes back to the system."""
+    try:
+        return await handler(request)
+    finally:
+        if (request.content_length or 0) > memory.BIG_BODY:
+            await asyncio.to_thread(memory.trim)
+
+
+AGENT_APIS = (("/v1/chat/completions", "openai.chat_completions"), ("/v1/messages/count_tokens",
+              "anthropic.count_tokens"), ("/v1/messages", "anthropic.messages"), ("/v1/responses", "openai.responses"),
+              ("/reef/report", "reef.report"))
+
+
+def _agent_api(request: web.Request) -> str | None:
+    if request.method != "POST":
+        return None
+    return next((api for suffix, api in AGENT_APIS if request.path.endswith(suffix)), None)
+
+
+@web.middleware
+async def count_requests(request: web.Request,
+                         handler: Callable[[web.Request], Awaitable[web.StreamResponse]]) -> web.StreamResponse:
+    """reef_requests{scenario, api, status}: every agent API request, with the status its caller got."""
+    api = _agent_api(request)
+    m = loop.of(request.app)
+    if api is None or m is None:
+        return await handler(request)
+    status = 500
+    try:
+        response = await handler(request)
+        status = response.status
+        return response
+    except web.HTTPException as exc:
+        status = exc.status
+        raise
+    finally:
+        name = request.match_info.get("scenario") or request.headers.get(SCENARIO_HEADER)
+        m.requests.labels(m.scenario(name), api, str(status)).inc()
+
+
+async def metrics_route(request: web.Request) -> web.Response:
+    m = loop.of(request.app)
+    if m is None:
+        raise ApiError(501, f"metrics need prometheus_client: {INSTALL_HINT}", code="not_installed")
+    body, ctype = await asyncio.to_thread(m.exposition)  # reads LMDB counts and job files
+    return web.Response(body=body, headers={"Content-Type": ctype})
+
+
+def metrics_app(main: web.Application) -> web.Application:
+    """`/metrics` alone, without a token, for REEF_METRICS_LISTEN (a scraper on loopback): reads `main`'s state."""
+    app = web.Application(middlewares=[error_middleware])
+
+    async def scrape(request: web.Request) -> web.Response:
+        m = loop.of(main)
+        if m is None:
+            raise ApiError(501, f"metrics need prometheus_client: {INSTALL_HINT}", code="not_installed")
+        body, ctype = await asyncio.to_thread(m.exposition)
+        return web.Response(body=body, headers={"Content-Type": ctype})
+
+    app.router.add_get("/metrics", scrape)
+    return app
 
 
 def build_app(settings: Settings) -> web.Application:
-    app = web.Application(middlewares=[error_middleware, auth_middleware(settings.tokens)],
+    app = web.Application(middlewares=[count_requests, trim_after_big_bodies, error_middleware,
+                                       auth_middleware(settings.tokens)],
                           client_max_size=64 * 1024 * 1024)
     loop.install(app, settings)
 
@@ -59,4 +130,5 @@ def build_app(settings: Settings) -> web.Application:
     app.router.add_get("/healthz", admin.healthz)
     app.router.add_get("/", admin.healthz)  # HEAD / is Claude Code's connectivity probe
     app.router.add_get("/readyz", admin.readyz)
+    app.router.add_get("/metrics", metrics_route)
     return app

@@ -124,6 +124,10 @@ class ChatTemplate:
         env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
         self._template = env.from_string(source)
         self.supports_tools = "tools" in source
+        # No token stands for more characters than the longest in the vocabulary, and a normalizer merges at most
+        # 3 characters into one (Unicode composition: Hangul jamo), so a text longer than 3 x that x the context
+        # cannot fit: it is refused without being tokenized.
+        self.max_token_chars = 3 * max((len(t) for t in self.tokenizer.get_vocab(with_added_tokens=True)), default=1)
 
     def render(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
                add_generation_prompt: bool = True) -> str:
@@ -139,18 +143,62 @@ class ChatTemplate:
                                 f"{exc}") from exc
 
     def encode(self, text: str) -> list[int]:
-        return list(self.tokenizer.encode(text, add_special_tokens=False).ids)
+        # encode_batch releases the GIL while the tokenizer works: a long prompt does not stall other threads
+        return list(self.tokenizer.encode_batch([text], add_special_tokens=False)[0].ids)
 
-    def prompt_ids(self, req: ChatRequest) -> list[int]:
+    def prompt_ids(self, req: ChatRequest, limit: int | None = None) -> list[int]:
+        """The prompt's token ids, or PromptTooLong when they are more than `limit`.
+
+        A tokenizer's memory grows with what it tokenizes at once, and stays with the process (9 MB of text took
+        the tiny model's tokenizer to 880 MB). So a long text is first measured in slices, stopping as soon as it
+        is surely over the limit (or refused unmeasured when even the longest tokens could not fit it), and only a
+        text that fits is tokenized whole.
+        """
         tools = [] if req.tool_choice == "none" else _chosen_tools(req.tools, req.tool_choice)
-        return self.encode(self.render(req.messages, tools))
+        text = self.render(req.messages, tools)
+        if limit is not None and len(text) > MEASURE_SLICE:
+            if len(text) > limit * self.max_token_chars:
+                raise PromptTooLong(-(-len(text) // self.max_token_chars), limit)
+            at_least = self._at_least(text, limit)
+            if at_least > limit:
+                raise PromptTooLong(at_least, limit)
+        return self.encode(text)
+
+    def _at_least(self, text: str, limit: int) -> int:
+        """A lower bound of `text`'s tokens, measured slice by slice until it passes `limit`.
+
+        Slices end before a space, where tokenizers start a new word anyway; should a cut still change the
+        tokens near it, it changes them by at most two, which the bound takes off.
+        """
+        counted = cuts = start = 0
+        while start < len(text) and counted - 2 * cuts <= limit:
+            end = start + MEASURE_SLICE
+            if end < len(text):
+                space = text.rfind(" ", start + MEASURE_SLICE // 2, end)
+                end = space if space > start else end
+                cuts += 1
+            counted += len(self.tokenizer.encode_batch([text[start:end]], add_special_tokens=False)[0])
+            start = end
+        return counted - 2 * cuts
 
     def count_tokens(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]]) -> int:
         return len(self.encode(self.render(messages, tools)))
 
 
+MEASURE_SLICE = 1 << 16  # characters a long prompt is measured by
+
+
 class TemplateError(ValueError):
     """The conversation does not fit the model's chat template (a client error)."""
+
+
+class PromptTooLong(ValueError):
+    """The prompt has at least `at_least` tokens, more than the `limit` the model takes."""
+
+    def __init__(self, at_least: int, limit: int):
+        super().__init__(f"at least {at_least} tokens > {limit}")
+        self.at_least = at_least
+        self.limit = limit
 
 
 HERMES_TOOLS_PROMPT = (

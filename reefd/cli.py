@@ -59,7 +59,7 @@ def cmd_status(client: Client, args: argparse.Namespace) -> int:
     for sc in scenarios:
         engine = sc.get("engine") or {}
         chain = sc.get("releases") if isinstance(sc.get("releases"), dict) else {}
-        row = [sc.get("name"), sc.get("model"), engine.get("kind"), engine.get("state"),
+        row = [sc.get("name"), sc.get("model"), engine.get("kind"), engine.get("state"), _queue(engine),
                sc.get("release"), sc.get("records"), sc.get("reports")]
         if chained:
             row += [chain.get("declared") or ("head" if chain else None), chain.get("head"),
@@ -72,7 +72,7 @@ def cmd_status(client: Client, args: argparse.Namespace) -> int:
         reasons += _conversation_lines(sc)
     if not rows:
         note("No scenarios configured.")
-    columns = ["SCENARIO", "MODEL", "ENGINE", "STATE", "RELEASE", "RECORDS", "REPORTS"]
+    columns = ["SCENARIO", "MODEL", "ENGINE", "STATE", "QUEUE", "RELEASE", "RECORDS", "REPORTS"]
     if chained:
         columns += ["DECLARED", "HEAD", "SERVING", "DRIFT"] + (["ADAPTER"] if wide else [])
     if wide:
@@ -81,6 +81,14 @@ def cmd_status(client: Client, args: argparse.Namespace) -> int:
     for line in reasons:
         print(line, flush=True)
     return 0
+
+
+def _queue(engine: Mapping[str, Any]) -> str | None:
+    """RUNNING/TURNS+WAITING, e.g. 8/8+3: eight generating of eight turns, three waiting for one."""
+    q = engine.get("queue") if isinstance(engine.get("queue"), dict) else None
+    if q is None:
+        return None
+    return f"{q.get('running')}/{q.get('limit')}+{q.get('waiting')}"
 
 
 def _conversation_lines(sc: Mapping[str, Any]) -> list[str]:
@@ -99,6 +107,12 @@ def _conversation_lines(sc: Mapping[str, Any]) -> list[str]:
                    f"{judge.get('hinted', 0)} with hints), {judge.get('pending', 0)} pending, "
                    f"{judge.get('invalid_votes', 0)} invalid votes, {judge.get('unreachable', 0)} times unreachable")
     engine: Mapping[str, Any] = sc["engine"] if isinstance(sc.get("engine"), dict) else {}
+    queue: Mapping[str, Any] = engine["queue"] if isinstance(engine.get("queue"), dict) else {}
+    refused: Mapping[str, Any] = queue["refused"] if isinstance(queue.get("refused"), dict) else {}
+    if refused:
+        out.append(f"scenario {sc.get('name')}: queue: {refused.get('queue_full', 0)} refused with 429 (more than "
+                   f"{queue.get('max_queue')} waiting), {refused.get('queue_timeout', 0)} with 503 (no turn within "
+                   f"{queue.get('max_queue_wait_s')} s)")
     for r in engine.get("replicas") or []:
         health = "healthy" if r.get("healthy") else "unhealthy" if r.get("healthy") is False else "-"
         out.append(f"scenario {sc.get('name')}: replica {r.get('replica')} {r.get('url') or '-'}: {r.get('state')}, "

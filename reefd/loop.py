@@ -17,6 +17,7 @@ a Grow job does the same in two steps (`write`, then `swap`), so that its record
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import shutil
 import time
@@ -28,7 +29,7 @@ import aiohttp
 import orjson
 from aiohttp import web
 
-from reefd import releases
+from reefd import metrics, releases
 from reefd.attempts import Attempts
 from reefd.config import ScenarioConfig, ServeConfig
 from reefd.jobs import JobStore
@@ -55,6 +56,7 @@ JUDGES = web.AppKey("judges", Judges)
 RUNNER = web.AppKey("runner", Runner)
 SCHEDULER = web.AppKey("scheduler", Scheduler)
 ATTEMPTS = web.AppKey("attempts", Attempts)
+METRICS = web.AppKey("metrics", object)  # a metrics.Metrics, or None without prometheus_client
 
 
 @dataclass
@@ -74,6 +76,7 @@ def install(app: web.Application, settings: Settings) -> None:
     """Add the resources to `app`, set up in this order and torn down in the reverse one."""
     state = settings.state_dir
     app[STARTED_AT] = time.time()
+    app[METRICS] = metrics.Metrics(lambda: scrape_state(app)) if metrics.prom is not None else None
 
     async def records(app: web.Application) -> AsyncIterator[None]:  # Observe
         app[RECORDS] = RecordStore(state / "records", map_size=settings.records_map_size)
@@ -125,11 +128,11 @@ def install(app: web.Application, settings: Settings) -> None:
         async def write_candidate(scenario: Scenario, cand: Candidate) -> Release:  # Grow → Commit
             return await write(app, scenario, cand, keep_refused=True)
 
-        async def swap(scenario: Scenario) -> None:  # Commit → Serve
-            await app[RECONCILER].reconcile(scenario)
+        async def swap_to(scenario: Scenario) -> None:  # Commit → Serve
+            await swap(app, scenario)
 
         app[RUNNER] = Runner(app[REGISTRY], app[RECORDS], app[CHAIN], jobs, settings.scenarios_dir,
-                             Backends(state / "jobs", settings.max_jobs), write_candidate, swap)
+                             Backends(state / "jobs", settings.max_jobs), write_candidate, swap_to)
         app[SCHEDULER] = Scheduler(app[REGISTRY], app[RECORDS], jobs, app[RUNNER], max_jobs=settings.max_jobs)
         unsubscribe = app[RECORDS].subscribe(app[SCHEDULER].check)  # Observe → Grow: count triggers
         await app[SCHEDULER].start()
@@ -157,6 +160,21 @@ def reopen_sessions(store: RecordStore, conversations: Conversations, scenarios:
             log.info("%s: reopened the sessions of %d recent records", name, len(records))
 
 
+def scrape_state(app: web.Application) -> metrics.State:
+    """What a metrics scrape reads (from the scrape's thread: plain reads of the loop's state)."""
+    registry = app[REGISTRY]
+    scenarios = dict(registry.scenarios)
+    lines = {name: line.describe() for name, s in scenarios.items()
+             if (line := registry.admissions.get(id(s.engine))) is not None}
+    return metrics.State(scenarios, lines, {name: s.engine.describe() for name, s in scenarios.items()},
+                         app[RECORDS].counts, app[RECORDS].path, lambda: app[RUNNER].jobs.list())
+
+
+def of(app: web.Application) -> metrics.Metrics | None:
+    found = app.get(METRICS)
+    return found if isinstance(found, metrics.Metrics) else None
+
+
 def open_chain(state: Path) -> ReleaseChain:
     """The chain at STATE/releases.git, with what a killed run left behind cleared: stale head locks (reefd is
     the chain's only writer) and unfinished uploads and materialized adapters (rebuilt from the chain)."""
@@ -173,8 +191,18 @@ def open_chain(state: Path) -> ReleaseChain:
 
 async def write(app: web.Application, scenario: Scenario, cand: Candidate, *, keep_refused: bool = False) -> Release:
     """The chain's commit policy (releases.commit) with the scenario's release settings, off the event loop."""
-    return await asyncio.to_thread(releases.commit, app[CHAIN], scenario.name, cand, pin=scenario.cfg.release.pin,
-                                   on_conflict=scenario.cfg.release.on_conflict, keep_refused=keep_refused)
+    m = of(app)
+    with m.timed(m.publish, scenario.name) if m is not None else contextlib.nullcontext():
+        return await asyncio.to_thread(releases.commit, app[CHAIN], scenario.name, cand,
+                                       pin=scenario.cfg.release.pin, on_conflict=scenario.cfg.release.on_conflict,
+                                       keep_refused=keep_refused)
+
+
+async def swap(app: web.Application, scenario: Scenario) -> None:
+    """The reconciler's hot swap to what the chain now declares for `scenario`."""
+    m = of(app)
+    with m.timed(m.swap, scenario.name) if m is not None else contextlib.nullcontext():
+        await app[RECONCILER].reconcile(scenario)
 
 
 async def commit(app: web.Application, scenario: Scenario, cand: Candidate) -> Release:
@@ -182,7 +210,7 @@ async def commit(app: web.Application, scenario: Scenario, cand: Candidate) -> R
     route) is answered with it already serving."""
     rel = await write(app, scenario, cand)
     if rel.status == "released":
-        await app[RECONCILER].reconcile(scenario)
+        await swap(app, scenario)
     return rel
 
 

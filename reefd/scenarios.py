@@ -21,8 +21,9 @@ from pathlib import Path
 import aiohttp
 
 from reefd import recipes
+from reefd.admission import Admission
 from reefd.config import ScenarioConfig
-from reefd.engines import Engine, ModelConfig, build_engine
+from reefd.engines import Engine, ModelConfig, build_engine, turn_limits
 from reefd.harness import Harness
 from reefd.recipes import Recipe
 
@@ -90,8 +91,11 @@ def _recipe(cfg: ScenarioConfig) -> Recipe | None:
         return None
 
 
+ADMISSION_FIELDS = ("max_queue", "max_queue_wait_s")  # a reload changes these on the running engine
+
+
 def _model_key(cfg: ModelConfig) -> str:
-    return json.dumps(asdict(cfg), sort_keys=True)
+    return json.dumps({k: v for k, v in asdict(cfg).items() if k not in ADMISSION_FIELDS}, sort_keys=True)
 
 
 async def _until(condition: Callable[[], bool], timeout_s: float) -> None:
@@ -109,6 +113,7 @@ class Registry:
         self.state_dir = state_dir
         self.session = session
         self.engines: dict[str, Engine] = {}
+        self.admissions: dict[int, Admission] = {}  # by id(engine): the line of requests in front of it
         self._retiring: dict[str, tuple[Engine, asyncio.Task[None]]] = {}  # unused engines, stopped once drained
         self.scenarios: dict[str, Scenario] = {}
         self.scenarios, _ = self._bind(configs)
@@ -130,6 +135,7 @@ class Registry:
             if key not in self.engines:
                 self.engines[key] = build_engine(cfg.model, self.state_dir, self.session)
                 fresh.append(key)
+            self._admit_to(self.engines[key], cfg)
             old = self.scenarios.get(name)
             same_engine = old is not None and old.engine is self.engines[key]
             scenarios[name] = Scenario(cfg, self.engines[key], old.binding if old and same_engine else None,
@@ -148,8 +154,28 @@ class Registry:
         for engine in [*self.engines.values(), *(engine for engine, _ in retiring)]:  # draining or not
             await engine.stop()
 
+    def _admit_to(self, engine: Engine, cfg: ScenarioConfig) -> None:
+        """The line in front of `engine`, with the bounds its model config declares (a reload may change them)."""
+        limits = turn_limits(cfg.model)
+        if limits is None:
+            self.admissions.pop(id(engine), None)
+            return
+        line = self.admissions.get(id(engine))
+        if line is None:
+            self.admissions[id(engine)] = Admission(cfg.model.name or cfg.name, *limits, cfg.model.max_queue_wait_s)
+        else:
+            line.resize(*limits, cfg.model.max_queue_wait_s)
+
     @contextlib.asynccontextmanager
     async def serving(self, scenario: Scenario) -> AsyncIterator[Binding]:
+        """Wait for a turn at the scenario's engine (Overloaded when its line is full or the wait runs out), then
+        serve with that turn held."""
+        line = self.admissions.get(id(scenario.engine))
+        async with line.turn() if line is not None else contextlib.nullcontext(), self._bound(scenario) as binding:
+            yield binding
+
+    @contextlib.asynccontextmanager
+    async def _bound(self, scenario: Scenario) -> AsyncIterator[Binding]:
         """Take the scenario's current binding for one request and count the request in flight on it, so neither
         a reload nor a release swap takes its engine, adapter or weights away mid-answer. While an engine loads
         new weights the request waits here first (`admit`). NotServing before a release is bound."""
@@ -257,6 +283,7 @@ class Registry:
         finally:
             if self._retiring.get(key, (None,))[0] is engine:  # not taken back by a reload
                 del self._retiring[key]
+                self.admissions.pop(id(engine), None)
                 await engine.stop()
 
     def _idle(self, engine: Engine) -> bool:

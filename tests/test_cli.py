@@ -40,7 +40,8 @@ STATUS = {
     "scenarios": [
         {"name": "hello", "model": "smollm2", "release": "r1-aaaaaaa", "records": 3, "reports": 1,
          "engine": {"kind": "worker", "state": "ready", "url": "http://127.0.0.1:41234", "restarts": 0,
-                    "pid": 123},
+                    "pid": 123, "queue": {"running": 8, "waiting": 3, "limit": 8, "max_queue": 32,
+                                          "max_queue_wait_s": 60.0, "refused": {"queue_full": 4}}},
          "releases": {"declared": None, "head": "r1-aaaaaaa", "serving": "r1-aaaaaaa",
                       "adapter": "hello-r1-aaaaaaa", "drift": []}},
         {"name": "coder", "model": "tiny-llama", "release": "r0-0000000", "records": 0, "reports": 0,
@@ -49,8 +50,9 @@ STATUS = {
                       "drift": ["pinned to r2-bbbbbbb, serving r0-0000000", "engine not ready"]}},
     ],
 }
-LEGACY_STATUS = {**STATUS, "scenarios": [{k: v for k, v in sc.items() if k != "releases"}
-                                         for sc in STATUS["scenarios"]]}  # a reefd from before the chain
+LEGACY_STATUS = {**STATUS, "scenarios": [  # a reefd from before the chain and the engines' lines
+    {**{k: v for k, v in sc.items() if k != "releases"},
+     "engine": {k: v for k, v in sc["engine"].items() if k != "queue"}} for sc in STATUS["scenarios"]]}
 
 
 def release(rid: str, kind: str, parent: str | None, meta: dict[str, Any], status: str = "released",
@@ -362,14 +364,16 @@ def test_status_table(reef: FakeReef, capsys: pytest.CaptureFixture[str]) -> Non
     code, out, err = cli(capsys, "--url", reef.url, "status")
     assert code == 0
     header, hello, coder, *drift = out.splitlines()
-    assert header.split() == ["SCENARIO", "MODEL", "ENGINE", "STATE", "RELEASE", "RECORDS", "REPORTS",
+    assert header.split() == ["SCENARIO", "MODEL", "ENGINE", "STATE", "QUEUE", "RELEASE", "RECORDS", "REPORTS",
                               "DECLARED", "HEAD", "SERVING", "DRIFT"]
-    assert hello.split() == ["hello", "smollm2", "worker", "ready", "r1-aaaaaaa", "3", "1",
+    assert hello.split() == ["hello", "smollm2", "worker", "ready", "8/8+3", "r1-aaaaaaa", "3", "1",
                              "head", "r1-aaaaaaa", "r1-aaaaaaa", "-"]
-    assert coder.split() == ["coder", "tiny-llama", "upstream", "starting", "r0-0000000", "0", "0",
+    assert coder.split() == ["coder", "tiny-llama", "upstream", "starting", "-", "r0-0000000", "0", "0",
                              "r2-bbbbbbb", "r3-ccccccc", "r0-0000000", "serving!=pin"]
     assert header.index("MODEL") == hello.index("smollm2") and header.index("DRIFT") == coder.index("serving!=")
-    assert drift == ["scenario coder: drift: pinned to r2-bbbbbbb, serving r0-0000000",
+    assert drift == ["scenario hello: queue: 4 refused with 429 (more than 32 waiting), 0 with 503 (no turn within "
+                     "60.0 s)",
+                     "scenario coder: drift: pinned to r2-bbbbbbb, serving r0-0000000",
                      "scenario coder: drift: engine not ready"]
     assert "reefd 0.1.0" in err and "up 1h2m" in err and "ready" in err
 
@@ -389,10 +393,10 @@ def test_status_of_a_daemon_without_the_chain(reef: FakeReef, capsys: pytest.Cap
     code, out, _ = cli(capsys, "--url", reef.url, "status", *output)
     assert code == 0
     header, hello, coder = (line.split() for line in out.splitlines())  # no drift lines either
-    assert header == ["SCENARIO", "MODEL", "ENGINE", "STATE", "RELEASE", "RECORDS", "REPORTS"] + (
+    assert header == ["SCENARIO", "MODEL", "ENGINE", "STATE", "QUEUE", "RELEASE", "RECORDS", "REPORTS"] + (
         ["URL", "RESTARTS", "PID"] if output else [])
-    assert hello[:7] == ["hello", "smollm2", "worker", "ready", "r1-aaaaaaa", "3", "1"]
-    assert coder[:7] == ["coder", "tiny-llama", "upstream", "starting", "r0-0000000", "0", "0"]
+    assert hello[:8] == ["hello", "smollm2", "worker", "ready", "-", "r1-aaaaaaa", "3", "1"]
+    assert coder[:8] == ["coder", "tiny-llama", "upstream", "starting", "-", "r0-0000000", "0", "0"]
 
 
 @pytest.mark.parametrize(

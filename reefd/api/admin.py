@@ -11,7 +11,7 @@ import time
 from aiohttp import web
 
 from reefd import __version__
-from reefd.api.errors import ApiError, json_response
+from reefd.api.errors import ApiError, json_response, shown
 from reefd.auth import AUTHENTICATED
 from reefd.loop import ATTEMPTS, CHAIN, CONVERSATIONS, JUDGES, RECONCILER, RECORDS, REGISTRY, STARTED_AT
 
@@ -47,6 +47,8 @@ async def status(request: web.Request) -> web.Response:
         replicas = getattr(s.engine, "replica_status", None)
         if replicas is not None and (listed := await replicas()) is not None:
             engine["replicas"] = [{**r, "release": s.release} for r in listed]
+        if (line := registry.admissions.get(id(s.engine))) is not None:
+            engine["queue"] = line.describe()
         scenarios.append({"name": name, "model": s.cfg.model.name,
                           "engine": engine, "release": s.release,
                           "releases": {"declared": s.cfg.release.pin, "head": head.id if head else None,
@@ -66,7 +68,7 @@ async def get_record(request: web.Request) -> web.Response:
     receipt = request.match_info["receipt"]
     record = await asyncio.to_thread(request.app[RECORDS].get_record, receipt)
     if record is None:
-        raise ApiError(404, f"no record with receipt {receipt!r}", code="record_not_found")
+        raise ApiError(404, f"no record with receipt {shown(receipt)}", code="record_not_found")
     return json_response(record)
 
 
@@ -76,7 +78,7 @@ def _limit(raw: str | None) -> int:
     try:
         value = int(raw)
     except ValueError:
-        raise ApiError(400, f"limit: {raw!r} is not an integer", param="limit") from None
+        raise ApiError(400, f"limit: {shown(raw)} is not an integer", param="limit") from None
     if not 1 <= value <= MAX_LIMIT:
         raise ApiError(400, f"limit: must be between 1 and {MAX_LIMIT}", param="limit")
     return value

@@ -6,6 +6,7 @@ Anthropic shapes live here and nowhere else.
 
 from __future__ import annotations
 
+import asyncio
 import json
 from typing import Any
 
@@ -13,7 +14,7 @@ import jsonschema
 import orjson
 from aiohttp import web
 
-from reefd.api.errors import ApiError, anthropic_body, check, json_response, read_json
+from reefd.api.errors import ApiError, anthropic_body, check, json_response, read_json, shown
 from reefd.api.turns import scenario_of, serve_turn
 from reefd.chat import ChatRequest, Completion
 from reefd.loop import RECORDS, REGISTRY
@@ -97,7 +98,7 @@ def _convert_message(i: int, m: dict[str, Any]) -> list[dict[str, Any]]:
         elif kind in ("thinking", "redacted_thinking"):
             continue  # not replayed into the prompt
         else:
-            raise ApiError(400, f"messages.{i}.content.{j}.type: {kind!r} blocks are not "
+            raise ApiError(400, f"messages.{i}.content.{j}.type: {shown(kind)} blocks are not "
                            f"supported in {m['role']} messages by this model",
                            param=f"messages.{i}.content.{j}.type")
     out: list[dict[str, Any]] = list(results)
@@ -250,4 +251,5 @@ async def count_tokens(request: web.Request) -> web.Response:
     scenario = scenario_of(request)
     body = await read_json(request)
     check(_COUNT_VALIDATOR, body)
-    return json_response({"input_tokens": scenario.engine.count_tokens(to_chat_request(body))})
+    tokens = await asyncio.to_thread(scenario.engine.count_tokens, to_chat_request(body))  # long prompts take a while
+    return json_response({"input_tokens": tokens})

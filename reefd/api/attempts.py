@@ -10,7 +10,7 @@ import asyncio
 
 from aiohttp import web
 
-from reefd.api.errors import ApiError, json_response
+from reefd.api.errors import ApiError, json_response, shown
 from reefd.loop import ATTEMPTS, REGISTRY
 
 MAX_WAIT_S = 60.0
@@ -24,7 +24,7 @@ async def next_step(request: web.Request) -> web.Response:
     try:
         wait = float(raw)
     except ValueError:
-        raise ApiError(400, f"wait: {raw!r} is not a number of seconds", param="wait") from None
+        raise ApiError(400, f"wait: {shown(raw)} is not a number of seconds", param="wait") from None
     if not 0 <= wait <= MAX_WAIT_S:
         raise ApiError(400, f"wait: {raw} is not between 0 and {MAX_WAIT_S:g} seconds", param="wait")
     deadline = asyncio.get_running_loop().time() + wait
@@ -46,5 +46,5 @@ async def archive(request: web.Request) -> web.Response:
     except ValueError:
         top = 0
     if not 1 <= top <= 1000:
-        raise ApiError(400, f"top: {raw!r} is not an integer from 1 to 1000", param="top")
+        raise ApiError(400, f"top: {shown(raw)} is not an integer from 1 to 1000", param="top")
     return json_response(await request.app[ATTEMPTS].describe(name, top))

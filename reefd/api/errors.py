@@ -17,6 +17,7 @@ import jsonschema
 import orjson
 from aiohttp import web
 
+from reefd.admission import Overloaded
 from reefd.attempts import AttemptError
 from reefd.engines import EngineError, EngineUnavailable
 from reefd.recipes import RecipeError
@@ -65,7 +66,7 @@ def from_domain(exc: Exception) -> ApiError | None:
     """The answer for an error the domain raised (None: not one of those; a bug, then)."""
     match exc:
         case UnknownScenario(name=name, known=known):
-            return ApiError(404, f"unknown scenario {name!r}; known scenarios: {', '.join(known) or '(none)'}",
+            return ApiError(404, f"unknown scenario {shown(name)}; known scenarios: {', '.join(known) or '(none)'}",
                             param=SCENARIO_HEADER, code="scenario_not_found")
         case NotServing(name=name, why=why):
             return ApiError(503, f"scenario {name!r} is not serving yet{f': {why}' if why else '; retry shortly'}",
@@ -89,10 +90,14 @@ def from_domain(exc: Exception) -> ApiError | None:
             return ApiError(400, str(exc), code="wrong_scenario")
         case UnknownRelease():
             arg = str(exc.args[0]) if exc.args else ""
-            return ApiError(404, arg if " " in arg else f"no release {arg!r}", code="release_not_found")
+            return ApiError(404, shown_text(arg) if " " in arg else f"no release {shown(arg)}",
+                            code="release_not_found")
         case InvalidName(name=name):
-            return ApiError(400, f"{name!r} is not a scenario name (1-64 letters, digits, '.', '_' or '-'; no '..')",
-                            code="invalid_scenario_name", param="name")
+            return ApiError(400, f"{shown(name)} is not a scenario name (1-64 letters, digits, '.', '_' or '-'; "
+                            "no '..')", code="invalid_scenario_name", param="name")
+        case Overloaded(status=status, retry_after=after):
+            return ApiError(status, str(exc), code="rate_limit_exceeded" if status == 429 else "engine_overloaded",
+                            headers={"Retry-After": str(after)})
         case EngineUnavailable():
             return ApiError(503, str(exc), code="engine_unavailable", headers={"Retry-After": str(exc.retry_after)})
         case EngineError():
@@ -101,11 +106,11 @@ def from_domain(exc: Exception) -> ApiError | None:
             return ApiError(503, f"not stored: the record store cannot make writes durable ({exc})",
                             code="storage_unavailable", headers={"Retry-After": "5"})
         case UnknownReceipt(receipt=receipt, scenario=scenario):
-            return ApiError(404, f"references: unknown receipt {receipt!r} in scenario {scenario!r}",
+            return ApiError(404, f"references: unknown receipt {shown(receipt)} in scenario {shown(scenario)}",
                             param="references", code="receipt_not_found")
         case ReportConflict(report_id=report_id):
-            return ApiError(409, f"report_id {report_id!r} was already used with a different body", param="report_id",
-                            code="report_conflict")
+            return ApiError(409, f"report_id {shown(report_id)} was already used with a different body",
+                            param="report_id", code="report_conflict")
         case RecipeError():
             return ApiError(400, str(exc), code="invalid_recipe")
         case AttemptError(status=status, message=message, param=param, code=code):
@@ -120,14 +125,18 @@ def is_anthropic(request: web.Request) -> bool:
     return path.startswith("/v1/messages")
 
 
+_DEFAULT_CODES = {413: "request_too_large", 415: "unsupported_media_type", 429: "rate_limit_exceeded",
+                  500: "internal_error", 502: "bad_gateway", 503: "service_unavailable", 504: "timeout"}
+
+
 def openai_body(err: ApiError) -> dict[str, Any]:
-    etype = _OPENAI_TYPES.get(err.status, "server_error")
+    etype = _OPENAI_TYPES.get(err.status, "invalid_request_error" if err.status < 500 else "server_error")
     return {"error": {"message": err.message, "type": etype, "param": err.param,
-                      "code": err.code}}
+                      "code": err.code or _DEFAULT_CODES.get(err.status)}}
 
 
 def anthropic_body(err: ApiError) -> dict[str, Any]:
-    etype = _ANTHROPIC_TYPES.get(err.status, "api_error")
+    etype = _ANTHROPIC_TYPES.get(err.status, "invalid_request_error" if err.status < 500 else "api_error")
     return {"type": "error", "error": {"type": etype, "message": err.message}}
 
 
@@ -154,8 +163,8 @@ async def error_middleware(request: web.Request,
     except web.HTTPException as exc:
         if exc.status < 400:
             raise
-        message = {404: f"no route for {request.method} {request.path}",
-                   405: f"method {request.method} not allowed on {request.path}"
+        message = {404: f"no route for {shown_text(request.method, 20)} {shown_text(request.path)}",
+                   405: f"method {shown_text(request.method, 20)} not allowed on {shown_text(request.path)}"
                    }.get(exc.status, exc.reason)
         return render(request, ApiError(exc.status, message))
     except Exception as exc:
@@ -180,21 +189,49 @@ def _int(text: str) -> int | _Unrepresentable:
     return value if -(2**63) <= value < 2**64 else _Unrepresentable(text)
 
 
+class _Surrogate(str):
+    """A lone UTF-16 surrogate the stdlib parser let through (it cannot be stored or sent as UTF-8)."""
+
+
 def _first_unrepresentable(value: Any, path: str = "") -> tuple[str, str] | None:
     if isinstance(value, _Unrepresentable):
         return path, str(value)
+    if isinstance(value, str):
+        return _surrogate(value, path)
     items = value.items() if isinstance(value, dict) else enumerate(value) \
         if isinstance(value, list) else ()
     for key, item in items:
-        found = _first_unrepresentable(item, f"{path}.{key}" if path else str(key))
+        sub = f"{path}.{key}" if path else str(key)
+        found = (_surrogate(key, sub) if isinstance(key, str) else None) or _first_unrepresentable(item, sub)
         if found:
             return found
     return None
 
 
+def _surrogate(text: str, path: str) -> tuple[str, str] | None:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        return path, _Surrogate(f"\\u{ord(text[exc.start]):04x}")
+    return None
+
+
+MAX_DEPTH = 128  # arrays and objects inside each other; no provider body comes near it
+
+
+async def read_body(request: web.Request) -> bytes:
+    """The request body, decompressed as its Content-Encoding says, or a 400 when it cannot be."""
+    try:
+        return await request.read()
+    except web.RequestPayloadError as exc:  # e.g. `Content-Encoding: gzip` on bytes that are not gzip
+        encoding = request.headers.get("Content-Encoding", "identity")
+        raise ApiError(400, f"the request body could not be read (Content-Encoding: {shown(encoding, 40)}): "
+                            f"{str(exc).splitlines()[-1].strip()}") from None
+
+
 async def read_json(request: web.Request) -> dict[str, Any]:
     """The request body as a JSON object, or a 400 that says what is wrong with it."""
-    raw = await request.read()
+    raw = await read_body(request)
     if not raw:
         raise ApiError(400, "the request body is empty; expected a JSON object")
     try:
@@ -203,27 +240,81 @@ async def read_json(request: web.Request) -> dict[str, Any]:
         body = _slow_json(raw)  # the stdlib parser explains what is wrong, NaN included
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object")
+    _check_depth(body)
     return body
 
 
 def _slow_json(raw: bytes) -> Any:
+    _check_raw_depth(raw)
     try:
         body = json.loads(raw, parse_constant=_Unrepresentable, parse_float=_float,
                           parse_int=_int)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise ApiError(400, f"the request body is not valid JSON: {exc}") from exc
+    except RecursionError:
+        raise ApiError(400, f"the request body nests arrays and objects more than {MAX_DEPTH} deep") from None
     found = _first_unrepresentable(body)
     if found:
         path, text = found
+        if isinstance(text, _Surrogate):
+            raise ApiError(400, f"{path or 'the body'}: a lone UTF-16 surrogate ({text}) is not a character; "
+                                "send valid Unicode", param=path or None)
         raise ApiError(400, f"{path}: {text} is not a finite number within 64 bits",
                        param=path or None)
     return body
 
 
+def _check_raw_depth(raw: bytes) -> None:
+    """A 400 for JSON text nested past MAX_DEPTH, found by counting brackets outside strings (the parsers recurse)."""
+    depth, in_string, escaped = 0, False, False
+    if raw.count(b"[") + raw.count(b"{") <= MAX_DEPTH:
+        return
+    for byte in raw:
+        if in_string:
+            if escaped:
+                escaped = False
+            elif byte == 0x5C:  # backslash
+                escaped = True
+            elif byte == 0x22:
+                in_string = False
+        elif byte == 0x22:
+            in_string = True
+        elif byte in (0x5B, 0x7B):
+            depth += 1
+            if depth > MAX_DEPTH:
+                raise ApiError(400, f"the request body nests arrays and objects more than {MAX_DEPTH} deep")
+        elif byte in (0x5D, 0x7D):
+            depth -= 1
+
+
+def _check_depth(body: Any) -> None:
+    """A 400 for a parsed body nested past MAX_DEPTH, before anything (generation, a record) depends on it."""
+    level = [body]
+    for _ in range(MAX_DEPTH):
+        level = [v for item in level for v in (item.values() if isinstance(item, dict) else item)
+                 if isinstance(v, dict | list)]
+        if not level:
+            return
+    raise ApiError(400, f"the request body nests arrays and objects more than {MAX_DEPTH} deep")
+
+
+def shown(value: object, limit: int = 200) -> str:
+    """`value` as an error message may echo it: its repr, cut to `limit` characters."""
+    return shown_text(repr(value), limit)
+
+
+def shown_text(text: str, limit: int = 200) -> str:
+    """`text` cut to `limit` characters, saying how long it was."""
+    return text if len(text) <= limit else f"{text[: limit - 20]}... ({len(text)} chars)"
+
+
 def check(validator: jsonschema.protocols.Validator, body: Any, root: str = "") -> None:
     """Validate a request body; a 400 names the first bad field's full path."""
-    errors = sorted(validator.iter_errors(body), key=lambda e: (len(e.absolute_path),
-                                                               list(map(str, e.absolute_path))))
+    try:
+        errors = sorted(validator.iter_errors(body), key=lambda e: (len(e.absolute_path),
+                                                                   list(map(str, e.absolute_path))))
+    except RecursionError:  # a value nested past what the validator (or its message) can walk
+        raise ApiError(400, f"{root or 'the body'}: nested too deeply to check") from None
     if not errors:
         return
     err = errors[0]

@@ -13,7 +13,7 @@ from typing import Any
 
 from aiohttp import web
 
-from reefd.api.errors import SCENARIO_HEADER, ApiError, json_response
+from reefd.api.errors import SCENARIO_HEADER, ApiError, json_response, shown
 from reefd.api.turns import RELEASE_HEADER
 from reefd.harness import Harness
 from reefd.harness.installer import ADAPTERS, installer
@@ -75,7 +75,7 @@ async def _harness_of(request: web.Request, scenario: Scenario) -> tuple[Release
     try:
         rel = await asyncio.to_thread(chain.target, scenario.name, wanted.removeprefix("release/"))
     except (UnknownRelease, WrongScenario) as exc:
-        raise ApiError(404, f"no release {wanted!r} of scenario {scenario.name!r} ({exc})",
+        raise ApiError(404, f"no release {shown(wanted)} of scenario {scenario.name!r} ({exc})",
                        code="release_not_found") from None
     binding = scenario.binding
     harness = binding.harness if binding is not None and binding.release == rel.id else None
@@ -118,7 +118,7 @@ async def install(request: web.Request) -> web.Response:
     """A POSIX sh installer for one agent (`?adapter=`), with the current harness inline."""
     adapter = request.query.get("adapter", "")
     if adapter not in ADAPTERS:
-        raise ApiError(400, f"unknown adapter {adapter!r}; known adapters: {', '.join(ADAPTERS)}",
+        raise ApiError(400, f"unknown adapter {shown(adapter)}; known adapters: {', '.join(ADAPTERS)}",
                        param="adapter", code="unknown_adapter")
     scenario = _scenario(request)
     rel, harness = await _harness_of(request, scenario)

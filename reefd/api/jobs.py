@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from aiohttp import web
 
-from reefd.api.errors import ApiError, json_response
+from reefd.api.errors import ApiError, json_response, shown
 from reefd.jobs import Job
 from reefd.loop import REGISTRY, SCHEDULER
 from reefd.recipes import build
@@ -38,7 +38,7 @@ async def list_jobs(request: web.Request) -> web.Response:
 def _job(request: web.Request) -> Job:
     job = request.app[SCHEDULER].jobs.jobs.get(request.match_info["job"])
     if job is None:
-        raise ApiError(404, f"no job {request.match_info['job'][:200]!r}", code="job_not_found")
+        raise ApiError(404, f"no job {shown(request.match_info['job'])}", code="job_not_found")
     return job
 
 

@@ -13,7 +13,7 @@ import jsonschema
 import orjson
 from aiohttp import web
 
-from reefd.api.errors import ApiError, check, json_response, openai_body, read_json
+from reefd.api.errors import ApiError, check, json_response, openai_body, read_json, shown
 from reefd.api.turns import scenario_of, serve_turn
 from reefd.chat import ChatRequest, Completion
 from reefd.config import ScenarioConfig
@@ -81,7 +81,7 @@ def _text(content: Any, where: str) -> str | None:
     parts = []
     for i, part in enumerate(content):
         if part["type"] not in ("text", "input_text", "output_text"):
-            raise ApiError(400, f"{where}.{i}.type: content parts of type {part['type']!r} "
+            raise ApiError(400, f"{where}.{i}.type: content parts of type {shown(part['type'])} "
                            "are not supported by this model (text only)", param=f"{where}.{i}")
         parts.append(part.get("text", ""))
     return "".join(parts)

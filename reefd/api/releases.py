@@ -13,18 +13,19 @@ import dataclasses
 import shutil
 import tarfile
 import tempfile
+import zlib
 from pathlib import Path
 from typing import Any
 
 from aiohttp import web
 
 from reefd import loop, releases
-from reefd.adapters import InvalidAdapter, check_adapter
-from reefd.api.errors import ApiError, json_response, read_json
+from reefd.adapters import InvalidAdapter, base_linear_shapes, check_adapter
+from reefd.api.errors import ApiError, json_response, read_json, shown, shown_text
 from reefd.loop import CHAIN, REGISTRY
 from reefd.releases import Candidate, Release, validate_name
 from reefd.scenarios import Scenario
-from reefd.weights import InvalidWeights, check_weights
+from reefd.weights import InvalidWeights, check_weights, weight_files
 
 MAX_UPLOAD = {"adapter": 8 << 30, "weights": 512 << 30}  # upload limits (adapters are megabytes, weights gigabytes)
 PUBLISH_KINDS = ("adapter", "weights")
@@ -147,7 +148,7 @@ async def publish(request: web.Request) -> web.Response:
     scenario = _scenario(request)
     kind = request.query.get("kind", "adapter")
     if kind not in PUBLISH_KINDS:
-        raise ApiError(400, f"kind: {kind!r} cannot be published here (supported: {', '.join(PUBLISH_KINDS)})",
+        raise ApiError(400, f"kind: {shown(kind)} cannot be published here (supported: {', '.join(PUBLISH_KINDS)})",
                        param="kind", code="invalid_request")
     expected = _release_id(request.query.get("expected_head") or None, "expected_head")
     cand = Candidate(kind, {"source": "publish", "summary": request.query.get("summary", "")}, built_on=expected,
@@ -168,9 +169,14 @@ async def publish(request: web.Request) -> web.Response:
         raise ApiError(503, f"scenario {scenario.name!r}: the model is still being prepared; retry shortly",
                        code="engine_unavailable", headers={"Retry-After": "5"})
     chain = request.app[CHAIN]
+    try:  # the most an artifact of this base model can unpack to: anything bigger is refused before unpacking
+        cap = await asyncio.to_thread(unpacked_cap, kind, model_dir)
+    except (InvalidAdapter, InvalidWeights, OSError) as exc:
+        raise ApiError(503, f"scenario {scenario.name!r}: the base model cannot be read ({exc})",
+                       code="engine_unavailable") from None
     tmp = Path(await asyncio.to_thread(tempfile.mkdtemp, prefix="upload-", dir=chain.path / "lfs" / "tmp"))
     try:
-        folder = await _receive_tar(request, tmp, code)
+        folder = await _receive_tar(request, tmp, code, cap)
         try:
             check = check_weights if kind == "weights" else check_adapter
             warnings = await asyncio.to_thread(check, folder, model_dir)
@@ -187,12 +193,13 @@ async def publish(request: web.Request) -> web.Response:
     return json_response(await _written(request, scenario, rel, warnings=warnings), status=201)
 
 
-async def _receive_tar(request: web.Request, tmp: Path, code: str) -> Path:
-    """Stream the body to disk (up to MAX_UPLOAD), then unpack regular files and folders only."""
+async def _receive_tar(request: web.Request, tmp: Path, code: str, cap: int) -> Path:
+    """Stream the body to disk (up to MAX_UPLOAD), then unpack regular files and folders only, at most `cap`
+    bytes of them."""
     limit = MAX_UPLOAD["weights" if code == "invalid_weights" else "adapter"]  # the kind's, told by its code
     ctype = request.content_type
     if ctype not in ("application/x-tar", "application/gzip", "application/x-gzip"):
-        raise ApiError(415, f"send the artifact folder as application/x-tar (or application/gzip), not {ctype!r}",
+        raise ApiError(415, f"send the artifact folder as application/x-tar (or application/gzip), not {shown(ctype)}",
                        code="invalid_request")
     archive, size = tmp / "upload.tar", 0
     with archive.open("wb") as out:
@@ -203,27 +210,59 @@ async def _receive_tar(request: web.Request, tmp: Path, code: str) -> Path:
             await asyncio.to_thread(out.write, chunk)
     folder = tmp / "artifact"
     folder.mkdir()
-    await asyncio.to_thread(_unpack, archive, folder, code, limit)
+    await asyncio.to_thread(_unpack, archive, folder, code, min(limit, cap))
     with contextlib.suppress(OSError):
         archive.unlink()
     return folder
 
 
-def _unpack(archive: Path, dest: Path, code: str, limit: int) -> None:
+MAX_MEMBER_PARTS = 32  # folders deep, in an artifact (HF folders are one or two)
+MAX_MEMBER_NAME = 1024  # characters of a member's path
+EXTRA_FILES = 64 << 20  # what an artifact may hold beside its tensors: configs, tokenizer, README
+
+
+def unpacked_cap(kind: str, model_dir: Path) -> int:
+    """The most bytes an artifact for the base model in `model_dir` can unpack to.
+
+    An adapter of any rank on every Linear layer holds at most r x (in + out) values per layer with r <= min(in,
+    out), 8 bytes each at most; full weights are at most the base's tensors at 4 bytes per 2 (bf16 sent as fp32).
+    Plus room for the small files beside them.
+    """
+    if kind == "adapter":
+        tensors = sum(min(o, i) * (o + i) * 8 for o, i in base_linear_shapes(model_dir).values())
+    else:
+        tensors = 2 * sum(f.stat().st_size for f in weight_files(model_dir))
+    return tensors + EXTRA_FILES
+
+
+def _unpack(archive: Path, dest: Path, code: str, cap: int) -> None:
+    """Check every member while reading the archive, stopping at the first bad one or once the members add up
+    to more than `cap` (a small compressed upload may unpack to far more: it is never unpacked then)."""
+    total = 0
     try:
         with tarfile.open(archive, "r:*") as tar:
-            members = tar.getmembers()
-            for m in members:
+            for m in tar:
+                name = shown_text(m.name, 120)
                 parts = Path(m.name).parts
                 if not (m.isfile() or m.isdir()):
-                    raise ApiError(400, f"{m.name}: only regular files and folders may be uploaded "
+                    raise ApiError(400, f"{name}: only regular files and folders may be uploaded "
                                    "(no links or devices)", code=code)
                 if Path(m.name).is_absolute() or ".." in parts or "\0" in m.name:
-                    raise ApiError(400, f"{m.name!r}: archive paths must stay inside the artifact folder",
+                    raise ApiError(400, f"{shown(m.name, 120)}: archive paths must stay inside the artifact folder",
                                    code=code)
-            if sum(m.size for m in members) > limit:
-                raise ApiError(413, f"the unpacked artifact exceeds {limit >> 30} GiB", code="invalid_request")
-            tar.extractall(dest, members=members, filter="data")
-    except (tarfile.TarError, EOFError, OSError) as exc:
-        raise ApiError(400, f"not published: the upload is not a readable tar archive ({exc})",
+                if len(parts) > MAX_MEMBER_PARTS or len(m.name) > MAX_MEMBER_NAME:
+                    raise ApiError(400, f"{name}: archive paths may be at most {MAX_MEMBER_PARTS} folders deep and "
+                                   f"{MAX_MEMBER_NAME} characters long", code=code)
+                total += m.size
+                if total > cap:
+                    raise ApiError(413, f"the artifact unpacks to more than {_size(cap)}, the most an artifact "
+                                   "for this base model can hold; nothing was unpacked", code="invalid_request")
+            tar.extractall(dest, members=tar.getmembers(), filter="data")
+    except (tarfile.TarError, EOFError, OSError, zlib.error) as exc:
+        problem = str(exc).replace(str(dest), "the artifact folder").replace(str(archive), "the upload")
+        raise ApiError(400, f"not published: the upload is not a readable tar archive ({shown_text(problem)})",
                        code=code) from None
+
+
+def _size(n: int) -> str:
+    return f"{n / (1 << 30):.1f} GiB" if n >= 1 << 30 else f"{n / (1 << 20):.1f} MiB"

@@ -15,7 +15,7 @@ import jsonschema
 import orjson
 from aiohttp import web
 
-from reefd.api.errors import ApiError, check, json_response, openai_body, read_json
+from reefd.api.errors import ApiError, check, json_response, openai_body, read_json, shown, shown_text
 from reefd.api.turns import scenario_of, serve_turn
 from reefd.chat import ChatRequest, Completion
 from reefd.config import ScenarioConfig
@@ -85,7 +85,7 @@ def _text(content: str | list[dict[str, Any]], where: str) -> str:
         return content
     for j, part in enumerate(content):
         if part["type"] not in _TEXT_PARTS:
-            raise ApiError(400, f"{where}.{j}.type: content parts of type {part['type']!r} are not "
+            raise ApiError(400, f"{where}.{j}.type: content parts of type {shown(part['type'])} are not "
                            "supported by this model (text only)", param=f"{where}.{j}.type")
     return "".join(part.get("text", "") for part in content)
 
@@ -111,7 +111,7 @@ def input_messages(items: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
             messages.append({"role": "tool", "tool_call_id": item["call_id"],
                              "content": _text(item["output"], f"input.{i}.output")})
         elif kind != "reasoning":  # reasoning items are not replayed into the prompt
-            raise ApiError(400, f"input.{i}.type: input items of type {kind!r} are not supported "
+            raise ApiError(400, f"input.{i}.type: input items of type {shown(kind)} are not supported "
                            "(message, function_call, function_call_output, reasoning)",
                            param=f"input.{i}.type")
     return messages
@@ -171,7 +171,7 @@ def _prior(store: RecordStore, scenario: Scenario, body: dict[str, Any]) -> list
         return []
     record = stored(store, scenario, response_id)
     if record is None:
-        raise ApiError(400, f"Previous response with id {response_id!r} not found.",
+        raise ApiError(400, f"Previous response with id {shown(response_id)} not found.",
                        param="previous_response_id", code="previous_response_not_found")
     messages: list[dict[str, Any]] = record["messages"]
     return messages[1:] if record["request"].get("instructions") else messages
@@ -317,7 +317,7 @@ async def retrieve(request: web.Request) -> web.Response:
     response_id = request.match_info["response_id"]
     record = await asyncio.to_thread(stored, request.app[RECORDS], scenario, response_id)
     if record is None:
-        raise ApiError(404, f"Response with id {response_id!r} not found.", code="response_not_found")
+        raise ApiError(404, f"Response with id {shown(response_id)} not found.", code="response_not_found")
     return json_response(record["response"])
 
 
@@ -331,4 +331,4 @@ async def refuse_get(request: web.Request) -> web.Response:
         resp = json_response(body, status=426)
         resp.force_close()  # no upgrade happened: do not reuse a connection that asked for one
         return resp
-    raise ApiError(405, f"method GET not allowed on {request.path}; use POST")
+    raise ApiError(405, f"method GET not allowed on {shown_text(request.path)}; use POST")

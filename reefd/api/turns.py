@@ -7,24 +7,28 @@ leaves only after its record is fsynced.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
-from typing import Any, Protocol
+from collections.abc import AsyncIterator, Callable, Coroutine
+from typing import Any, Protocol, TypeVar
 
 from aiohttp import web
 
+from reefd import loop
 from reefd.api.errors import SCENARIO_HEADER, ApiError, from_domain, json_response
 from reefd.chat import ChatRequest, Completion, add_system_text
 from reefd.engines import EngineError, EngineUnavailable, Prompt
 from reefd.loop import CONVERSATIONS, REGISTRY
+from reefd.metrics import Metrics
 from reefd.receipts import new_receipt
 from reefd.records import RecordStore, StorageError
 from reefd.scenarios import Binding, Scenario
 from reefd.sessions import Conversations, Placement, chain
 
 log = logging.getLogger("reefd.api")
+T = TypeVar("T")
 
 RECEIPT_HEADER = "x-reef-agent-record-id"
 RELEASE_HEADER = "x-reef-release-id"
@@ -137,8 +141,9 @@ class Served:
     """Stores a turn's record, and tells the conversations: the turn is open, and the one it continues is linked."""
 
     def __init__(self, conversations: Conversations, store: RecordStore, record: dict[str, Any],
-                 placement: Placement) -> None:
+                 placement: Placement, metrics: Metrics | None = None) -> None:
         self.conversations, self.store, self.record, self.placement = conversations, store, record, placement
+        self.metrics = metrics
 
     async def put_failed(self, err: Any, delivered: str, started: float) -> None:
         """A stream that failed after its receipt was sent: its record says what happened and what the client got
@@ -151,6 +156,8 @@ class Served:
     async def put(self) -> None:
         record, placement = self.record, self.placement
         linked = await self.store.put_record(record, next_state=placement.next_state)
+        if self.metrics is not None:
+            self.metrics.turn(record["scenario"], record["api"], record)
         scenario = record["scenario"]
         self.conversations.served(scenario, record["id"], placement, record["messages"][-1])
         if linked and placement.previous is not None:
@@ -178,23 +185,22 @@ async def serve_turn(request: web.Request, scenario: Scenario, binding: Binding,
     if binding.harness is not None and scenario.cfg.harness.inject:
         add_system_text(chat, binding.harness.prompt_block(inline_skills=scenario.cfg.harness.inline_skills))
     record = new_record(request, scenario, binding, receipt, wire.api, body, chat, stream, placement)
-    turn = Served(request.app[CONVERSATIONS], store, record, placement)
+    turn = Served(request.app[CONVERSATIONS], store, record, placement, loop.of(request.app))
     headers = {RECEIPT_HEADER: record["id"], RELEASE_HEADER: binding.release}
     started = time.monotonic()
     # an engine that swaps weights answers on the binding's weights only (a swap may be rolling across replicas)
     on_weights = {"weights": binding.weights_version} if hasattr(scenario.engine, "swap_weights") else {}
     events = scenario.engine.generate(chat, stream=stream, timeout_s=scenario.cfg.serve.request_timeout_s,
                                       adapter=binding.adapter, **on_weights)
-    try:
-        first = await anext(events)  # engine refusals become proper statuses, not broken streams
-    except StopAsyncIteration:
-        raise ApiError(502, "the engine ended without a completion") from None
-    except FAILURES as exc:
-        raise engine_failure(exc) from exc
     if stream:
+        first = await _first(events)  # engine refusals become proper statuses, not broken streams
         return await _stream(request, turn, wire, record, headers, first, events, started)
     try:
-        completion = first if isinstance(first, Completion) else await _last(events)
+        completion = await _unless_client_leaves(request, _whole(events))
+        if completion is None:
+            log.info("client went away before its answer %s: the engine request is cancelled, nothing recorded",
+                     record["id"])
+            return web.Response(status=CLIENT_CLOSED, reason="Client Closed Request")
         answer = wire.response(completion)
         finish_record(record, completion, answer, started, None)
         await turn.put()
@@ -203,6 +209,46 @@ async def serve_turn(request: web.Request, scenario: Scenario, binding: Binding,
     finally:
         await events.aclose()  # type: ignore[attr-defined]
     return json_response(answer, headers=headers)
+
+
+CLIENT_CLOSED = 499  # nginx's status for a request whose client closed the connection first
+DISCONNECT_POLL_S = 0.25
+
+
+async def _unless_client_leaves(request: web.Request, work: Coroutine[Any, Any, T]) -> T | None:
+    """`work`'s result; or None, with `work` cancelled, once the client has closed its connection.
+
+    aiohttp keeps running a handler whose client left (cancelling any handler could cut a write in half), so a
+    long generation watches its own connection: its batch slot goes back as soon as nobody waits for it.
+    """
+    task = asyncio.ensure_future(work)
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
+            if done:
+                return task.result()
+            transport = request.transport
+            if transport is None or transport.is_closing():
+                return None
+    finally:
+        if not task.done():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, *FAILURES, ApiError):
+                await task
+
+
+async def _first(events: AsyncIterator[Any]) -> Any:
+    try:
+        return await anext(events)
+    except StopAsyncIteration:
+        raise ApiError(502, "the engine ended without a completion") from None
+    except FAILURES as exc:
+        raise engine_failure(exc) from exc
+
+
+async def _whole(events: AsyncIterator[Any]) -> Completion:
+    first = await _first(events)
+    return first if isinstance(first, Completion) else await _last(events)
 
 
 async def _last(events: AsyncIterator[Any]) -> Completion:

@@ -87,6 +87,15 @@ class ModelConfig:
                                  "the same router as the launched replicas."})
     router_args: list[str] = field(
         default_factory=list, metadata={"description": "Extra command-line arguments for sglang-router."})
+    max_queue: int | None = field(
+        default=None,
+        metadata={"minimum": 0, "description": "Requests that may wait for a turn beyond the ones generating "
+                  "(max_batch per replica); past that a request gets 429 at once. Default: 4 x the engine's batch "
+                  "for worker and sglang, no limit for other engines (set it to give them one, of max_batch turns)."})
+    max_queue_wait_s: float = field(
+        default=60.0,
+        metadata={"exclusiveMinimum": 0, "description": "The longest a request waits for its turn; then it gets "
+                  "503 with Retry-After."})
 
 
 
@@ -131,8 +140,9 @@ class ContextLengthExceeded(EngineError):
     code = "context_length_exceeded"
     param = "messages"
 
-    def __init__(self, prompt_tokens: int, limit: int):
-        super().__init__(f"prompt is too long: {prompt_tokens} tokens > {limit} maximum (this "
+    def __init__(self, prompt_tokens: int, limit: int, at_least: bool = False):
+        counted = f"at least {prompt_tokens}" if at_least else str(prompt_tokens)
+        super().__init__(f"prompt is too long: {counted} tokens > {limit} maximum (this "
                          f"model's maximum context length is {limit} tokens)", status=400)
 
 
@@ -191,6 +201,19 @@ def engine_class(name: str) -> Any:
     if missing:
         raise plugins.PluginError(f"engine {name!r} is not an Engine (no {', '.join(missing)}); see reefd/engines")
     return cls
+
+
+BATCHED_ENGINES = ("worker", "sglang")
+
+
+def turn_limits(cfg: ModelConfig) -> tuple[int, int] | None:
+    """(requests generating at once, requests waiting) for the engine `cfg` describes; None: no admission limit."""
+    if cfg.engine in BATCHED_ENGINES:
+        turns = cfg.max_batch * (cfg.replicas + len(cfg.workers))
+        return turns, 4 * turns if cfg.max_queue is None else cfg.max_queue
+    if cfg.max_queue is not None:
+        return cfg.max_batch, cfg.max_queue
+    return None
 
 
 def build_engine(cfg: ModelConfig, state_dir: Path, session: aiohttp.ClientSession) -> Engine:

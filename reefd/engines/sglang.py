@@ -24,7 +24,7 @@ from typing import Any
 import aiohttp
 import orjson
 
-from reefd.chat import ChatRequest, ChatTemplate, Completion, TemplateError, parse_tool_calls
+from reefd.chat import ChatRequest, ChatTemplate, Completion, PromptTooLong, TemplateError, parse_tool_calls
 from reefd.engines import (
     ANY_WEIGHTS,
     ContextLengthExceeded,
@@ -33,6 +33,7 @@ from reefd.engines import (
     ModelConfig,
     Prompt,
     retry_after,
+    sse,
 )
 from reefd.engines.replicas import ROUTING_HEADER, Replica, Replicas
 from reefd.engines.stream import StreamGuard
@@ -171,11 +172,7 @@ class SGLangClient:
                 if not payload.get("stream"):
                     yield dict(orjson.loads(await r.read()))
                     return
-                async for raw in r.content:
-                    line = raw.strip()
-                    if not line.startswith(b"data:"):
-                        continue
-                    data = line[5:].strip()
+                async for data in sse.data_lines(r.content):
                     if data == b"[DONE]":
                         return
                     chunk = orjson.loads(data)
@@ -192,6 +189,8 @@ class SGLangClient:
             raise EngineError(f"engine connection failed: {exc}") from exc
         except TimeoutError as exc:
             raise EngineError(f"engine did not answer within {timeout_s:.0f} s", status=504) from exc
+        except (aiohttp.http_exceptions.HttpProcessingError, ValueError) as exc:  # a malformed answer
+            raise EngineError(f"the engine's answer could not be read: {exc}") from exc
 
 
 def top_k_rows(top: list[Any], tokens: int, k: int) -> tuple[list[list[int]], list[list[float]]] | None:
@@ -227,6 +226,9 @@ def sampling_params(req: ChatRequest) -> dict[str, Any]:
     return params
 
 
+INCREMENTAL = ["--incremental-streaming-output"]
+"""Launched engines stream only what is new on each event: SGLang's default repeats the whole answer so far, which
+makes a long answer cost quadratic bytes and time. Attached servers may stream either way; both are read."""
 LAUNCH_VERSION = "default"  # SGLang's weight_version for the weights a server launched with
 
 
@@ -379,14 +381,14 @@ class SGLangEngine:
         if self.cfg.engine == "sglang":
             return [sys.executable, "-m", "sglang.launch_server", "--model-path",
                     str(self.model_dir), "--host", "127.0.0.1", "--port", str(port),
-                    *self.cfg.launch_args]
+                    *INCREMENTAL, *self.cfg.launch_args]
         threads: list[str] = []
         if self.cfg.replicas > 1 and "--threads" not in self.cfg.launch_args:
             # replicas launched on one machine share its cores: more torch threads than cores stall them all
             threads = ["--threads", str(max(1, (os.cpu_count() or 1) // self.cfg.replicas))]
         return [sys.executable, "-m", "reefd.worker", "--model", str(self.model_dir),
                 "--host", "127.0.0.1", "--port", str(port),
-                "--max-batch", str(self.cfg.max_batch), *threads, *self.cfg.launch_args]
+                "--max-batch", str(self.cfg.max_batch), *threads, *INCREMENTAL, *self.cfg.launch_args]
 
     async def _restore_replica(self, url: str, joined: Callable[[], None]) -> None:
         """A replica's adapters, and its place among the replicas that admin calls reach, in one step: an adapter
@@ -869,12 +871,19 @@ class SGLangEngine:
         return self.client
 
     def count_tokens(self, req: ChatRequest) -> int:
+        """The prompt's tokens (blocking: call it off the event loop)."""
         if self.template is None:
             raise EngineUnavailable(f"engine for model {self.cfg.name!r} is {self.state}")
+        return len(self._prompt_ids(self.template, req))
+
+    def _prompt_ids(self, template: ChatTemplate, req: ChatRequest) -> list[int]:
+        """Render and tokenize (blocking); a prompt whose text cannot fit the context is refused untokenized."""
         try:
-            return len(self.template.prompt_ids(req))
+            return template.prompt_ids(req, self.context_length)
         except TemplateError as exc:
             raise EngineError(str(exc), status=400) from exc
+        except PromptTooLong as exc:
+            raise ContextLengthExceeded(exc.at_least, exc.limit, at_least=True) from exc
 
     def _route(self, weights: str | None, tried: set[int]) -> tuple[SGLangClient, Replica | None]:
         """Where a request on `weights` goes: the router (or the one process) while they are the serving weights,
@@ -933,10 +942,8 @@ class SGLangEngine:
                        ) -> AsyncIterator[Prompt | str | Completion]:
         self._client()  # not ready: EngineUnavailable
         assert self.template is not None
-        try:
-            prompt_ids = self.template.prompt_ids(req)
-        except TemplateError as exc:
-            raise EngineError(str(exc), status=400) from exc
+        # rendering and tokenizing a long prompt takes a while: off the event loop, which keeps serving others
+        prompt_ids = await asyncio.to_thread(self._prompt_ids, self.template, req)
         limit = self.context_length
         params = sampling_params(req)
         if limit is not None:

@@ -15,7 +15,7 @@ class StreamGuard:
         self._markers = self._stops + ([TOOL_OPEN] if hold_tool_markup else [])
         self._held = ""
         self._closed = False
-        self.emitted = ""
+        self._emitted: list[str] = []  # pieces, not one growing string: a long answer costs linear time
 
     def feed(self, delta: str) -> str:
         """The part of `delta` (plus held text) that is safe to show now."""
@@ -36,12 +36,18 @@ class StreamGuard:
         self._held = text[len(text) - keep:] if keep else ""
         return self._emit(text[: len(text) - keep])
 
+    @property
+    def emitted(self) -> str:
+        return "".join(self._emitted)
+
     def tail(self, final_text: str) -> str:
         """What is still owed once the final text is known (held text that was harmless)."""
-        if final_text.startswith(self.emitted):
-            return self._emit(final_text[len(self.emitted):])
+        emitted = self.emitted
+        if final_text.startswith(emitted):
+            return self._emit(final_text[len(emitted):])
         return ""
 
     def _emit(self, text: str) -> str:
-        self.emitted += text
+        if text:
+            self._emitted.append(text)
         return text

@@ -16,7 +16,7 @@ import aiohttp
 import orjson
 
 from reefd.chat import ChatRequest, Completion
-from reefd.engines import EngineError, EngineUnavailable, ModelConfig, retry_after
+from reefd.engines import EngineError, EngineUnavailable, ModelConfig, retry_after, sse
 
 
 def upstream_body(req: ChatRequest, model: str, stream: bool) -> dict[str, Any]:
@@ -115,6 +115,8 @@ class UpstreamEngine:
             raise EngineUnavailable(f"upstream {self.cfg.url} unreachable: {exc}") from exc
         except TimeoutError as exc:
             raise EngineError(f"upstream did not answer within {timeout_s:.0f} s", status=504) from exc
+        except (aiohttp.http_exceptions.HttpProcessingError, ValueError) as exc:  # a malformed answer
+            raise EngineError(f"the upstream's answer could not be read: {exc}") from exc
 
     async def _raise(self, r: aiohttp.ClientResponse) -> None:
         text = await r.text()
@@ -144,11 +146,7 @@ class UpstreamEngine:
         text, finish = "", "stop"
         usage: dict[str, Any] = {}
         calls: dict[int, dict[str, Any]] = {}
-        async for raw in r.content:
-            line = raw.strip()
-            if not line.startswith(b"data:"):
-                continue
-            data = line[5:].strip()
+        async for data in sse.data_lines(r.content):
             if data == b"[DONE]":
                 break
             chunk = orjson.loads(data)

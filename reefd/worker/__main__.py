@@ -37,6 +37,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--served-model-name", default=None, help="model name in OpenAI answers (default: folder name)")
     p.add_argument("--drain-timeout", type=float, default=2.0, help="seconds in-flight requests get on SIGTERM")
     p.add_argument("--log-level", default="INFO", help="DEBUG logs every finished request")
+    p.add_argument("--incremental-streaming-output", action="store_true",
+                   help="stream events carry only the new ids, text and logprobs (SGLang's flag of that name)")
     return p.parse_args(argv)
 
 
@@ -69,6 +71,7 @@ async def serve(args: argparse.Namespace) -> int:
         model_path=str(args.model),
         served_model_name=args.served_model_name or args.model.resolve().name,
         version=_version(),
+        incremental=args.incremental_streaming_output,
     )
     runner = web.AppRunner(build_app(state), handler_cancellation=True, access_log=None, shutdown_timeout=5.0)
     await runner.setup()

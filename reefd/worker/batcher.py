@@ -229,7 +229,6 @@ class Batcher:
         for row, token, logprob, top in zip(rows, tokens.tolist(), logprobs.tolist(), tops, strict=True):
             if row.max_new == 0:  # prefill only (e.g. scoring a prompt's logprobs)
                 row.finish = {"type": "length", "length": 0}
-                row.tracker.update([])
             else:
                 self._append(row, token, logprob, top)
         positions = torch.tensor([len(r.job.prompt) for r in rows], device=pre.mask.device)
@@ -289,10 +288,10 @@ class Batcher:
         sp = row.sampling
         if len(row.ids) >= row.max_new:
             row.finish = {"type": "length", "length": row.max_new}
-            row.tracker.update(row.ids, check_stops=False)
+            row.tracker.update(row.ids, check_stops=False, final=True)
         elif not sp.ignore_eos and (token in sp.stop_token_ids or token in self.engine.eos_ids):
             row.finish = {"type": "stop", "matched": token}
-            row.tracker.update(row.ids[:-1], check_stops=False)  # the matched token's text is not shown
+            row.tracker.update(row.ids[:-1], check_stops=False, final=True)  # the matched token's text is not shown
         elif (matched := row.tracker.update(row.ids)) is not None:
             row.finish = {"type": "stop", "matched": matched}
 
@@ -304,7 +303,7 @@ class Batcher:
                 continue
             if row.finish is None and row.sent == len(row.ids):
                 continue
-            text = row.tracker.text if row.finish is not None else row.tracker.visible()
+            text = row.tracker.rest() if row.finish is not None else row.tracker.take()
             new = slice(row.sent, None)
             update = Update(row.ids[new], row.logprobs[new], text, row.finish, new_top_logprobs=row.top_logprobs[new])
             if row.sent == 0:
@@ -320,7 +319,7 @@ class Batcher:
             if row.finish is None and row.job.cancelled:
                 row.finish = {"type": "abort", "message": row.job.aborted or "cancelled by the client"}
                 if row.job.aborted is not None:  # its client still waits for the end of the answer
-                    aborted.append((row.job, Update([], [], row.tracker.text, row.finish)))
+                    aborted.append((row.job, Update([], [], row.tracker.rest(), row.finish)))
         _deliver(aborted)
         keep = [i for i, r in enumerate(self.rows) if r.finish is None]
         if len(keep) == len(self.rows):
@@ -344,7 +343,7 @@ class Batcher:
         extra = [j for j in admitted if id(j) not in seen]
         for row in self.rows:
             row.finish = row.finish or finish
-        _deliver([(r.job, Update([], [], r.tracker.text, r.finish)) for r in self.rows])
+        _deliver([(r.job, Update([], [], r.tracker.rest(), r.finish)) for r in self.rows])
         _deliver([(j, Update([], [], "", finish)) for j in extra])
         self.rows, self._cache = [], None
 

@@ -28,7 +28,7 @@ class Update:
 
     new_ids: list[int]
     new_logprobs: list[float]
-    text: str  # cumulative text, safe to show (final: stop string trimmed)
+    new_text: str  # the text that became safe to show (final: the rest, its stop string trimmed)
     finish: Finish | None = None
     input_logprobs: list[list[Any]] | None = None  # only on the first update, when asked
     new_top_logprobs: list[TopLogprobs] = field(default_factory=list)  # one per new id when top_logprobs_num > 0

@@ -119,12 +119,15 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         return await _stream(request, state, job, options)
     ids: list[int] = []
     values: list[float] = []
-    text, finish = "", None
+    parts: list[str] = []
+    finish = None
     async with aclosing(updates(job)) as stream:
         async for update in stream:
             ids += update.new_ids
             values += update.new_logprobs
-            text, finish = update.text, update.finish
+            parts.append(update.new_text)
+            finish = update.finish
+    text = "".join(parts)
     if finish and finish.get("type") == "abort":
         return error_response(503, str(finish.get("message")), "server_error")
     content, calls = parse_tool_calls(text) if options["tools"] else (text, [])
@@ -179,7 +182,7 @@ async def _stream(request: web.Request, state: WorkerState, job: Generation,
     async with aclosing(updates(job)) as stream:
         async for update in stream:
             total += len(update.new_ids)
-            text, finish = update.text, update.finish
+            text, finish = text + update.new_text, update.finish
             safe = _streamable(text, finish is not None, options["tools"])
             lp = _logprobs(state, update.new_ids, update.new_logprobs) if job.req.return_logprob else None
             if len(safe) > shown or lp:

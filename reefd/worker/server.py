@@ -32,7 +32,12 @@ from reefd.worker.wire import (
 
 
 class Result:
-    """The growing SGLang answer of one job (cumulative, as SGLang streams by default)."""
+    """One job's SGLang answer: whole, or streamed as SGLang streams it.
+
+    By default each streamed event repeats the whole answer so far, as SGLang does; with
+    `--incremental-streaming-output` each event carries only what is new (ids, text and output
+    logprobs), so an event costs O(new tokens) however long the answer grows.
+    """
 
     def __init__(self, job: Generation, weight_version: Any = None) -> None:
         self.job = job
@@ -40,20 +45,26 @@ class Result:
         self.ids: list[int] = []
         self.logprobs: list[float] = []
         self.top_logprobs: list[list[list[Any]]] = []
-        self.text = ""
+        self._text: list[str] = []
         self.finish: dict[str, Any] | None = None
         self.input_logprobs: list[list[Any]] | None = None
+
+    @property
+    def text(self) -> str:
+        return "".join(self._text)
 
     def add(self, update: Update) -> None:
         self.ids += update.new_ids
         self.logprobs += update.new_logprobs
         self.top_logprobs += update.new_top_logprobs
-        self.text = update.text
+        if update.new_text:
+            self._text.append(update.new_text)
         self.finish = update.finish
         if update.input_logprobs is not None:
             self.input_logprobs = update.input_logprobs
 
-    def body(self) -> dict[str, Any]:
+    def body(self, new: Update | None = None) -> dict[str, Any]:
+        """The answer so far, or with `new` (the update just added) only what it brought."""
         req = self.job.req
         meta: dict[str, Any] = {
             "id": req.rid,
@@ -64,13 +75,16 @@ class Result:
             "e2e_latency": round(time.monotonic() - self.job.created, 6),
             "weight_version": self.weight_version,
         }
+        ids, logprobs, tops = (self.ids, self.logprobs, self.top_logprobs) if new is None else (
+            new.new_ids, new.new_logprobs, new.new_top_logprobs)
         if req.return_logprob:
-            meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(self.logprobs, self.ids, strict=True)]
+            meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(logprobs, ids, strict=True)]
             if req.top_logprobs_num > 0:  # [[[logprob, token_id, None] x K] per output token], best first
-                meta["output_top_logprobs"] = list(self.top_logprobs)
+                meta["output_top_logprobs"] = list(tops)
             if req.logprob_start_len >= 0:
                 meta["input_token_logprobs"] = self.input_logprobs or []
-        return {"text": self.text, "output_ids": list(self.ids), "meta_info": meta}
+        text = self.text if new is None else new.new_text
+        return {"text": text, "output_ids": list(ids), "meta_info": meta}
 
 
 WEIGHT_GROUP = web.AppKey("reefd_worker_weight_group", WeightGroup)
@@ -100,7 +114,7 @@ async def generate(request: web.Request) -> web.StreamResponse:
         async for update in stream:
             result.weight_version = state.batcher.engine.weight_version
             result.add(update)
-            await send_sse(response, result.body())
+            await send_sse(response, result.body(update if state.incremental else None))
     return await close_sse(response)
 
 
@@ -158,6 +172,7 @@ def server_info_body(state: WorkerState) -> dict[str, Any]:
         "enable_memory_saver": False,
         "disaggregation_mode": "null",
         "is_paused": not state.running.is_set(),
+        "incremental_streaming_output": state.incremental,
     }
 
 

@@ -31,6 +31,7 @@ class WorkerState:
     version: str
     started: float = field(default_factory=time.time)
     draining: bool = False
+    incremental: bool = False  # SGLang's --incremental-streaming-output: stream events carry only what is new
     running: asyncio.Event = field(default_factory=asyncio.Event)  # clear while generation is paused
 
     def __post_init__(self) -> None:
@@ -81,7 +82,7 @@ def merge(a: Update, b: Update) -> Update:
     return Update(
         a.new_ids + b.new_ids,
         a.new_logprobs + b.new_logprobs,
-        b.text,
+        a.new_text + b.new_text,
         b.finish,
         a.input_logprobs if a.input_logprobs is not None else b.input_logprobs,
         a.new_top_logprobs + b.new_top_logprobs,

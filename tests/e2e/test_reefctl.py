@@ -34,9 +34,9 @@ def test_status_table_and_json(daemon: Daemon) -> None:
     out = reefctl(daemon, "status")
     assert out.returncode == 0, out.stderr
     header, row = out.stdout.splitlines()[:2]
-    assert header.split()[:4] == ["SCENARIO", "MODEL", "ENGINE", "STATE"]
-    assert row.split()[:4] == ["tiny", "tiny", "worker", "ready"]
-    assert re.fullmatch(r"r0-[0-9a-f]{7}", row.split()[4])  # the base release
+    assert header.split()[:5] == ["SCENARIO", "MODEL", "ENGINE", "STATE", "QUEUE"]
+    assert row.split()[:5] == ["tiny", "tiny", "worker", "ready", "0/8+0"]  # none generating of 8 turns
+    assert re.fullmatch(r"r0-[0-9a-f]{7}", row.split()[5])  # the base release
     data = json.loads(reefctl(daemon, "status", "-o", "json").stdout)
     assert data["scenarios"][0]["engine"]["state"] == "ready"
 

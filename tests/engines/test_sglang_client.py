@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -44,7 +45,12 @@ def steps(text: str, ids: list[int], finish: dict[str, Any], incremental: bool
     return out
 
 
-async def serve(script: list[dict[str, Any]]) -> tuple[web.AppRunner, str, list[dict[str, Any]]]:
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+async def serve(script: list[dict[str, Any]], answer: Handler | None = None
+                ) -> tuple[web.AppRunner, str, list[dict[str, Any]]]:
+    """A scripted SGLang server: `script`'s chunks, or `answer` for every /generate."""
     seen: list[dict[str, Any]] = []
 
     async def generate(request: web.Request) -> web.StreamResponse:
@@ -63,7 +69,7 @@ async def serve(script: list[dict[str, Any]]) -> tuple[web.AppRunner, str, list[
         return web.Response(text="ok")
 
     app = web.Application()
-    app.router.add_post("/generate", generate)
+    app.router.add_post("/generate", answer or generate)
     app.router.add_get("/health_generate", health)
     app.router.add_get("/health", health)
     runner = web.AppRunner(app, access_log=None)
@@ -176,3 +182,48 @@ def test_an_attached_server_that_goes_away_is_reported(tiny: Path,
             await engine.stop()
 
     asyncio.run(go())
+
+
+def test_an_event_of_any_size_is_read(tiny: Path) -> None:
+    """SGLang's default stream repeats the whole answer on every event: a long answer makes lines past aiohttp's
+    line limit (about 11.8k tokens of ids and logprobs), which used to end the stream with a 500 and no record."""
+    ids = [7 + i % 100 for i in range(30_000)]  # about 0.7 MB of ids and logprobs in the last event
+    text = "x" * 30_000
+    script = steps(text, ids, {"type": "length", "length": 30_000}, incremental=False)
+    assert len(json.dumps(script[-1])) > 512 << 10
+    req = ChatRequest(messages=[{"role": "user", "content": "go"}], max_tokens=30_000)
+    events, _ = asyncio.run(run(tiny, script, req, stream=True))
+    done = events[-1]
+    assert isinstance(done, Completion)
+    assert "".join(e for e in events if isinstance(e, str)) == text == done.text
+    assert done.completion_token_ids == ids and done.finish_reason == "length"
+
+
+def test_a_malformed_event_is_an_engine_error(tiny: Path) -> None:
+    from reefd.engines import EngineError
+
+    async def malformed(request: web.Request) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        first = {"text": "a", "output_ids": [5], "meta_info": {"completion_tokens": 1}}
+        await resp.write(b"data: " + json.dumps(first).encode() + b"\n\ndata: {not json\n\n")
+        return resp
+
+    async def main() -> None:
+        runner, url, _ = await serve([], malformed)
+        try:
+            async with aiohttp.ClientSession() as session:
+                engine = SGLangEngine(ModelConfig(name="t", engine="sglang", url=url, path=str(tiny)), tiny, session)
+                await engine.start()
+                for _ in range(100):
+                    if engine.ready:
+                        break
+                    await asyncio.sleep(0.05)
+                req = ChatRequest(messages=[{"role": "user", "content": "go"}], max_tokens=8)
+                with pytest.raises(EngineError, match="could not be read"):
+                    _ = [e async for e in engine.generate(req, stream=True)]
+                await engine.stop()
+        finally:
+            await runner.cleanup()
+
+    asyncio.run(main())

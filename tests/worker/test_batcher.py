@@ -22,17 +22,18 @@ def request(prompt: list[int], **sampling: Any) -> tuple[GenerateRequest, list[i
 
 
 async def collect(job: Generation) -> dict[str, Any]:
-    out: dict[str, Any] = {"ids": [], "logprobs": [], "top": [], "updates": 0}
+    out: dict[str, Any] = {"ids": [], "logprobs": [], "top": [], "updates": 0, "text": ""}
     while True:
         update = await job.queue.get()
         out["ids"] += update.new_ids
         out["logprobs"] += update.new_logprobs
         out["top"] += update.new_top_logprobs
         out["updates"] += 1
+        out["text"] += update.new_text
         if update.input_logprobs is not None:
             out["input_logprobs"] = update.input_logprobs
         if update.finish is not None:
-            out.update(text=update.text, finish=update.finish)
+            out.update(finish=update.finish)
             return out
 
 
@@ -65,7 +66,8 @@ def test_greedy_batch_equals_unbatched_argmax(engine: Any) -> None:
 def test_seeded_sampling_ignores_batch_partners(engine: Any) -> None:
     target = request(PROMPTS[1], temperature=1.0, sampling_seed=1234, max_new_tokens=16, ignore_eos=True)
     alone, _ = run(engine, [target])
-    partners = [request(p, temperature=0.8, top_p=0.9, max_new_tokens=5 + 3 * i) for i, p in enumerate(PROMPTS)]
+    partners = [request(p, temperature=0.8, top_p=0.9, max_new_tokens=5 + 3 * i, ignore_eos=True)
+                for i, p in enumerate(PROMPTS)]
     together, batcher = run(engine, [partners[0], target, *partners[1:]])
     assert batcher.stats.max_running == 5
     assert together[1]["ids"] == alone[0]["ids"]

@@ -99,6 +99,36 @@ def test_streaming_chunks_are_cumulative(worker: Worker) -> None:
     assert last["output_ids"] == plain["output_ids"] and last["text"] == plain["text"]
 
 
+def test_incremental_streaming_sends_only_what_is_new(fresh_worker: Worker) -> None:
+    """SGLang's --incremental-streaming-output: each event has the new ids, text and output logprobs only, so an
+    event's size does not grow with the answer; together they are exactly the whole answer."""
+    fresh_worker.extra = ["--incremental-streaming-output", "--threads", "1"]
+    fresh_worker.start()
+    body = {"input_ids": [7, 8, 9], "stream": True, "return_logprob": True, "top_logprobs_num": 2,
+            "sampling_params": {"max_new_tokens": 400, "temperature": 0, "ignore_eos": True}}
+    events = fresh_worker.stream("/generate", body)
+    assert events[-1] == "[DONE]"
+    chunks = events[:-1]
+    assert len(chunks) >= 10
+    ids = [t for c in chunks for t in c["output_ids"]]
+    plain = generate(fresh_worker, **{**body, "stream": False})
+    assert ids == plain["output_ids"]
+    assert "".join(c["text"] for c in chunks) == plain["text"]
+    logprobs = [e for c in chunks for e in c["meta_info"]["output_token_logprobs"]]
+    assert [t for _, t, _ in logprobs] == ids
+    expected = [lp for lp, _, _ in plain["meta_info"]["output_token_logprobs"]]
+    assert [lp for lp, _, _ in logprobs] == pytest.approx(expected, abs=1e-5)
+    assert sum(len(c["meta_info"]["output_top_logprobs"]) for c in chunks) == 400
+    seen = 0
+    for chunk in chunks:
+        seen += len(chunk["output_ids"])
+        assert chunk["meta_info"]["completion_tokens"] == seen  # the count stays cumulative, as in SGLang
+        assert len(chunk["meta_info"]["output_token_logprobs"]) == len(chunk["output_ids"])
+    assert max(len(json.dumps(c)) for c in chunks) < 4 * len(json.dumps(chunks[0])) + 512
+    status, info = fresh_worker.get("/get_server_info")
+    assert status == 200 and json.loads(info)["incremental_streaming_output"] is True
+
+
 def check_top_logprobs(meta: dict[str, Any], ids: list[int], k: int) -> None:
     """K distinct [logprob, id, None] per output token, best first, consistent with output_token_logprobs."""
     tops = meta["output_top_logprobs"]

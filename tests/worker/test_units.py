@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import pytest
 import torch
@@ -82,16 +83,50 @@ def test_tracker_trims_at_the_earliest_stop() -> None:
     tracker = TextTracker(lambda ids: "".join(pieces[i] for i in ids), ["world", "lo w"])
     assert tracker.update([0]) is None
     assert tracker.update([0, 1]) is None
-    assert tracker.visible() == "Hel"  # "lo" may start "lo w"
+    assert tracker.take() == "Hel"  # "lo" may start "lo w"
     assert tracker.update([0, 1, 2]) == "lo w"
     assert tracker.text == "Hel"
+    assert tracker.rest() == ""
 
 
-def test_tracker_hides_a_half_character() -> None:
-    tracker = TextTracker(lambda ids: "ab\ufffd", [])
-    assert tracker.update([1]) is None
-    assert tracker.visible() == "ab"
-    assert tracker.text == "ab\ufffd"
+def test_tracker_hides_a_half_character_until_the_next_token_completes_it() -> None:
+    pieces = {1: "ab", 2: "\ufffd", 3: "c"}  # 2+3 together render "é"
+
+    def decode(ids: list[int]) -> str:
+        text = "".join(pieces[i] for i in ids)
+        return text.replace("\ufffdc", "é")
+
+    tracker = TextTracker(decode, [])
+    tracker.update([1, 2])
+    assert tracker.take() == ""  # the piece ends in half a character: it waits
+    tracker.update([1, 2, 3])
+    assert tracker.take() == "abé"
+    tracker.update([1, 2, 3, 2], final=True)  # an answer that ends mid-character keeps what the model wrote
+    assert tracker.rest() == "\ufffd"
+
+
+def test_incremental_decoding_matches_a_full_decode(tiny_model: Any) -> None:
+    """The pieces the tracker decodes concatenate to the whole answer's decode, with the tiny model's real
+    tokenizer, over random ids (half characters, special tokens) and multilingual text."""
+    import random
+
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model, local_files_only=True)
+
+    def decode(ids: Any) -> str:
+        return str(tokenizer.decode(list(ids), skip_special_tokens=True))
+
+    rng = random.Random(7)
+    samples = [[rng.randrange(tokenizer.vocab_size) for _ in range(200)] for _ in range(20)]
+    samples += [tokenizer.encode("naïve café — 日本語 🙂 " * 5 + "def f(x):\n    return x\n")]
+    for ids in samples:
+        tracker = TextTracker(decode, [])
+        streamed = ""
+        for n in range(1, len(ids) + 1):
+            tracker.update(ids[:n], final=n == len(ids))
+            streamed += tracker.take() if n < len(ids) else tracker.rest()
+        assert streamed == tracker.text == decode(ids)
 
 
 def test_parse_tool_calls() -> None:
@@ -189,3 +224,26 @@ def test_streamed_content_stops_before_a_tool_call() -> None:
     assert _streamable("Sure. " + call, final=True, tools=True) == "Sure. "
     assert _streamable("Sure. <tool_call>oops", final=True, tools=True) == "Sure. <tool_call>oops"
     assert _streamable("Sure. <tool_", final=False, tools=False) == "Sure. <tool_"
+
+
+def test_a_growing_cache_layer_writes_in_place_and_matches_concatenation() -> None:
+    """A decode step writes one column into spare room instead of copying the whole cache (transformers'
+    DynamicLayer concatenates, which makes time per token grow with the answer)."""
+    layer = kvcache.GrowingLayer()
+    torch.manual_seed(0)
+    keys, values = torch.randn(2, 4, 300, 8), torch.randn(2, 4, 300, 8)
+    out_k, out_v = layer.update(keys, values)
+    assert torch.equal(out_k, keys) and torch.equal(out_v, values)
+    moves = 0
+    for _ in range(2000):
+        k, v = torch.randn(2, 4, 1, 8), torch.randn(2, 4, 1, 8)
+        before = layer.keys.data_ptr()
+        out_k, out_v = layer.update(k, v)
+        moves += out_k.data_ptr() != before
+        keys, values = torch.cat([keys, k], dim=-2), torch.cat([values, v], dim=-2)
+    assert torch.equal(out_k, keys) and torch.equal(out_v, values)
+    assert layer.get_seq_length() == 2300
+    assert moves <= 6  # the buffer grows by half again each time it fills: a handful of copies, not 2000
+    layer.crop(-100)  # transformers may replace the tensors: the layer adopts them
+    out_k, _ = layer.update(k, v)
+    assert torch.equal(out_k, torch.cat([keys[..., :2200, :], k], dim=-2))

@@ -1,0 +1,104 @@
+"""Admission control: a bounded line in front of each engine.
+
+An engine generates for a batch of requests at once; more requests than that wait. Without a bound they wait
+without end (100 concurrent streams on one engine waited 81 s for a first byte at the median), and a client
+cannot tell a slow answer from a stuck one. Here at most `limit` requests hold the engine, at most `max_queue`
+more wait their turn in arrival order, each for at most `max_wait_s`. Beyond the line a request is refused at
+once (429); one that waited too long is refused then (503); both carry Retry-After, so the providers' SDKs retry
+by themselves. Knows nothing about HTTP or engines.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections import Counter, deque
+from collections.abc import AsyncIterator
+from typing import Any
+
+
+class Overloaded(Exception):
+    """The engine's line is full (429) or the wait for a turn ran out (503). Retry after `retry_after` s."""
+
+    def __init__(self, message: str, status: int, retry_after: int):
+        super().__init__(message)
+        self.status = status
+        self.retry_after = retry_after
+
+
+class Admission:
+    """Turns at one engine: `limit` at once, `max_queue` waiting, `max_wait_s` the longest wait."""
+
+    def __init__(self, name: str, limit: int, max_queue: int, max_wait_s: float):
+        self.name = name
+        self.limit = limit
+        self.max_queue = max_queue
+        self.max_wait_s = max_wait_s
+        self.running = 0
+        self._waiting: deque[asyncio.Future[None]] = deque()
+        self.refused: Counter[str] = Counter()  # "queue_full" (429) and "queue_timeout" (503)
+
+    @property
+    def waiting(self) -> int:
+        return len(self._waiting)
+
+    def resize(self, limit: int, max_queue: int, max_wait_s: float) -> None:
+        """New bounds (a reload changed the model's settings); waiting requests keep their place."""
+        self.limit, self.max_queue, self.max_wait_s = limit, max_queue, max_wait_s
+        while self._waiting and self.running < self.limit:
+            self._grant()
+
+    @contextlib.asynccontextmanager
+    async def turn(self) -> AsyncIterator[None]:
+        """Hold one of the engine's turns for the body of the block (Overloaded when there is none to wait for)."""
+        await self._enter()
+        try:
+            yield
+        finally:
+            self._leave()
+
+    async def _enter(self) -> None:
+        if self.running < self.limit and not self._waiting:
+            self.running += 1
+            return
+        if len(self._waiting) >= self.max_queue:
+            self.refused["queue_full"] += 1
+            raise Overloaded(f"{self.name} is at capacity: {self.running} requests generating and "
+                             f"{len(self._waiting)} waiting (model.max_queue); retry shortly", 429, retry_after=1)
+        turn: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._waiting.append(turn)
+        try:
+            done, _ = await asyncio.wait({turn}, timeout=self.max_wait_s)
+        except asyncio.CancelledError:  # the client left while waiting
+            self._forfeit(turn)
+            raise
+        if not done:
+            self._forfeit(turn)
+            self.refused["queue_timeout"] += 1
+            raise Overloaded(f"{self.name} is busy: no turn came within {self.max_wait_s:g} s "
+                             f"(model.max_queue_wait_s); retry shortly", 503, retry_after=2)
+
+    def _forfeit(self, turn: asyncio.Future[None]) -> None:
+        """Give up a place in the line; a turn granted meanwhile goes to the next in line."""
+        if turn.done() and not turn.cancelled():
+            self._leave()
+            return
+        turn.cancel()
+        with contextlib.suppress(ValueError):
+            self._waiting.remove(turn)
+
+    def _leave(self) -> None:
+        self.running -= 1
+        while self._waiting and self.running < self.limit:
+            self._grant()
+
+    def _grant(self) -> None:
+        turn = self._waiting.popleft()
+        if not turn.done():
+            self.running += 1
+            turn.set_result(None)
+
+    def describe(self) -> dict[str, Any]:
+        return {"running": self.running, "waiting": len(self._waiting), "limit": self.limit,
+                "max_queue": self.max_queue, "max_queue_wait_s": self.max_wait_s,
+                "refused": dict(self.refused)}

@@ -1,0 +1,126 @@
+"""The line in front of an engine: turns in arrival order, 429 past the line, 503 past the wait."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+
+import pytest
+
+from reefd.admission import Admission, Overloaded
+
+
+async def hold(line: Admission, order: list[str], name: str, release: asyncio.Event) -> None:
+    async with line.turn():
+        order.append(name)
+        await release.wait()
+
+
+def test_turns_come_in_arrival_order_and_past_the_line_is_429() -> None:
+    async def main() -> None:
+        line = Admission("m", limit=2, max_queue=2, max_wait_s=30)
+        order: list[str] = []
+        gates = {n: asyncio.Event() for n in "abcd"}
+        tasks = {n: asyncio.create_task(hold(line, order, n, gates[n])) for n in "abcd"}
+        await asyncio.sleep(0.01)
+        assert order == ["a", "b"] and (line.running, line.waiting) == (2, 2)
+        with pytest.raises(Overloaded) as refused:
+            async with line.turn():
+                pass
+        assert refused.value.status == 429 and refused.value.retry_after >= 1
+        assert "max_queue" in str(refused.value)
+        gates["b"].set()
+        await asyncio.sleep(0.01)
+        assert order == ["a", "b", "c"]  # the first in line takes the freed turn
+        gates["a"].set()
+        await asyncio.sleep(0.01)
+        assert order == ["a", "b", "c", "d"] and (line.running, line.waiting) == (2, 0)
+        for n in "cd":
+            gates[n].set()
+        await asyncio.gather(*tasks.values())
+        assert (line.running, line.waiting) == (0, 0)
+        assert line.describe()["refused"] == {"queue_full": 1}
+
+    asyncio.run(main())
+
+
+def test_a_wait_past_max_queue_wait_is_503_and_frees_its_place() -> None:
+    async def main() -> None:
+        line = Admission("m", limit=1, max_queue=1, max_wait_s=0.05)
+        busy = asyncio.Event()
+        first = asyncio.create_task(hold(line, [], "a", busy))
+        await asyncio.sleep(0.01)
+        with pytest.raises(Overloaded) as late:
+            async with line.turn():
+                pass
+        assert late.value.status == 503 and "max_queue_wait_s" in str(late.value)
+        assert line.waiting == 0  # its place is free again: the next one may wait
+        waiter = asyncio.create_task(hold(line, (order := []), "b", asyncio.Event()))
+        await asyncio.sleep(0.01)
+        assert line.waiting == 1
+        busy.set()
+        await first
+        await asyncio.sleep(0.01)
+        assert order == ["b"]
+        waiter.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await waiter
+        assert (line.running, line.waiting) == (0, 0)
+
+    asyncio.run(main())
+
+
+def test_a_client_that_leaves_the_line_gives_up_its_place_or_its_turn() -> None:
+    async def main() -> None:
+        line = Admission("m", limit=1, max_queue=4, max_wait_s=30)
+        busy = asyncio.Event()
+        first = asyncio.create_task(hold(line, [], "a", busy))
+        await asyncio.sleep(0.01)
+        order: list[str] = []
+        gone = asyncio.create_task(hold(line, order, "b", asyncio.Event()))
+        later = asyncio.create_task(hold(line, order, "c", (done := asyncio.Event())))
+        await asyncio.sleep(0.01)
+        gone.cancel()
+        await asyncio.sleep(0.01)
+        assert line.waiting == 1
+        busy.set()
+        await first
+        await asyncio.sleep(0.01)
+        assert order == ["c"]
+        done.set()
+        await later
+        # a turn granted in the same instant the client left goes to the next in line, never lost
+        await line._enter()  # x holds the only turn
+        leaving = asyncio.create_task(hold(line, order, "y", asyncio.Event()))
+        after = asyncio.create_task(hold(line, order, "z", (end := asyncio.Event())))
+        await asyncio.sleep(0.01)
+        line._leave()  # x is done: its turn goes to y at once ...
+        leaving.cancel()  # ... and y leaves before it could use it
+        await asyncio.sleep(0.01)
+        assert order[-1] == "z" and line.running == 1
+        end.set()
+        await after
+        with contextlib.suppress(asyncio.CancelledError):
+            await leaving
+        assert (line.running, line.waiting) == (0, 0)
+
+    asyncio.run(main())
+
+
+def test_a_reload_that_raises_the_limit_lets_waiting_requests_in() -> None:
+    async def main() -> None:
+        line = Admission("m", limit=1, max_queue=4, max_wait_s=30)
+        order: list[str] = []
+        gates = [asyncio.Event() for _ in range(3)]
+        tasks = [asyncio.create_task(hold(line, order, str(i), g)) for i, g in enumerate(gates)]
+        await asyncio.sleep(0.01)
+        assert order == ["0"]
+        line.resize(3, 4, 30)
+        await asyncio.sleep(0.01)
+        assert order == ["0", "1", "2"] and line.waiting == 0
+        for g in gates:
+            g.set()
+        await asyncio.gather(*tasks)
+        assert line.running == 0
+
+    asyncio.run(main())
