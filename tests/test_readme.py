@@ -47,5 +47,5 @@ def test_quick_start_commands_work_as_written(tmp_path: Path) -> None:
         d.stop()
     assert receipt and '"object": "chat.completion"' in outputs[0].replace('":"', '": "')
     assert f'"references":["{receipt}"]' in outputs[1].replace(" ", "")
-    assert re.search(r"^hello\s+tiny\s+worker\s+ready\s+r0-[0-9a-f]{7}\s+1\s+1", outputs[2], re.M)
+    assert re.search(r"^hello\s+tiny\s+worker\s+ready\s+0/8\+0\s+r0-[0-9a-f]{7}\s+1\s+1", outputs[2], re.M)
     assert re.search(rf"^{receipt}\s+\S+\s+openai\.chat_completions\s+\S+\s+1\s", outputs[3], re.M)
