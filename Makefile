@@ -35,7 +35,7 @@ lint: venv
 	$(BIN)/mypy
 
 test: venv lint
-	@$(BIN)/python -m pytest -m "not slow"; rc=$$?; \
+	@$(BIN)/python -m pytest -m "not slow" --durations=25; rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "make: pytest collected no tests; that is a failure" >&2; exit 1; fi; \
 	exit $$rc
 
@@ -46,6 +46,7 @@ bench: venv
 	$(BIN)/python bench/engine_batching.py --model smollm2
 	$(BIN)/python bench/memory.py
 	$(BIN)/python bench/stream_length.py
+	$(BIN)/python bench/load_streams.py
 	$(BIN)/python bench/hot_swap.py --model tiny
 	$(BIN)/python bench/hot_swap.py --model smollm2
 	$(BIN)/python bench/hot_swap.py --weights --model tiny

@@ -88,6 +88,8 @@ async def serve(settings: Settings, host: str, port: int, scenarios_dir: Path) -
 
     loop.add_signal_handler(signal.SIGHUP, on_hup)
     ready = asyncio.create_task(_announce_ready(app))
+    interval = systemd.watchdog_interval()
+    dog = asyncio.create_task(systemd.watchdog(interval)) if interval is not None else None
     await stop.wait()
     log.info("stopping: draining in-flight requests (up to %.0f s)", settings.shutdown_timeout_s)
     await systemd.notify_async("STOPPING=1")
@@ -95,6 +97,8 @@ async def serve(settings: Settings, host: str, port: int, scenarios_dir: Path) -
     if scraper is not None:
         await scraper.cleanup()
     await runner.cleanup()
+    if dog is not None:
+        dog.cancel()
     log.info("stopped")
     return 0
 
@@ -114,7 +118,8 @@ async def _metrics_site(app: web.Application) -> web.AppRunner | None:
 
 async def _reload(app: web.Application, scenarios_dir: Path) -> None:
     """SIGHUP (`systemctl reload reefd`): re-read the folder and apply the difference."""
-    await systemd.notify_async("RELOADING=1", f"MONOTONIC_USEC={time.clock_gettime_ns(time.CLOCK_MONOTONIC) // 1000}")
+    await systemd.notify_async("RELOADING=1", f"MONOTONIC_USEC={time.clock_gettime_ns(time.CLOCK_MONOTONIC) // 1000}",
+                               "STATUS=reloading scenarios")
     try:
         scenarios = await asyncio.to_thread(config.load_all, scenarios_dir)  # off the event loop
         await loop.reload(app, scenarios)
@@ -124,7 +129,7 @@ async def _reload(app: web.Application, scenarios_dir: Path) -> None:
     except Exception:
         log.exception("reload failed, still serving the previous scenarios")
     finally:
-        await systemd.notify_async("READY=1", "STATUS=serving")
+        await systemd.notify_async("READY=1", _serving(app))
 
 
 async def _announce_ready(app: web.Application) -> None:
@@ -139,10 +144,16 @@ async def _announce_ready(app: web.Application) -> None:
     down = sorted(n for n, s in registry.scenarios.items() if not s.engine.ready)
     if down:
         log.error("engines not ready after the start-up deadline: %s", ", ".join(down))
-        await systemd.notify_async("READY=1", f"STATUS=serving; not ready: {', '.join(down)}")
+        await systemd.notify_async("READY=1", f"{_serving(app)}; not ready: {', '.join(down)}")
         return
     log.info("ready: every scenario's engine answers")
-    await systemd.notify_async("READY=1", "STATUS=serving")
+    await systemd.notify_async("READY=1", _serving(app))
+
+
+def _serving(app: web.Application) -> str:
+    """The STATUS= line while serving: `systemctl status reefd` shows it."""
+    n = len(app[loop.REGISTRY].scenarios)
+    return f"STATUS=serving {n} scenario{'' if n == 1 else 's'}"
 
 
 def main(argv: list[str] | None = None) -> int:

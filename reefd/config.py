@@ -276,7 +276,7 @@ def compose(path: Path) -> ScenarioConfig:
     for where, msg in _semantic_errors(data):
         raise ConfigError(f"{label}: {where}: {msg}")
     cfg = from_dict(data)
-    problem = _grow_problem(cfg, path.parent)
+    problem = _serve_problem(cfg) or _grow_problem(cfg, path.parent)
     if problem:
         raise ConfigError(f"{label}: {problem}")
     return cfg
@@ -292,6 +292,26 @@ def _loopback(host: str) -> bool:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:
         return False
+
+
+ENGINE_MODULES = ("torch", "transformers", "peft")  # what the worker process imports: the `engine` extra
+
+
+def _installed(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def _serve_problem(cfg: ScenarioConfig) -> str | None:
+    """What the scenario's engine needs installed, checked at start rather than as a worker's traceback."""
+    if cfg.model.engine == "worker":
+        missing = [m for m in ENGINE_MODULES if not _installed(m)]
+        if missing:
+            return (f"model.engine: worker runs the model with {', '.join(missing)}, not installed here: "
+                    "pip install 'reefd[engine]'")
+    return None
 
 
 def _grow_problem(cfg: ScenarioConfig, scenarios_dir: Path) -> str | None:

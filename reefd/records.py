@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import hashlib
 import json
 import logging
@@ -30,6 +31,22 @@ log = logging.getLogger("reefd.records")
 
 __all__ = ["ClaimTaken", "RecordStore", "ReportConflict", "StorageError", "StoreClosed", "UnknownReceipt",
            "new_receipt"]
+
+
+LOW_DISK = 64 << 20  # free bytes under which a failed write is taken for a full disk
+
+
+def disk_says(path: str, exc: BaseException) -> str:
+    """A write error as the disk explains it: a full disk often surfaces from LMDB's msync or fsync as EIO
+    ("Input/output error"), which names the symptom, not the cause."""
+    try:
+        stat = os.statvfs(path)
+    except OSError:
+        return str(exc)
+    free = stat.f_bavail * stat.f_frsize
+    if getattr(exc, "errno", None) == errno.ENOSPC or free < LOW_DISK:
+        return f"no space left on device ({free >> 20} MiB free; {exc})"
+    return str(exc)
 
 
 class StorageError(Exception):
@@ -394,7 +411,7 @@ class RecordStore:
             except lmdb.MapFullError:
                 problem = self._grow()
             except (lmdb.Error, OSError) as exc:
-                problem = f"record store write failed: {exc}"
+                problem = f"record store write failed: {disk_says(self.path, exc)}"
             except Exception as exc:  # a bug in some op: commit the ops one by one to isolate it
                 if len(ops) == 1:
                     return [(False, exc)]
@@ -433,7 +450,7 @@ class RecordStore:
             with self._rw.write():
                 self._env.set_mapsize(target)
         except (lmdb.Error, OSError) as exc:
-            return f"record store is full: cannot grow the map to {target} bytes: {exc}"
+            return f"record store is full: cannot grow the map to {target} bytes: {disk_says(self.path, exc)}"
         self.stats["grows"] += 1
         return None
 

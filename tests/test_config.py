@@ -150,3 +150,20 @@ def test_the_ray_backend_is_checked_at_load(tmp_path: Path, monkeypatch: pytest.
     monkeypatch.setattr(config.importlib.util, "find_spec", lambda name, *a: None if name == "ray" else real(name, *a))
     with pytest.raises(config.ConfigError, match=r"recipe\.backend: ray needs Ray.*pip install 'reefd\[ray\]'"):
         config.compose(scen / "ok.yaml")
+
+
+def test_a_worker_scenario_without_the_engine_extra_fails_at_start_in_one_line(tmp_path: Path) -> None:
+    """`pip install reefd` without `[engine]`: reefd names the extra to install, exit 2, no traceback from a worker."""
+    import subprocess
+    import sys
+
+    scenarios = make_scenarios(tmp_path / "s")
+    hide = "import sys; sys.modules['torch'] = None; from reefd.__main__ import main; sys.exit(main(sys.argv[1:]))"
+    for argv in (["--check"], []):  # checking, and starting for real
+        out = subprocess.run([sys.executable, "-c", hide, "--scenarios", str(scenarios), "--state",
+                              str(tmp_path / "state"), "--listen", "127.0.0.1:0", *argv],
+                             capture_output=True, text=True, timeout=120)
+        assert out.returncode == 2, out.stderr
+        lines = out.stderr.strip().splitlines()
+        assert lines == [f"{scenarios / 'tiny.yaml'}: model.engine: worker runs the model with torch, not installed "
+                         "here: pip install 'reefd[engine]'"], out.stderr

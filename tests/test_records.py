@@ -497,3 +497,19 @@ def test_every_acknowledged_record_survives_kill_9(tmp_path: Path) -> None:
         assert store.counts()["crash"]["records"] == len(store.list_records("crash", limit=10**6))
 
     with_store(tmp_path / "db", check)
+
+
+def test_a_failed_write_on_a_full_disk_says_no_space_left(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """LMDB reports a full disk as EIO ("Input/output error"): the message names the full disk instead."""
+    import errno
+    import os
+
+    from reefd import records
+
+    eio = OSError(errno.EIO, "Input/output error")
+    assert records.disk_says(str(tmp_path), eio) == "[Errno 5] Input/output error"  # plenty of room here
+    full = os.statvfs_result((4096, 4096, 1000, 10, 10, 100, 0, 0, 0, 255, 0))  # 40 KiB free
+    monkeypatch.setattr(os, "statvfs", lambda path: full)
+    assert records.disk_says(str(tmp_path), eio) == "no space left on device (0 MiB free; [Errno 5] Input/output error)"
+    enospc = OSError(errno.ENOSPC, "No space left on device")
+    assert records.disk_says("/nonexistent/x", enospc).startswith("no space left on device")
