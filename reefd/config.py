@@ -368,9 +368,11 @@ def _grow_problem(cfg: ScenarioConfig, scenarios_dir: Path) -> str | None:
         return problem if problem.startswith("gate") else f"gate: {problem}"
     if cfg.harness.dir is not None:
         try:
-            Harness.from_dir(scenarios_dir / cfg.harness.dir)
+            harness = Harness.from_dir(scenarios_dir / cfg.harness.dir)
         except (HarnessError, OSError) as exc:
             return f"harness.dir: {exc}"
+        if (problem := harness.config_problem()) is not None:
+            return f"harness.dir: {problem}"
     return None
 
 

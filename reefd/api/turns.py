@@ -100,7 +100,8 @@ def new_record(request: web.Request, scenario: Scenario, binding: Binding, recei
             "requested_model": body.get("model"),
             "created_at": time.time(), **placement.fields(),
             "tags": tags, "stream": stream,
-            "request": body, "messages": chat.messages, "tools": chat.tools}
+            "request": body, "messages": chat.messages, "tools": chat.tools,
+            "sampling": {"temperature": chat.temperature, "top_p": chat.top_p, "max_tokens": chat.max_tokens}}
 
 
 def top_k_fields(c: Completion) -> dict[str, Any]:
@@ -170,10 +171,11 @@ async def serve_turn(request: web.Request, scenario: Scenario, binding: Binding,
     """Serve one turn with the release `binding` names (taken when the request started: see Registry.serving)."""
     serve = scenario.cfg.serve  # the scenario's sampling defaults fill what the request left unset
     chat.top_logprobs = scenario.capture_top_k
+    harness = binding.harness.sampling() if binding.harness is not None else {}  # its config.yaml comes first
     if chat.temperature is None:
-        chat.temperature = serve.temperature
+        chat.temperature = harness.get("temperature", serve.temperature)
     if chat.top_p is None:
-        chat.top_p = serve.top_p
+        chat.top_p = harness.get("top_p", serve.top_p)
     cap = scenario.cfg.model.max_new_tokens  # whatever the client asked for (Claude Code: 32000)
     if cap is not None:
         chat.max_tokens = min(chat.max_tokens, cap)

@@ -21,6 +21,7 @@ KINDS = ("rules", "skill", "prompt", "config")
 OPS = ("create", "update", "remove")
 ID_PATTERN = r"^[a-z0-9][a-z0-9_-]{0,63}$"
 CONFIG_ID = "config"
+SAMPLING = {"temperature": (0.0, 2.0), "top_p": (0.0, 1.0)}  # what a harness's config.yaml may set: (min, max)
 MAX_BODY_BYTES = 64 * 1024  # one body, UTF-8
 MAX_DESCRIPTION_CHARS = 1024  # one skill description, one line
 MAX_TOTAL_BYTES = 1024 * 1024  # all rendered files together
@@ -224,6 +225,25 @@ class Harness(Mapping[tuple[str, str], Entry]):
         return "; ".join(parts) or "no changes"
 
     # -- prompt
+
+    def sampling(self) -> dict[str, float]:
+        """The sampling defaults its config.yaml sets (temperature, top_p): requests served with this harness
+        that set none get them, before the scenario's serve: defaults."""
+        entry = self.get(("config", CONFIG_ID))
+        config = entry.config if entry is not None else {}
+        return {k: float(config[k]) for k in SAMPLING if k in config}
+
+    def config_problem(self) -> str | None:
+        """Why its config.yaml cannot take effect: a key reefd does not read, or a value out of range."""
+        entry = self.get(("config", CONFIG_ID))
+        for key, value in (entry.config.items() if entry is not None else ()):
+            if key not in SAMPLING:
+                return (f"config.yaml: {key!r} is not a setting reefd reads (a harness config sets "
+                        f"{' and '.join(SAMPLING)}, the sampling defaults of the requests it serves)")
+            low, high = SAMPLING[key]
+            if isinstance(value, bool) or not isinstance(value, int | float) or not low <= value <= high:
+                return f"config.yaml: {key}: {value!r} is not a number from {low:g} to {high:g}"
+        return None
 
     def prompt_block(self, inline_skills: bool = False) -> str:
         """The text reefd adds to an agent's system prompt: a heading, the rules' bodies, then the skill catalog

@@ -1,0 +1,132 @@
+"""The scheduler alone, with a job runner that only records what it is asked to run: cron triggers on a clock the
+test controls, and REEF_MAX_JOBS across scenarios, first come first served."""
+
+from __future__ import annotations
+
+import asyncio
+import datetime as dt
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from reefd.jobs import Job, JobStore
+from reefd.schedule import Scheduler
+
+
+def scenario(cron: str | None = None) -> Any:
+    trigger = SimpleNamespace(interval_s=None, cron=cron, every_n_records=None)
+    return SimpleNamespace(cfg=SimpleNamespace(trigger=trigger, recipe=SimpleNamespace(name="sao")), recipe=None)
+
+
+class Runner:
+    """Runs a job until the test lets it finish."""
+
+    def __init__(self) -> None:
+        self.started: list[str] = []
+        self.finish: dict[str, asyncio.Event] = {}
+        self.cancelling: set[str] = set()
+
+    async def run(self, job: Job) -> None:
+        self.started.append(job.scenario)
+        job.state = "running"
+        await self.finish.setdefault(job.scenario, asyncio.Event()).wait()
+        job.state = "done"
+
+
+async def until(check: Any) -> None:
+    for _ in range(500):
+        if check():
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError("condition not reached")
+
+
+def test_a_cron_trigger_fires_when_the_clock_reaches_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`trigger.cron: "0 3 * * *"`: nothing at 02:59, a job (reason cron) once the clock passes 03:00 UTC."""
+    import apscheduler.executors.base as aps_executors
+    import apscheduler.schedulers.base as aps_base
+
+    now = [dt.datetime(2026, 12, 1, 2, 0, tzinfo=dt.UTC)]
+
+    class Clock(dt.datetime):
+        @classmethod
+        def now(cls, tz: Any = None) -> Any:  # APScheduler 3 reads the time in these two modules only
+            return now[0].astimezone(tz)
+
+    monkeypatch.setattr(aps_base, "datetime", Clock)
+    monkeypatch.setattr(aps_executors, "datetime", Clock)
+
+    async def main() -> None:
+        registry = SimpleNamespace(scenarios={"nightly": scenario(cron="0 3 * * *")})
+        jobs = JobStore(tmp_path / "jobs")
+        runner = Runner()
+        scheduler = Scheduler(registry, None, jobs, runner)  # type: ignore[arg-type]
+        await scheduler.start()
+        try:
+            job = scheduler._aps.get_job("nightly:cron")
+            assert job.next_run_time == dt.datetime(2026, 12, 1, 3, 0, tzinfo=dt.UTC)
+            now[0] = dt.datetime(2026, 12, 1, 2, 59, tzinfo=dt.UTC)
+            scheduler._aps.wakeup()
+            await asyncio.sleep(0.2)
+            assert runner.started == [] and jobs.list() == []
+            now[0] = dt.datetime(2026, 12, 1, 3, 0, 1, tzinfo=dt.UTC)
+            scheduler._aps.wakeup()
+            await until(lambda: runner.started == ["nightly"])
+            assert [(j.scenario, j.reason) for j in jobs.list()] == [("nightly", "cron")]
+            assert scheduler._aps.get_job("nightly:cron").next_run_time == dt.datetime(2026, 12, 2, 3, 0,
+                                                                                       tzinfo=dt.UTC)
+            runner.finish["nightly"].set()
+        finally:
+            await scheduler.stop()
+
+    asyncio.run(main())
+
+
+def test_max_jobs_bounds_jobs_across_scenarios_first_come_first_served(tmp_path: Path) -> None:
+    """REEF_MAX_JOBS=2 with four scenarios asking in order a, b, c, d: a and b run; c starts when one of them ends
+    (whichever), then d; never more than two at once."""
+
+    async def main() -> None:
+        names = ["a", "b", "c", "d"]
+        registry = SimpleNamespace(scenarios={n: scenario() for n in names})
+        runner = Runner()
+        scheduler = Scheduler(registry, None, JobStore(tmp_path / "jobs"), runner, max_jobs=2)  # type: ignore[arg-type]
+        await scheduler.start()
+        try:
+            for n in names:
+                await scheduler.submit(n, "manual")
+            await until(lambda: len(runner.started) == 2)
+            await asyncio.sleep(0.1)
+            assert runner.started == ["a", "b"]
+            runner.finish.setdefault("b", asyncio.Event()).set()
+            await until(lambda: len(runner.started) == 3)
+            assert runner.started == ["a", "b", "c"]  # c asked before d
+            await asyncio.sleep(0.1)
+            assert len(runner.started) == 3  # a and c run: two at most
+            runner.finish.setdefault("a", asyncio.Event()).set()
+            await until(lambda: runner.started == ["a", "b", "c", "d"])
+            for n in "cd":
+                runner.finish.setdefault(n, asyncio.Event()).set()
+        finally:
+            await scheduler.stop()
+
+    asyncio.run(main())
+
+
+def test_reefd_reads_max_jobs_from_its_environment(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    from reefd import __main__ as entry
+
+    seen: dict[str, Any] = {}
+
+    async def serve(settings: Any, *args: Any) -> int:
+        seen["max_jobs"] = settings.max_jobs
+        return 0
+
+    monkeypatch.setattr(entry, "serve", serve)
+    monkeypatch.setenv("REEF_MAX_JOBS", "3")
+    from tests.conftest import make_scenarios
+
+    assert entry.main(["--scenarios", str(make_scenarios(tmp_path / "s")), "--state", str(tmp_path / "st")]) == 0
+    assert seen["max_jobs"] == 3
