@@ -60,23 +60,34 @@ class JobStore:
                 self.jobs[data["id"]] = Job(**data)
 
     def recover(self) -> list[Job]:
-        """Jobs a stopped reefd left queued or running: marked failed, with the reason (those training on a
-        cluster that outlives reefd are left running: `resumable`)."""
+        """Jobs a stopped (or killed) reefd left queued or running. They run again (`resumable`): one that had
+        not taken its batch yet from the start, one whose batch is on disk on that same batch, one training on a
+        cluster that outlived reefd by following that trainer. One stopped while it gated or published is
+        marked failed, with the reason (its records stay eligible), and returned."""
         lost = [j for j in self.jobs.values() if j.state in ACTIVE and not self._resumable(j)]
         for job in lost:
             job.state, job.finished_at = "failed", time.time()
-            job.error = ("reefd stopped while the job was queued" if job.stage == "queued"
-                         else f"reefd stopped during the job's {job.stage} stage")
+            job.error = f"reefd stopped during the job's {job.stage} stage"
             self.save(job)
+        for job in self.jobs.values():
+            if job.state == "running" and job.stage in ("queued", "batch"):  # no batch taken yet: it starts over
+                job.state, job.stage, job.started_at = "queued", "queued", None
+                self.save(job)
         return lost
 
     def resumable(self) -> list[Job]:
-        """Jobs a stopped reefd left training on a cluster, oldest first: the scheduler runs them again."""
-        return sorted((j for j in self.jobs.values() if self._resumable(j)), key=lambda j: j.created_at)
+        """Jobs a stopped reefd left to run again, oldest first: the scheduler queues them before anything new."""
+        return sorted((j for j in self.jobs.values() if j.state in ACTIVE and self._resumable(j)),
+                      key=lambda j: j.created_at)
 
-    @staticmethod
-    def _resumable(job: Job) -> bool:
-        return job.state == "running" and job.detachable and job.stage == "train"
+    def has_batch(self, job: Job) -> bool:
+        """Its batch is on disk (the trainer's spec), so a restart trains it again on the same records."""
+        return job.built_on is not None and (self.workdir(job) / "spec.json").is_file()
+
+    def _resumable(self, job: Job) -> bool:
+        if job.state == "queued" or job.stage in ("queued", "batch"):
+            return True
+        return job.state == "running" and job.stage == "train" and (job.detachable or self.has_batch(job))
 
     def new(self, scenario: str, reason: str, recipe: str) -> Job:
         """A queued job, listed at once (the caller saves it)."""

@@ -112,7 +112,8 @@ class Runner:
         await asyncio.to_thread(self.jobs.save, job)
 
     async def run(self, job: Job) -> None:
-        resuming = job.state == "running" and job.detachable
+        resuming = job.state == "running" and (job.detachable or self.jobs.has_batch(job))
+        again = False  # reefd stopped while the job trained here: the next reefd trains it again
         try:
             job.state, job.started_at = "running", job.started_at or time.time()
             await self._save(job)
@@ -126,6 +127,12 @@ class Runner:
                 await self.cancelled(job)
             elif job.detachable:  # its trainer runs on its cluster: the next reefd follows it (`_resume`)
                 job.error = "reefd stopped while the job trained on its cluster; a restart follows it"
+                await asyncio.shield(self._save(job))
+                raise
+            elif job.stage == "train" and self.jobs.has_batch(job):  # the next reefd trains it again (`_resume`)
+                again = True
+                job.error = "reefd stopped while the job trained; a restart trains it again on the same batch"
+                await asyncio.shield(self.stop_trainer(job))
                 await asyncio.shield(self._save(job))
                 raise
             else:
@@ -144,8 +151,8 @@ class Runner:
                 self.cancelling.discard(job.id)
                 if job.state in ("running", "failed", "skipped"):
                     job.state, job.error = "cancelled", f"cancelled during its {job.stage} stage"
-            if not (job.detachable and job.state == "running"):  # else: followed again after a restart
-                await self._close(job)
+            if not (job.state == "running" and (job.detachable or again)):
+                await self._close(job)  # else: followed, or trained again, after a restart
 
     async def cancelled(self, job: Job) -> None:
         """An operator cancelled the job: it is on record as cancelled, and no longer followed after a restart,
@@ -225,13 +232,20 @@ class Runner:
         await self._weights_job(job, scenario, spec_path)
 
     async def _resume(self, job: Job) -> None:
-        """A job reefd stopped while its trainer ran on a cluster that outlived it: follow the same trainer job
-        (the backend finds it by the job's id; nothing is trained twice), then gate and publish as usual."""
+        """A job reefd stopped while it trained. On a cluster that outlived reefd: follow the same trainer job (the
+        backend finds it by the job's id; nothing is trained twice). Trained here: train again from the start
+        on the same batch, its spec. Then gate and publish as usual."""
         scenario = self._scenario(job)
         spec_path = self.jobs.workdir(job) / "spec.json"
         if job.built_on is None or not spec_path.is_file():
             raise JobFailed("reefd stopped during the job and its files are gone")
-        log.info("%s %s: following its trainer job again after a restart", job.scenario, job.id)
+        job.error = None
+        if job.detachable:
+            log.info("%s %s: following its trainer job again after a restart", job.scenario, job.id)
+        else:
+            log.info("%s %s: training again on the same batch after a restart", job.scenario, job.id)
+            job.progress, job.metrics = {}, {}
+            await asyncio.to_thread(shutil.rmtree, spec_path.parent / "candidate", True)  # what the last run left
         await self._weights_job(job, scenario, spec_path)
 
     async def _weights_job(self, job: Job, scenario: Scenario, spec_path: Path) -> None:

@@ -54,7 +54,7 @@ class Scheduler:
     async def start(self) -> None:
         for job in await asyncio.to_thread(self.jobs.recover):
             log.warning("%s %s: marked failed: %s", job.scenario, job.id, job.error)
-        for job in self.jobs.resumable():  # trained on a cluster while reefd was down: followed again first
+        for job in self.jobs.resumable():  # what a stopped reefd left queued or training runs first
             if job.scenario in self.registry.scenarios:
                 self._queue.append(job)
             else:

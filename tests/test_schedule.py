@@ -130,3 +130,31 @@ def test_reefd_reads_max_jobs_from_its_environment(monkeypatch: pytest.MonkeyPat
 
     assert entry.main(["--scenarios", str(make_scenarios(tmp_path / "s")), "--state", str(tmp_path / "st")]) == 0
     assert seen["max_jobs"] == 3
+
+
+def test_what_a_stopped_reefd_left_runs_again_after_a_restart(tmp_path: Path) -> None:
+    """Queued, or still taking its batch: runs from the start. Training, with its batch on disk: trains again on
+    that batch. Training on a cluster that outlived reefd: followed. Gating or publishing: failed, with the reason
+    (whether the release was written is the chain's to say)."""
+    store = JobStore(tmp_path / "jobs")
+    for name, state, stage, spec, detachable in [
+        ("queued", "queued", "queued", False, False), ("batch", "running", "batch", False, False),
+        ("train", "running", "train", True, False), ("cluster", "running", "train", True, True),
+        ("lost", "running", "train", False, False), ("gate", "running", "gate", True, False),
+        ("done", "published", "done", False, False),
+    ]:
+        job = store.new(name, "manual", "sao")
+        job.state, job.stage, job.detachable = state, stage, detachable
+        job.built_on = "r0-0000000"
+        if spec:
+            store.workdir(job).mkdir(parents=True)
+            (store.workdir(job) / "spec.json").write_text("{}")
+        store.save(job)
+    again = JobStore(tmp_path / "jobs")  # a restarted reefd reads the job files
+    failed = {j.scenario: j.error for j in again.recover()}
+    assert failed == {"lost": "reefd stopped during the job's train stage",
+                      "gate": "reefd stopped during the job's gate stage"}
+    assert [j.scenario for j in again.resumable()] == ["queued", "batch", "train", "cluster"]
+    states = {j.scenario: (j.state, j.stage) for j in again.list()}
+    assert states["batch"] == ("queued", "queued") and states["train"] == ("running", "train")
+    assert states["done"] == ("published", "done")
