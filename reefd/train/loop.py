@@ -13,6 +13,7 @@ import copy
 import hashlib
 import math
 import os
+import pickle
 import shutil
 import time
 import warnings
@@ -160,6 +161,8 @@ class Trained:
             self.policy.model.save_pretrained(str(folder), safe_serialization=True)
         (folder / "README.md").unlink(missing_ok=True)  # peft's model-card stub, not part of a candidate
         self.objective.save(folder)
+        if self.optimizers:  # beside the adapter: a trainer started later (reefd restarted) goes on from it too
+            torch.save(self.optimizers, folder / OPTIMIZER_FILE)
         key = _adapter_key(folder)
         if key is not None and self.optimizers:
             _CARRIED[key] = self.optimizers
@@ -167,11 +170,29 @@ class Trained:
                 _CARRIED.popitem(last=False)
 
 
+OPTIMIZER_FILE = "optimizer.pt"  # the optimizers' states, saved beside the adapter they trained
+
+
+def _saved_optimizers(adapter: Path) -> dict[str, Any] | None:
+    """The optimizer states saved beside `adapter` (tensors and numbers only), or None."""
+    path = adapter / OPTIMIZER_FILE
+    if not path.is_file():
+        return None
+    try:
+        states = torch.load(path, map_location="cpu", weights_only=True)
+    except (OSError, RuntimeError, ValueError, EOFError, pickle.UnpicklingError):
+        return None
+    return states if isinstance(states, dict) else None
+
+
 def _continue(spec: TrainSpec, optimizers: dict[str, torch.optim.Optimizer]) -> str:
-    """"continued" when this process trained the adapter the job starts from (each optimizer's state goes on),
-    else "fresh". This job's own hyper-parameters (lr, weight decay) apply either way."""
+    """"continued" when the adapter the job starts from has its optimizers' states (kept by this process, or
+    saved beside the adapter), so that each goes on exactly as if the jobs had run back to back; else "fresh".
+    This job's own hyper-parameters (lr, weight decay) apply either way."""
     key = _adapter_key(spec.init_adapter) if spec.init_adapter is not None else None
     carried = _CARRIED.get(key) if key is not None else None
+    if carried is None and spec.init_adapter is not None:
+        carried = _saved_optimizers(spec.init_adapter)
     if carried is None or set(carried) != set(optimizers):
         return "fresh"
     fresh = {name: [dict(g) for g in opt.param_groups] for name, opt in optimizers.items()}

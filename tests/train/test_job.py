@@ -105,7 +105,7 @@ def test_job_writes_a_loadable_adapter(trained: tuple[Job, Path], tiny_model: Pa
     job, out = trained
     assert job.returncode == 0, job.stderr
     assert sorted(p.name for p in out.iterdir()) == [
-        "adapter_config.json", "adapter_model.safetensors", "critic.safetensors", "metrics.json"]
+        "adapter_config.json", "adapter_model.safetensors", "critic.safetensors", "metrics.json", "optimizer.pt"]
     with torch.no_grad():
         before = base(input_ids=torch.tensor([PROMPT])).logits[0, -1]
     after = peft_logits(tiny_model, out)
@@ -304,10 +304,11 @@ def test_serve_runs_jobs_back_to_back_in_one_process(trained: tuple[Job, Path], 
     assert all(torch.equal(first[k], v) for k, v in load_file(str(first_out / "adapter_model.safetensors")).items())
 
 
-def test_a_warm_trainer_continues_the_optimizer_of_the_adapter_it_wrote(tiny_model: Path, base: Any,
-                                                                      tmp_path: Path) -> None:
-    """Job 2 starts from job 1's adapter: in one warm process AdamW goes on (its moments carried), so job 2's
-    result differs from the same spec run cold, which starts a fresh AdamW."""
+def test_the_next_job_continues_the_optimizer_of_the_adapter_it_starts_from(tiny_model: Path, base: Any,
+                                                                           tmp_path: Path) -> None:
+    """Job 2 starts from job 1's adapter: AdamW goes on (its moments carried) whether job 2 runs in the same warm
+    process or in a new one (reefd restarted), which reads the states saved beside the adapter (optimizer.pt): both
+    give exactly the same adapter. Without the saved states a new process starts a fresh AdamW, and differs."""
     first = make_spec(tiny_model, tmp_path / "one", toy_samples(base))
     second = {**make_spec(tiny_model, tmp_path / "two", toy_samples(base)), "init_adapter": str(tmp_path / "one")}
     paths = []
@@ -320,9 +321,15 @@ def test_a_warm_trainer_continues_the_optimizer_of_the_adapter_it_wrote(tiny_mod
     assert proc.returncode == 0, proc.stderr
     done = [json.loads(line) for line in proc.stdout.splitlines() if json.loads(line)["event"] == "done"]
     assert [d["metrics"]["optimizer"] for d in done] == ["fresh", "continued"]
+    assert (tmp_path / "one" / "optimizer.pt").is_file()
+    restarted = run_job({**second, "output_dir": str(tmp_path / "restarted")}, tmp_path)
+    assert restarted.returncode == 0 and restarted.of("done")[0]["metrics"]["optimizer"] == "continued"
+    warm_w = load_file(str(tmp_path / "two" / "adapter_model.safetensors"))
+    restarted_w = load_file(str(tmp_path / "restarted" / "adapter_model.safetensors"))
+    assert all(torch.equal(warm_w[k], restarted_w[k]) for k in warm_w)  # exactly as if run back to back
+    (tmp_path / "one" / "optimizer.pt").unlink()
     cold = run_job({**second, "output_dir": str(tmp_path / "cold")}, tmp_path)
     assert cold.returncode == 0 and cold.of("done")[0]["metrics"]["optimizer"] == "fresh"
-    warm_w = load_file(str(tmp_path / "two" / "adapter_model.safetensors"))
     cold_w = load_file(str(tmp_path / "cold" / "adapter_model.safetensors"))
     assert any(not torch.equal(warm_w[k], cold_w[k]) for k in warm_w)
 
