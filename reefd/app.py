@@ -70,7 +70,7 @@ async def metrics_route(request: web.Request) -> web.Response:
     m = loop.of(request.app)
     if m is None:
         raise ApiError(501, f"metrics need prometheus_client: {INSTALL_HINT}", code="not_installed")
-    body, ctype = await asyncio.to_thread(m.exposition)  # reads LMDB counts and job files
+    body, ctype = await asyncio.to_thread(m.exposition, loop.scrape_state(request.app))  # LMDB reads: a thread
     return web.Response(body=body, headers={"Content-Type": ctype})
 
 
@@ -82,7 +82,7 @@ def metrics_app(main: web.Application) -> web.Application:
         m = loop.of(main)
         if m is None:
             raise ApiError(501, f"metrics need prometheus_client: {INSTALL_HINT}", code="not_installed")
-        body, ctype = await asyncio.to_thread(m.exposition)
+        body, ctype = await asyncio.to_thread(m.exposition, loop.scrape_state(main))
         return web.Response(body=body, headers={"Content-Type": ctype})
 
     app.router.add_get("/metrics", scrape)

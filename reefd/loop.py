@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import copy
 import logging
 import shutil
 import time
@@ -76,7 +77,7 @@ def install(app: web.Application, settings: Settings) -> None:
     """Add the resources to `app`, set up in this order and torn down in the reverse one."""
     state = settings.state_dir
     app[STARTED_AT] = time.time()
-    app[METRICS] = metrics.Metrics(lambda: scrape_state(app)) if metrics.prom is not None else None
+    app[METRICS] = metrics.Metrics(lambda: app[REGISTRY].scenarios) if metrics.prom is not None else None
 
     async def records(app: web.Application) -> AsyncIterator[None]:  # Observe
         app[RECORDS] = RecordStore(state / "records", map_size=settings.records_map_size)
@@ -161,13 +162,13 @@ def reopen_sessions(store: RecordStore, conversations: Conversations, scenarios:
 
 
 def scrape_state(app: web.Application) -> metrics.State:
-    """What a metrics scrape reads (from the scrape's thread: plain reads of the loop's state)."""
+    """A snapshot of what a metrics scrape reads, taken on the event loop (the scrape then runs in a thread)."""
     registry = app[REGISTRY]
     scenarios = dict(registry.scenarios)
     lines = {name: line.describe() for name, s in scenarios.items()
              if (line := registry.admissions.get(id(s.engine))) is not None}
     return metrics.State(scenarios, lines, {name: s.engine.describe() for name, s in scenarios.items()},
-                         app[RECORDS].counts, app[RECORDS].path, lambda: app[RUNNER].jobs.list())
+                         app[RECORDS].counts, app[RECORDS].path, [copy.copy(j) for j in app[RUNNER].jobs.list()])
 
 
 def of(app: web.Application) -> metrics.Metrics | None:

@@ -12,8 +12,9 @@ Needs `prometheus_client` (`pip install 'reefd[metrics]'`); without it `/metrics
 from __future__ import annotations
 
 import os
+import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -34,10 +35,12 @@ OTHER = "other"
 class Metrics:
     """The counters and histograms reefd updates, and the scrape-time view of its state (`state`)."""
 
-    def __init__(self, state: Callable[[], State]) -> None:
+    def __init__(self, served: Callable[[], Collection[str]]) -> None:
         assert prom is not None
         self.registry = prom.CollectorRegistry()
-        self._state = state
+        self._served = served  # the names of the scenarios served now
+        self._snapshot: State | None = None  # what the scrape under way reads
+        self._scraping = threading.Lock()
         r = self.registry
         self.requests = prom.Counter("reef_requests", "Agent API requests answered, by final HTTP status.",
                                      ["scenario", "api", "status"], registry=r)
@@ -56,7 +59,7 @@ class Metrics:
         r.register(_Live(self))
 
     def scenario(self, name: str | None) -> str:
-        return name if name is not None and name in self._state().scenarios else OTHER
+        return name if name is not None and name in self._served() else OTHER
 
     def turn(self, scenario: str, api: str, record: dict[str, Any]) -> None:
         """A served turn, from its record: latency, time to first token, tokens."""
@@ -71,9 +74,15 @@ class Metrics:
     def timed(self, histogram: Any, scenario: str) -> _Timer:
         return _Timer(histogram.labels(scenario))
 
-    def exposition(self) -> tuple[bytes, str]:
-        """The text format a scraper reads, and its content type (blocking: reads LMDB and job files)."""
-        return prom.generate_latest(self.registry), prom.CONTENT_TYPE_LATEST
+    def exposition(self, state: State) -> tuple[bytes, str]:
+        """The text format a scraper reads, and its content type. `state` is a snapshot taken on the event loop;
+        this runs in a thread (it reads LMDB's counts and the LMDB file's size)."""
+        with self._scraping:
+            self._snapshot = state
+            try:
+                return prom.generate_latest(self.registry), prom.CONTENT_TYPE_LATEST
+            finally:
+                self._snapshot = None
 
 
 class _Timer:
@@ -88,10 +97,10 @@ class _Timer:
 
 
 class State:
-    """What a scrape reads: filled by reefd's app (reefd/loop.py) from its registry, records, jobs and chain."""
+    """What a scrape reads, copied from reefd's registry, engines and jobs on the event loop (reefd/loop.py)."""
 
     def __init__(self, scenarios: dict[str, Any], lines: dict[str, dict[str, Any]], engines: dict[str, Any],
-                 counts: Callable[[], dict[str, dict[str, int]]], lmdb_path: str, jobs: Callable[[], list[Any]]):
+                 counts: Callable[[], dict[str, dict[str, int]]], lmdb_path: str, jobs: list[Any]):
         self.scenarios = scenarios  # name -> Scenario
         self.lines = lines  # name -> its engine line's describe(), for scenarios with one
         self.engines = engines  # name -> its engine's describe()
@@ -107,7 +116,9 @@ class _Live(Collector):
         self.metrics = metrics
 
     def collect(self) -> Iterator[Any]:
-        state = self.metrics._state()
+        state = self.metrics._snapshot
+        if state is None:  # the registry's own check at registration: nothing to read yet
+            return
         running = GaugeMetricFamily("reef_num_requests_running", "Requests holding a turn at the engine.",
                                     labels=["scenario"])
         waiting = GaugeMetricFamily("reef_num_requests_waiting", "Requests waiting for a turn at the engine.",
@@ -138,7 +149,7 @@ class _Live(Collector):
         by_state: dict[tuple[str, str], int] = {}
         by_steps: dict[str, int] = {}
         by_verdict: dict[tuple[str, str], int] = {}
-        for job in state.jobs():
+        for job in state.jobs:
             by_state[(job.scenario, job.state)] = by_state.get((job.scenario, job.state), 0) + 1
             step = (job.progress or {}).get("step")
             if isinstance(step, int):
