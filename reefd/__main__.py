@@ -74,7 +74,12 @@ async def serve(settings: Settings, host: str, port: int, scenarios_dir: Path) -
         return 1
     log.info("listening on http://%s:%d (scenarios: %s)", host, port,
              ", ".join(sorted(settings.scenarios)))
-    scraper = await _metrics_site(app)
+    try:
+        scraper = await _metrics_site(app)
+    except OSError as exc:
+        log.error("cannot serve metrics on REEF_METRICS_LISTEN: %s", exc.strerror or exc)
+        await runner.cleanup()
+        return 1
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):

@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import re
+import socket
 import urllib.error
 import urllib.request
+from pathlib import Path
 
 import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.conftest import Daemon, base_release, sdk
+from tests.conftest import Daemon, base_release, make_scenarios, sdk
 
 FAMILIES = {"reef_requests", "reef_time_to_first_token_seconds", "reef_e2e_request_latency_seconds",
             "reef_prompt_tokens", "reef_generation_tokens", "reef_num_requests_running", "reef_num_requests_waiting",
@@ -73,3 +75,20 @@ def test_metrics_need_the_token_on_the_main_port(daemon: Daemon) -> None:
         raise AssertionError("/metrics answered without a token")
     except urllib.error.HTTPError as exc:
         assert exc.code == 401
+
+
+def test_a_metrics_address_that_is_taken_stops_reefd_with_a_line(tmp_path: Path) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        d = Daemon(scenarios=make_scenarios(tmp_path / "s"), state=tmp_path / "state", log_path=tmp_path / "log",
+                   env={"REEF_METRICS_LISTEN": f"127.0.0.1:{port}"})
+        d.start(wait_ready=False)
+        assert d.proc is not None and d.proc.wait(120) == 1
+    assert "cannot serve metrics on REEF_METRICS_LISTEN" in d.logs()
+    bad = Daemon(scenarios=make_scenarios(tmp_path / "s2"), state=tmp_path / "state2", log_path=tmp_path / "log2",
+                 env={"REEF_METRICS_LISTEN": "nowhere"})
+    bad.start(wait_ready=False)
+    assert bad.proc is not None and bad.proc.wait(60) == 2
+    assert "REEF_METRICS_LISTEN: 'nowhere' is not HOST:PORT" in bad.logs()
