@@ -66,12 +66,17 @@ async def count_requests(request: web.Request,
         m.requests.labels(m.scenario(name), api, str(status)).inc()
 
 
-async def metrics_route(request: web.Request) -> web.Response:
-    m = loop.of(request.app)
+async def _scrape(main: web.Application) -> web.Response:
+    """`main`'s metrics: a snapshot taken here, on the event loop, rendered in a thread (it reads LMDB)."""
+    m = loop.of(main)
     if m is None:
         raise ApiError(501, f"metrics need prometheus_client: {INSTALL_HINT}", code="not_installed")
-    body, ctype = await asyncio.to_thread(m.exposition, loop.scrape_state(request.app))  # LMDB reads: a thread
+    body, ctype = await asyncio.to_thread(m.exposition, loop.scrape_state(main))
     return web.Response(body=body, headers={"Content-Type": ctype})
+
+
+async def metrics_route(request: web.Request) -> web.Response:
+    return await _scrape(request.app)
 
 
 def metrics_app(main: web.Application) -> web.Application:
@@ -79,11 +84,7 @@ def metrics_app(main: web.Application) -> web.Application:
     app = web.Application(middlewares=[error_middleware])
 
     async def scrape(request: web.Request) -> web.Response:
-        m = loop.of(main)
-        if m is None:
-            raise ApiError(501, f"metrics need prometheus_client: {INSTALL_HINT}", code="not_installed")
-        body, ctype = await asyncio.to_thread(m.exposition, loop.scrape_state(main))
-        return web.Response(body=body, headers={"Content-Type": ctype})
+        return await _scrape(main)
 
     app.router.add_get("/metrics", scrape)
     return app

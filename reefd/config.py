@@ -209,7 +209,7 @@ def _semantic_errors(cfg: dict[str, Any]) -> list[tuple[str, str]]:
         key = "model.replicas" if m["replicas"] > 1 else "model.workers"
         if m["engine"] not in ("worker", "sglang"):
             errs.append((key, f"replicas run behind sglang-router: engine worker or sglang, not {m['engine']!r}"))
-        elif importlib.util.find_spec("sglang_router") is None:
+        elif not _installed("sglang_router"):
             errs.append((key, "replicas run behind sglang-router, which is not installed: "
                               "pip install 'reefd[scale]'"))
         elif m["url"]:
@@ -327,7 +327,7 @@ def _grow_problem(cfg: ScenarioConfig, scenarios_dir: Path) -> str | None:
         return f"recipe.backend: {exc}"
     if cfg.recipe.backend in ("ray", "slime"):
         backend = cfg.recipe.backend
-        if importlib.util.find_spec("ray") is None:
+        if not _installed("ray"):
             return f"recipe.backend: {backend} needs Ray, which is not installed: pip install 'reefd[ray]'"
         if not (cfg.recipe.ray_address or os.environ.get("REEF_RAY_ADDRESS")):
             return f"recipe.ray_address: backend {backend} needs the cluster's address (or set REEF_RAY_ADDRESS)"
