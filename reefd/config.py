@@ -112,6 +112,23 @@ class TriggerConfig:
 
 
 @dataclass
+class RetentionConfig:
+    """How long a scenario's records are kept. Records a published release learned from are always kept (they are
+    its lineage); their reports too."""
+
+    max_age_days: float | None = field(
+        default=None, metadata={"exclusiveMinimum": 0,
+                                "description": "Delete records older than this many days (null: any age)."}
+    )
+    max_records: int | None = field(
+        default=None, metadata={"minimum": 1,
+                                "description": "Keep at most this many records, deleting the oldest first (null: "
+                                               "no limit). Records of a published release's lineage are kept "
+                                               "beyond it."}
+    )
+
+
+@dataclass
 class HarnessConfig:
     """The agent harness a scenario ships and evolves: rules, skills, prompts and config."""
 
@@ -168,6 +185,7 @@ class ScenarioConfig:
         metadata={"description": "How a candidate is judged before it may be published: `kind` and that kind's "
                                  "own keys (reefd/gates)."})
     harness: HarnessConfig = field(default_factory=HarnessConfig)
+    retention: RetentionConfig = field(default_factory=RetentionConfig)
 
 
 class ConfigError(Exception):
@@ -235,7 +253,8 @@ def _omegaconf_message(exc: OmegaConfBaseException) -> str:
     msg = str(exc).split("\n")[0]
     unknown = re.match(r"Key '([^']+)' not in '(\w+)'", msg)
     if unknown:
-        groups = (ModelConfig, ServeConfig, ReleaseConfig, RecipeConfig, TriggerConfig, HarnessConfig, ScenarioConfig)
+        groups = (ModelConfig, ServeConfig, ReleaseConfig, RecipeConfig, TriggerConfig, HarnessConfig, RetentionConfig,
+                  ScenarioConfig)
         cls = {c.__name__: c for c in groups}.get(unknown.group(2))
         known = [f.name for f in dataclasses.fields(cls)] if cls else []
         hint = difflib.get_close_matches(unknown.group(1), known, n=1)
@@ -387,6 +406,7 @@ def from_dict(data: dict[str, Any]) -> ScenarioConfig:
         trigger=TriggerConfig(**data["trigger"]),
         gate=dict(data["gate"]),
         harness=HarnessConfig(**data["harness"]),
+        retention=RetentionConfig(**data["retention"]),
     )
 
 

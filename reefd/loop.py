@@ -3,6 +3,7 @@ them (callbacks wired here), in the order a turn travels to a hot swap:
 
     Serve    api/ handlers → Registry (scenarios.py) → engines/      a request takes its scenario's binding
     Observe  RecordStore (records.py)                                records and reports, durable in LMDB
+             Retention (retention.py)                                old records deleted, lineage kept
              Conversations (sessions.py) → Judges (judge.py)         next states, judged into reports
     Grow     Scheduler (schedule.py) → Runner (runner.py)            triggers → batch → trainer backend → gate
              Attempts (attempts.py) → Scheduler                      search recipes: a full grid of attempts
@@ -38,6 +39,7 @@ from reefd.judge import Judges
 from reefd.reconcile import Reconciler
 from reefd.records import RecordStore
 from reefd.releases import Candidate, Release, ReleaseChain
+from reefd.retention import Retention
 from reefd.runner import Runner
 from reefd.scenarios import Registry, Scenario
 from reefd.schedule import Scheduler
@@ -57,6 +59,7 @@ JUDGES = web.AppKey("judges", Judges)
 RUNNER = web.AppKey("runner", Runner)
 SCHEDULER = web.AppKey("scheduler", Scheduler)
 ATTEMPTS = web.AppKey("attempts", Attempts)
+RETENTION = web.AppKey("retention", Retention)
 METRICS = web.AppKey("metrics", object)  # a metrics.Metrics, or None without prometheus_client
 
 
@@ -146,7 +149,15 @@ def install(app: web.Application, settings: Settings) -> None:
         await app[SCHEDULER].stop()
         await app[RUNNER].close()
 
-    app.cleanup_ctx.extend([records, http, chain, engines, conversations, reconciler, grow])
+    async def retention(app: web.Application) -> AsyncIterator[None]:  # Observe: records bounded, lineage kept
+        app[RETENTION] = Retention(app[REGISTRY], app[RECORDS], app[CHAIN], app[RUNNER].jobs)
+        unsubscribe = app[RECORDS].subscribe(app[RETENTION].written)
+        app[RETENTION].start()
+        yield
+        unsubscribe()
+        await app[RETENTION].stop()
+
+    app.cleanup_ctx.extend([records, http, chain, engines, conversations, reconciler, grow, retention])
 
 
 def reopen_sessions(store: RecordStore, conversations: Conversations, scenarios: list[str],

@@ -12,6 +12,7 @@ import threading
 import time
 
 _B32_TO_CROCKFORD = bytes.maketrans(b"ABCDEFGHIJKLMNOPQRSTUVWXYZ234567", b"0123456789ABCDEFGHJKMNPQRSTVWXYZ")
+_CROCKFORD_TO_INDEX = bytes.maketrans(b"0123456789ABCDEFGHJKMNPQRSTVWXYZ", bytes(range(32)))
 _RECEIPT = re.compile(r"[0-7][0-9A-HJKMNP-TV-Z]{25}")
 _ulid_lock = threading.Lock()
 _ulid_last = (0, 0)
@@ -37,3 +38,17 @@ def new_receipt() -> str:
 
 def is_receipt(value: object) -> bool:
     return isinstance(value, str) and _RECEIPT.fullmatch(value) is not None
+
+
+def receipt_ms(receipt: str) -> int:
+    """The creation time a receipt carries, in ms since the epoch (its top 48 bits)."""
+    value = 0
+    for char in receipt[:10].encode().translate(_CROCKFORD_TO_INDEX):
+        value = value * 32 + char
+    return value
+
+
+def receipt_floor(ms: int) -> str:
+    """The smallest receipt of that millisecond: every receipt created at or after `ms` sorts after it."""
+    raw = ((max(0, ms) << 80) << 6).to_bytes(17, "big")
+    return base64.b32encode(raw)[:26].translate(_B32_TO_CROCKFORD).decode()

@@ -17,13 +17,13 @@ import queue
 import struct
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Container, Iterator
 from typing import Any
 
 import lmdb
 
 from reefd.receipts import is_receipt as _is_receipt
-from reefd.receipts import new_receipt
+from reefd.receipts import new_receipt, receipt_ms
 from reefd.recordcodec import pack as _pack
 from reefd.recordcodec import unpack as _unpack
 
@@ -164,6 +164,7 @@ class RecordStore:
         self._closing: asyncio.Future[None] | None = None
         self.stats = {"commits": 0, "ops": 0, "grows": 0, "largest_batch": 0}
         self._listeners: list[Callable[[str], None]] = []
+        self._selecting: dict[str, asyncio.Lock] = {}
 
     # --- lifecycle ---------------------------------------------------------------------------
 
@@ -271,6 +272,8 @@ class RecordStore:
     def _apply_consumed(self, txn: lmdb.Transaction[bytes], deltas: dict[bytes, list[int]],
                         scenario: bytes, receipts: list[str], by: bytes) -> None:
         for receipt in receipts:
+            if txn.get(receipt.encode(), db=self._dbs["records"]) is None:  # deleted by retention meanwhile
+                continue
             key = scenario + b"\0" + receipt.encode()
             txn.put(key, by, overwrite=False, db=self._dbs["consumed"])
             txn.delete(key, db=self._dbs["reported"])
@@ -378,6 +381,78 @@ class RecordStore:
         deltas.setdefault(scenario, [0, 0])[1] += 1
         return report, True
 
+    # --- retention: records deleted in bounded batches ----------------------------------------
+
+    def selecting(self, scenario: str) -> asyncio.Lock:
+        """Held while a scenario's batch is chosen (the runner) and while its records are deleted (retention), so
+        that a job never takes a record being deleted: once the lock is free, the job's receipts are known."""
+        return self._selecting.setdefault(scenario, asyncio.Lock())
+
+    def expired(self, scenario: str, *, before_ms: int | None, max_records: int | None, keep: Container[str],
+                after: str | None = None, limit: int = 1000) -> tuple[list[str], str | None]:
+        """Up to `limit` receipts to delete, oldest first, from after `after`: created before `before_ms`, or beyond
+        the newest `max_records` of the scenario; never one in `keep`. Also returns where a next call goes on
+        from (None: nothing more to delete)."""
+        prefix = _scenario_key(scenario) + b"\0"
+        picked: list[str] = []
+        with self._reading() as txn:
+            raw = txn.get(prefix[:-1], db=self._dbs["counts"])
+            over = (_COUNTS.unpack(raw)[0] if raw else 0) - max_records if max_records is not None else 0
+            with txn.cursor(db=self._dbs["by_scenario"]) as cursor:
+                start = prefix + (after or "").encode()
+                for key in cursor.iternext(values=False) if cursor.set_range(start) else ():
+                    if not key.startswith(prefix):
+                        break
+                    receipt = key[len(prefix):].decode()
+                    if key == start or receipt in keep:
+                        continue
+                    old = before_ms is not None and receipt_ms(receipt) < before_ms
+                    if not old and over - len(picked) <= 0:  # only younger ones follow: none is old
+                        break
+                    picked.append(receipt)
+                    if len(picked) >= limit:
+                        return picked, receipt
+        return picked, None
+
+    async def delete_records(self, scenario: str, receipts: list[str]) -> int:
+        """Delete these records of `scenario` with their index entries, in one durable transaction (callers keep
+        batches small: writes queued meanwhile wait for it, ~50 us a record). A report goes with the last record it
+        references; one that still references a kept record stays as it was reported. Claims stay taken. Returns
+        how many records were deleted (receipts not found, or of another scenario, are skipped)."""
+        return int(await self._submit(self._apply_delete, _scenario_key(scenario), list(receipts)))
+
+    def _apply_delete(self, txn: lmdb.Transaction[bytes], deltas: dict[bytes, list[int]],
+                      scenario: bytes, receipts: list[str]) -> int:
+        db, prefix, deleted = self._dbs, scenario + b"\0", 0
+        delta = deltas.setdefault(scenario, [0, 0])
+        for receipt in receipts:
+            key = receipt.encode()
+            raw = txn.get(key, db=db["records"])
+            if raw is None or not txn.delete(prefix + key, db=db["by_scenario"]):
+                continue
+            session = _unpack(raw).get("session")
+            if isinstance(session, str):
+                txn.delete(_session_prefix(scenario, session) + key, db=db["by_session"])
+            for table in ("records", "links"):
+                txn.delete(key, db=db[table])
+            for table in ("consumed", "reported"):
+                txn.delete(prefix + key, db=db[table])
+            report_keys = []
+            with txn.cursor(db=db["report_index"]) as cursor:  # receipt + seq -> report key
+                found = cursor.set_range(key)
+                while found and cursor.key().startswith(key):
+                    report_keys.append(cursor.value())
+                    found = cursor.delete()  # moves on to the next entry
+            for report_key in report_keys:
+                stored = txn.get(report_key, db=db["reports"])
+                refs = (_unpack(stored).get("references") or []) if stored is not None else []
+                if stored is not None and not any(txn.get(str(ref).encode(), db=db["records"]) for ref in refs):
+                    txn.delete(report_key, db=db["reports"])
+                    delta[1] -= 1
+            delta[0] -= 1
+            deleted += 1
+        return deleted
+
     # --- the writer thread ------------------------------------------------------------------
 
     def _writer_main(self) -> None:
@@ -433,7 +508,7 @@ class RecordStore:
             for scenario, (records, reports) in deltas.items():
                 raw = txn.get(scenario, db=counts)
                 old = _COUNTS.unpack(raw) if raw else (0, 0)
-                txn.put(scenario, _COUNTS.pack(old[0] + records, old[1] + reports), db=counts)
+                txn.put(scenario, _COUNTS.pack(max(0, old[0] + records), max(0, old[1] + reports)), db=counts)
         self.stats["commits"] += 1
         self.stats["ops"] += len(ops)
         self.stats["largest_batch"] = max(self.stats["largest_batch"], len(ops))
@@ -495,6 +570,35 @@ class RecordStore:
                 if key != start and (record := self._load_record(txn, key[len(prefix):])) is not None:
                     found.append(record)
         return found
+
+    def export_page(self, scenario: str, after: str | None, *, limit: int = 100, reported_only: bool = False,
+                    scan: int = 10_000) -> tuple[list[dict[str, Any]], str | None]:
+        """Up to `limit` records of `scenario` (with their reports) strictly after `after`, in receipt order, looking
+        at no more than `scan` keys; with `reported_only`, those with a report. Returns them and the receipt a next
+        page goes on after, or None when the scenario has no more."""
+        prefix = _scenario_key(scenario) + b"\0"
+        start = prefix + (after or "").encode("utf-8", "surrogatepass")
+        found: list[dict[str, Any]] = []
+        seen = 0
+        with self._reading() as txn, txn.cursor(db=self._dbs["by_scenario"]) as cursor:
+            for key in cursor.iternext(values=False) if cursor.set_range(start) else ():
+                if not key.startswith(prefix):
+                    break
+                if key == start:
+                    continue
+                receipt = key[len(prefix):]
+                seen += 1
+                if not reported_only or self._has_report(txn, receipt):
+                    record = self._load_record(txn, receipt)
+                    if record is not None:
+                        found.append(record)
+                if len(found) >= limit or seen >= scan:
+                    return found, receipt.decode()
+        return found, None
+
+    def _has_report(self, txn: lmdb.Transaction[bytes], receipt: bytes) -> bool:
+        with txn.cursor(db=self._dbs["report_index"]) as cursor:
+            return cursor.set_range(receipt) and cursor.key().startswith(receipt)
 
     def recent(self, scenario: str, since: float, limit: int = 20_000) -> list[dict[str, Any]]:
         """The scenario's records created at or after `since` (at most `limit`), oldest first, without reports."""

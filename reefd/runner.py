@@ -206,15 +206,16 @@ class Runner:
             job.state, job.error = "skipped", f"recipe {job.recipe!r} does not train"
             return
         await self._save(job, "batch")
-        samples = await asyncio.to_thread(eligible, self.store, recipe, job.scenario)
-        needs_records = getattr(recipe, "needs_records", True)
-        if (not samples and needs_records) or (job.reason != "manual" and not recipe.ready(samples)):
-            job.state = "skipped"
-            job.error = f"no batch ready: {len(samples)} eligible scored record(s) waiting"
-            return
-        binding = scenario.binding
-        spec = recipe.candidate(samples, binding.harness if binding is not None else None)
-        job.receipts = [s.receipt for s in spec.samples]
+        async with self.store.selecting(job.scenario):  # retention deletes none of them until job.receipts is set
+            samples = await asyncio.to_thread(eligible, self.store, recipe, job.scenario)
+            needs_records = getattr(recipe, "needs_records", True)
+            if (not samples and needs_records) or (job.reason != "manual" and not recipe.ready(samples)):
+                job.state = "skipped"
+                job.error = f"no batch ready: {len(samples)} eligible scored record(s) waiting"
+                return
+            binding = scenario.binding
+            spec = recipe.candidate(samples, binding.harness if binding is not None else None)
+            job.receipts = [s.receipt for s in spec.samples]
         head = await asyncio.to_thread(self.chain.head, job.scenario)
         if head is None:
             raise JobFailed("the scenario has no base release yet")

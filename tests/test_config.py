@@ -35,6 +35,9 @@ def test_defaults_pick_the_model_group_and_self_overrides(tmp_path: Path) -> Non
     ("release:\n  pin: latest\n", "release.pin: 'latest' does not match '^r(0|[1-9][0-9]{0,8})-[0-9a-f]{7}$'"),
     ("release:\n  on_conflict: overwrite\n", "release.on_conflict: 'overwrite' is not one of ['discard', 'rebase']"),
     ("release:\n  pinn: r1-abcdef0\n", "release.pinn: unknown key (did you mean 'pin'?)"),
+    ("retention:\n  max_records: 0\n", "retention.max_records: 0 is less than the minimum of 1"),
+    ("retention:\n  max_age_days: 0\n", "retention.max_age_days: 0.0 is less than or equal to the minimum of 0"),
+    ("retention:\n  max_age: 30\n", "retention.max_age: unknown key (did you mean 'max_age_days'?)"),
 ])
 def test_mistakes_name_file_and_full_key_path(tmp_path: Path, body: str, message: str) -> None:
     scen = make_scenarios(tmp_path, names=(), extra={
@@ -58,6 +61,15 @@ def test_upstream_needs_a_url(tmp_path: Path) -> None:
         "up": "defaults:\n  - model: upstream\n  - _self_\nmodel:\n  url: null\n"})
     with pytest.raises(config.ConfigError, match=r"model\.url: an upstream model needs"):
         config.compose(scen / "up.yaml")
+
+
+def test_retention_keeps_everything_unless_set(tmp_path: Path) -> None:
+    scen = make_scenarios(tmp_path, names=("tiny",), extra={
+        "kept": "defaults:\n  - model: tiny\n  - _self_\nretention:\n  max_age_days: 7.5\n  max_records: 100000\n"})
+    cfg = config.compose(scen / "kept.yaml")
+    assert (cfg.retention.max_age_days, cfg.retention.max_records) == (7.5, 100000)
+    default = config.compose(scen / "tiny.yaml").retention
+    assert (default.max_age_days, default.max_records) == (None, None)
 
 
 def test_empty_or_missing_folder_is_an_error(tmp_path: Path) -> None:

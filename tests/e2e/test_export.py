@@ -1,0 +1,106 @@
+"""Records leave the daemon and the daemon lets them go: `reefctl export` as JSON lines and as a Parquet file that
+`datasets` loads, and `retention:` deleting what no release learned from, on the real daemon and the tiny model."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import Daemon
+from tests.e2e.test_grow import client, daemon, stop, turn, wait_job
+from tests.e2e.test_reefctl import reefctl
+
+
+def exported(d: Daemon, *args: str) -> list[dict[str, object]]:
+    out = reefctl(d, "export", "learn", *args)
+    assert out.returncode == 0 and out.stderr == "", out.stderr
+    return [json.loads(line) for line in out.stdout.splitlines()]
+
+
+def test_export_jsonl_and_parquet_that_datasets_loads(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    d = daemon(tmp_path, trigger="manual")
+    try:
+        c = client(d)
+        served = [turn(d, c, f"question {i}", score=None) for i in range(3)]
+        receipts = [r for r, _, _ in served]
+        for receipt, score in ((receipts[0], 0.25), (receipts[2], 1.0)):
+            code, body, _ = d.post("/reef/report", {"score": score, "feedback": "noted", "references": [receipt]},
+                                   headers={"x-reef-scenario": "learn"})
+            assert code == 200, body
+
+        lines = exported(d)
+        assert [r["id"] for r in lines] == receipts
+        assert [[rep["score"] for rep in r["reports"]] for r in lines] == [[0.25], [], [1.0]]  # type: ignore[union-attr]
+        assert lines[1] == json.loads(d.get(f"/reef/records/{receipts[1]}")[1])  # each as `get record` shows it
+        assert [r["id"] for r in exported(d, "--reported-only")] == [receipts[0], receipts[2]]
+        assert [r["id"] for r in exported(d, "--since", receipts[0])] == receipts[1:]  # after that receipt
+        assert [r["id"] for r in exported(d, "--since", "1h")] == receipts
+        assert [r["id"] for r in exported(d, "--since", "2025-01-31T00:00:00Z", "--reported-only")] == \
+            [receipts[0], receipts[2]]
+        bad = reefctl(d, "export", "learn", "--since", "last tuesday")
+        assert bad.returncode == 1 and "since:" in bad.stderr and bad.stdout == ""
+        unknown = reefctl(d, "export", "nope", "-o", str(tmp_path / "nope.jsonl"))
+        assert unknown.returncode == 1 and "unknown scenario" in unknown.stderr
+        assert not (tmp_path / "nope.jsonl").exists() and not (tmp_path / "nope.jsonl.part").exists()
+
+        target = tmp_path / "learn.parquet"
+        out = reefctl(d, "export", "learn", "--format", "parquet", "-o", str(target))
+        assert out.returncode == 0 and f"exported 3 records of learn to {target}" in out.stderr, out.stderr
+        monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+        monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+        import datasets
+
+        ds = datasets.load_dataset("parquet", data_files=str(target), split="train", cache_dir=str(tmp_path / "hf"))
+        assert ds.num_rows == 3
+        assert ds["receipt"] == receipts and ds["scenario"] == ["learn"] * 3
+        assert ds["score"] == [0.25, None, 1.0] and ds["feedback"] == ["noted", None, "noted"]
+        assert ds["completion"] == [text for _, _, text in served]
+        assert [json.loads(p)[-1]["content"] for p in ds["prompt"]] == [f"question {i}" for i in range(3)]
+        assert ds["completion_token_ids"] == [r["completion_token_ids"] for r in lines]
+        assert ds["release"] == [release for _, release, _ in served]
+    finally:
+        stop(d)
+
+
+def test_retention_deletes_beyond_max_records_but_keeps_what_a_release_learned_from(tmp_path: Path) -> None:
+    """max_records 6: four records train a published release, then six more arrive; the four oldest of those go
+    (shortly after the writes, with no operator), the release's four stay, and `reefctl status` counts six. A deleted
+    receipt is a 404 to read and to report on."""
+    d = daemon(tmp_path, trigger="manual", extra="retention:\n  max_records: 6\n")
+    try:
+        c = client(d)
+        learned = [turn(d, c, f"task {i}", score=float(i % 2))[0] for i in range(4)]
+        out = reefctl(d, "train", "learn", "--follow")
+        assert out.returncode == 0, out.stdout + out.stderr
+        job = wait_job(d)
+        assert job["state"] == "published" and job["receipts"] == learned
+        later = [turn(d, c, f"later {i}", score=None)[0] for i in range(6)]
+
+        deadline = time.monotonic() + 60
+        while (count := records_of(d)) > 6 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert count == 6, d.logs()
+        assert [r["id"] for r in exported(d)] == [*learned, *later[4:]]
+        assert [r["id"] for r in exported(d, "--reported-only")] == learned  # their reports stayed with them
+        status = reefctl(d, "status").stdout.splitlines()
+        header, row = status[0].split(), status[1].split()
+        assert (row[header.index("RECORDS")], row[header.index("REPORTS")]) == ("6", "4")
+
+        code, body = d.get(f"/reef/records/{later[0]}")
+        assert code == 404 and json.loads(body)["error"]["code"] == "record_not_found"
+        code, error, _ = d.post("/reef/report", {"score": 1.0, "references": [later[0]]},
+                                headers={"x-reef-scenario": "learn"})
+        assert code == 404 and error["error"]["code"] == "receipt_not_found" and error["error"]["param"] == "references"
+        assert later[0] in error["error"]["message"]
+        gone = reefctl(d, "report", later[1], "--score", "1", "--scenario", "learn")
+        assert gone.returncode == 1 and "unknown receipt" in gone.stderr
+    finally:
+        stop(d)
+
+
+def records_of(d: Daemon) -> int:
+    status = json.loads(d.get("/reef/status")[1])
+    return int(next(s["records"] for s in status["scenarios"] if s["name"] == "learn"))

@@ -1,0 +1,120 @@
+"""Export without the daemon: the store's pages, what `since` accepts, the flat Parquet row and file, and reefctl
+without pyarrow."""
+
+from __future__ import annotations
+
+import calendar
+import io
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pyarrow.parquet as pq
+import pytest
+
+from reefd import cli
+from reefd.api.errors import ApiError
+from reefd.api.export import since_cursor
+from reefd.cli_export import PARQUET_COLUMNS, flat_row, write_parquet
+from reefd.receipts import new_receipt, receipt_ms
+from reefd.records import RecordStore
+from reefd.releases import ReleaseChain
+from tests.test_records import record, with_store
+
+
+def test_pages_go_through_one_scenario_in_receipt_order(tmp_path: Path) -> None:
+    async def body(store: RecordStore) -> None:
+        ids = []
+        for i in range(7):
+            rec = record("s1", i=i)
+            await store.put_record(rec)
+            await store.put_record(record("s0"))  # a neighbour in key order
+            ids.append(rec["id"])
+        await store.put_report("s1", {"references": [ids[1], ids[5]], "score": 1.0})
+        pages, after = [], None
+        while True:
+            found, after = store.export_page("s1", after, limit=3)
+            pages.append([r["id"] for r in found])
+            if after is None:
+                break
+        assert pages == [ids[:3], ids[3:6], ids[6:]]
+        assert [r["id"] for r in store.export_page("s1", None, reported_only=True)[0]] == [ids[1], ids[5]]
+        found, after = store.export_page("s1", None, reported_only=True, scan=3)  # bounded work per page
+        assert [r["id"] for r in found] == [ids[1]] and after == ids[2]
+        assert store.export_page("s1", ids[5], limit=10) == ([store.get_record(ids[6])], None)
+        assert store.export_page("nobody", None) == ([], None)
+
+    with_store(tmp_path / "db", body)
+
+
+def test_since_takes_a_receipt_a_release_a_duration_or_a_time(tmp_path: Path) -> None:
+    chain = ReleaseChain(tmp_path / "releases.git")
+    base = chain.publish("s1", expected_head=None, kind="base", artifact_dir=None, meta={})
+    receipt = new_receipt()
+    assert since_cursor("", "s1", chain) is None
+    assert since_cursor(receipt, "s1", chain) == receipt
+    hour_ago = receipt_ms(since_cursor("1h", "s1", chain) or "")
+    assert abs(hour_ago - (time.time() - 3600) * 1000) < 60_000
+    assert receipt_ms(since_cursor("2025-01-31T00:00:00Z", "s1", chain) or "") == 1738281600000
+    published = calendar.timegm(time.strptime(base.created_at, "%Y-%m-%dT%H:%M:%SZ"))
+    assert receipt_ms(since_cursor(base.id, "s1", chain) or "") == published * 1000
+    for bad, status in (("yesterday", 400), ("2025-01-31T00:00:00", 400), ("r9-abcdef0", 404), ("5 h", 400)):
+        with pytest.raises(ApiError) as info:
+            since_cursor(bad, "s1", chain)
+        assert info.value.status == status and info.value.param == "since"
+
+
+def served(**fields: Any) -> dict[str, Any]:
+    return {**record("s1"), "api": "openai", "model": "tiny", "release": "r0-abcdef0", "session": "u1", "turn": 0,
+            "created_at": 1700000000.5, "usage": {"prompt_tokens": 4, "completion_tokens": 3}, "latency_s": 0.25,
+            "finish_reason": "stop", "prompt_token_ids": [5, 6, 7, 8], "tags": {"team": "a"},
+            "messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}],
+            "response": {"choices": [{"message": {"role": "assistant", "content": "hello"}}]}, **fields}
+
+
+def test_a_record_is_one_flat_row() -> None:
+    reports = [{"report_id": "a", "score": 0.5, "feedback": "ok", "created_at": 1.0},
+               {"report_id": "b", "score": None, "feedback": {"label": "late"}, "created_at": 3.0},
+               {"report_id": "c", "score": 1, "created_at": 2.0}]
+    row = flat_row(served(reports=reports, next="01ARZ3NDEKTSV4RRFFQ69G5FAV"))
+    assert set(row) == {name for name, _ in PARQUET_COLUMNS}
+    assert row["completion"] == "hello" and json.loads(row["prompt"]) == [{"role": "user", "content": "hi"}]
+    assert row["score"] == 1.0 and json.loads(row["feedback"]) == {"label": "late"}  # the newest of each
+    assert [r["report_id"] for r in json.loads(row["reports"])] == ["a", "b", "c"]
+    assert row["completion_token_ids"] == [1, 2, 3] and row["completion_logprobs"] == [-0.5, -0.25, -0.125]
+    assert (row["prompt_tokens"], row["completion_tokens"], row["turn"]) == (4, 3, 0)
+    assert row["next"] == "01ARZ3NDEKTSV4RRFFQ69G5FAV" and json.loads(row["tags"]) == {"team": "a"}
+    bare = flat_row({"id": "x", "scenario": "s1", "messages": [{"role": "user", "content": "q"}]})
+    assert bare["completion"] is None and bare["score"] is None and bare["prompt_token_ids"] is None
+    assert json.loads(bare["prompt"]) == [{"role": "user", "content": "q"}]  # no answer: every message is prompt
+
+
+def test_parquet_file_has_the_flat_schema_in_row_groups(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("reefd.cli_export.ROW_GROUP", 2)
+    records = [served(reports=[{"score": float(i)}]) for i in range(5)]
+    out = io.BytesIO()
+    assert write_parquet(iter(records), out) == 5
+    out.seek(0)
+    meta = pq.ParquetFile(out).metadata
+    assert (meta.num_rows, meta.num_row_groups) == (5, 3)
+    table = pq.read_table(out)
+    assert table.column_names == [name for name, _ in PARQUET_COLUMNS]
+    assert table.column("receipt").to_pylist() == [r["id"] for r in records]
+    assert table.column("score").to_pylist() == [0.0, 1.0, 2.0, 3.0, 4.0]
+    empty = io.BytesIO()
+    assert write_parquet(iter([]), empty) == 0
+    empty.seek(0)
+    assert pq.read_table(empty).schema == table.schema
+
+
+def test_parquet_without_pyarrow_names_the_extra(monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
+                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setitem(sys.modules, "pyarrow", None)  # `import pyarrow` raises ImportError
+    code = cli.main(["--url", "http://127.0.0.1:9", "export", "s1", "--format", "parquet", "-o",
+                     str(tmp_path / "x.parquet")])
+    err = capsys.readouterr().err
+    assert code == 1 and err.count("\n") == 1  # one line, before reefd is asked anything
+    assert "pip install 'reefd[export]'" in err and "cannot reach" not in err
+    assert not (tmp_path / "x.parquet").exists()
