@@ -88,7 +88,12 @@ class Client:
         A stream cut before its end is a CliError, as is any answer `call` would refuse."""
         with self._open("GET", path, query, {"Accept": "application/x-ndjson"}, None, None) as resp:
             try:
-                yield from resp
+                rest = b""
+                while block := resp.read1(1 << 16):  # raises IncompleteRead on a chunked body cut short, where
+                    *lines, rest = (rest + block).split(b"\n")  # readline() would end quietly
+                    yield from (line + b"\n" for line in lines)
+                if rest:
+                    yield rest
             except (OSError, http.client.HTTPException) as exc:
                 raise CliError(f"GET {path}: the stream ended early ({type(exc).__name__}: {exc})") from None
 

@@ -107,7 +107,9 @@ class Retention:
                 return await self.sweep(scenario)
             except (StorageError, ReleaseError, OSError) as exc:
                 log.warning("%s: retention could not delete records: %s", scenario, exc)
-                return 0
+            except Exception:  # a bug: the next sweep tries again
+                log.exception("%s: retention failed", scenario)
+            return 0
 
     # ------------------------------------------------------------ what
 

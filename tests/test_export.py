@@ -9,8 +9,10 @@ import json
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
+import lmdb
 import pyarrow.parquet as pq
 import pytest
 
@@ -118,3 +120,50 @@ def test_parquet_without_pyarrow_names_the_extra(monkeypatch: pytest.MonkeyPatch
     assert code == 1 and err.count("\n") == 1  # one line, before reefd is asked anything
     assert "pip install 'reefd[export]'" in err and "cannot reach" not in err
     assert not (tmp_path / "x.parquet").exists()
+
+
+def test_an_export_cut_half_way_is_an_error_not_a_short_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A failure after the first page was sent cuts the stream: the client cannot take a part for the whole."""
+    from aiohttp import web
+
+    from reefd.adminclient import Client, CliError
+    from reefd.api import export as export_api
+    from reefd.api.errors import error_middleware
+    from reefd.loop import CHAIN, RECORDS, REGISTRY
+    from tests.served import aiohttp_in_thread
+
+    app = web.Application(middlewares=[error_middleware])
+
+    async def store(app: web.Application) -> Any:
+        app[RECORDS] = RecordStore(tmp_path / "db")
+        await app[RECORDS].open()
+        for i in range(5):
+            await app[RECORDS].put_record(record("s1", i=i))
+        yield
+        await app[RECORDS].close()
+
+    app.cleanup_ctx.append(store)
+    app[REGISTRY] = SimpleNamespace(get=lambda name: SimpleNamespace(name=name))  # type: ignore[assignment]
+    app[CHAIN] = ReleaseChain(tmp_path / "releases.git")
+    app.router.add_get("/reef/scenarios/{name}/export", export_api.export)
+    monkeypatch.setattr(export_api, "PAGE", 2)
+    pages = read_page = RecordStore.export_page
+    calls: list[int] = []
+
+    def failing_second(self: RecordStore, *args: Any, **kwargs: Any) -> Any:
+        calls.append(1)
+        if fail and len(calls) == 2:
+            raise lmdb.Error("the disk went away")
+        return read_page(self, *args, **kwargs)
+
+    monkeypatch.setattr(RecordStore, "export_page", failing_second)
+    with aiohttp_in_thread(app) as url:
+        client = Client(url, None)
+        fail = False
+        assert len(list(client.lines("/reef/scenarios/s1/export"))) == 5
+        calls.clear()
+        fail, got = True, []
+        with pytest.raises(CliError, match="ended early"):
+            for line in client.lines("/reef/scenarios/s1/export"):
+                got.append(line)
+        assert len(got) == 2 and pages is read_page

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import calendar
 import datetime
+import logging
 import re
 import time
 
@@ -21,6 +22,8 @@ from reefd.loop import CHAIN, RECORDS, REGISTRY
 from reefd.receipts import is_receipt, receipt_floor
 from reefd.records import RecordStore
 from reefd.releases import ReleaseChain, UnknownRelease
+
+log = logging.getLogger("reefd.api")
 
 PAGE = 100  # records per page: read, serialised and written before the next is read
 _DURATION = re.compile(r"(\d+(?:\.\d+)?)(s|m|h|d)")
@@ -82,11 +85,17 @@ async def export(request: web.Request) -> web.StreamResponse:
     response = web.StreamResponse(headers={"Content-Type": "application/x-ndjson; charset=utf-8"})
     response.enable_chunked_encoding()
     await response.prepare(request)
-    while True:
-        chunk, after = await asyncio.to_thread(_page, store, scenario.name, after, reported_only)
-        if chunk:
-            await response.write(chunk)
-        if after is None:
-            break
+    try:
+        while True:
+            chunk, after = await asyncio.to_thread(_page, store, scenario.name, after, reported_only)
+            if chunk:
+                await response.write(chunk)
+            if after is None:
+                break
+    except Exception:
+        log.exception("%s: an export stopped half-way", scenario.name)
+        if request.transport is not None:  # cut: the client must not take what it got for the whole export
+            request.transport.close()
+        raise
     await response.write_eof()
     return response
