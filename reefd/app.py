@@ -17,6 +17,7 @@ from reefd.api import harness as harness_api
 from reefd.api import jobs as jobs_api
 from reefd.api import releases as release_api
 from reefd.api.errors import SCENARIO_HEADER, ApiError, error_middleware
+from reefd.api.openapi import openapi_json
 from reefd.auth import auth_middleware
 from reefd.loop import Settings
 from reefd.metrics import INSTALL_HINT
@@ -134,4 +135,5 @@ def build_app(settings: Settings) -> web.Application:
     app.router.add_get("/", admin.healthz)  # HEAD / is Claude Code's connectivity probe
     app.router.add_get("/readyz", admin.readyz)
     app.router.add_get("/metrics", metrics_route)
+    app.router.add_get("/openapi.json", openapi_json)
     return app

@@ -1,0 +1,223 @@
+"""The shapes reefd answers in, as JSON Schemas (2020-12) for the OpenAPI document (api/openapi.py): bodies,
+server-sent events (each event's `data` as JSON, checked with `contentSchema`), and the two error shapes.
+
+Request bodies are the handlers' own schemas, imported; the answers' shapes are written down here, from the
+provider modules that produce them. Knows nothing of routes.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from reefd.api import anthropic, openai, reports, responses
+from reefd.jobs import STATES
+
+
+def ref(name: str) -> dict[str, str]:
+    return {"$ref": f"#/components/schemas/{name}"}
+
+
+STR = {"type": "string"}
+_OPT_STR = {"type": ["string", "null"]}
+_INT = {"type": "integer"}
+_NUM = {"type": "number"}
+OBJ = {"type": "object"}
+ID = {"type": "string", "minLength": 1}
+
+
+def _obj(required: str, **props: Any) -> dict[str, Any]:
+    """An object schema: `required` names its always-present keys (space-separated); more keys may appear."""
+    return {"type": "object", "required": required.split(), "properties": props}
+
+
+_TOOL_CALL = _obj("id type function", id=STR, type={"const": "function"},
+                  function=_obj("name arguments", name=STR, arguments=STR))
+_RELEASE = _obj("id scenario parent kind seq created_at commit meta status", id=STR, scenario=STR,
+                parent=_OPT_STR, kind=STR, seq=_INT, created_at=STR, commit=STR, meta=OBJ,
+                status={"enum": ["released", "rejected"]})
+_FILE = _obj("path size lfs sha256", path=STR, size=_INT, lfs={"type": "boolean"}, sha256=STR)
+_TEXT_OUT = _obj("type text annotations", type={"const": "output_text"}, text=STR, annotations={"type": "array"})
+_RESPONSE_ITEM = {"oneOf": [
+    _obj("type id status role content", type={"const": "message"}, id=STR, role={"const": "assistant"},
+         status={"enum": ["completed", "incomplete", "in_progress"]}, content={"type": "array", "items": _TEXT_OUT}),
+    _obj("type id call_id name arguments status", type={"const": "function_call"}, id=STR, call_id=STR,
+         name=STR, arguments=STR, status=STR)]}
+
+_STOP_REASON = {"enum": ["end_turn", "max_tokens", "stop_sequence", "tool_use"]}
+
+
+def _json(schema: dict[str, Any]) -> dict[str, Any]:
+    """A string holding JSON that fits `schema` (an event's `data`)."""
+    return {"type": "string", "contentMediaType": "application/json", "contentSchema": schema}
+
+
+def _events(kinds: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """One server-sent event: `event` names its kind, and `data` is JSON of that kind's shape, whose `type` is the
+    kind again."""
+    cases = [{"if": {"required": ["event"], "properties": {"event": {"const": kind}}},
+              "then": {"properties": {"data": _json({"allOf": [
+                  schema, {"type": "object", "required": ["type"], "properties": {"type": {"const": kind}}}]})}}}
+             for kind, schema in kinds.items()]
+    return {"type": "object", "required": ["event", "data"],
+            "properties": {"event": {"enum": list(kinds)}, "data": STR}, "allOf": cases}
+
+
+_CHUNK = _obj(
+    "id object created model choices", id=STR, object={"const": "chat.completion.chunk"}, created=_INT, model=STR,
+    choices={"type": "array", "items": _obj(
+        "index delta finish_reason", index=_INT, finish_reason=_OPT_STR,
+        delta=_obj("", role={"const": "assistant"}, content=STR, tool_calls={"type": "array", "items": _obj(
+            "index id type function", index=_INT, id=STR, type={"const": "function"},
+            function=_obj("name arguments", name=STR, arguments=STR))}))},
+    usage={"anyOf": [{"type": "null"}, _obj("prompt_tokens completion_tokens total_tokens", prompt_tokens=_INT,
+                                            completion_tokens=_INT, total_tokens=_INT)]})
+_BLOCK_AT = {"index": _INT}
+_ANTHROPIC_EVENTS = {
+    "message_start": _obj("message", message=_obj(
+        "id type role model content stop_reason stop_sequence usage", id=STR, type={"const": "message"},
+        role={"const": "assistant"}, model=STR, content={"const": []}, stop_reason={"type": "null"},
+        stop_sequence={"type": "null"}, usage=_obj("input_tokens output_tokens", input_tokens=_INT,
+                                                   output_tokens=_INT))),
+    "ping": _obj(""),
+    "content_block_start": _obj("index content_block", **_BLOCK_AT,
+                                content_block=_obj("type", type={"enum": ["text", "tool_use"]})),
+    "content_block_delta": _obj("index delta", **_BLOCK_AT,
+                                delta=_obj("type", type={"enum": ["text_delta", "input_json_delta"]})),
+    "content_block_stop": _obj("index", **_BLOCK_AT),
+    "message_delta": _obj("delta usage", delta=_obj("stop_reason stop_sequence", stop_reason=_STOP_REASON,
+                                                    stop_sequence=_OPT_STR),
+                          usage=_obj("output_tokens", output_tokens=_INT)),
+    "message_stop": _obj(""),
+    "error": ref("AnthropicError"),
+}
+_RESPONSE_STATES = {"enum": ["in_progress", "completed", "incomplete", "failed"]}
+_IN_ITEM = {"item_id": STR, "output_index": _INT}
+_IN_PART = {**_IN_ITEM, "content_index": _INT}
+_PART = {"part": _TEXT_OUT}
+_RESPONSE_EVENTS = {
+    **{kind: _obj("sequence_number response", sequence_number=_INT, response=_obj(
+        "id object status output", id=STR, object={"const": "response"}, status=_RESPONSE_STATES,
+        output={"type": "array", "items": _RESPONSE_ITEM}))
+       for kind in ("response.created", "response.in_progress", "response.completed", "response.incomplete",
+                    "response.failed")},
+    **{kind: _obj("sequence_number output_index item", sequence_number=_INT, output_index=_INT, item=_RESPONSE_ITEM)
+       for kind in ("response.output_item.added", "response.output_item.done")},
+    **{kind: _obj("sequence_number item_id output_index content_index part", sequence_number=_INT, **_IN_PART,
+                  **_PART) for kind in ("response.content_part.added", "response.content_part.done")},
+    "response.output_text.delta": _obj("sequence_number item_id output_index content_index delta",
+                                       sequence_number=_INT, **_IN_PART, delta=STR),
+    "response.output_text.done": _obj("sequence_number item_id output_index content_index text",
+                                      sequence_number=_INT, **_IN_PART, text=STR),
+    "response.function_call_arguments.delta": _obj("sequence_number item_id output_index delta",
+                                                   sequence_number=_INT, **_IN_ITEM, delta=STR),
+    "response.function_call_arguments.done": _obj("sequence_number item_id output_index arguments",
+                                                  sequence_number=_INT, **_IN_ITEM, arguments=STR),
+    "error": _obj("sequence_number code message param", sequence_number=_INT, code=STR, message=STR,
+                  param=_OPT_STR),
+}
+
+SCHEMAS: dict[str, Any] = {
+    "OpenAIError": {
+        "description": "OpenAI's error shape, on every route but /v1/messages*.",
+        "type": "object", "required": ["error"], "additionalProperties": False,
+        "properties": {"error": {"type": "object", "required": ["message", "type", "param", "code"],
+                                 "additionalProperties": False,
+                                 "properties": {"message": STR, "type": STR, "param": _OPT_STR,
+                                                "code": _OPT_STR}}}},
+    "AnthropicError": {
+        "description": "Anthropic's error shape, on /v1/messages and /v1/messages/count_tokens.",
+        "type": "object", "required": ["type", "error"], "additionalProperties": False,
+        "properties": {"type": {"const": "error"},
+                       "error": {"type": "object", "required": ["type", "message"], "additionalProperties": False,
+                                 "properties": {"type": STR, "message": STR}}}},
+    "ChatCompletionRequest": openai.REQUEST_SCHEMA,
+    "ChatCompletion": _obj(
+        "id object created model choices usage", id=STR, object={"const": "chat.completion"}, created=_INT,
+        model=STR, choices={"type": "array", "items": _obj(
+            "index message finish_reason", index=_INT, finish_reason=STR,
+            message=_obj("role content", role={"const": "assistant"}, content=_OPT_STR,
+                         tool_calls={"type": "array", "items": _TOOL_CALL}))},
+        usage=_obj("prompt_tokens completion_tokens total_tokens", prompt_tokens=_INT, completion_tokens=_INT,
+                   total_tokens=_INT)),
+    "ChatCompletionEvent": {
+        "description": "One event of a stream: a chunk, an error (the stream then ends), or `[DONE]`, the last.",
+        "type": "object", "required": ["data"], "properties": {"data": {
+            "if": {"const": "[DONE]"}, "else": _json({"anyOf": [_CHUNK, ref("OpenAIError")]})}}},
+    "MessagesRequest": anthropic.REQUEST_SCHEMA,
+    "CountTokensRequest": anthropic.COUNT_SCHEMA,
+    "Message": _obj(
+        "id type role model content stop_reason stop_sequence usage", id=STR, type={"const": "message"},
+        role={"const": "assistant"}, model=STR, stop_sequence=_OPT_STR,
+        stop_reason=_STOP_REASON,
+        content={"type": "array", "items": {"oneOf": [
+            _obj("type text", type={"const": "text"}, text=STR),
+            _obj("type id name input", type={"const": "tool_use"}, id=STR, name=STR, input=OBJ)]}},
+        usage=_obj("input_tokens output_tokens", input_tokens=_INT, output_tokens=_INT)),
+    "MessageEvent": _events(_ANTHROPIC_EVENTS),
+    "TokenCount": _obj("input_tokens", input_tokens=_INT),
+    "ResponseRequest": responses.REQUEST_SCHEMA,
+    "Response": _obj(
+        "id object created_at status output model usage", id=STR, object={"const": "response"},
+        created_at=_INT, model=STR, status={"enum": ["completed", "incomplete"]},
+        output={"type": "array", "items": _RESPONSE_ITEM},
+        usage=_obj("input_tokens output_tokens total_tokens", input_tokens=_INT, output_tokens=_INT,
+                   total_tokens=_INT)),
+    "ResponseEvent": _events(_RESPONSE_EVENTS),
+    "Models": {"oneOf": [
+        _obj("object data", object={"const": "list"}, data={"type": "array", "items": _obj(
+            "id object created owned_by", id=STR, object={"const": "model"}, created=_INT, owned_by=STR)}),
+        _obj("data has_more first_id last_id", has_more={"type": "boolean"}, first_id=_OPT_STR, last_id=_OPT_STR,
+             data={"type": "array", "items": _obj("type id display_name created_at", type={"const": "model"},
+                                                  id=STR, display_name=STR, created_at=STR)})]},
+    "ReportRequest": reports.REPORT_SCHEMA,
+    "Report": _obj("object report_id scenario references", object={"const": "reef.report"}, report_id=STR,
+                   scenario=STR, references={"type": "array", "items": STR}),
+    "Record": _obj("id scenario api request", id=STR, scenario=STR, api=STR, request=OBJ),
+    "Records": _obj("object data has_more last_id", object={"const": "list"}, has_more={"type": "boolean"},
+                    last_id=_OPT_STR, data={"type": "array", "items": ref("Record")}),
+    "Status": _obj("version ready uptime_s scenarios", version=STR, ready={"type": "boolean"}, uptime_s=_NUM,
+                   scenarios={"type": "array", "items": _obj("name model engine release releases records reports",
+                                                             name=STR, model=STR, engine=OBJ, release=_OPT_STR,
+                                                             releases=OBJ, records=_INT, reports=_INT)}),
+    "Release": _RELEASE,
+    "ReleaseFiles": {"allOf": [_RELEASE, _obj("files", files={"type": "array", "items": _FILE})]},
+    "Releases": _obj("object scenario serving head declared data", object={"const": "list"}, scenario=STR,
+                     serving=_OPT_STR, head=_OPT_STR, declared=_OPT_STR, data={"type": "array", "items": _RELEASE}),
+    "Diff": _obj("a b kind meta added removed changed text", a=STR, b=STR,
+                 kind={"type": "array", "items": STR, "minItems": 2, "maxItems": 2}, meta=OBJ,
+                 added={"type": "array", "items": STR}, removed={"type": "array", "items": STR},
+                 changed={"type": "array", "items": STR}, text={"type": "object", "additionalProperties": STR}),
+    "RollbackRequest": {
+        "type": "object", "properties": {
+            "to": {"type": ["string", "null"], "minLength": 1, "description": "Default: the head's parent."},
+            "dry_run": {"type": "boolean", "default": False},
+            "expected_head": {"type": ["string", "null"], "minLength": 1}}},
+    "PromoteRequest": {
+        "type": "object", "required": ["release"], "properties": {
+            "release": {"type": "string", "minLength": 1, "description": "A release or a rejected candidate."},
+            "dry_run": {"type": "boolean", "default": False},
+            "expected_head": {"type": ["string", "null"], "minLength": 1}}},
+    "Copied": _obj("dry_run release from to serving", dry_run={"type": "boolean"}, release={
+        "anyOf": [_RELEASE, {"type": "null"}]}, to=STR, serving=_OPT_STR, **{"from": _OPT_STR}),
+    "Published": _obj("release serving warnings", release=_RELEASE, serving=_OPT_STR,
+                      warnings={"type": "array", "items": STR}),
+    "Job": _obj("id scenario reason recipe state stage created_at", id=STR, scenario=STR, reason=STR,
+                recipe=STR, state={"enum": list(STATES)}, stage=STR, created_at=_NUM, release=_OPT_STR,
+                error=_OPT_STR),
+    "Jobs": _obj("object data", object={"const": "list"}, data={"type": "array", "items": ref("Job")}),
+    "Step": _obj("object scenario step release groups rollouts parents", object={"const": "reef.attempts.step"},
+                 scenario=STR, step=_INT, release=STR, groups=_INT, rollouts=_INT, parents={"type": "array"}),
+    "Wait": _obj("object scenario status retry_after_s", object={"const": "reef.attempts.wait"}, scenario=STR,
+                 status={"enum": ["starting", "training"]}, retry_after_s=_NUM),
+    "Archive": _obj("object scenario step best states top curve", object={"const": "reef.archive"}, scenario=STR,
+                    step=_INT, best=OBJ, states=_INT, top={"type": "array"}, curve={"type": "array"}),
+    "Harness": _obj("scenario release parent kind summary created_at files", scenario=STR, release=STR,
+                    parent=_OPT_STR, kind=STR, summary=STR, created_at=STR, files={"type": "array", "items": _obj(
+                        "path sha256 size content", path=STR, sha256=STR, size=_INT, content=STR)}),
+    "HarnessReleases": _obj("object scenario current data", object={"const": "list"}, scenario=STR,
+                            current=_OPT_STR, data={"type": "array", "items": _obj(
+                                "id parent kind created_at summary", id=STR, parent=_OPT_STR, kind=STR,
+                                created_at=STR, summary=STR)}),
+    "Health": _obj("status", status={"const": "ok"}),
+    "Ready": _obj("ready", ready={"type": "boolean"}, scenarios={"type": "object", "additionalProperties": STR}),
+}
