@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.installed
 # The daemon's default state folder (reefctl finds the API token there too).
 STATE  ?= $(or $(REEF_STATE),$(STATE_DIRECTORY),$(HOME)/.local/state/reefd)
 
-.PHONY: venv run test lint bench demo clean
+.PHONY: venv run test lint fuzz bench demo clean
 
 $(STAMP): pyproject.toml
 	@if ! command -v git-lfs >/dev/null 2>&1 || ! command -v shellcheck >/dev/null 2>&1; then \
@@ -38,6 +38,12 @@ test: venv lint
 	@$(BIN)/python -m pytest -m "not slow" --durations=25; rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "make: pytest collected no tests; that is a failure" >&2; exit 1; fi; \
 	exit $$rc
+
+# Schemathesis against a real reefd (tests/e2e/test_fuzz.py) with every phase and 10,000 fuzzing cases, on a
+# new seed each run (it prints the seed: REEF_FUZZ_SEED=N make fuzz runs the same cases again).
+fuzz: venv
+	REEF_FUZZ_CASES=10000 REEF_FUZZ_PHASES=examples,coverage,fuzzing,stateful \
+	REEF_FUZZ_SEED=$${REEF_FUZZ_SEED:-$$(date +%s)} $(BIN)/python -m pytest tests/e2e/test_fuzz.py --timeout=14400
 
 bench: venv
 	$(BIN)/python bench/records.py

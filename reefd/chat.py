@@ -38,6 +38,13 @@ class ChatRequest:
     top_logprobs: int = 0  # record the engine's top-K logprobs of every generated token (a recipe asks for it)
     routing_key: str | None = None  # keeps a conversation on one engine replica (the record's session)
 
+    def __post_init__(self) -> None:
+        # JSON Schema counts 2.0 as an integer, so the APIs take it for one: engines get the int it stands for
+        # (one beyond 64 bits stays a float, which engines refuse, as reefd refuses such an integer)
+        for name in ("max_tokens", "top_k", "seed"):
+            if isinstance(value := getattr(self, name), float) and -(2**63) <= value < 2**63:
+                setattr(self, name, int(value))
+
 
 def add_system_text(chat: ChatRequest, block: str) -> None:
     """Add text (a harness) to the system prompt: after the client's own system text (kept as it is), or as a

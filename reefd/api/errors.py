@@ -166,7 +166,8 @@ async def error_middleware(request: web.Request,
         message = {404: f"no route for {shown_text(request.method, 20)} {shown_text(request.path)}",
                    405: f"method {shown_text(request.method, 20)} not allowed on {shown_text(request.path)}"
                    }.get(exc.status, exc.reason)
-        return render(request, ApiError(exc.status, message))
+        allow = {"Allow": exc.headers["Allow"]} if "Allow" in exc.headers else None  # a 405 names the methods
+        return render(request, ApiError(exc.status, message, headers=allow))
     except Exception as exc:
         mapped = from_domain(exc)
         if mapped is not None:

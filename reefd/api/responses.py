@@ -331,4 +331,4 @@ async def refuse_get(request: web.Request) -> web.Response:
         resp = json_response(body, status=426)
         resp.force_close()  # no upgrade happened: do not reuse a connection that asked for one
         return resp
-    raise ApiError(405, f"method GET not allowed on {shown_text(request.path)}; use POST")
+    raise ApiError(405, f"method GET not allowed on {shown_text(request.path)}; use POST", headers={"Allow": "POST"})
