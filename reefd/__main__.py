@@ -20,7 +20,9 @@ from aiohttp import web
 
 from reefd import __version__, config, loop, memory, systemd
 from reefd.app import Settings, build_app, metrics_app
-from reefd.auth import load_tokens
+from reefd.auth import KEYRING, load_tokens
+from reefd.tokens import TokensFileError, path_for
+from reefd.tokens import read as read_tokens_file
 
 log = logging.getLogger("reefd")
 
@@ -122,9 +124,16 @@ async def _metrics_site(app: web.Application) -> web.AppRunner | None:
 
 
 async def _reload(app: web.Application, scenarios_dir: Path) -> None:
-    """SIGHUP (`systemctl reload reefd`): re-read the folder and apply the difference."""
+    """SIGHUP (`systemctl reload reefd`): re-read the tokens file, then the scenarios folder and apply the
+    difference. Either one that cannot be used keeps what was in force before."""
     await systemd.notify_async("RELOADING=1", f"MONOTONIC_USEC={time.clock_gettime_ns(time.CLOCK_MONOTONIC) // 1000}",
                                "STATUS=reloading scenarios")
+    keyring = app[KEYRING]
+    try:
+        held = await asyncio.to_thread(keyring.reload)
+        log.info("reloaded the tokens file %s: %d scoped tokens", keyring.file, held)
+    except TokensFileError as exc:
+        log.error("tokens file refused, still accepting the previous tokens: %s", exc)
     try:
         scenarios = await asyncio.to_thread(config.load_all, scenarios_dir)  # off the event loop
         await loop.reload(app, scenarios)
@@ -186,7 +195,13 @@ def main(argv: list[str] | None = None) -> int:
             return 2
     memory.return_big_buffers()
     args.state.mkdir(mode=0o700, parents=True, exist_ok=True)  # records and the token live here
-    settings = Settings(state_dir=args.state, tokens=load_tokens(args.state),
+    tokens_file = path_for(args.state)
+    try:
+        read_tokens_file(tokens_file)
+    except TokensFileError as exc:
+        print(exc, file=sys.stderr)
+        return 2
+    settings = Settings(state_dir=args.state, tokens=load_tokens(args.state), tokens_file=tokens_file,
                         scenarios=scenarios, scenarios_dir=args.scenarios,
                         max_jobs=int(os.environ.get("REEF_MAX_JOBS", "1")))
     with asyncio.Runner(loop_factory=_loop_factory()) as runner:

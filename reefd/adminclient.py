@@ -29,11 +29,15 @@ class Unreachable(CliError):
     """The daemon did not answer at all (refused, reset, timed out)."""
 
 
-def _token_file(env: Mapping[str, str]) -> str | None:
-    """First line of STATE/token. STATE: $REEF_STATE, else $STATE_DIRECTORY (systemd's, first of a
-    colon list), else ~/.local/state/reefd."""
+def state_dir(env: Mapping[str, str]) -> Path:
+    """STATE: $REEF_STATE, else $STATE_DIRECTORY (systemd's, first of a colon list), else ~/.local/state/reefd."""
     systemd = env.get("STATE_DIRECTORY", "").split(":")[0]
-    path = Path(env.get("REEF_STATE") or systemd or Path.home() / ".local/state/reefd") / "token"
+    return Path(env.get("REEF_STATE") or systemd or Path.home() / ".local/state/reefd")
+
+
+def _token_file(env: Mapping[str, str]) -> str | None:
+    """First line of STATE/token."""
+    path = state_dir(env) / "token"
     try:
         text = path.read_text(encoding="utf-8")
     except FileNotFoundError:

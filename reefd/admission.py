@@ -13,8 +13,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections import Counter, deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
+
+LEFT_POLL_S = 0.25  # how often a waiting request checks that its client is still there
 
 
 class Overloaded(Exception):
@@ -24,6 +26,10 @@ class Overloaded(Exception):
         super().__init__(message)
         self.status = status
         self.retry_after = retry_after
+
+
+class Left(Exception):
+    """The client went away while its request waited in the line; its place went to the next one."""
 
 
 class Admission:
@@ -49,15 +55,16 @@ class Admission:
             self._grant()
 
     @contextlib.asynccontextmanager
-    async def turn(self) -> AsyncIterator[None]:
-        """Hold one of the engine's turns for the body of the block (Overloaded when there is none to wait for)."""
-        await self._enter()
+    async def turn(self, left: Callable[[], bool] | None = None) -> AsyncIterator[None]:
+        """Hold one of the engine's turns for the body of the block (Overloaded when there is none to wait for).
+        `left()` says whether the client went away: checked while waiting, it gives the place up (Left)."""
+        await self._enter(left)
         try:
             yield
         finally:
             self._leave()
 
-    async def _enter(self) -> None:
+    async def _enter(self, left: Callable[[], bool] | None = None) -> None:
         if self.running < self.limit and not self._waiting:
             self.running += 1
             return
@@ -65,14 +72,20 @@ class Admission:
             self.refused["queue_full"] += 1
             raise Overloaded(f"{self.name} is at capacity: {self.running} requests generating and "
                              f"{len(self._waiting)} waiting (model.max_queue); retry shortly", 429, retry_after=1)
-        turn: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        clock = asyncio.get_running_loop()
+        turn: asyncio.Future[None] = clock.create_future()
         self._waiting.append(turn)
+        deadline = clock.time() + self.max_wait_s
         try:
-            done, _ = await asyncio.wait({turn}, timeout=self.max_wait_s)
-        except asyncio.CancelledError:  # the client left while waiting
+            while not turn.done() and (wait := deadline - clock.time()) > 0:
+                await asyncio.wait({turn}, timeout=wait if left is None else min(wait, LEFT_POLL_S))
+                if not turn.done() and left is not None and left():
+                    self._forfeit(turn)
+                    raise Left(f"the client left while waiting for a turn at {self.name}")
+        except asyncio.CancelledError:  # the handler was cancelled while waiting
             self._forfeit(turn)
             raise
-        if not done:
+        if not turn.done():
             self._forfeit(turn)
             self.refused["queue_timeout"] += 1
             raise Overloaded(f"{self.name} is busy: no turn came within {self.max_wait_s:g} s "

@@ -10,7 +10,7 @@ from collections.abc import Awaitable, Callable
 from aiohttp import web
 
 from reefd import loop, memory
-from reefd.api import admin, anthropic, openai, reports, responses
+from reefd.api import access, admin, anthropic, openai, reports, responses
 from reefd.api import attempts as attempts_api
 from reefd.api import export as export_api
 from reefd.api import harness as harness_api
@@ -18,7 +18,7 @@ from reefd.api import jobs as jobs_api
 from reefd.api import releases as release_api
 from reefd.api.errors import SCENARIO_HEADER, ApiError, error_middleware
 from reefd.api.openapi import openapi_json
-from reefd.auth import auth_middleware
+from reefd.auth import ANY, KEYRING, ROUTE_SCOPES, Keyring, auth_middleware
 from reefd.loop import Settings
 from reefd.metrics import INSTALL_HINT
 
@@ -78,6 +78,7 @@ async def _scrape(main: web.Application) -> web.Response:
 
 
 async def metrics_route(request: web.Request) -> web.Response:
+    access.require_everything(request, "/metrics")
     return await _scrape(request.app)
 
 
@@ -92,10 +93,32 @@ def metrics_app(main: web.Application) -> web.Application:
     return app
 
 
+# The scope each route needs (reefd/tokens.py): `serve` for agents, `report` for feedback, `read` for operators'
+# reads, `admin` for what changes the chain or starts work. A handler missing here needs `admin`.
+SCOPES: dict[Callable[..., object], str] = {
+    openai.chat_completions: "serve", anthropic.messages: "serve", anthropic.count_tokens: "serve",
+    responses.create: "serve", responses.refuse_get: "serve", responses.retrieve: "serve",
+    openai.list_models: "serve", attempts_api.next_step: "serve",
+    harness_api.get_harness: "serve", harness_api.releases: "serve", harness_api.install: "serve",
+    reports.report: "report",
+    admin.get_record: "read", admin.list_records: "read", admin.status: "read",
+    release_api.history: "read", release_api.show: "read", release_api.diff: "read",
+    attempts_api.archive: "read", jobs_api.list_jobs: "read", jobs_api.get_job: "read", metrics_route: "read",
+    export_api.export: "read",
+    release_api.publish: "admin", release_api.rollback: "admin", release_api.promote: "admin",
+    jobs_api.train: "admin", jobs_api.cancel_job: "admin",
+    admin.healthz: ANY, admin.readyz: ANY, openapi_json: ANY,
+}
+
+
 def build_app(settings: Settings) -> web.Application:
+    keyring = Keyring(settings.tokens, settings.tokens_file)
+    keyring.reload()  # TokensFileError: reefd does not start on a tokens file it cannot use
     app = web.Application(middlewares=[count_requests, trim_after_big_bodies, error_middleware,
-                                       auth_middleware(settings.tokens)],
+                                       auth_middleware(keyring, SCOPES)],
                           client_max_size=64 * 1024 * 1024)
+    app[KEYRING] = keyring
+    app[ROUTE_SCOPES] = SCOPES
     loop.install(app, settings)
 
     # Serve: provider-native agent APIs, by header or by path.

@@ -186,7 +186,8 @@ class Attempts:
         async with self._lock(name):
             _, search = self._search(name)
             doc = self._doc(name, search)
-            known = body.get("report_id") and await asyncio.to_thread(self.store.get_report, str(body["report_id"]))
+            known = body.get("report_id") and await asyncio.to_thread(self.store.get_report, name,
+                                                                          str(body["report_id"]))
             if known:
                 # a resend: the store answers it (the same report, or a conflict) without a claim
                 return await self.store.put_report(name, body)
@@ -270,7 +271,7 @@ class Attempts:
 
     async def _close(self, name: str, search: Search, doc: dict[str, Any], claims: dict[str, str]) -> None:
         plan = doc["open"]
-        attempts = await asyncio.to_thread(self._attempts, claims)
+        attempts = await asyncio.to_thread(self._attempts, name, claims)
         releases = sorted({str(a["record"].get("release")) for a in attempts})
         if releases != [plan["release"]]:
             await self._discard(name, doc, search, "its attempts came from releases " + ", ".join(releases)
@@ -321,12 +322,12 @@ class Attempts:
         log.info("%s: step %d closed (mean %.4g, best so far %s): %s", name, plan["step"], entry["mean"],
                  best.score, job.id)
 
-    def _attempts(self, claims: dict[str, str]) -> list[dict[str, Any]]:
+    def _attempts(self, name: str, claims: dict[str, str]) -> list[dict[str, Any]]:
         """Each claimed coordinate's attempt: its report's score and state and its record (blocking reads)."""
         out = []
         for key, report_id in claims.items():
             _, _, group, rollout = key.split("/")
-            report = self.store.get_report(report_id) or {}
+            report = self.store.get_report(name, report_id) or {}
             receipt = (report.get("references") or [""])[0]
             record = self.store.get_record(receipt) or {}
             meta = report.get("metadata") or {}
@@ -344,7 +345,7 @@ class Attempts:
         plan = doc["open"]
         if attempts is None:
             claims = await asyncio.to_thread(self.store.claimed, name, f"grid/{plan['step']:08d}/")
-            attempts = await asyncio.to_thread(self._attempts, claims)
+            attempts = await asyncio.to_thread(self._attempts, name, claims)
         receipts = [a["receipt"] for a in attempts if a["receipt"]]
         if receipts:
             await self.store.mark_consumed(name, receipts, f"discarded step {plan['step']}")

@@ -314,7 +314,12 @@ def _report_args(p: argparse.ArgumentParser) -> None:
 
 @command("report", "attach a score and/or feedback to records", _report_args)
 def cmd_report(client: Client, args: argparse.Namespace) -> int:
-    scenario = args.scenario or _get_record(client, args.receipts[0]).get("scenario")
+    try:
+        scenario = args.scenario or _get_record(client, args.receipts[0]).get("scenario")
+    except CliError as exc:
+        if str(exc).startswith("HTTP 403"):  # a token with `report` but not `read`
+            raise CliError(f"{exc}; pass --scenario NAME to report without looking the record up") from None
+        raise
     if not scenario:
         raise CliError(f"record {args.receipts[0]} names no scenario; pass --scenario")
     feedback = args.feedback if args.feedback is not None else args.feedback_json
@@ -334,7 +339,7 @@ def cmd_report(client: Client, args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     """Connection flags go on the root and on every subcommand, so they work before or after the verb."""
     import reefd.cli_export  # noqa: F401
-    from reefd import cli_jobs, cli_releases  # noqa: F401  (register the release and Grow verbs after these)
+    from reefd import cli_jobs, cli_releases, cli_tokens  # noqa: F401  (register their verbs after these)
 
     conn = argparse.ArgumentParser(add_help=False)
     conn.add_argument("--url", default=argparse.SUPPRESS, help=f"reefd's address (env REEF_URL; {DEFAULT_URL})")

@@ -68,7 +68,8 @@ class Settings:
     """How this daemon runs (flags and environment), as opposed to what it serves (scenarios)."""
 
     state_dir: Path
-    tokens: list[str]
+    tokens: list[str]  # root tokens: every scope, every scenario
+    tokens_file: Path | None = None  # scoped tokens (reefd/tokens.py), re-read on SIGHUP
     records_map_size: int = 1 << 30
     shutdown_timeout_s: float = 30.0
     scenarios: dict[str, ScenarioConfig] = field(default_factory=dict)

@@ -94,8 +94,17 @@ def _scenario_key(scenario: object) -> bytes:
     return key
 
 
-def _report_key(report_id: str) -> bytes:
-    """The id's UTF-8 bytes; an id too long for an LMDB key is hashed (0xff never starts UTF-8)."""
+def _report_key(scenario: bytes, report_id: str) -> bytes:
+    """0xfe, scenario NUL id: report_ids are per scenario, so one scenario's ids never answer for another's.
+    A key too long for LMDB is hashed (0xfd). Neither byte occurs in UTF-8, so these keys never meet the bare ids
+    that a store written before kept (see _legacy_report_key)."""
+    key = scenario + b"\0" + report_id.encode("utf-8", "surrogatepass")
+    return b"\xfe" + key if len(key) <= 400 else b"\xfd" + hashlib.sha256(key).digest()
+
+
+def _legacy_report_key(report_id: str) -> bytes:
+    """Where a store written before report_ids were per scenario kept a report: the id itself, or 0xff and its
+    SHA-256 when too long. Such a report still answers for its own scenario."""
     key = report_id.encode("utf-8", "surrogatepass")
     return key if len(key) <= 256 else b"\xff" + hashlib.sha256(key).digest()
 
@@ -351,10 +360,9 @@ class RecordStore:
                       scenario: bytes, report: dict[str, Any], packed: bytes,
                       claims: list[str]) -> tuple[dict[str, Any], bool]:
         db = self._dbs
-        report_key = _report_key(report["report_id"])
-        stored = txn.get(report_key, db=db["reports"])
-        if stored is not None:
-            previous = _unpack(stored)
+        report_key = _report_key(scenario, report["report_id"])
+        previous = self._find_report(txn, scenario, report["report_id"])
+        if previous is not None:
             if _canonical(previous) != _canonical(report):
                 raise ReportConflict(report["report_id"])
             return previous, False
@@ -631,13 +639,20 @@ class RecordStore:
                 out[key[len(start):].decode()] = value.decode("utf-8", "surrogatepass")
         return out
 
-    def get_report(self, report_id: str) -> dict[str, Any] | None:
-        """The stored report, or None."""
+    def get_report(self, scenario: str, report_id: str) -> dict[str, Any] | None:
+        """The scenario's report of that id, or None."""
         if not isinstance(report_id, str) or not report_id:
             return None
         with self._reading() as txn:
-            raw = txn.get(_report_key(report_id), db=self._dbs["reports"])
-            return None if raw is None else _unpack(raw)
+            return self._find_report(txn, _scenario_key(scenario), report_id)
+
+    def _find_report(self, txn: lmdb.Transaction[bytes], scenario: bytes, report_id: str) -> dict[str, Any] | None:
+        raw = txn.get(_report_key(scenario, report_id), db=self._dbs["reports"])
+        if raw is not None:
+            return _unpack(raw)
+        raw = txn.get(_legacy_report_key(report_id), db=self._dbs["reports"])
+        legacy = None if raw is None else _unpack(raw)
+        return legacy if legacy is not None and str(legacy.get("scenario")).encode() == scenario else None
 
     def counts(self) -> dict[str, dict[str, int]]:
         """{scenario: {"records": n, "reports": m}}, kept by the write transactions (no scan of records)."""

@@ -167,11 +167,12 @@ class Registry:
             line.resize(*limits, cfg.model.max_queue_wait_s)
 
     @contextlib.asynccontextmanager
-    async def serving(self, scenario: Scenario) -> AsyncIterator[Binding]:
-        """Wait for a turn at the scenario's engine (Overloaded when its line is full or the wait runs out), then
-        serve with that turn held."""
+    async def serving(self, scenario: Scenario, left: Callable[[], bool] | None = None) -> AsyncIterator[Binding]:
+        """Wait for a turn at the scenario's engine (Overloaded when its line is full or the wait runs out; Left
+        when `left()` says the client went away meanwhile), then serve with that turn held."""
         line = self.admissions.get(id(scenario.engine))
-        async with line.turn() if line is not None else contextlib.nullcontext(), self._bound(scenario) as binding:
+        async with line.turn(left) if line is not None else contextlib.nullcontext(), \
+                self._bound(scenario) as binding:
             yield binding
 
     @contextlib.asynccontextmanager

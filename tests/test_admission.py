@@ -7,7 +7,7 @@ import contextlib
 
 import pytest
 
-from reefd.admission import Admission, Overloaded
+from reefd.admission import Admission, Left, Overloaded
 
 
 async def hold(line: Admission, order: list[str], name: str, release: asyncio.Event) -> None:
@@ -122,5 +122,35 @@ def test_a_reload_that_raises_the_limit_lets_waiting_requests_in() -> None:
             g.set()
         await asyncio.gather(*tasks)
         assert line.running == 0
+
+    asyncio.run(main())
+
+
+def test_a_client_that_leaves_while_waiting_gives_its_place_to_the_next() -> None:
+    async def main() -> None:
+        line = Admission("m", limit=1, max_queue=2, max_wait_s=30)
+        busy, gone = asyncio.Event(), False
+        order: list[str] = []
+        first = asyncio.create_task(hold(line, order, "a", busy))
+        await asyncio.sleep(0.01)
+
+        async def leaver() -> None:
+            async with line.turn(left=lambda: gone):
+                order.append("leaver")
+
+        waiting = asyncio.create_task(leaver())
+        later = asyncio.create_task(hold(line, order, "c", asyncio.Event()))
+        await asyncio.sleep(0.01)
+        assert line.waiting == 2
+        gone = True
+        with pytest.raises(Left):
+            await asyncio.wait_for(waiting, timeout=5)
+        assert line.waiting == 1 and line.describe()["refused"] == {}  # not a refusal: nobody was there to refuse
+        busy.set()
+        await asyncio.sleep(0.01)
+        assert order == ["a", "c"] and line.running == 1  # the next in line took the turn
+        later.cancel()
+        await asyncio.gather(first, later, return_exceptions=True)
+        assert (line.running, line.waiting) == (0, 0)
 
     asyncio.run(main())

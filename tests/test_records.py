@@ -17,6 +17,7 @@ from typing import Any
 import lmdb
 import pytest
 
+from reefd.recordcodec import pack
 from reefd.records import (
     ClaimTaken,
     RecordStore,
@@ -239,9 +240,10 @@ def test_put_report_attaches_to_each_reference(tmp_path: Path) -> None:
         assert reports_of(store, first["id"]) == [stored, later]  # oldest first
         assert reports_of(store, second["id"]) == [stored]
         assert store.list_records("s1")[0]["reports"] == [stored, later]
-        assert store.get_report(stored["report_id"]) == stored
-        assert store.get_report("client-7") == later
-        assert store.get_report("missing") is None
+        assert store.get_report("s1", stored["report_id"]) == stored
+        assert store.get_report("s1", "client-7") == later
+        assert store.get_report("s1", "missing") is None
+        assert store.get_report("s2", "client-7") is None  # report ids are per scenario
         assert store.counts() == {"s1": {"records": 2, "reports": 2}}
 
     with_store(tmp_path / "db", body)
@@ -256,7 +258,7 @@ def test_report_with_unknown_or_foreign_receipt_writes_nothing(tmp_path: Path) -
             with pytest.raises(UnknownReceipt) as info:
                 await store.put_report("s1", {"references": [mine["id"], bad], "report_id": "r1"})
             assert info.value.receipt == bad
-        assert store.get_report("r1") is None
+        assert store.get_report("s1", "r1") is None
         assert reports_of(store, mine["id"]) == []
         assert store.counts() == {"s1": {"records": 1, "reports": 0}, "s2": {"records": 1, "reports": 0}}
 
@@ -277,13 +279,45 @@ def test_report_id_is_idempotent_for_the_same_body_and_conflicts_otherwise(tmp_p
         assert info.value.report_id == "retry-me"
         other = record("s2")
         await store.put_record(other)
-        with pytest.raises(ReportConflict):  # report ids are global: another scenario cannot reuse one
-            await store.put_report("s2", {**report, "references": [other["id"]]})
-        long_id = "ü" * 200  # 400 bytes of UTF-8: too long for an LMDB key as it is
+        # report ids are per scenario: another scenario's "retry-me" is its own report, and changes nothing here
+        theirs, created_there = await store.put_report("s2", {**report, "references": [other["id"]], "score": 0.0})
+        assert created_there and store.get_report("s2", "retry-me") == theirs
+        assert store.get_report("s1", "retry-me") == stored
+        long_id = "ü" * 250  # 500 bytes of UTF-8: too long for an LMDB key as it is
         long_report, _ = await store.put_report("s1", {**report, "report_id": long_id})
-        assert store.get_report(long_id) == long_report
+        assert store.get_report("s1", long_id) == long_report and store.get_report("s2", long_id) is None
         assert [r["report_id"] for r in reports_of(store, rec["id"])] == ["retry-me", long_id]
         assert store.counts()["s1"]["reports"] == 2
+
+    with_store(tmp_path / "db", body)
+
+
+def test_a_report_stored_before_ids_were_per_scenario_still_answers_for_its_own_scenario(tmp_path: Path) -> None:
+    """A store written by an older reefd keeps a report under its bare id: it is found, resent idempotently and
+    conflicts as before within its scenario, and another scenario may use the id for its own report."""
+    rec, other = record("s1"), record("s2")
+
+    async def seed(store: RecordStore) -> None:
+        await store.put_record(rec)
+        await store.put_record(other)
+
+    with_store(tmp_path / "db", seed)
+    old = {"report_id": "legacy-1", "scenario": "s1", "references": [rec["id"]], "score": 1.0, "feedback": None,
+           "metadata": None, "source": "client", "created_at": 1.0}
+    env = lmdb.open(str(tmp_path / "db"), subdir=True, max_dbs=16)
+    with env.begin(write=True) as txn:
+        txn.put(b"legacy-1", pack(old), db=env.open_db(b"reports", txn=txn))
+    env.close()
+
+    async def body(store: RecordStore) -> None:
+        assert store.get_report("s1", "legacy-1") == old
+        assert store.get_report("s2", "legacy-1") is None
+        again, created = await store.put_report("s1", {"references": [rec["id"]], "score": 1, "report_id": "legacy-1"})
+        assert (again, created) == (old, False)
+        with pytest.raises(ReportConflict):
+            await store.put_report("s1", {"references": [rec["id"]], "score": 0, "report_id": "legacy-1"})
+        theirs, created = await store.put_report("s2", {"references": [other["id"]], "report_id": "legacy-1"})
+        assert created and store.get_report("s2", "legacy-1") == theirs
 
     with_store(tmp_path / "db", body)
 
@@ -305,7 +339,8 @@ def test_the_first_report_keeps_a_claim_and_the_others_store_nothing(tmp_path: P
             await store.put_report("s1", {"references": [b["id"]], "score": 5, "report_id": "late"},
                                    claims=["grid/00000000/0/0"])
         assert (info.value.claim, info.value.holder) == ("grid/00000000/0/0", "first")
-        assert store.get_report("late") is None and [r["report_id"] for r in reports_of(store, a["id"])] == ["first"]
+        assert store.get_report("s1", "late") is None
+        assert [r["report_id"] for r in reports_of(store, a["id"])] == ["first"]
         assert (await store.put_report("s1", first, claims=["grid/00000000/0/0"]))[1] is False  # a resend
         assert store.claimed("s1", "grid/00000000/") == {"grid/00000000/0/0": "first"}
         assert store.claimed("s2", "grid/") == {}  # claims are per scenario

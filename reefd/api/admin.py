@@ -11,6 +11,7 @@ import time
 from aiohttp import web
 
 from reefd import __version__
+from reefd.api import access
 from reefd.api.errors import ApiError, json_response, shown
 from reefd.auth import AUTHENTICATED
 from reefd.loop import ATTEMPTS, CHAIN, CONVERSATIONS, JUDGES, RECONCILER, RECORDS, REGISTRY, STARTED_AT
@@ -29,7 +30,8 @@ async def readyz(request: web.Request) -> web.Response:
     ready = registry.ready
     body: dict[str, object] = {"ready": ready}
     if request.get(AUTHENTICATED):
-        body["scenarios"] = {name: s.engine.describe()["state"] for name, s in registry.scenarios.items()}
+        body["scenarios"] = {name: registry.scenarios[name].engine.describe()["state"]
+                             for name in access.visible(request, registry.scenarios)}
     return json_response(body, status=200 if ready else 503)
 
 
@@ -38,8 +40,10 @@ async def status(request: web.Request) -> web.Response:
     counts = await asyncio.to_thread(request.app[RECORDS].counts)
     scenarios = []
     chain = request.app[CHAIN]
-    heads = await asyncio.to_thread(lambda: {name: chain.head(name) for name in registry.scenarios})
-    for name, s in sorted(registry.scenarios.items()):
+    names = access.visible(request, registry.scenarios)
+    heads = await asyncio.to_thread(lambda: {name: chain.head(name) for name in names})
+    for name in names:
+        s = registry.scenarios[name]
         c = counts.get(name, {})
         head = heads[name]
         drift = await asyncio.to_thread(request.app[RECONCILER].drift, s, head)
@@ -67,7 +71,7 @@ async def status(request: web.Request) -> web.Response:
 async def get_record(request: web.Request) -> web.Response:
     receipt = request.match_info["receipt"]
     record = await asyncio.to_thread(request.app[RECORDS].get_record, receipt)
-    if record is None:
+    if record is None or not access.covers(request, str(record.get("scenario"))):
         raise ApiError(404, f"no record with receipt {shown(receipt)}", code="record_not_found")
     return json_response(record)
 
@@ -85,7 +89,7 @@ def _limit(raw: str | None) -> int:
 
 
 async def list_records(request: web.Request) -> web.Response:
-    scenario = request.app[REGISTRY].get(request.match_info["name"])
+    scenario = access.scenario(request, request.match_info["name"], param="name")
     limit = _limit(request.query.get("limit"))
     after = request.query.get("after") or None
     if after is not None and len(after) > 64:

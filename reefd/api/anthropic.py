@@ -15,7 +15,7 @@ import orjson
 from aiohttp import web
 
 from reefd.api.errors import ApiError, anthropic_body, check, json_response, read_json, shown
-from reefd.api.turns import scenario_of, serve_turn
+from reefd.api.turns import client_left, scenario_of, serve_turn
 from reefd.chat import ChatRequest, Completion
 from reefd.loop import RECORDS, REGISTRY
 
@@ -241,7 +241,7 @@ async def messages(request: web.Request) -> web.StreamResponse:
     body = await read_json(request)
     check(_VALIDATOR, body)
     chat = to_chat_request(body)
-    async with registry.serving(scenario) as binding:
+    async with registry.serving(scenario, left=client_left(request)) as binding:
         return await serve_turn(request, scenario, binding, request.app[RECORDS],
                                 lambda receipt: AnthropicWire(receipt, scenario.name),
                                 body, chat, bool(body.get("stream")))

@@ -10,8 +10,9 @@ import asyncio
 
 from aiohttp import web
 
+from reefd.api import access
 from reefd.api.errors import ApiError, json_response, shown
-from reefd.loop import ATTEMPTS, REGISTRY
+from reefd.loop import ATTEMPTS
 
 MAX_WAIT_S = 60.0
 
@@ -19,7 +20,7 @@ MAX_WAIT_S = 60.0
 async def next_step(request: web.Request) -> web.Response:
     """The open step's plan (200), opening one from the archive if none is; 202 with Retry-After while the last
     grid trains. `?wait=S` (at most 60) waits up to S seconds for a plan instead of answering 202 at once."""
-    name = request.app[REGISTRY].get(request.match_info["name"]).name
+    name = access.scenario(request, request.match_info["name"], param="name").name
     raw = request.query.get("wait", "0")
     try:
         wait = float(raw)
@@ -39,7 +40,7 @@ async def next_step(request: web.Request) -> web.Response:
 
 
 async def archive(request: web.Request) -> web.Response:
-    name = request.app[REGISTRY].get(request.match_info["name"]).name
+    name = access.scenario(request, request.match_info["name"], param="name").name
     raw = request.query.get("top", "5")
     try:
         top = int(raw)

@@ -17,7 +17,7 @@ import jsonschema
 import orjson
 from aiohttp import web
 
-from reefd.admission import Overloaded
+from reefd.admission import Left, Overloaded
 from reefd.attempts import AttemptError
 from reefd.engines import EngineError, EngineUnavailable
 from reefd.recipes import RecipeError
@@ -95,6 +95,8 @@ def from_domain(exc: Exception) -> ApiError | None:
         case InvalidName(name=name):
             return ApiError(400, f"{shown(name)} is not a scenario name (1-64 letters, digits, '.', '_' or '-'; "
                             "no '..')", code="invalid_scenario_name", param="name")
+        case Left():  # nobody reads this answer; the status is for the access log and the metrics
+            return ApiError(499, str(exc), code="client_closed")
         case Overloaded(status=status, retry_after=after):
             return ApiError(status, str(exc), code="rate_limit_exceeded" if status == 429 else "engine_overloaded",
                             headers={"Retry-After": str(after)})

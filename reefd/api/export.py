@@ -17,8 +17,9 @@ import time
 import orjson
 from aiohttp import web
 
+from reefd.api import access
 from reefd.api.errors import ApiError, shown
-from reefd.loop import CHAIN, RECORDS, REGISTRY
+from reefd.loop import CHAIN, RECORDS
 from reefd.receipts import is_receipt, receipt_floor
 from reefd.records import RecordStore
 from reefd.releases import ReleaseChain, UnknownRelease
@@ -75,7 +76,7 @@ def _page(store: RecordStore, scenario: str, after: str | None, reported_only: b
 
 
 async def export(request: web.Request) -> web.StreamResponse:
-    scenario = request.app[REGISTRY].get(request.match_info["name"])
+    scenario = access.scenario(request, request.match_info["name"], param="name")
     reported_only = _flag(request.query.get("reported_only"), "reported_only")
     since = request.query.get("since", "")
     if len(since) > 64:

@@ -13,6 +13,7 @@ from typing import Any
 
 from aiohttp import web
 
+from reefd.api import access
 from reefd.api.errors import SCENARIO_HEADER, ApiError, json_response, shown
 from reefd.api.turns import RELEASE_HEADER
 from reefd.harness import Harness
@@ -28,9 +29,9 @@ def _scenario(request: web.Request) -> Scenario:
     registry = request.app[REGISTRY]
     name = request.headers.get(SCENARIO_HEADER) or request.query.get("scenario")
     if name:
-        return registry.get(name.strip())
-    with_harness = sorted(n for n, s in registry.scenarios.items() if s.cfg.harness.dir
-                          or (s.binding is not None and s.binding.harness is not None))
+        return access.scenario(request, name.strip(), param="scenario")
+    with_harness = sorted(n for n, s in registry.scenarios.items() if access.covers(request, n) and (
+        s.cfg.harness.dir or (s.binding is not None and s.binding.harness is not None)))
     if len(with_harness) == 1:
         return registry.scenarios[with_harness[0]]
     raise ApiError(400, f"name the scenario with ?scenario=NAME or the {SCENARIO_HEADER} header "

@@ -7,16 +7,17 @@ from __future__ import annotations
 
 from aiohttp import web
 
+from reefd.api import access
 from reefd.api.errors import ApiError, json_response, shown
 from reefd.jobs import Job
-from reefd.loop import REGISTRY, SCHEDULER
+from reefd.loop import SCHEDULER
 from reefd.recipes import build
 from reefd.schedule import CannotCancel
 
 
 async def train(request: web.Request) -> web.Response:
     """Queue a job now (202), or return the scenario's queued or running job (200): one per scenario."""
-    scenario = request.app[REGISTRY].get(request.match_info["name"])
+    scenario = access.scenario(request, request.match_info["name"], param="name")
     recipe = build(scenario.cfg.recipe.name, scenario.cfg.recipe.params)
     if recipe.produces == "nothing":
         raise ApiError(400, f"scenario {scenario.name!r} uses the {scenario.cfg.recipe.name!r} recipe, which does "
@@ -30,14 +31,14 @@ async def train(request: web.Request) -> web.Response:
 async def list_jobs(request: web.Request) -> web.Response:
     name = request.query.get("scenario") or None
     if name is not None:
-        request.app[REGISTRY].get(name)  # 404 for an unknown scenario
-    jobs = request.app[SCHEDULER].jobs.list(name)
+        access.scenario(request, name, param="scenario")  # 404 for an unknown scenario, 403 for another's
+    jobs = [j for j in request.app[SCHEDULER].jobs.list(name) if access.covers(request, j.scenario)]
     return json_response({"object": "list", "data": [j.as_json() for j in jobs]})
 
 
 def _job(request: web.Request) -> Job:
     job = request.app[SCHEDULER].jobs.jobs.get(request.match_info["job"])
-    if job is None:
+    if job is None or not access.covers(request, job.scenario):
         raise ApiError(404, f"no job {shown(request.match_info['job'])}", code="job_not_found")
     return job
 

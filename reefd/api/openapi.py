@@ -12,10 +12,11 @@ from typing import Any
 from aiohttp import web
 
 from reefd import __version__
-from reefd.api import admin, attempts, releases
+from reefd.api import access, admin, attempts, releases
 from reefd.api.errors import SCENARIO_HEADER, json_response
 from reefd.api.openapi_schemas import ID, OBJ, SCHEMAS, STR, ref
 from reefd.api.turns import RECEIPT_HEADER, RELEASE_HEADER, SESSION_HEADERS, TURN_HEADER
+from reefd.auth import ANY, ROUTE_SCOPES
 from reefd.harness.installer import ADAPTERS
 from reefd.loop import REGISTRY
 
@@ -286,14 +287,21 @@ def _reef_ops(names: list[str]) -> dict[str, dict[str, Any]]:
     }
 
 
-def document(names: list[str], routes: set[tuple[str, str]]) -> dict[str, Any]:
+def document(names: list[str], routes: set[tuple[str, str]] | dict[tuple[str, str], str]) -> dict[str, Any]:
     """The OpenAPI 3.1 document of the `routes` ((method, path) pairs, as the router spells them) of a daemon
-    serving the scenarios `names`: a route described here that the app does not serve is left out."""
+    serving the scenarios `names`: a route described here that the app does not serve is left out. When `routes`
+    maps each route to the token scope it needs, each operation's security requirement names that scope."""
     described = _agent_ops(names, by_path=False)
     described.update({"/scenarios/{scenario}" + path: ops for path, ops in _agent_ops(names, by_path=True).items()})
     described.update(_reef_ops(names))
     paths = {path: kept for path, ops in described.items()
              if (kept := {method: op for method, op in ops.items() if (method.upper(), path) in routes})}
+    scopes = routes if isinstance(routes, dict) else {}
+    for path, ops in paths.items():
+        for method, op in ops.items():
+            scope = scopes.get((method.upper(), path), ANY)
+            if scope != ANY and op.get("security") != []:
+                op["security"] = [{"bearer": [scope]}, {"apiKey": [scope]}]
     return {
         "openapi": "3.1.0",
         "info": {"title": "reefd", "version": __version__, "license": {"name": "Apache-2.0",
@@ -315,11 +323,14 @@ def document(names: list[str], routes: set[tuple[str, str]]) -> dict[str, Any]:
     }
 
 
-def routes(app: web.Application) -> set[tuple[str, str]]:
-    """(method, path) of every route `app` serves (HEAD aside: aiohttp adds it to each GET)."""
-    return {(r.method, r.resource.canonical) for r in app.router.routes() if r.resource is not None
-            and r.method != "HEAD"}
+def routes(app: web.Application) -> dict[tuple[str, str], str]:
+    """(method, path) of every route `app` serves (HEAD aside: aiohttp adds it to each GET), with the token
+    scope it needs (reefd/tokens.py)."""
+    scopes = app.get(ROUTE_SCOPES, {})
+    return {(r.method, r.resource.canonical): scopes.get(r.handler, "admin") for r in app.router.routes()
+            if r.resource is not None and r.method != "HEAD"}
 
 
 async def openapi_json(request: web.Request) -> web.Response:
-    return json_response(document(sorted(request.app[REGISTRY].scenarios), routes(request.app)))
+    """The scenarios the request's token covers are the document's scenario names."""
+    return json_response(document(access.visible(request, request.app[REGISTRY].scenarios), routes(request.app)))

@@ -21,9 +21,10 @@ from aiohttp import web
 
 from reefd import loop, releases
 from reefd.adapters import InvalidAdapter, base_linear_shapes, check_adapter
+from reefd.api import access
 from reefd.api.errors import ApiError, json_response, read_json, shown, shown_text
 from reefd.loop import CHAIN, REGISTRY
-from reefd.releases import Candidate, Release, validate_name
+from reefd.releases import Candidate, Release, UnknownRelease, validate_name
 from reefd.scenarios import Scenario
 from reefd.weights import InvalidWeights, check_weights, weight_files
 
@@ -37,7 +38,7 @@ def release_json(rel: Release) -> dict[str, Any]:
 
 
 def _scenario(request: web.Request) -> Scenario:
-    return request.app[REGISTRY].get(validate_name(request.match_info["name"]))
+    return access.scenario(request, validate_name(request.match_info["name"]), param="name")
 
 
 def _release_id(value: Any, field: str) -> str | None:
@@ -90,6 +91,8 @@ async def show(request: web.Request) -> web.Response:
     chain = request.app[CHAIN]
     release_id = request.match_info["release"]
     rel = await asyncio.to_thread(chain.get, release_id, include_rejected=True)
+    if not access.covers(request, rel.scenario):
+        raise UnknownRelease(release_id)
     files = await asyncio.to_thread(chain.files, release_id)
     return json_response({**release_json(rel), "files": files})
 
@@ -99,7 +102,12 @@ async def diff(request: web.Request) -> web.Response:
     if not a or not b:
         raise ApiError(400, "diff needs two releases: ?a=RELEASE&b=RELEASE", code="invalid_request",
                        param="a" if not a else "b")
-    out = await asyncio.to_thread(request.app[CHAIN].diff, a, b)
+    chain = request.app[CHAIN]
+    for release_id in (a, b):
+        rel = await asyncio.to_thread(chain.get, release_id, include_rejected=True)
+        if not access.covers(request, rel.scenario):
+            raise UnknownRelease(release_id)
+    out = await asyncio.to_thread(chain.diff, a, b)
     return json_response({"a": a, "b": b, **out})
 
 

@@ -17,6 +17,7 @@ from typing import Any, Protocol, TypeVar
 from aiohttp import web
 
 from reefd import loop
+from reefd.api import access
 from reefd.api.errors import SCENARIO_HEADER, ApiError, from_domain, json_response
 from reefd.chat import ChatRequest, Completion, add_system_text
 from reefd.engines import EngineError, EngineUnavailable, Prompt
@@ -65,13 +66,12 @@ def engine_failure(exc: EngineUnavailable | EngineError | StorageError) -> ApiEr
 
 def scenario_of(request: web.Request) -> Scenario:
     """The scenario a request names: by path (/scenarios/NAME/...), else by the x-reef-scenario header."""
-    registry = request.app[REGISTRY]
     name = request.match_info.get("scenario") or request.headers.get(SCENARIO_HEADER)
     if not name:
+        known = access.visible(request, request.app[REGISTRY].scenarios)
         raise ApiError(400, f"missing the {SCENARIO_HEADER} header: it names the scenario that serves this "
-                       f"request (known: {', '.join(sorted(registry.scenarios))})", param=SCENARIO_HEADER,
-                       code="scenario_missing")
-    return registry.get(name.strip())
+                       f"request (known: {', '.join(known)})", param=SCENARIO_HEADER, code="scenario_missing")
+    return access.scenario(request, name.strip())
 
 
 SESSION_HEADERS = ("x-reef-session",  # Reef's own, then what agents send of themselves:
@@ -215,6 +215,11 @@ async def serve_turn(request: web.Request, scenario: Scenario, binding: Binding,
 
 CLIENT_CLOSED = 499  # nginx's status for a request whose client closed the connection first
 DISCONNECT_POLL_S = 0.25
+
+
+def client_left(request: web.Request) -> Callable[[], bool]:
+    """Whether the request's client has closed its connection (checked while it waits in the engine's line)."""
+    return lambda: request.transport is None or request.transport.is_closing()
 
 
 async def _unless_client_leaves(request: web.Request, work: Coroutine[Any, Any, T]) -> T | None:

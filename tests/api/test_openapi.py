@@ -18,7 +18,7 @@ NAMES = ["alpha", "beta"]
 
 
 @pytest.fixture(scope="module")
-def served(tmp_path_factory: pytest.TempPathFactory) -> set[tuple[str, str]]:
+def served(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[str, str], str]:
     from reefd.app import Settings, build_app
 
     state = tmp_path_factory.mktemp("state")
@@ -26,7 +26,7 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> set[tuple[str, str]]:
 
 
 @pytest.fixture(scope="module")
-def doc(served: set[tuple[str, str]]) -> dict[str, Any]:
+def doc(served: dict[tuple[str, str], str]) -> dict[str, Any]:
     return document(NAMES, served)
 
 
@@ -34,12 +34,21 @@ def operations(doc: dict[str, Any]) -> dict[tuple[str, str], dict[str, Any]]:
     return {(method.upper(), path): op for path, item in doc["paths"].items() for method, op in item.items()}
 
 
-def test_every_route_the_app_serves_is_described(doc: dict[str, Any], served: set[tuple[str, str]]) -> None:
+def test_every_route_the_app_serves_is_described(doc: dict[str, Any], served: dict[tuple[str, str], str]) -> None:
     """A route added without a description fails here."""
-    assert set(operations(doc)) == served
+    assert set(operations(doc)) == set(served)
 
 
-def test_a_route_the_app_does_not_serve_is_left_out(served: set[tuple[str, str]]) -> None:
+def test_each_operation_names_the_token_scope_it_needs(doc: dict[str, Any]) -> None:
+    ops = operations(doc)
+    for key, scope in ((("POST", "/v1/chat/completions"), "serve"), (("POST", "/reef/report"), "report"),
+                       (("GET", "/reef/status"), "read"), (("POST", "/reef/scenarios/{name}/train"), "admin")):
+        assert ops[key]["security"] == [{"bearer": [scope]}, {"apiKey": [scope]}], key
+    assert "security" not in ops[("GET", "/openapi.json")]  # any valid token: the document's default
+    assert ops[("GET", "/healthz")]["security"] == []
+
+
+def test_a_route_the_app_does_not_serve_is_left_out(served: dict[tuple[str, str], str]) -> None:
     some = {("GET", "/healthz"), ("POST", "/v1/responses")}
     assert set(operations(document(NAMES, some))) == some
 
@@ -96,4 +105,4 @@ def test_agent_routes_take_the_scenario_by_header_or_path_and_answer_with_the_re
         assert ok["headers"]["x-reef-agent-record-id"]["required"]
         assert set(ok["content"]) == {"application/json", "text/event-stream"}
     assert doc["components"]["securitySchemes"]["apiKey"] == {"type": "apiKey", "in": "header", "name": "x-api-key"}
-    assert ops[("GET", "/healthz")]["security"] == [] and "security" not in ops[("GET", "/reef/status")]
+    assert ops[("GET", "/healthz")]["security"] == [] and "security" not in ops[("GET", "/openapi.json")]

@@ -182,6 +182,29 @@ def test_a_client_that_leaves_a_plain_request_frees_its_turn_and_nothing_is_reco
     assert _records(limits, "narrow") == before
 
 
+def test_a_client_that_leaves_while_waiting_in_the_line_gives_up_its_place(limits: Daemon) -> None:
+    """The line holds no one who left: a waiting request whose client disconnects is out of it within a poll, is
+    not counted as refused, and leaves no record."""
+    _until(lambda: _queue(limits, "narrow")["running"] == 0)
+    before, refused = _records(limits, "narrow"), dict(_queue(limits, "narrow")["refused"])
+    body = json.dumps({"model": "narrow", "max_tokens": 20000, "ignore_eos": True,
+                       "messages": [{"role": "user", "content": "hold the only turn"}]})
+    conns = []
+    for _ in range(2):  # the first generates, the second waits for its turn
+        conn = http.client.HTTPConnection("127.0.0.1", limits.port, timeout=1.0)
+        conn.request("POST", "/scenarios/narrow/v1/chat/completions", body=body,
+                     headers={"Authorization": f"Bearer {limits.token}", "Content-Type": "application/json"})
+        conns.append(conn)
+    _until(lambda: (_queue(limits, "narrow")["running"], _queue(limits, "narrow")["waiting"]) == (1, 1),
+           timeout_s=2.5)
+    conns[1].close()  # the waiting client goes away, well within max_queue_wait_s (3 s)
+    _until(lambda: _queue(limits, "narrow")["waiting"] == 0, timeout_s=2)
+    assert _queue(limits, "narrow")["running"] == 1  # the first one is still generating
+    conns[0].close()
+    _until(lambda: _queue(limits, "narrow")["running"] == 0, timeout_s=15)
+    assert _queue(limits, "narrow")["refused"] == refused and _records(limits, "narrow") == before
+
+
 def test_a_huge_prompt_is_refused_without_swelling_reefd(limits: Daemon) -> None:
     """10 MiB of prompt on a 65536-token model: measured in slices off the event loop and refused as the
     provider would, with reefd's memory still under 150 MB after (tokenizing it whole took 460 MB, kept)."""
