@@ -17,6 +17,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
 
 from reefd import __version__, config, loop, memory, systemd
 from reefd.app import Settings, build_app, metrics_app
@@ -170,10 +171,25 @@ def _serving(app: web.Application) -> str:
     return f"STATUS=serving {n} scenario{'' if n == 1 else 's'}"
 
 
+class _MalformedRequests(logging.Filter):
+    """aiohttp logs a request it cannot parse (a NUL in a header, a broken chunk) at ERROR with a traceback. The
+    client sent it and got its 400: that is one WARNING line, with no traceback."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        if isinstance(exc, HttpProcessingError):
+            why = (exc.message or type(exc).__name__).splitlines()[0].strip()
+            record.msg, record.args = "%s: malformed HTTP request, answered 400: %s", (record.getMessage(), why)
+            record.exc_info, record.exc_text = None, None
+            record.levelno, record.levelname = logging.WARNING, "WARNING"
+        return True
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     logging.basicConfig(level=os.environ.get("REEF_LOG_LEVEL", "INFO").upper(),
                         format="reefd: %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    logging.getLogger("aiohttp.server").addFilter(_MalformedRequests())
     if args.command == "schema":
         print(json.dumps(config.json_schema(), indent=2))
         return 0

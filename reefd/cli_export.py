@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import itertools
 import json
 import os
 import sys
@@ -133,8 +134,10 @@ def write_parquet(records: Iterator[Mapping[str, Any]], out: IO[bytes]) -> int:
     pa = _pyarrow()
     schema = parquet_schema(pa)
     count, rows = 0, []
+    records = iter(records)
+    first = next(records, None)  # the request is answered (or refused) before the file's first byte
     with pa.parquet.ParquetWriter(out, schema) as writer:
-        for record in records:
+        for record in itertools.chain([] if first is None else [first], records):
             rows.append(flat_row(record))
             if len(rows) >= ROW_GROUP:
                 writer.write_table(pa.Table.from_pylist(rows, schema=schema))

@@ -32,7 +32,7 @@ from typing import Any
 from reefd import plugins
 from reefd.chat import ChatRequest, Completion
 from reefd.engines import Engine, EngineError, EngineUnavailable, ModelConfig, build_engine
-from reefd.records import RecordStore, StorageError
+from reefd.records import RecordStore, StorageError, UnknownReceipt
 from reefd.scenarios import Registry, Scenario
 from reefd.sessions import text_of
 
@@ -230,6 +230,9 @@ class Judges:
                 delay = settings.retry_s if settings is not None else 30.0
                 log.warning("%s: judge unreachable for %s (%s); again in %.0f s", scenario, receipt, exc, delay)
                 self._later(delay, queue, receipt)
+            except UnknownReceipt:  # retention deleted the record meanwhile: nothing left to judge
+                log.info("%s: %s was deleted before its judgment was stored", scenario, receipt)
+                self._queued.get(scenario, set()).discard(receipt)
             except StorageError as exc:
                 log.warning("%s: judgment of %s not stored: %s", scenario, receipt, exc)
                 self._later(30.0, queue, receipt)

@@ -17,7 +17,7 @@ import queue
 import struct
 import threading
 import time
-from collections.abc import Callable, Container, Iterator
+from collections.abc import Callable, Collection, Iterator
 from typing import Any
 
 import lmdb
@@ -396,16 +396,22 @@ class RecordStore:
         that a job never takes a record being deleted: once the lock is free, the job's receipts are known."""
         return self._selecting.setdefault(scenario, asyncio.Lock())
 
-    def expired(self, scenario: str, *, before_ms: int | None, max_records: int | None, keep: Container[str],
+    def expired(self, scenario: str, *, before_ms: int | None, max_records: int | None, keep: Collection[str],
                 after: str | None = None, limit: int = 1000) -> tuple[list[str], str | None]:
         """Up to `limit` receipts to delete, oldest first, from after `after`: created before `before_ms`, or beyond
-        the newest `max_records` of the scenario; never one in `keep`. Also returns where a next call goes on
-        from (None: nothing more to delete)."""
+        the newest `max_records` of the scenario's records outside `keep`; never one in `keep` (kept records do not
+        count against max_records, so lineage that grows with every release never crowds out new records). Also
+        returns where a next call goes on from (None: nothing more to delete)."""
         prefix = _scenario_key(scenario) + b"\0"
         picked: list[str] = []
         with self._reading() as txn:
-            raw = txn.get(prefix[:-1], db=self._dbs["counts"])
-            over = (_COUNTS.unpack(raw)[0] if raw else 0) - max_records if max_records is not None else 0
+            over = 0
+            if max_records is not None:
+                raw = txn.get(prefix[:-1], db=self._dbs["counts"])
+                by_scenario = self._dbs["by_scenario"]
+                kept = sum(txn.get(prefix + r.encode("utf-8", "surrogatepass"), db=by_scenario) is not None
+                           for r in keep)
+                over = (_COUNTS.unpack(raw)[0] if raw else 0) - kept - max_records
             with txn.cursor(db=self._dbs["by_scenario"]) as cursor:
                 start = prefix + (after or "").encode()
                 for key in cursor.iternext(values=False) if cursor.set_range(start) else ():
@@ -431,35 +437,42 @@ class RecordStore:
 
     def _apply_delete(self, txn: lmdb.Transaction[bytes], deltas: dict[bytes, list[int]],
                       scenario: bytes, receipts: list[str]) -> int:
-        db, prefix, deleted = self._dbs, scenario + b"\0", 0
-        delta = deltas.setdefault(scenario, [0, 0])
-        for receipt in receipts:
+        db, prefix = self._dbs, scenario + b"\0"
+        # First read everything the deletion needs, so that a value that cannot be read fails the op before any
+        # write (the writer's rule for op errors); each report is read once however many of its records go.
+        rows: list[tuple[bytes, Any]] = []  # (receipt, session)
+        reports: dict[bytes, list[Any]] = {}  # report key -> its references
+        for receipt in dict.fromkeys(receipts):
             key = receipt.encode()
             raw = txn.get(key, db=db["records"])
-            if raw is None or not txn.delete(prefix + key, db=db["by_scenario"]):
+            if raw is None or txn.get(prefix + key, db=db["by_scenario"]) is None:
                 continue
-            session = _unpack(raw).get("session")
+            rows.append((key, _unpack(raw).get("session")))
+            with txn.cursor(db=db["report_index"]) as cursor:  # receipt + seq -> report key
+                for index_key, report_key in cursor if cursor.set_range(key) else ():
+                    if not index_key.startswith(key):
+                        break
+                    if report_key not in reports and (stored := txn.get(report_key, db=db["reports"])) is not None:
+                        reports[report_key] = list(_unpack(stored).get("references") or [])
+        for key, session in rows:
+            txn.delete(prefix + key, db=db["by_scenario"])
             if isinstance(session, str):
                 txn.delete(_session_prefix(scenario, session) + key, db=db["by_session"])
             for table in ("records", "links"):
                 txn.delete(key, db=db[table])
             for table in ("consumed", "reported"):
                 txn.delete(prefix + key, db=db[table])
-            report_keys = []
-            with txn.cursor(db=db["report_index"]) as cursor:  # receipt + seq -> report key
+            with txn.cursor(db=db["report_index"]) as cursor:
                 found = cursor.set_range(key)
                 while found and cursor.key().startswith(key):
-                    report_keys.append(cursor.value())
                     found = cursor.delete()  # moves on to the next entry
-            for report_key in report_keys:
-                stored = txn.get(report_key, db=db["reports"])
-                refs = (_unpack(stored).get("references") or []) if stored is not None else []
-                if stored is not None and not any(txn.get(str(ref).encode(), db=db["records"]) for ref in refs):
-                    txn.delete(report_key, db=db["reports"])
-                    delta[1] -= 1
-            delta[0] -= 1
-            deleted += 1
-        return deleted
+        delta = deltas.setdefault(scenario, [0, 0])
+        for report_key, refs in reports.items():  # a report goes with the last record it references
+            if not any(txn.get(str(ref).encode(), db=db["records"]) for ref in refs):
+                txn.delete(report_key, db=db["reports"])
+                delta[1] -= 1
+        delta[0] -= len(rows)
+        return len(rows)
 
     # --- the writer thread ------------------------------------------------------------------
 

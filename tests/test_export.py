@@ -147,7 +147,7 @@ def test_an_export_cut_half_way_is_an_error_not_a_short_file(tmp_path: Path, mon
     app[CHAIN] = ReleaseChain(tmp_path / "releases.git")
     app.router.add_get("/reef/scenarios/{name}/export", export_api.export)
     monkeypatch.setattr(export_api, "PAGE", 2)
-    pages = read_page = RecordStore.export_page
+    read_page = RecordStore.export_page
     calls: list[int] = []
 
     def failing_second(self: RecordStore, *args: Any, **kwargs: Any) -> Any:
@@ -166,4 +166,4 @@ def test_an_export_cut_half_way_is_an_error_not_a_short_file(tmp_path: Path, mon
         with pytest.raises(CliError, match="ended early"):
             for line in client.lines("/reef/scenarios/s1/export"):
                 got.append(line)
-        assert len(got) == 2 and pages is read_page
+        assert len(got) == 2

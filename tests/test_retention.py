@@ -126,10 +126,11 @@ def test_max_records_keeps_the_newest_and_the_lineage_in_bounded_batches(tmp_pat
             return await delete(scenario, receipts)
 
         store.delete_records = counted  # type: ignore[method-assign]
-        assert await retention.sweep("s1") == 15
-        assert batches == [4, 4, 4, 3]
-        assert [r["id"] for r in store.list_records("s1", limit=100)] == [ids[0], ids[5], *ids[17:]]
-        assert store.counts()["s1"]["records"] == 10
+        assert await retention.sweep("s1") == 13  # lineage does not count against the bound: 10 others stay
+        assert batches == [4, 4, 4, 1]
+        assert [r["id"] for r in store.list_records("s1", limit=100)] == [ids[0], ids[5], *ids[15:]]
+        assert store.counts()["s1"]["records"] == 12
+        assert await retention.sweep("s1") == 0
 
     with_store(tmp_path / "db", body)
 
@@ -189,3 +190,25 @@ def test_freed_pages_are_reused(tmp_path: Path) -> None:
     assert first > n * 1500  # the records are really there
     assert refilled <= first * 1.05  # the second N took the first N's pages
     assert grown >= first * 1.5  # without a deletion, N more records need about N's worth of new pages
+
+
+def test_a_batch_with_a_record_that_cannot_be_read_deletes_nothing(tmp_path: Path) -> None:
+    """Deleting reads every record and report first: one that cannot be read fails the batch before any write, so
+    no index is left pointing at nothing and the counts stay true."""
+    records = aged(0, 3)
+    ids = [r["id"] for r in records]
+
+    async def body(store: RecordStore) -> None:
+        await put_all(store, records)
+        env = store._env
+        assert env is not None
+        with env.begin(write=True) as txn:
+            txn.put(ids[1].encode(), b"\x00not a record", db=store._dbs["records"])
+        with pytest.raises(ValueError):
+            await store.delete_records("s1", ids)
+        with env.begin() as txn:
+            assert all(txn.get(f"s1\0{r}".encode(), db=store._dbs["by_scenario"]) is not None for r in ids)
+        assert store.counts()["s1"]["records"] == 3
+        assert store.get_record(ids[0]) is not None and store.get_record(ids[2]) is not None
+
+    with_store(tmp_path / "db", body)

@@ -22,7 +22,7 @@ from reefd.api.errors import ApiError, shown
 from reefd.loop import CHAIN, RECORDS
 from reefd.receipts import is_receipt, receipt_floor
 from reefd.records import RecordStore
-from reefd.releases import ReleaseChain, UnknownRelease
+from reefd.releases import ReleaseChain, UnknownRelease, WrongScenario
 
 log = logging.getLogger("reefd.api")
 
@@ -49,7 +49,7 @@ def since_cursor(since: str, scenario: str, chain: ReleaseChain) -> str | None:
     if _RELEASE.fullmatch(since):
         try:
             release = chain.target(scenario, since, include_rejected=True)
-        except UnknownRelease:
+        except (UnknownRelease, WrongScenario):  # another scenario's release: as if it did not exist
             raise ApiError(404, f"since: no release {shown(since)} in scenario {shown(scenario)}", param="since",
                            code="release_not_found") from None
         return _after_time(calendar.timegm(time.strptime(release.created_at, "%Y-%m-%dT%H:%M:%SZ")))
@@ -93,6 +93,8 @@ async def export(request: web.Request) -> web.StreamResponse:
                 await response.write(chunk)
             if after is None:
                 break
+    except (ConnectionError, asyncio.CancelledError):  # the client went away: nobody to tell
+        raise
     except Exception:
         log.exception("%s: an export stopped half-way", scenario.name)
         if request.transport is not None:  # cut: the client must not take what it got for the whole export

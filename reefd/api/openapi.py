@@ -29,7 +29,7 @@ ANTHROPIC = "anthropic"  # the error shape of /v1/messages*; every other route a
 _ERRORS = {
     400: "Malformed JSON, a wrong type or value (`param` names the field path), or no scenario named",
     401: "Missing or wrong token",
-    403: "The token may not use this route",
+    403: "The token lacks the route's scope, or may not use the scenario it names",
     404: "Unknown scenario, receipt, release, job or response",
     405: "Method not allowed",
     409: "A conflict: a stale `expected_head`, a pinned scenario, a reused `report_id`, a job that has ended",

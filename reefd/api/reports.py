@@ -14,12 +14,14 @@ from reefd.api.errors import check, json_response, read_json
 from reefd.api.turns import scenario_of
 from reefd.loop import ATTEMPTS, RECORDS
 
+MAX_REFERENCES = 10_000  # a report's records; each one checked in the write transaction, and again by retention
+
 REPORT_SCHEMA: dict[str, Any] = {
     "type": "object", "required": ["references"], "additionalProperties": False,
     "properties": {
         "score": {"type": "number", "description": "A finite number; booleans are rejected."},
         "feedback": {"type": ["string", "object"]},
-        "references": {"type": "array", "minItems": 1,
+        "references": {"type": "array", "minItems": 1, "maxItems": MAX_REFERENCES,
                        "items": {"type": "string", "minLength": 1}},
         "metadata": {"type": "object"},
         "report_id": {"type": "string", "minLength": 1, "maxLength": 200},

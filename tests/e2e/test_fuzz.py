@@ -80,6 +80,9 @@ def test_every_operation_answers_as_documented(fuzzed: Daemon, tmp_path: Path,
     assert run.returncode == 0, run.stdout[-20000:] + run.stderr[-5000:]
     assert fuzzed.proc is not None and fuzzed.proc.poll() is None, fuzzed.logs()
     assert by_class["5xx"] == 0 and by_class["2xx"] and by_class["4xx"], statuses
+    # a failure after a stream's headers goes out in band (an error event in a 200): the log still tells
+    log = fuzzed.log_path.read_text(errors="replace")
+    assert "Traceback" not in log and "unhandled error" not in log, log[-6000:]
 
 
 SAY = [{"role": "user", "content": "hi"}]
