@@ -132,7 +132,7 @@ async def _reload(app: web.Application, scenarios_dir: Path) -> None:
     keyring = app[KEYRING]
     try:
         held = await asyncio.to_thread(keyring.reload)
-        log.info("reloaded the tokens file %s: %d scoped tokens", keyring.file, held)
+        log.info("reloaded the tokens file %s (scoped tokens: %d)", keyring.file, held)
     except TokensFileError as exc:
         log.error("tokens file refused, still accepting the previous tokens: %s", exc)
     try:
