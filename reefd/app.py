@@ -102,7 +102,7 @@ SCOPES: dict[Callable[..., object], str] = {
     harness_api.get_harness: "serve", harness_api.releases: "serve", harness_api.install: "serve",
     reports.report: "report",
     admin.get_record: "read", admin.list_records: "read", admin.status: "read",
-    release_api.history: "read", release_api.show: "read", release_api.diff: "read",
+    release_api.history: "read", release_api.show: "read", release_api.diff: "read", release_api.lineage: "read",
     attempts_api.archive: "read", jobs_api.list_jobs: "read", jobs_api.get_job: "read", metrics_route: "read",
     export_api.export: "read",
     release_api.publish: "admin", release_api.rollback: "admin", release_api.promote: "admin",
@@ -142,6 +142,7 @@ def build_app(settings: Settings) -> web.Application:
     app.router.add_post("/reef/scenarios/{name}/rollback", release_api.rollback)
     app.router.add_post("/reef/scenarios/{name}/promote", release_api.promote)
     app.router.add_get("/reef/releases/{release}", release_api.show)
+    app.router.add_get("/reef/releases/{release}/lineage", release_api.lineage)
     app.router.add_get("/reef/diff", release_api.diff)
     # Grow: jobs that turn records and reports into candidates.
     app.router.add_post("/reef/scenarios/{name}/train", jobs_api.train)

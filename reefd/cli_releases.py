@@ -95,6 +95,44 @@ def cmd_show(client: Client, args: argparse.Namespace) -> int:
     return 0
 
 
+def _explain_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("release", metavar="RELEASE", type=_release_id)
+    p.add_argument("--depth", default="1", metavar="N",
+                   help="how many releases from this one back: a number, or all (back to the base)")
+    p.add_argument("-o", "--output", choices=["json"], help="json: the lineage as returned")
+
+
+@command("explain", "what a release learned from: recipe, job, gate, records and their reports", _explain_args)
+def cmd_explain(client: Client, args: argparse.Namespace) -> int:
+    lineage = client.call("GET", f"/reef/releases/{urllib.parse.quote(args.release, safe='')}/lineage",
+                          query={"depth": args.depth})
+    if args.output == "json":
+        print_json(lineage)
+        return 0
+    for n, rel in enumerate(lineage.get("releases") or []):
+        print(("" if n == 0 else "\n") + f"release/{rel.get('id')}  {rel.get('kind')}  {rel.get('status')}  "
+              f"{rel.get('created_at')}", flush=True)
+        job = rel.get("job")
+        job_id = job.get("id") if isinstance(job, dict) else job
+        for label, value in (("Parent", rel.get("parent")), ("Recipe", rel.get("recipe")),
+                             ("Summary", rel.get("summary")), ("Job", job_id), ("Metrics", rel.get("metrics")),
+                             ("Gate", rel.get("gate")), ("Canary", rel.get("canary"))):
+            if value is not None:
+                print(f"  {label + ':':<9}{_value(value)}")
+        for m in rel.get("mutations") or []:
+            print(f"  Mutation: {_value(m)}")
+        learned = rel.get("learned_from") or []
+        if learned:
+            print(f"  Learned from {len(learned)} records (reefctl get record RECEIPT):")
+            table = Table(["    RECEIPT", "REPORTS", "SCORES", "SOURCES"])
+            table.emit([["    " + ("(deleted) " if r.get("deleted") else "") + str(r.get("receipt")),
+                         str(len(r.get("reports") or [])),
+                         ",".join(cell(x.get("score")) for x in r.get("reports") or []) or "-",
+                         ",".join(sorted({str(x.get("source")) for x in r.get("reports") or []})) or "-"]
+                        for r in learned])
+    return 0
+
+
 def _diff_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("a", metavar="A", type=_release_id, help="the older release")
     p.add_argument("b", metavar="B", type=_release_id, help="the newer release")

@@ -234,6 +234,12 @@ def _reef_ops(names: list[str]) -> dict[str, dict[str, Any]]:
         "/reef/releases/{release}": {"get": _op(
             "getRelease", "One release and its files", "commit", _ok("ReleaseFiles", "The release."), (400, 404),
             params=(_param("release", "path", STR, "The release id."),))},
+        "/reef/releases/{release}/lineage": {"get": _op(
+            "getLineage", "What a release learned from, and its ancestors'", "commit",
+            _ok("Lineage", "The release, then its parents up to depth."), (400, 404),
+            params=(_param("release", "path", STR, "The release id."),
+                    _param("depth", "query", {"type": "string", "pattern": "^(all|[0-9]+)$"},
+                           "How many releases, from this one back (default 1; all: to the base)."),))},
         "/reef/diff": {"get": _op(
             "diff", "What changed from release a to release b", "commit", _ok("Diff", "The differences."),
             (400, 404), params=(_param("a", "query", ID, "A release id.", required=True),

@@ -183,6 +183,14 @@ SCHEMAS: dict[str, Any] = {
     "ReleaseFiles": {"allOf": [_RELEASE, _obj("files", files={"type": "array", "items": _FILE})]},
     "Releases": _obj("object scenario serving head declared data", object={"const": "list"}, scenario=STR,
                      serving=_OPT_STR, head=_OPT_STR, declared=_OPT_STR, data={"type": "array", "items": _RELEASE}),
+    "Lineage": _obj("object release depth releases", object={"const": "reef.lineage"}, release=STR, depth=_INT,
+                    releases={"type": "array", "items": _obj(
+                        "id scenario parent kind status recipe job gate learned_from", id=STR, scenario=STR,
+                        parent=_OPT_STR, kind=STR, status=STR, recipe=_OPT_STR, job={"type": ["object", "string",
+                                                                                             "null"]},
+                        gate={"type": ["object", "null"]}, learned_from={"type": "array", "items": _obj(
+                            "receipt deleted record reports", receipt=STR, deleted={"type": "boolean"}, record=STR,
+                            reports={"type": "array", "items": OBJ})})}),
     "Diff": _obj("a b kind meta added removed changed text", a=STR, b=STR,
                  kind={"type": "array", "items": STR, "minItems": 2, "maxItems": 2}, meta=OBJ,
                  added={"type": "array", "items": STR}, removed={"type": "array", "items": STR},

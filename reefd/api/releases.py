@@ -97,6 +97,58 @@ async def show(request: web.Request) -> web.Response:
     return json_response({**release_json(rel), "files": files})
 
 
+MAX_LINEAGE_DEPTH = 1000
+_REPORT_FIELDS = ("report_id", "score", "feedback", "source", "created_at")
+
+
+async def lineage(request: web.Request) -> web.Response:
+    """What a release learned from, and its ancestors' up to `?depth=` (default 1; `all`: back to the base):
+    parent, kind, recipe, job, gate verdict, canary evidence, mutations, and each record it was trained on with
+    the reports and judgments on it. One store read per record."""
+    raw = request.query.get("depth", "1")
+    try:
+        depth = MAX_LINEAGE_DEPTH if raw == "all" else int(raw)
+    except ValueError:
+        depth = 0
+    if not 1 <= depth <= MAX_LINEAGE_DEPTH:
+        raise ApiError(400, f"depth: {shown(raw)} is not 'all' or an integer from 1 to {MAX_LINEAGE_DEPTH}",
+                       param="depth", code="invalid_request")
+    chain, store = request.app[CHAIN], request.app[loop.RECORDS]
+    release_id = request.match_info["release"]
+    first = await asyncio.to_thread(chain.get, release_id, include_rejected=True)
+    if not access.covers(request, first.scenario):
+        raise UnknownRelease(release_id)
+
+    def walk() -> list[dict[str, Any]]:
+        out, rel = [], first
+        while True:
+            out.append(_explained(rel, store))
+            if rel.parent is None or len(out) >= depth:
+                return out
+            rel = chain.get(rel.parent, include_rejected=True)
+
+    releases_ = await asyncio.to_thread(walk)
+    jobs = request.app[loop.SCHEDULER].jobs.jobs
+    for entry in releases_:
+        job = jobs.get(str(entry["job"])) if entry["job"] else None
+        entry["job"] = job.as_json() if job is not None else entry["job"]
+    return json_response({"object": "reef.lineage", "release": release_id, "depth": len(releases_),
+                          "releases": releases_})
+
+
+def _explained(rel: Release, store: Any) -> dict[str, Any]:
+    meta = rel.meta
+    learned = []
+    for receipt in meta.get("receipts") or []:
+        record = store.get_record(str(receipt))
+        learned.append({"receipt": receipt, "deleted": record is None, "record": f"/reef/records/{receipt}",
+                        "reports": [{k: r.get(k) for k in _REPORT_FIELDS} for r in (record or {}).get("reports", [])]})
+    return {"id": rel.id, "scenario": rel.scenario, "parent": rel.parent, "kind": rel.kind, "status": rel.status,
+            "created_at": rel.created_at, "recipe": meta.get("source"), "summary": meta.get("summary"),
+            "job": meta.get("job"), "metrics": meta.get("metrics"), "gate": meta.get("gate"),
+            "canary": meta.get("canary"), "mutations": meta.get("mutations"), "learned_from": learned}
+
+
 async def diff(request: web.Request) -> web.Response:
     a, b = request.query.get("a"), request.query.get("b")
     if not a or not b:

@@ -77,6 +77,16 @@ def test_retention_deletes_beyond_max_records_but_keeps_what_a_release_learned_f
         assert out.returncode == 0, out.stdout + out.stderr
         job = wait_job(d)
         assert job["state"] == "published" and job["receipts"] == learned
+        explained = reefctl(d, "explain", job["release"], "--depth", "all", "-o", "json")
+        assert explained.returncode == 0, explained.stderr
+        chain = json.loads(explained.stdout)["releases"]
+        assert [r["kind"] for r in chain] == ["adapter", "base"] and chain[1]["parent"] is None
+        head = chain[0]
+        assert (head["id"], head["recipe"], head["job"]["id"]) == (job["release"], "sao", job["id"])
+        assert head["gate"] is not None and [r["receipt"] for r in head["learned_from"]] == learned
+        assert [[x["score"] for x in r["reports"]] for r in head["learned_from"]] == [[float(i % 2)] for i in range(4)]
+        shown = reefctl(d, "explain", job["release"]).stdout
+        assert f"release/{job['release']}" in shown and "Learned from 4 records" in shown and learned[0] in shown
         later = [turn(d, c, f"later {i}", score=None)[0] for i in range(6)]
 
         deadline = time.monotonic() + 60

@@ -56,6 +56,7 @@ MATRIX: list[tuple[str, str, str | None]] = [
     ("GET", "/reef/status", "read"),
     ("GET", "/reef/scenarios/{name}/releases", "read"),
     ("GET", "/reef/releases/{release}", "read"),
+    ("GET", "/reef/releases/{release}/lineage", "read"),
     ("GET", "/reef/diff", "read"),
     ("GET", "/reef/scenarios/{name}/archive", "read"),
     ("GET", "/reef/jobs", "read"),
