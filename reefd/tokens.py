@@ -27,6 +27,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from reefd.files import write_json
+
 SCOPES = ("serve", "report", "read", "admin")
 _IMPLIED = {"admin": ("read",)}
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
@@ -156,19 +158,8 @@ def read(path: Path) -> list[Entry]:
 
 
 def write(path: Path, entries: list[Entry]) -> None:
-    """Replace the file atomically, readable by its owner only."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    if os.geteuid() == 0:  # `sudo reefctl token ...`: the file belongs to whoever owns the folder (reefd's user)
-        folder = path.parent.stat()
-        os.fchown(fd, folder.st_uid, folder.st_gid)
-    with os.fdopen(fd, "w", encoding="utf-8") as fh:
-        json.dump({"tokens": [e.as_json() for e in entries]}, fh, indent=2)
-        fh.write("\n")
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
+    """Replace the file atomically, readable by its owner only (under sudo: the folder's owner, reefd's user)."""
+    write_json(path, {"tokens": [e.as_json() for e in entries]}, indent=2, private=True)
 
 
 @contextlib.contextmanager
