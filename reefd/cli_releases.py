@@ -102,7 +102,8 @@ def _explain_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("-o", "--output", choices=["json"], help="json: the lineage as returned")
 
 
-@command("explain", "what a release learned from: recipe, job, gate, records and their reports", _explain_args)
+@command("explain", "what a release learned from: recipe, job and its parameters, gate, the proposer's answer "
+                    "and harness diff, records and their reports", _explain_args)
 def cmd_explain(client: Client, args: argparse.Namespace) -> int:
     lineage = client.call("GET", f"/reef/releases/{urllib.parse.quote(args.release, safe='')}/lineage",
                           query={"depth": args.depth})
@@ -115,12 +116,23 @@ def cmd_explain(client: Client, args: argparse.Namespace) -> int:
         job = rel.get("job")
         job_id = job.get("id") if isinstance(job, dict) else job
         for label, value in (("Parent", rel.get("parent")), ("Recipe", rel.get("recipe")),
-                             ("Summary", rel.get("summary")), ("Job", job_id), ("Metrics", rel.get("metrics")),
-                             ("Gate", rel.get("gate")), ("Canary", rel.get("canary"))):
+                             ("Summary", rel.get("summary")), ("Job", job_id)):
             if value is not None:
                 print(f"  {label + ':':<9}{_value(value)}")
+        params = rel.get("params")
+        if isinstance(params, dict) and params:
+            print("  Params:")
+            for key in sorted(params, key=lambda k: (k not in ("recipe", "recipe_params"), k)):  # the recipe first
+                print(f"    {printable(str(key))}: {_value(params[key])}")
+        for label, value in (("Metrics", rel.get("metrics")), ("Gate", rel.get("gate")),
+                             ("Canary", rel.get("canary"))):
+            if value is not None:
+                print(f"  {label + ':':<9}{_value(value)}")
+        _block("Proposer's answer", rel.get("proposal"))
         for m in rel.get("mutations") or []:
-            print(f"  Mutation: {_value(m)}")
+            named = isinstance(m, dict) and all(isinstance(m.get(k), str) for k in ("op", "kind", "id"))
+            print(f"  Mutation: {printable(' '.join((m['op'], m['kind'], m['id']))) if named else _value(m)}")
+        _block(f"Harness diff (reefctl diff {rel.get('parent')} {rel.get('id')})", rel.get("harness_diff"))
         learned = rel.get("learned_from") or []
         if learned:
             print(f"  Learned from {len(learned)} records (reefctl get record RECEIPT):")
@@ -131,6 +143,13 @@ def cmd_explain(client: Client, args: argparse.Namespace) -> int:
                          ",".join(sorted({str(x.get("source")) for x in r.get("reports") or []})) or "-"]
                         for r in learned])
     return 0
+
+
+def _block(label: str, text: Any) -> None:
+    """A multi-line text of a lineage (a proposer's answer, a diff), indented under its label."""
+    if isinstance(text, str) and text:
+        print(f"  {label}:")
+        print("".join(f"    {printable(line.expandtabs(4))}\n" for line in text.splitlines()), end="")
 
 
 def _diff_args(p: argparse.ArgumentParser) -> None:

@@ -88,13 +88,15 @@ class Ask:
 @dataclass
 class Found:
     """How a search job ends: the archive to keep, and the harness to serve (None: nothing beat the serving one)
-    with the mutations that make it from the serving harness."""
+    with the mutations that make it from the serving harness, and what the model answered that proposed them
+    (kept in the release, shown by `reefctl explain`)."""
 
     archive: dict[str, Any]
     reason: str  # what happened, one line (the job shows it)
     proposed: Harness | None = None
     mutations: list[dict[str, Any]] = field(default_factory=list)
     metrics: dict[str, Any] = field(default_factory=dict)
+    proposal: str = ""
 
 
 @dataclass

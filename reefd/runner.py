@@ -49,6 +49,9 @@ from reefd.weights import InvalidWeights, check_weights
 
 log = logging.getLogger("reefd.runner")
 
+SPEC_PARAMS = ("objective", "settings", "seed", "lora", "optim", "target")  # the trainer spec's, kept in `params`
+PROPOSAL_CHARS = 64 << 10  # a proposer's answer beyond this is cut in the release
+
 Write = Callable[[Scenario, Candidate], Awaitable[Release]]
 """(scenario, candidate) -> the release written by the chain's commit policy: released, or kept as rejected."""
 
@@ -272,7 +275,9 @@ class Runner:
         await self._save(job, "publish")
         meta = {"source": job.recipe, "job": job.id, "summary": f"{job.recipe} on {len(job.receipts)} records",
                 "metrics": job.metrics, "receipts": job.receipts,
-                "reports": sorted({r for s in doc["samples"] for r in s.get("reports") or ()})}
+                "reports": sorted({r for s in doc["samples"] for r in s.get("reports") or ()}),
+                "params": {**_recipe_params(scenario), "backend": scenario.cfg.recipe.backend,
+                           **{k: doc.get(k) for k in SPEC_PARAMS}}}
         if job.skipped:
             meta["skipped"] = list(job.skipped)
         # an adapter serves only on the weights it was trained on; full weights say what they started from
@@ -521,7 +526,10 @@ class Runner:
         await self._save(job, "publish")
         meta = {"source": job.recipe, "job": job.id, "summary": proposed.summary(current),
                 "metrics": {"mutations": len(mutations)}, "receipts": job.receipts,
-                "reports": sorted({r for s in spec.samples for r in s.reports}), "mutations": mutations}
+                "reports": sorted({r for s in spec.samples for r in s.reports}), "mutations": mutations,
+                "params": {**_recipe_params(scenario), "max_tokens": spec.max_tokens,
+                           "temperature": spec.temperature},
+                "proposal": _clipped(answer)}
         work = self.jobs.workdir(job)
         await asyncio.to_thread(shutil.rmtree, work, True)
         await asyncio.to_thread(proposed.render, work / "harness")
@@ -568,7 +576,10 @@ class Runner:
         await self._save(job, "publish")
         meta = {"source": job.recipe, "job": job.id, "summary": f"{found.proposed.summary(current)}: {found.reason}",
                 "metrics": found.metrics, "receipts": job.receipts,
-                "reports": sorted({r for s in spec.samples for r in s.reports}), "mutations": found.mutations}
+                "reports": sorted({r for s in spec.samples for r in s.reports}), "mutations": found.mutations,
+                "params": _recipe_params(scenario)}
+        if found.proposal:
+            meta["proposal"] = _clipped(found.proposal)
         work = self.jobs.workdir(job)
         await asyncio.to_thread(shutil.rmtree, work, True)
         await asyncio.to_thread(found.proposed.render, work / "harness")
@@ -645,6 +656,19 @@ class Runner:
                     cfg.startup_timeout_s
             await _until_ready(engine, startup_s, "proposer")
             return await _answer(engine, req, adapter, scenario.cfg.serve.request_timeout_s)
+
+
+def _recipe_params(scenario: Scenario) -> dict[str, Any]:
+    """What a release keeps of the job that made it (its `params`): the recipe and its settings as declared."""
+    return {"recipe": scenario.cfg.recipe.name, "recipe_params": json.loads(json.dumps(scenario.cfg.recipe.params,
+                                                                                       default=str))}
+
+
+def _clipped(text: str) -> str:
+    """A proposer's answer as a release keeps it: at most PROPOSAL_CHARS characters."""
+    if len(text) <= PROPOSAL_CHARS:
+        return text
+    return f"{text[:PROPOSAL_CHARS]}\n[... {len(text) - PROPOSAL_CHARS} more characters]"
 
 
 def _saved(out: Path, job: Job) -> bool:

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from recipes.gepa.recipe import GEPA, GEPAConfig, pick_parent, proposed_text
+from recipes.gepa.recipe import GEPA, GEPAConfig, pick_parent, proposed_text, reflections
 from reefd.gates.tasks import Task
 from reefd.harness import Entry, Harness
 from reefd.recipes import Ask, Found, HarnessSearch, RecipeError, Sample, SearchContext
@@ -80,6 +80,20 @@ def test_a_child_that_beats_its_parent_and_the_serving_harness_is_proposed() -> 
     assert [c["origin"] for c in pool] == ["serving", "reflection on rules/style"]
     assert pool[0]["val"] == [0.0] * 4 and pool[1]["val"] == [1.0] * 4
     assert found.archive["log"][0]["accepted"] == "c1" and found.metrics["best_val"] == 1.0
+    # the release keeps the reflection that made the served text
+    assert found.proposal == f"# c1 (reflection on rules/style, from c0)\n{revise(rounds[2][0].messages)}"
+
+
+def test_the_proposal_is_every_reflection_from_the_serving_candidate_to_the_best_oldest_first() -> None:
+    def cand(ident: str, parent: str | None, reflection: str | None = None) -> dict[str, Any]:
+        made = {"reflection": reflection} if reflection is not None else {}
+        return {"id": ident, "parent": parent, "origin": "reflection on rules/style", **made}
+
+    pool = [cand("c0", None), cand("c1", "c0", "first"), cand("c2", "c1", "second"), cand("c3", "c0")]
+    assert reflections(pool, pool[2], pool[0]) == ("# c1 (reflection on rules/style, from c0)\nfirst\n\n"
+                                                   "# c2 (reflection on rules/style, from c1)\nsecond")
+    assert reflections(pool, pool[2], pool[1]) == "# c2 (reflection on rules/style, from c1)\nsecond"
+    assert reflections(pool, pool[3], pool[0]) == ""  # made before candidates kept their reflection
 
 
 def test_a_child_that_does_not_beat_its_parent_is_rejected_and_never_proposed_again() -> None:

@@ -39,6 +39,7 @@ if TYPE_CHECKING:
 KINDS = ("rules", "skill")
 FENCE_RE = re.compile(r"```[^\n`]*\n(.*?)```", re.S)
 EXAMPLE_CHARS = 1200
+REFLECTION_CHARS = 16_000  # of the reflection that made a candidate, kept in the archive
 
 REFLECTION = """\
 An assistant works under these instructions:
@@ -183,7 +184,7 @@ class GEPA:
                     scores = yield self._asks(val, self._harness(ctx.serving, texts))
                     child = {"id": f"c{len(pool)}", "parent": parent["id"], "origin": f"reflection on {comp}",
                              "texts": texts, "val": [self._score(t, a) for t, a in zip(val, scores, strict=True)],
-                             "next": 0, "created_at": time.time()}
+                             "next": 0, "created_at": time.time(), "reflection": answer[:REFLECTION_CHARS]}
                     pool.append(child)
                     entry.update(accepted=child["id"], val_mean=_mean(child["val"]))
                 else:
@@ -206,7 +207,7 @@ class GEPA:
         mutations = self._mutations(ctx.serving, best["texts"])
         return Found(archive, f"{best['id']} beats the serving harness on validation: {_mean(best['val']):.3f} > "
                               f"{_mean(serving['val']):.3f}", proposed=ctx.serving.apply(mutations),
-                     mutations=mutations, metrics=metrics)
+                     mutations=mutations, metrics=metrics, proposal=reflections(pool, best, serving))
 
     # ------------------------------------------------------------ pieces
 
@@ -272,6 +273,18 @@ def pick_parent(pool: list[dict[str, Any]], rng: random.Random) -> int:
     if not any(counts):
         return 0
     return rng.choices(range(len(pool)), weights=counts)[0]
+
+
+def reflections(pool: list[dict[str, Any]], best: dict[str, Any], serving: dict[str, Any]) -> str:
+    """The reflections that made `best` (its own, then its parents' back to the serving candidate), oldest first:
+    the proposer's answer a release keeps."""
+    by_id = {cand["id"]: cand for cand in pool}
+    chain: list[dict[str, Any]] = []
+    cand: dict[str, Any] | None = best
+    while cand is not None and cand is not serving and cand.get("reflection") is not None:
+        chain.append(cand)
+        cand = by_id.get(cand["parent"])
+    return "\n\n".join(f"# {c['id']} ({c['origin']}, from {c['parent']})\n{c['reflection']}" for c in reversed(chain))
 
 
 def proposed_text(answer: str) -> str | None:

@@ -22,6 +22,7 @@ _OPT_STR = {"type": ["string", "null"]}
 _INT = {"type": "integer"}
 _NUM = {"type": "number"}
 OBJ = {"type": "object"}
+_OPT_OBJ = {"type": ["object", "null"]}
 ID = {"type": "string", "minLength": 1}
 
 
@@ -185,10 +186,12 @@ SCHEMAS: dict[str, Any] = {
                      serving=_OPT_STR, head=_OPT_STR, declared=_OPT_STR, data={"type": "array", "items": _RELEASE}),
     "Lineage": _obj("object release depth releases", object={"const": "reef.lineage"}, release=STR, depth=_INT,
                     releases={"type": "array", "items": _obj(
-                        "id scenario parent kind status recipe job gate learned_from", id=STR, scenario=STR,
-                        parent=_OPT_STR, kind=STR, status=STR, recipe=_OPT_STR, job={"type": ["object", "string",
-                                                                                             "null"]},
-                        gate={"type": ["object", "null"]}, learned_from={"type": "array", "items": _obj(
+                        "id scenario parent kind status recipe job params metrics gate canary proposal mutations "
+                        "harness_diff learned_from", id=STR, scenario=STR, parent=_OPT_STR, kind=STR, status=STR,
+                        recipe=_OPT_STR, job={"type": ["object", "string", "null"]}, params=_OPT_OBJ,
+                        metrics=_OPT_OBJ, gate=_OPT_OBJ, canary=_OPT_OBJ, proposal=_OPT_STR,
+                        mutations={"type": ["array", "null"], "items": OBJ}, harness_diff=_OPT_STR,
+                        learned_from={"type": "array", "items": _obj(
                             "receipt deleted record reports", receipt=STR, deleted={"type": "boolean"}, record=STR,
                             reports={"type": "array", "items": OBJ})})}),
     "Diff": _obj("a b kind meta added removed changed text", a=STR, b=STR,

@@ -98,13 +98,15 @@ async def show(request: web.Request) -> web.Response:
 
 
 MAX_LINEAGE_DEPTH = 1000
+MAX_HARNESS_DIFF = 256 << 10  # characters of a lineage's harness diff; `reefctl diff PARENT RELEASE` has it all
 _REPORT_FIELDS = ("report_id", "score", "feedback", "source", "created_at")
 
 
 async def lineage(request: web.Request) -> web.Response:
     """What a release learned from, and its ancestors' up to `?depth=` (default 1; `all`: back to the base):
-    parent, kind, recipe, job, gate verdict, canary evidence, mutations, and each record it was trained on with
-    the reports and judgments on it. One store read per record."""
+    parent, kind, recipe, the job with its parameters and trainer figures, gate verdict, canary evidence, the
+    proposer's answer, mutations and harness diff, and each record it was trained on with the reports and
+    judgments on it. One store read per record."""
     raw = request.query.get("depth", "1")
     try:
         depth = MAX_LINEAGE_DEPTH if raw == "all" else int(raw)
@@ -122,7 +124,7 @@ async def lineage(request: web.Request) -> web.Response:
     def walk() -> list[dict[str, Any]]:
         out, rel = [], first
         while True:
-            out.append(_explained(rel, store))
+            out.append(_explained(rel, store, chain))
             if rel.parent is None or len(out) >= depth:
                 return out
             rel = chain.get(rel.parent, include_rejected=True)
@@ -136,7 +138,9 @@ async def lineage(request: web.Request) -> web.Response:
                           "releases": releases_})
 
 
-def _explained(rel: Release, store: Any) -> dict[str, Any]:
+def _explained(rel: Release, store: Any, chain: releases.ReleaseChain) -> dict[str, Any]:
+    """One release of a lineage (blocking): what its release.json says, its records looked up one by one, and
+    its harness diff."""
     meta = rel.meta
     learned = []
     for receipt in meta.get("receipts") or []:
@@ -145,8 +149,21 @@ def _explained(rel: Release, store: Any) -> dict[str, Any]:
                         "reports": [{k: r.get(k) for k in _REPORT_FIELDS} for r in (record or {}).get("reports", [])]})
     return {"id": rel.id, "scenario": rel.scenario, "parent": rel.parent, "kind": rel.kind, "status": rel.status,
             "created_at": rel.created_at, "recipe": meta.get("source"), "summary": meta.get("summary"),
-            "job": meta.get("job"), "metrics": meta.get("metrics"), "gate": meta.get("gate"),
-            "canary": meta.get("canary"), "mutations": meta.get("mutations"), "learned_from": learned}
+            "job": meta.get("job"), "params": meta.get("params"), "metrics": meta.get("metrics"),
+            "gate": meta.get("gate"), "canary": meta.get("canary"), "proposal": meta.get("proposal"),
+            "mutations": meta.get("mutations"), "harness_diff": _harness_diff(rel, chain), "learned_from": learned}
+
+
+def _harness_diff(rel: Release, chain: releases.ReleaseChain) -> str | None:
+    """The unified diff of the harness files from the release's parent to it; None when they are the same."""
+    if rel.parent is None or chain.artifacts(rel.id).get("harness") == chain.artifacts(rel.parent).get("harness"):
+        return None
+    found = chain.diff(rel.parent, rel.id)
+    paths = sorted(p for key in ("added", "removed", "changed") for p in found[key] if p.startswith("harness/"))
+    text = "".join(found["text"].get(p, f"Binary files a/{p} and b/{p} differ\n") for p in paths)
+    if len(text) > MAX_HARNESS_DIFF:
+        text = text[:MAX_HARNESS_DIFF] + f"\n[... cut; reefctl diff {rel.parent} {rel.id} shows all]\n"
+    return text
 
 
 async def diff(request: web.Request) -> web.Response:

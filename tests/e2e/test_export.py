@@ -84,9 +84,14 @@ def test_retention_deletes_beyond_max_records_but_keeps_what_a_release_learned_f
         head = chain[0]
         assert (head["id"], head["recipe"], head["job"]["id"]) == (job["release"], "sao", job["id"])
         assert head["gate"] is not None and [r["receipt"] for r in head["learned_from"]] == learned
+        params = head["params"]  # kept in the release: the job's parameters, whatever reefd still knows of the job
+        assert (params["recipe"], params["backend"], params["target"]) == ("sao", "local", "lora")
+        assert params["objective"] == "recipes.sao.objective:SAOObjective" and isinstance(params["settings"], dict)
+        assert head["metrics"] == job["metrics"] and head["harness_diff"] is None
         assert [[x["score"] for x in r["reports"]] for r in head["learned_from"]] == [[float(i % 2)] for i in range(4)]
         shown = reefctl(d, "explain", job["release"]).stdout
         assert f"release/{job['release']}" in shown and "Learned from 4 records" in shown and learned[0] in shown
+        assert "  Params:\n    recipe: sao\n" in shown and "    backend: local\n" in shown
         later = [turn(d, c, f"later {i}", score=None)[0] for i in range(6)]
 
         deadline = time.monotonic() + 60

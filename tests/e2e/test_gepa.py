@@ -132,6 +132,10 @@ def test_a_candidate_that_beats_the_serving_harness_on_validation_is_published_a
             assert rule(d) == "Answer in one word. (revised)"
             release = json.loads(d.get(f"/reef/releases/{job['release']}")[1])
             assert "beats the serving harness on validation: 1.000 > 0.000" in json.dumps(release)
+            meta = release["meta"]
+            assert meta["proposal"].startswith("# c1 (reflection on rules/style, from c0)\n") and \
+                "(revised)" in meta["proposal"]
+            assert meta["params"]["recipe"] == "gepa" and meta["params"]["recipe_params"]["iterations"] == 1
             # the next job finds the served candidate in its pool and has nothing better: nothing is published
             code, _, _ = d.post("/reef/scenarios/learn/train", {}, headers={"x-reef-scenario": "learn"})
             assert code == 202

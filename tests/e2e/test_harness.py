@@ -202,6 +202,17 @@ def test_skillclaw_publishes_a_harness_release_that_serves_next(tmp_path: Path, 
         assert "skills/commit-messages/SKILL.md" in {f["path"] for f in body["files"]}
         diff = reefctl(d, "diff", base, job["release"])
         assert "+Start with a verb; say why the change is needed." in diff.stdout, diff.stdout
+        # explained from the release itself: the job's parameters, the proposer's answer and the harness diff
+        explained = json.loads(reefctl(d, "explain", job["release"], "-o", "json").stdout)["releases"][0]
+        assert explained["params"]["recipe"] == "skillclaw" and explained["params"]["max_tokens"] == 48
+        assert explained["params"]["recipe_params"]["batch_size"] == 2
+        assert json.loads(explained["proposal"]) == PROPOSAL and explained["mutations"][0]["op"] == "create"
+        assert "+++ b/harness/skills/commit-messages/SKILL.md" in explained["harness_diff"]
+        shown = reefctl(d, "explain", job["release"]).stdout
+        assert "  Proposer's answer:\n    {\"summary\": \"users want commit advice\"" in shown, shown
+        assert "  Mutation: create skill commit-messages\n" in shown
+        assert f"  Harness diff (reefctl diff {base} {job['release']}):\n" in shown
+        assert "    +Start with a verb; say why the change is needed.\n" in shown
         o = sdk(openai.OpenAI(base_url=d.url + "/v1", api_key=d.token, max_retries=0,
                               default_headers={"x-reef-scenario": "coder"}))
         raw = o.chat.completions.with_raw_response.create(model="coder", max_tokens=4,
