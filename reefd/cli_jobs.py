@@ -41,6 +41,19 @@ def progress_line(job: Mapping[str, Any]) -> str:
             + (f" {speed:.0f} tok/s" if isinstance(speed, int | float) else ""))
 
 
+def staleness_cell(staleness: Mapping[str, Any] | None) -> str:
+    """A batch's staleness in releases behind the job's base: `0-2` (min-max), `1`, `inf` for a sample from a
+    release no longer in the chain, with `(3 dropped)` or `(2 weighted)` past max_staleness; `-` without samples."""
+    if not staleness:
+        return "-"
+    low, high = staleness.get("min"), staleness.get("max")
+    if staleness.get("off_chain"):
+        low, high = "inf" if low is None else low, "inf"
+    text = "-" if low is None else str(low) if low == high else f"{low}-{high}"
+    past = [f"{staleness[k]} {k}" for k in ("dropped", "weighted") if staleness.get(k)]
+    return text + (f" ({', '.join(past)})" if past else "")
+
+
 def outcome(job: Mapping[str, Any]) -> str:
     state = job["state"]
     if state == "published":
@@ -97,9 +110,10 @@ def cmd_jobs(client: Client, args: argparse.Namespace) -> int:
         note("No jobs.")
         return 0
     now = time.time()
-    table = Table(["JOB", "SCENARIO", "STATE", "STAGE", "TRIGGER", "RECORDS", "RELEASE", "AGE", "MESSAGE"])
+    table = Table(["JOB", "SCENARIO", "STATE", "STAGE", "TRIGGER", "RECORDS", "STALENESS", "RELEASE", "AGE",
+                   "MESSAGE"])
     table.emit([[j["id"], j["scenario"], j["state"], cell(j.get("stage")), j["reason"], str(len(j["receipts"])),
-                 cell(j.get("release")), age(now - j["created_at"]),
+                 staleness_cell(j.get("staleness")), cell(j.get("release")), age(now - j["created_at"]),
                  cell(j.get("error") or (j.get("verdict") or {}).get("reason"))] for j in page["data"]])
     return 0
 

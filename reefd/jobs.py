@@ -40,7 +40,8 @@ class Job:
     error: str | None = None
     receipts: list[str] = field(default_factory=list)
     metrics: dict[str, Any] = field(default_factory=dict)
-    skipped: list[str] = field(default_factory=list)  # records the recipe looked at and found nothing in
+    skipped: list[str] = field(default_factory=list)  # records not trained on: nothing in them, or past max_staleness
+    staleness: dict[str, Any] | None = None  # a weight job's batch in releases behind its base (reefd/staleness.py)
     detachable: bool = False  # its trainer runs on a cluster that outlives reefd: a restart follows it
 
     def as_json(self) -> dict[str, Any]:

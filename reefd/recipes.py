@@ -41,6 +41,11 @@ class Sample:
     top_ids: list[list[int]] | None = None  # the engine's top-K ids at each completion token (a recipe captured them)
     extra: dict[str, Any] | None = None  # what the recipe passes its trainer-side objective (JSON)
     context: dict[str, Any] = field(default_factory=dict)  # what else the recipe keeps: messages, text, feedback
+    # set by reefd, whatever the recipe sets: the release that served it, how many releases the job's base is
+    # ahead of that one (None: not in the chain), and whether it is kept past max_staleness to be weighted
+    release: str | None = None
+    staleness: int | None = None
+    stale: bool = False
 
 
 @dataclass
@@ -129,12 +134,14 @@ class Recipe(Protocol):
     a recipe as `Class(config)`; `produces` says what its candidates are: "weights" (a WeightJob, trained by the
     scenario's trainer backend), "harness" (a HarnessJob, proposed by a model, or a HarnessSearch, rounds of
     answers) or "nothing" (no jobs run). A recipe whose jobs need no records sets `needs_records = False`: a
-    manual or timed job then runs with no samples.
+    manual or timed job then runs with no samples. A weight recipe that limits how old its samples may be sets
+    `staleness` (a reefd.staleness.Policy, from its params' max_staleness and stale).
 
     Guarantees reefd gives a recipe: `sample` sees each record with all its reports (oldest first) and is never
     shown a record already consumed by a published or rejected candidate; `candidate` gets the samples in
-    receipt order, and the serving harness (or None). Once a job's candidate is published or rejected, every
-    record of its batch is consumed (never trained on again) and the release lists their receipts and report ids.
+    receipt order (without those past its max_staleness, with `stale: drop`: they are consumed unseen), and the
+    serving harness (or None). Once a job's candidate is published or rejected, every record of its batch is
+    consumed (never trained on again) and the release lists their receipts and report ids.
     A recipe's methods are pure: no I/O, no engine calls.
     """
 

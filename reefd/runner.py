@@ -20,7 +20,7 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
-from reefd import gates, plugins
+from reefd import gates, plugins, staleness
 from reefd.chat import ChatRequest, Completion, add_system_text
 from reefd.engines import Engine, EngineError, EngineUnavailable, ModelConfig
 from reefd.files import write_json
@@ -64,12 +64,13 @@ class JobFailed(Exception):
 
 
 def eligible(store: RecordStore, recipe: Recipe, scenario: str) -> list[Sample]:
-    """The recipe's samples among the scenario's records no candidate consumed yet, oldest first (blocking)."""
+    """The recipe's samples among the scenario's records no candidate consumed yet, oldest first, each with the
+    release that served its record (blocking)."""
     samples = []
     for record in store.unconsumed(scenario):
         sample = recipe.sample(record, record.get("reports", []))
         if sample is not None:
-            samples.append(sample)
+            samples.append(dataclasses.replace(sample, release=record.get("release")))
     return samples
 
 
@@ -209,17 +210,25 @@ class Runner:
             job.state, job.error = "skipped", f"recipe {job.recipe!r} does not train"
             return
         await self._save(job, "batch")
+        head = await asyncio.to_thread(self.chain.head, job.scenario)  # what the job is built on
         async with self.store.selecting(job.scenario):  # retention deletes none of them until job.receipts is set
             samples = await asyncio.to_thread(eligible, self.store, recipe, job.scenario)
+            aged = None
+            if recipe.produces == "weights" and head is not None:
+                samples, aged = await self._aged(job, recipe, head, samples)
             needs_records = getattr(recipe, "needs_records", True)
             if (not samples and needs_records) or (job.reason != "manual" and not recipe.ready(samples)):
                 job.state = "skipped"
                 job.error = f"no batch ready: {len(samples)} eligible scored record(s) waiting"
+                if aged is not None and aged.dropped:
+                    job.error += f"; {len(aged.dropped)} past max_staleness dropped"
                 return
             binding = scenario.binding
             spec = recipe.candidate(samples, binding.harness if binding is not None else None)
+            if isinstance(spec, WeightJob) and aged is not None:
+                spec.samples = aged.mark(spec.samples)
+                job.staleness = aged.summary(spec.samples)
             job.receipts = [s.receipt for s in spec.samples]
-        head = await asyncio.to_thread(self.chain.head, job.scenario)
         if head is None:
             raise JobFailed("the scenario has no base release yet")
         job.built_on = head.id
@@ -230,10 +239,25 @@ class Runner:
         if isinstance(spec, HarnessSearch):
             await self._search_job(job, scenario, spec, head)
             return
-        job.skipped = list(spec.skipped)
+        job.skipped = [*spec.skipped, *(aged.dropped if aged is not None else ())]
         await self._save(job, "train")
         spec_path = await self._write_spec(job, scenario, spec, head)
         await self._weights_job(job, scenario, spec_path)
+
+    async def _aged(self, job: Job, recipe: Recipe, head: Release, samples: list[Sample]
+                    ) -> tuple[list[Sample], staleness.Aged]:
+        """The samples a weight job's batch may be chosen from, and each one's staleness behind `head`. Those past
+        the recipe's max_staleness with `stale: drop` are consumed now: they only grow staler (the chain never
+        rewinds)."""
+        history = await asyncio.to_thread(self.chain.history, job.scenario)
+        policy = getattr(recipe, "staleness", None) or staleness.Policy()
+        kept, aged = staleness.age(samples, staleness.behind(history, head), policy)
+        if aged.dropped:
+            job.staleness = aged.summary([])
+            await asyncio.shield(self.store.mark_consumed(job.scenario, aged.dropped, job.id))
+            log.info("%s %s: %d sample(s) past max_staleness %s dropped", job.scenario, job.id, len(aged.dropped),
+                     policy.max_staleness)
+        return kept, aged
 
     async def _resume(self, job: Job) -> None:
         """A job reefd stopped while it trained. On a cluster that outlived reefd: follow the same trainer job (the

@@ -77,6 +77,17 @@ def test_sao_maps_to_slime_arguments_that_slime_accepts(tiny_model: Path, tmp_pa
     assert (args.optimizer, args.lr_decay_style) == ("adam", "constant")
 
 
+def test_stale_samples_turn_on_slimes_truncated_importance_sampling(tiny_model: Path, tmp_path: Path) -> None:
+    settings = SlimeSettings.parse({"model": "tiny"})
+    doc = spec(tiny_model, tmp_path)
+    args, problems = parse(slime_args(doc, settings, tmp_path))
+    assert problems == [] and not args.use_tis  # every sample fresh
+    doc["samples"][1]["stale"] = True
+    doc["settings"]["stale_clip"] = 1.5
+    args, problems = parse(slime_args(doc, settings, tmp_path))
+    assert problems == [] and args.use_tis and args.tis_clip == 1.5
+
+
 def test_groups_become_prompts_of_n_samples(tiny_model: Path, tmp_path: Path) -> None:
     settings = SlimeSettings.parse({"model": "tiny"})
     doc = spec(tiny_model, tmp_path, GRPO, groups=("x", "y", "x", "y"))

@@ -3,7 +3,9 @@
 `old` log-probs are the trainer's own: the first forward pass of the batch, detached (the recipe makes the whole
 batch one micro-batch, so one optimizer step per batch and the ratio starts at 1). The teacher is the frozen base
 (adapter disabled) on the turn's prompt with the judge's hint appended to its last user message, scored on the
-engine's top-K ids of each response token. Imports torch; the trainer process loads it by path.
+engine's top-K ids of each response token. A sample kept past the recipe's max_staleness (`stale: weight`) has both
+terms multiplied by min(exp(log p - engine log p), stale_clip) per token. Imports torch; the trainer process loads it
+by path.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from torch import Tensor
 
 from recipes.openclaw_rl.loss import opd_terms, pg_terms, sample_mean
 from reefd.chat import ChatRequest, ChatTemplate, TemplateError
-from reefd.train.batch import Batch, collate
+from reefd.train.batch import Batch, collate, stale_weights
 from reefd.train.objective import Context, Outputs
 from reefd.train.spec import Rollout
 
@@ -35,6 +37,7 @@ class OpenClawSettings:
     ratio_clamp: float = field(default=20.0, metadata={"exclusiveMinimum": 0})
     diff_clip: float = field(default=1.0, metadata={"exclusiveMinimum": 0})
     opd_set: str = "engine"  # engine: the engine's top-K; union: plus the hinted teacher's own top-K
+    stale_clip: float = field(default=2.0, metadata={"minimum": 1})  # a stale sample's truncated importance ratio
 
 
 def with_hint(messages: list[dict[str, Any]], hint: str) -> list[dict[str, Any]]:
@@ -64,7 +67,7 @@ class OpenClawObjective:
         if settings.opd_set == "union":
             self._widen(ctx)
         self.sums: dict[str, float] = {"pg": 0.0, "opd": 0.0, "rl_samples": 0.0, "opd_samples": 0.0,
-                                       "opd_tokens": 0.0, "adv_abs": 0.0}
+                                       "opd_tokens": 0.0, "adv_abs": 0.0, "stale_tokens": 0.0, "stale_weight": 0.0}
 
     def _teacher_prompts(self, ctx: Context) -> dict[int, list[int]]:
         """Each OPD sample's teacher prompt: its prompt with the chosen hint (the shortest), rendered by the base's
@@ -136,10 +139,11 @@ class OpenClawObjective:
         opd = torch.tensor([i in self.teachers for i in batch.index])
         total = torch.zeros((), dtype=torch.float32)
         stats: dict[str, float] = {}
+        weights = self._stale_weights(batch, out)
         if bool(rl.any()):
             mask = batch.tokens & rl.unsqueeze(-1)
-            pg = sample_mean(pg_terms(out.logp, out.logp.detach(), batch.rewards, mask, s.eps, s.eps_high,
-                                      s.ratio_clamp), mask)
+            pg = sample_mean(weights * pg_terms(out.logp, out.logp.detach(), batch.rewards, mask, s.eps, s.eps_high,
+                                                s.ratio_clamp), mask)
             total = total + s.w_rl * pg.sum() / n
             stats["pg_loss"] = float(pg.detach().sum()) / max(int(rl.sum()), 1)
             self.sums["pg"] += float(pg.detach().sum())
@@ -149,7 +153,7 @@ class OpenClawObjective:
             mask = batch.tokens & opd.unsqueeze(-1)
             terms, adv = opd_terms(out.top_logp, out.top_logp.detach(), teacher, mask, s.eps, s.eps_high,
                                    s.ratio_clamp, s.diff_clip)
-            per_sample = sample_mean(terms, mask)
+            per_sample = sample_mean(weights * terms, mask)
             total = total + s.w_opd * per_sample.sum() / n
             stats["opd_loss"] = float(per_sample.detach().sum()) / max(int(opd.sum()), 1)
             self.sums["opd"] += float(per_sample.detach().sum())
@@ -160,6 +164,16 @@ class OpenClawObjective:
             total = total + 0.0 * out.logp.sum()
         return total, stats
 
+    def _stale_weights(self, batch: Batch, out: Outputs) -> Tensor:
+        """[B, T] the truncated ratio to the engine's logprobs on samples kept past max_staleness (1 elsewhere): the
+        PPO ratio is to this batch's own first pass, so it does not correct for the releases between."""
+        weights = stale_weights(batch, out.logp, self.settings.stale_clip)
+        if batch.stale is not None and bool(batch.stale.any()):
+            stale = batch.tokens & batch.stale.unsqueeze(-1)
+            self.sums["stale_tokens"] += int(stale.sum())
+            self.sums["stale_weight"] += float(weights[stale].sum())
+        return weights
+
     def optimizers(self) -> dict[str, torch.optim.Optimizer]:
         return {}
 
@@ -168,8 +182,11 @@ class OpenClawObjective:
 
     def metrics(self) -> dict[str, Any]:
         m = self.sums
-        return {"rl_samples": int(m["rl_samples"]), "opd_samples": int(m["opd_samples"]),
-                "pg_loss": m["pg"] / m["rl_samples"] if m["rl_samples"] else 0.0,
-                "opd_loss": m["opd"] / m["opd_samples"] if m["opd_samples"] else 0.0,
-                "opd_mean_abs_advantage": m["adv_abs"] / m["opd_tokens"] if m["opd_tokens"] else 0.0,
-                "teacher_prompt_mismatches": self.mismatched}
+        out = {"rl_samples": int(m["rl_samples"]), "opd_samples": int(m["opd_samples"]),
+               "pg_loss": m["pg"] / m["rl_samples"] if m["rl_samples"] else 0.0,
+               "opd_loss": m["opd"] / m["opd_samples"] if m["opd_samples"] else 0.0,
+               "opd_mean_abs_advantage": m["adv_abs"] / m["opd_tokens"] if m["opd_tokens"] else 0.0,
+               "teacher_prompt_mismatches": self.mismatched}
+        if m["stale_tokens"]:  # the mean importance weight of the stale samples' tokens
+            out["stale_weight"] = m["stale_weight"] / m["stale_tokens"]
+        return out

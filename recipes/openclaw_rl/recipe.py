@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 from reefd.judge import JudgeSettings
 from reefd.recipes import RecipeError, Sample, WeightJob, check_model_or_function, engine_tokens
+from reefd.staleness import StalenessParams
 
 if TYPE_CHECKING:
     from reefd.harness import Harness
@@ -37,7 +38,7 @@ class JudgeParams:
 
 
 @dataclass
-class OpenClawConfig:
+class OpenClawConfig(StalenessParams):
     """OpenClaw-RL's settings (see recipes/openclaw_rl/README.md for where each default comes from)."""
 
     batch_size: int = field(default=16, metadata={"minimum": 1, "description": "Judged turns per job (one step)."})
@@ -76,6 +77,7 @@ class OpenClawRL:
         if cfg.w_rl == 0 and cfg.w_opd == 0:
             raise RecipeError("recipe.params: w_rl and w_opd are both 0, so nothing would train")
         self.cfg = cfg
+        self.staleness = cfg.policy()  # its objective weights stale turns (README: stale turns)
         self.capture_top_k = cfg.top_k
         j = cfg.judge
         check_model_or_function(j.model, "recipe.params.judge.model", "judge")
@@ -99,7 +101,7 @@ class OpenClawRL:
             optim={"lr": c.lr, "weight_decay": c.weight_decay, "epochs": 1, "micro_batch": len(batch),
                    "max_grad_norm": c.max_grad_norm},  # the whole batch in one step
             settings={"w_rl": c.w_rl, "w_opd": c.w_opd, "eps": c.eps, "eps_high": c.eps_high,
-                      "diff_clip": c.diff_clip, "opd_set": c.opd_set},
+                      "diff_clip": c.diff_clip, "opd_set": c.opd_set, "stale_clip": c.stale_clip},
             seed=c.seed)
 
 

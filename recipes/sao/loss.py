@@ -13,42 +13,47 @@ import torch
 from torch import Tensor
 
 
-def dis_weights(logp: Tensor, rollout_logp: Tensor, valid: Tensor, eps_low: float, eps_high: float
-                ) -> tuple[Tensor, Tensor]:
+def dis_weights(logp: Tensor, rollout_logp: Tensor, valid: Tensor, eps_low: float, eps_high: float,
+                cap: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """f(r), detached, and the in-band mask, for r = exp(logp - rollout_logp).
 
     f(r) = r strictly inside (1 - eps_low, 1 + eps_high) and 0 outside, whatever the sign of the
     advantage (the paper's strict double-side token-level clipping); tokens that are not `valid`
-    (padding, or a null rollout logprob) get 0 and count as neither in nor out of the band.
+    (padding, or a null rollout logprob) get 0 and count as neither in nor out of the band. With `cap`
+    (broadcast to [B, T]), an in-band f(r) is at most cap: truncated importance sampling for stale samples.
     """
     with torch.no_grad():
         ratio = torch.exp(logp.detach() - rollout_logp)
         in_band = valid & (ratio > 1.0 - eps_low) & (ratio < 1.0 + eps_high)
-        weights = torch.where(in_band, ratio, torch.zeros_like(ratio))
+        kept = ratio if cap is None else torch.minimum(ratio, cap)
+        weights = torch.where(in_band, kept, torch.zeros_like(ratio))
     return weights, in_band
 
 
 def policy_loss(logp: Tensor, rollout_logp: Tensor, advantages: Tensor, valid: Tensor,
-                eps_low: float, eps_high: float) -> tuple[Tensor, dict[str, float]]:
+                eps_low: float, eps_high: float, cap: Tensor | None = None) -> tuple[Tensor, dict[str, float]]:
     """L = -sum_t sg(f(r_t)) * A_t * log p_theta(token_t) / (number of valid tokens in the batch).
 
     The gradient of each in-band token is r_t * A_t * grad log p = A_t * grad r_t (the IS-weighted
     policy gradient); an out-of-band token gives none. Token-mean over every valid completion token
     of the micro-batch, in band or not, so masking a token never re-weights the others.
-    Returns the loss and its statistics (clip_frac: the share of valid tokens outside the band).
+    Returns the loss and its statistics (clip_frac: the share of valid tokens outside the band). `cap`
+    truncates f(r) (see dis_weights).
     """
-    weights, in_band = dis_weights(logp, rollout_logp, valid, eps_low, eps_high)
+    weights, in_band = dis_weights(logp, rollout_logp, valid, eps_low, eps_high, cap)
     per_token = weights * advantages.detach() * logp
     total = torch.where(valid, per_token, torch.zeros_like(per_token)).sum()
     n_valid = int(valid.sum())
     loss = -total / max(n_valid, 1)
     with torch.no_grad():
-        ratio = torch.exp(logp.detach() - rollout_logp)[valid]
+        ratio_all = torch.exp(logp.detach() - rollout_logp)
+        ratio = ratio_all[valid]
         stats = {
             "valid_tokens": float(n_valid),
             "clipped_tokens": float(n_valid - int(in_band.sum())),
             "clip_frac": (n_valid - int(in_band.sum())) / n_valid if n_valid else 0.0,
             "ratio_mean": float(ratio.mean()) if n_valid else 1.0,
+            "truncated_tokens": 0.0 if cap is None else float(int((in_band & (weights < ratio_all)).sum())),
         }
     return loss, stats
 

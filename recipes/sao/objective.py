@@ -7,6 +7,7 @@ critic.py; this module only wires them to the generic loop.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
@@ -30,6 +31,7 @@ class SAOSettings:
     gae_alpha: length-adaptive GAE, lambda = 1 - 1 / (gae_alpha * completion length).
     normalize_advantages: whiten the advantages of each micro-batch (off in the paper's recipe).
     grpo_eps: the GRPO control's std floor, A = (r - mean) / (std + grpo_eps).
+    stale_clip: a stale sample's f(r) is at most this (samples kept past max_staleness with `stale: weight`).
     """
 
     eps_low: float = field(default=0.3, metadata={"exclusiveMinimum": 0, "maximum": 1})
@@ -39,6 +41,7 @@ class SAOSettings:
     gae_alpha: float = field(default=1.5, metadata={"exclusiveMinimum": 0})
     normalize_advantages: bool = False
     grpo_eps: float = field(default=1e-6, metadata={"exclusiveMinimum": 0})
+    stale_clip: float = field(default=2.0, metadata={"minimum": 1})
 
 
 class _DIS:
@@ -49,7 +52,7 @@ class _DIS:
 
     def __init__(self, settings: SAOSettings, ctx: Context) -> None:
         self.settings, self.ctx = settings, ctx
-        self.valid = self.clipped = self.abs_adv = 0.0
+        self.valid = self.clipped = self.abs_adv = self.stale_tokens = self.truncated = 0.0
 
     def advantages(self, batch: Batch, out: Outputs) -> Tensor:
         raise NotImplementedError
@@ -60,9 +63,14 @@ class _DIS:
             adv = self.advantages(batch, out)
             if s.normalize_advantages:
                 adv = whiten(adv, batch.valid)
-        loss, stats = policy_loss(out.logp, batch.rollout_logp, adv, batch.valid, s.eps_low, s.eps_high)
+        cap = None
+        if batch.stale is not None and bool(batch.stale.any()):  # truncated importance sampling on stale samples
+            cap = torch.where(batch.stale, s.stale_clip, math.inf).unsqueeze(-1)
+            self.stale_tokens += int((batch.valid & batch.stale.unsqueeze(-1)).sum())
+        loss, stats = policy_loss(out.logp, batch.rollout_logp, adv, batch.valid, s.eps_low, s.eps_high, cap)
         self.valid += stats["valid_tokens"]
         self.clipped += stats["clipped_tokens"]
+        self.truncated += stats["truncated_tokens"]
         self.abs_adv += float(adv[batch.valid].abs().sum())
         return loss, {"clip_frac": stats["clip_frac"], **self.after(batch, out)}
 
@@ -77,8 +85,11 @@ class _DIS:
         return None
 
     def metrics(self) -> dict[str, Any]:
-        return {"clip_frac": self.clipped / self.valid if self.valid else 0.0,
-                "mean_abs_advantage": self.abs_adv / self.valid if self.valid else 0.0}
+        out = {"clip_frac": self.clipped / self.valid if self.valid else 0.0,
+               "mean_abs_advantage": self.abs_adv / self.valid if self.valid else 0.0}
+        if self.stale_tokens:  # the share of stale tokens whose f(r) stale_clip truncated
+            out["stale_truncated_frac"] = self.truncated / self.stale_tokens
+        return out
 
 
 class SAOObjective(_DIS):

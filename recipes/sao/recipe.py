@@ -11,13 +11,14 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from reefd.recipes import Sample, WeightJob, scored_rollout
+from reefd.staleness import StalenessParams
 
 if TYPE_CHECKING:
     from reefd.harness import Harness
 
 
 @dataclass
-class SAOConfig:
+class SAOConfig(StalenessParams):
     """SAO's settings (see recipes/sao/README.md for where each default comes from)."""
 
     batch_size: int = field(default=8, metadata={"minimum": 1,
@@ -51,6 +52,7 @@ class SAO:
 
     def __init__(self, cfg: SAOConfig) -> None:
         self.cfg = cfg
+        self.staleness = cfg.policy()  # its objective weights stale samples (README: stale samples)
 
     def sample(self, record: dict[str, Any], reports: list[dict[str, Any]]) -> Sample | None:
         return scored_rollout(record, reports)
@@ -65,7 +67,8 @@ class SAO:
             lora={"r": c.lora_r, "alpha": c.lora_alpha, "dropout": 0.0, "target_modules": list(c.target_modules)},
             optim={"lr": c.lr, "weight_decay": c.weight_decay, "epochs": c.epochs, "micro_batch": c.micro_batch,
                    "max_grad_norm": c.max_grad_norm},
-            settings={"eps_low": c.eps_low, "eps_high": c.eps_high, "critic_lr": c.critic_lr}, seed=c.seed,
+            settings={"eps_low": c.eps_low, "eps_high": c.eps_high, "critic_lr": c.critic_lr,
+                      "stale_clip": c.stale_clip}, seed=c.seed,
             target=c.target)
 
 

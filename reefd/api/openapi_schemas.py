@@ -36,6 +36,11 @@ _TOOL_CALL = _obj("id type function", id=STR, type={"const": "function"},
 _RELEASE = _obj("id scenario parent kind seq created_at commit meta status", id=STR, scenario=STR,
                 parent=_OPT_STR, kind=STR, seq=_INT, created_at=STR, commit=STR, meta=OBJ,
                 status={"enum": ["released", "rejected"]})
+_OPT_INT = {"type": ["integer", "null"]}
+# a weight job's batch in releases behind its base (reefd/staleness.py): min, max, mean over the samples whose release
+# is in the chain, those that are not, and those past max_staleness (`limit`) dropped or kept to be weighted
+_STALENESS = _obj("min max mean off_chain dropped weighted limit", min=_OPT_INT, max=_OPT_INT,
+                  mean={"type": ["number", "null"]}, off_chain=_INT, dropped=_INT, weighted=_INT, limit=_OPT_INT)
 _FILE = _obj("path size lfs sha256", path=STR, size=_INT, lfs={"type": "boolean"}, sha256=STR)
 _TEXT_OUT = _obj("type text annotations", type={"const": "output_text"}, text=STR, annotations={"type": "array"})
 _RESPONSE_ITEM = {"oneOf": [
@@ -214,7 +219,7 @@ SCHEMAS: dict[str, Any] = {
                       warnings={"type": "array", "items": STR}),
     "Job": _obj("id scenario reason recipe state stage created_at", id=STR, scenario=STR, reason=STR,
                 recipe=STR, state={"enum": list(STATES)}, stage=STR, created_at=_NUM, release=_OPT_STR,
-                error=_OPT_STR),
+                error=_OPT_STR, staleness={"anyOf": [{"type": "null"}, _STALENESS]}),
     "Jobs": _obj("object data", object={"const": "list"}, data={"type": "array", "items": ref("Job")}),
     "Step": _obj("object scenario step release groups rollouts parents", object={"const": "reef.attempts.step"},
                  scenario=STR, step=_INT, release=STR, groups=_INT, rollouts=_INT, parents={"type": "array"}),

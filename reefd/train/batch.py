@@ -1,6 +1,7 @@
 """One micro-batch of rollouts as tensors, completion-aligned: column t of a [B, T] tensor is completion token t.
 
-Imports torch; runs only in the trainer process. Knows nothing about models, losses or files.
+Imports torch; runs only in the trainer process. Knows nothing about models, losses or files; `stale_weights` is
+the importance weight an objective may apply to samples kept past the recipe's max_staleness.
 """
 
 from __future__ import annotations
@@ -29,6 +30,18 @@ class Batch:
     rewards: Tensor  # [B]
     n_tokens: int  # prompt + completion tokens, padding excluded
     top_ids: Tensor | None = None  # [B, T, K] the engine's top-K ids per completion token (0: padding, or none)
+    stale: Tensor | None = None  # [B] bool: past the recipe's max_staleness, to be importance-weighted
+
+
+def stale_weights(batch: Batch, logp: Tensor, clip: float) -> Tensor:
+    """[B, T] without gradient: the truncated importance ratio min(exp(logp - rollout logp), clip) on the tokens of
+    stale rows that have a rollout logprob, 1 everywhere else (fresh rows, tokens without one, padding)."""
+    with torch.no_grad():
+        ones = torch.ones_like(logp)
+        if batch.stale is None or not bool(batch.stale.any()):
+            return ones
+        ratio = torch.exp(logp.detach() - batch.rollout_logp).clamp(max=clip)
+        return torch.where(batch.valid & batch.stale.unsqueeze(-1), ratio, ones)
 
 
 def collate(samples: list[Rollout], index: list[int], pad_id: int) -> Batch:
@@ -66,4 +79,5 @@ def collate(samples: list[Rollout], index: list[int], pad_id: int) -> Batch:
     return Batch(list(index), input_ids, attention, positions, completion, rollout, tokens, valid,
                  lengths=torch.tensor([len(s.completion_ids) for s in rows]),
                  rewards=torch.tensor([s.reward for s in rows], dtype=torch.float32),
-                 n_tokens=sum(len(r) for r in ids), top_ids=top)
+                 n_tokens=sum(len(r) for r in ids), top_ids=top,
+                 stale=torch.tensor([s.stale for s in rows], dtype=torch.bool))

@@ -67,6 +67,8 @@ class Objective(Protocol):
     - the loop batches `Context.samples` (the list itself) after the objective is built, so an objective may
       replace a sample there when it is built, with the same tokens and wider `top_ids` (a larger set of ids
       to score); nothing else of a sample may change.
+    - a sample its recipe kept past max_staleness (`stale: weight`) is `stale` (Batch.stale); an objective
+      importance-weights it against its rollout logprobs (batch.stale_weights gives the truncated ratio).
     """
 
     Settings: ClassVar[type]

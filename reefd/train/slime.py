@@ -13,7 +13,8 @@ What a job sends, as its `runtime_env.working_dir` package:
 
 slime's arguments (`slime_args`) come from the scenario: the model (`--hf-checkpoint`, `--ref-load`, and
 `scripts/models/<model>.sh`'s Megatron shape arguments), the batch and rollout sizes, the advantage estimator the
-recipe's objective maps to (SAO → ppo, its critic baseline; GRPO → grpo), the optimizer, `--save`/`--save-hf`, and
+recipe's objective maps to (SAO → ppo, its critic baseline; GRPO → grpo), the optimizer, `--save`/`--save-hf`,
+`--use-tis --tis-clip STALE_CLIP` when the batch holds samples kept past max_staleness (`stale: weight`), and
 `recipe.slime.args` (any slime or Megatron argument; they win, over MODEL_ARGS too).
 
 Gated: `--load-debug-rollout-data` puts slime in train-only mode, so it starts no SGLang engine and pushes no
@@ -183,6 +184,8 @@ def slime_args(doc: dict[str, Any], settings: SlimeSettings, work: Path) -> list
                      "rollout-external-engine-addrs": list(engines),
                      # over the filesystem reefd and the cluster share: the engine needs no NCCL group
                      "update-weight-transport": "disk", "update-weight-disk-dir": str(work / "slime" / "push")})
+    if any(s.get("stale") for s in samples):  # kept past max_staleness: slime's truncated importance sampling
+        args.update({"use-tis": True, "tis-clip": settings_.get("stale_clip", 2.0)})
     if "eps_low" in settings_:  # SAO's ratio band [1 - eps_low, 1 + eps_high] is slime's PPO clip range
         args["eps-clip"] = settings_["eps_low"]
         args["eps-clip-high"] = settings_.get("eps_high", settings_["eps_low"])

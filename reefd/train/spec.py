@@ -18,7 +18,8 @@ from typing import Any
 TOP_KEYS = {"job", "objective", "settings", "base_model", "init_adapter", "output_dir", "samples", "lora", "optim",
             "seed", "target"}
 TARGETS = ("lora", "full")
-SAMPLE_KEYS = {"receipt", "prompt_ids", "completion_ids", "logprobs", "reward", "group", "reports", "top_ids", "extra"}
+SAMPLE_KEYS = {"receipt", "prompt_ids", "completion_ids", "logprobs", "reward", "group", "reports", "top_ids", "extra",
+               "release", "staleness", "stale"}
 
 
 class SpecError(ValueError):
@@ -37,6 +38,9 @@ class Rollout:
     receipt: str | None = None
     top_ids: list[list[int]] | None = None  # the engine's top-K token ids at each completion token (K per token)
     extra: dict[str, Any] | None = None  # what the recipe passes its objective about this sample (JSON)
+    release: str | None = None  # the release that produced it
+    staleness: int | None = None  # releases the job's base is ahead of that one (None: not in the chain)
+    stale: bool = False  # past the recipe's max_staleness: its objective importance-weights it
 
 
 @dataclass(frozen=True)
@@ -152,6 +156,11 @@ def _sample(raw: Any, where: str) -> Rollout:
     extra = obj.get("extra")
     if extra is not None and not isinstance(extra, dict):
         raise SpecError(f"{where}.extra: expected a JSON object, got {type(extra).__name__}")
+    release, staleness, stale = obj.get("release"), obj.get("staleness"), obj.get("stale", False)
+    if staleness is not None and not (_is_int(staleness) and staleness >= 0):
+        raise SpecError(f"{where}.staleness: {staleness!r} is not a number of releases (>= 0) or null")
+    if not isinstance(stale, bool):
+        raise SpecError(f"{where}.stale: {stale!r} is not true/false")
     return Rollout(
         prompt_ids=prompt,
         completion_ids=completion,
@@ -161,6 +170,9 @@ def _sample(raw: Any, where: str) -> Rollout:
         receipt=None if receipt is None else _str(receipt, f"{where}.receipt"),
         top_ids=_top_ids(obj.get("top_ids"), len(completion), f"{where}.top_ids"),
         extra=extra,
+        release=None if release is None else _str(release, f"{where}.release"),
+        staleness=staleness,
+        stale=stale,
     )
 
 

@@ -86,13 +86,15 @@ def stop(d: Daemon) -> None:
 
 
 def test_reports_trigger_training_and_the_next_answer_comes_from_the_new_release(tmp_path: Path) -> None:
-    d = daemon(tmp_path)
+    d = daemon(tmp_path, params="    max_staleness: 0\n")
     try:
         c = client(d)
         receipts = [turn(d, c, f"task {i}", score=float(i % 2))[0] for i in range(4)]
         job = wait_job(d)
         assert job["state"] == "published", json.dumps(job)
         assert (job["reason"], job["receipts"]) == ("count", receipts)
+        fresh = {"min": 0, "max": 0, "mean": 0.0, "off_chain": 0, "dropped": 0, "weighted": 0, "limit": 0}
+        assert job["staleness"] == fresh
         assert job["progress"]["step"] == job["progress"]["steps"] >= 1
         rel = json.loads(d.get(f"/reef/releases/{job['release']}")[1])
         assert rel["kind"] == "adapter" and rel["meta"]["source"] == "sao" and rel["meta"]["job"] == job["id"]
@@ -111,6 +113,26 @@ def test_reports_trigger_training_and_the_next_answer_comes_from_the_new_release
         assert json.loads(d.get(f"/reef/releases/{second['release']}")[1])["parent"] == job["release"]
         listed = reefctl(d, "jobs", "learn")
         assert listed.returncode == 0 and second["id"] in listed.stdout and "published" in listed.stdout
+        # max_staleness 0: records of the release before a promote (of that same release) are consumed unseen,
+        # and the batch is the fresh ones
+        old = [turn(d, c, f"old {i}", score=1.0)[0] for i in range(2)]  # 2 eligible: no job yet
+        out = reefctl(d, "promote", "learn", second["release"], "-o", "json")
+        assert out.returncode == 0, out.stderr
+        promoted = json.loads(out.stdout)["release"]["id"]
+        new = [turn(d, c, f"new {i}") for i in range(4)]
+        assert {release for _, release, _ in new} == {promoted}
+        seen = tuple(j["id"] for j in jobs(d))
+        code, body, _ = d.post("/reef/report", {"score": 1.0, "references": [r for r, _, _ in new]},
+                               headers={"x-reef-scenario": "learn"})
+        assert code == 200, body
+        third = wait_job(d, seen=seen)
+        assert third["state"] == "published" and third["built_on"] == promoted, third
+        assert third["receipts"] == [r for r, _, _ in new] and third["skipped"] == old
+        assert third["staleness"] == {**fresh, "dropped": 2}
+        assert json.loads(d.get(f"/reef/releases/{third['release']}")[1])["meta"]["skipped"] == old
+        listed = reefctl(d, "jobs", "learn")
+        lines = listed.stdout.splitlines()
+        assert "STALENESS" in lines[0].split() and third["id"] in lines[1] and "0 (2 dropped)" in lines[1], lines
     finally:
         stop(d)
 
