@@ -83,6 +83,32 @@ def cmd_status(client: Client, args: argparse.Namespace) -> int:
     return 0
 
 
+def _num(value: Any, sign: bool = False) -> str:
+    return f"{value:+.3f}" if sign and isinstance(value, int | float) else \
+        f"{value:.3f}" if isinstance(value, int | float) else "-"
+
+
+def trial_line(t: Mapping[str, Any]) -> str:
+    """`canary r5-… on 10% of sessions vs r4-…: scores 23/50 and 212/50; means 0.710 vs 0.650, diff +0.060,
+    interval [-0.020, +0.140] at 95%; gathering …`."""
+    c, s = t.get("canary") or {}, t.get("stable") or {}
+    share = t.get("share")
+    where = f"on {share:.0%} of sessions" if isinstance(share, int | float) else ""
+    line = (f"{t.get('mode')} {t.get('release')} {where} vs {t.get('stable_release')}: scores "
+            f"{c.get('n', 0)}/{t.get('min_reports')} and {s.get('n', 0)}/{t.get('min_reports')}; "
+            f"means {_num(c.get('mean'))} vs {_num(s.get('mean'))}")
+    interval = t.get("interval")
+    if isinstance(interval, list) and len(interval) == 2:
+        confidence = t.get("confidence")
+        at = f" at {confidence:.0%}" if isinstance(confidence, int | float) else ""
+        line += (f", diff {_num(t.get('diff'), True)}, interval [{_num(interval[0], True)}, "
+                 f"{_num(interval[1], True)}]{at}")
+    age, limit = t.get("age_s"), t.get("max_age_s")
+    if isinstance(age, int | float) and isinstance(limit, int | float):
+        line += f"; {age:.0f} s of {limit:.0f} s"
+    return printable(line + (f"; {t['reason']}" if t.get("reason") else ""))
+
+
 def _queue(engine: Mapping[str, Any]) -> str | None:
     """RUNNING/TURNS+WAITING, e.g. 8/8+3: eight generating of eight turns, three waiting for one."""
     q = engine.get("queue") if isinstance(engine.get("queue"), dict) else None
@@ -100,6 +126,9 @@ def _conversation_lines(sc: Mapping[str, Any]) -> list[str]:
                    f"{sessions.get('linked', 0)} turns linked, {sessions.get('unlinked', 0)} unlinked, "
                    f"{sessions.get('expired', 0)} expired, {sessions.get('side', 0)} side calls, "
                    f"{sessions.get('retries', 0)} retries")
+    trial = sc.get("canary") if isinstance(sc.get("canary"), dict) else None
+    if trial is not None:
+        out.append(f"scenario {sc.get('name')}: {trial_line(trial)}")
     judge = sc.get("judge") if isinstance(sc.get("judge"), dict) else None
     if judge is not None:
         out.append(f"scenario {sc.get('name')}: judge: {judge.get('judged', 0)} judged "

@@ -218,8 +218,20 @@ def _move(client: Client, args: argparse.Namespace, route: str, body: dict[str, 
         print(f"would {would} {args.name} from {was} to {to} (dry run; nothing changed)")
     else:
         new = (answer.get("release") or {}).get("id")
-        print(f"scenario {args.name} {done} {to} as {cell(new)} (was {was}); serving {cell(answer.get('serving'))}")
+        print(f"scenario {args.name} {done} {to} as {cell(new)} (was {was}); serving {cell(answer.get('serving'))}"
+              f"{trial_note(answer)}")
     return 0
+
+
+def trial_note(answer: dict[str, Any]) -> str:
+    """`, r5-… on canary for 10% of sessions` when the new head is on trial."""
+    trial = answer.get("trial")
+    if not isinstance(trial, dict):
+        return ""
+    share = trial.get("share")
+    if trial.get("mode") == "shadow":
+        return f", {cell(trial.get('release'))} on shadow trial (answering copies of {share:.0%} of sessions)"
+    return f", {cell(trial.get('release'))} on canary for {share:.0%} of sessions"
 
 
 @command("rollback", "append a copy of an earlier release as the new head", _rollback_args)
@@ -307,7 +319,8 @@ def cmd_publish(client: Client, args: argparse.Namespace) -> int:
     elif args.output == "name":
         print(f"release/{rel_id}", flush=True)
     else:
-        print(f"release/{rel_id} published to {args.name}; serving {cell(answer.get('serving'))}", flush=True)
+        print(f"release/{rel_id} published to {args.name}; serving {cell(answer.get('serving'))}"
+              f"{trial_note(answer)}", flush=True)
     for warning in answer.get("warnings") or []:
         note(f"reefctl: warning: {warning}")
     return 0

@@ -150,6 +150,56 @@ RELEASE_ID_PATTERN = r"^r(0|[1-9][0-9]{0,8})-[0-9a-f]{7}$"
 CONFLICT_POLICIES = ["discard", "rebase"]
 
 
+TRIAL_OUTCOMES = ["promote", "rollback"]
+
+
+@dataclass
+class TrialConfig:
+    """What a new release must show on live traffic before it serves everyone (canary or shadow)."""
+
+    share: float = field(
+        default=0.0, metadata={"minimum": 0, "maximum": 1,
+                               "description": "Share of sessions (chosen sticky by session) on trial; 0: off, a new "
+                                              "release serves everyone at once."})
+    min_reports: int = field(
+        default=50, metadata={"minimum": 2, "description": "Scores each side needs before the test may decide."})
+    max_drop: float = field(
+        default=0.05, metadata={"minimum": 0,
+                                "description": "How far below the previous release the new one may score and still "
+                                               "be promoted (in the metric's units)."})
+    confidence: float = field(
+        default=0.95, metadata={"exclusiveMinimum": 0.5, "exclusiveMaximum": 1,
+                                "description": "Of the one-sided test, over all its looks: a decision is wrong with "
+                                               "probability at most 1 - confidence."})
+    max_age_s: float = field(
+        default=86400.0, metadata={"exclusiveMinimum": 0,
+                                   "description": "A trial undecided this long after it started is resolved by "
+                                                  "on_timeout."})
+    on_timeout: str = field(
+        default="rollback", metadata={"enum": TRIAL_OUTCOMES,
+                                      "description": "What an undecided trial does at max_age_s."})
+
+
+@dataclass
+class CanaryConfig(TrialConfig):
+    """A new release serves `share` of the sessions; both sides are scored by their live reports (and judgments)."""
+
+    metric: str = field(
+        default="score", metadata={"pattern": r"^(score|metadata\.[A-Za-z0-9_-]+)$",
+                                   "description": "The report's number compared: score, or metadata.KEY."})
+
+
+@dataclass
+class ShadowConfig(TrialConfig):
+    """A copy of `share` of the sessions' turns goes to the new release; its answer is recorded as a shadow record
+    (never returned, never trained on) and scored against the served answer by `scorer`."""
+
+    scorer: str | None = field(
+        default=None, metadata={"description": "pkg.mod:fn(record) -> float: scores a record (its messages, the "
+                                               "answer last); the served and the shadow answer of a turn are "
+                                               "compared pair by pair."})
+
+
 @dataclass
 class ReleaseConfig:
     """Which release serves, and what happens to a candidate whose head moved on."""
@@ -167,6 +217,8 @@ class ReleaseConfig:
                   "description": "A candidate built on a head that has since moved: discard it, or "
                                  "rebase it onto the new head. It never overwrites a newer release."},
     )
+    canary: CanaryConfig = field(default_factory=CanaryConfig)
+    shadow: ShadowConfig = field(default_factory=ShadowConfig)
 
 
 @dataclass
@@ -232,6 +284,20 @@ def _semantic_errors(cfg: dict[str, Any]) -> list[tuple[str, str]]:
                               "pip install 'reefd[scale]'"))
         elif m["url"]:
             errs.append(("model.url", "with replicas, list engines already running in model.workers"))
+    r = cfg["release"]
+    if r["canary"]["share"] > 0 and r["shadow"]["share"] > 0:
+        errs.append(("release", "a new release is on trial as a canary or as a shadow, not both: set one share "
+                                "to 0"))
+    if r["shadow"]["share"] > 0:
+        if not r["shadow"]["scorer"]:
+            errs.append(("release.shadow.scorer", "a shadow trial compares answers nobody reported on: name a "
+                                                  "scorer, pkg.mod:fn(record) -> float"))
+        else:
+            try:
+                if not callable(plugins.resolve({}, r["shadow"]["scorer"], "shadow scorer")):
+                    errs.append(("release.shadow.scorer", f"{r['shadow']['scorer']} is not a function"))
+            except plugins.PluginError as exc:
+                errs.append(("release.shadow.scorer", str(exc)))
     return errs
 
 
@@ -401,7 +467,8 @@ def from_dict(data: dict[str, Any]) -> ScenarioConfig:
         description=data["description"],
         model=ModelConfig(**data["model"]),
         serve=ServeConfig(**data["serve"]),
-        release=ReleaseConfig(**data["release"]),
+        release=ReleaseConfig(**{**data["release"], "canary": CanaryConfig(**data["release"]["canary"]),
+                                 "shadow": ShadowConfig(**data["release"]["shadow"])}),
         recipe=RecipeConfig(**data["recipe"]),
         trigger=TriggerConfig(**data["trigger"]),
         gate=dict(data["gate"]),

@@ -8,6 +8,7 @@ them (callbacks wired here), in the order a turn travels to a hot swap:
     Grow     Scheduler (schedule.py) → Runner (runner.py)            triggers → batch → trainer backend → gate
              Attempts (attempts.py) → Scheduler                      search recipes: a full grid of attempts
     Commit   commit() below → releases.commit → Reconciler (reconcile.py) → engines/   append, then hot-swap
+             Trials (canary.py) → commit()                           a canary or shadow decided by its scores
 
 Handlers read the resources through their AppKeys; the resources call one another only through the edges
 wired here: the record store tells the scheduler when a record or report is durable; the admin routes hand a
@@ -26,6 +27,7 @@ import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 import orjson
@@ -33,6 +35,7 @@ from aiohttp import web
 
 from reefd import metrics, releases
 from reefd.attempts import Attempts
+from reefd.canary import Trials
 from reefd.config import ScenarioConfig, ServeConfig
 from reefd.jobs import JobStore
 from reefd.judge import Judges
@@ -60,6 +63,7 @@ RUNNER = web.AppKey("runner", Runner)
 SCHEDULER = web.AppKey("scheduler", Scheduler)
 ATTEMPTS = web.AppKey("attempts", Attempts)
 RETENTION = web.AppKey("retention", Retention)
+TRIALS = web.AppKey("trials", Trials)
 METRICS = web.AppKey("metrics", object)  # a metrics.Metrics, or None without prometheus_client
 
 
@@ -122,10 +126,18 @@ def install(app: web.Application, settings: Settings) -> None:
         await app[JUDGES].close()
 
     async def reconciler(app: web.Application) -> AsyncIterator[None]:  # Commit → Serve: the declared release
+        async def decide(name: str, cand: Candidate) -> Release:  # a trial's decision → Commit
+            return await commit(app, app[REGISTRY].get(name), cand)
+
+        app[TRIALS] = Trials(app[RECORDS], app[CHAIN], decide)
+        unsubscribe = app[RECORDS].subscribe_reports(app[TRIALS].reported)  # Observe → trial: scores
         app[RECONCILER] = Reconciler(app[REGISTRY], app[CHAIN], state, settings.scenarios_dir)
+        app[RECONCILER].subscribe(lambda s, head: app[TRIALS].serving(s.name, s.cfg.release, head))  # Serve → trial
         app[RECONCILER].start()
         yield
         await app[RECONCILER].stop()
+        unsubscribe()
+        await app[TRIALS].close()
 
     async def grow(app: web.Application) -> AsyncIterator[None]:  # Grow: triggers → jobs → candidates → commit
         jobs = await asyncio.to_thread(JobStore, state / "jobs")
@@ -206,9 +218,14 @@ async def write(app: web.Application, scenario: Scenario, cand: Candidate, *, ke
     """The chain's commit policy (releases.commit) with the scenario's release settings, off the event loop."""
     m = of(app)
     with m.timed(m.publish, scenario.name) if m is not None else contextlib.nullcontext():
+        trials = app.get(TRIALS)
+
+        def trial(head: Release | None, c: Candidate) -> dict[str, Any]:  # a canary or shadow starts or is decided
+            return trials.meta_for(scenario.name, scenario.cfg.release, head, c) if trials is not None else {}
+
         return await asyncio.to_thread(releases.commit, app[CHAIN], scenario.name, cand,
                                        pin=scenario.cfg.release.pin, on_conflict=scenario.cfg.release.on_conflict,
-                                       keep_refused=keep_refused)
+                                       keep_refused=keep_refused, trial=trial)
 
 
 async def swap(app: web.Application, scenario: Scenario) -> None:

@@ -24,16 +24,16 @@ import logging
 import shutil
 import tempfile
 import time
-from collections.abc import AsyncIterator, Coroutine
+from collections.abc import AsyncIterator, Callable, Coroutine
 from pathlib import Path
 from typing import Any
 
-from reefd import releases
+from reefd import canary, releases
 from reefd.engines import Engine, EngineError, EngineUnavailable
 from reefd.harness import Harness, HarnessError
 from reefd.identity import model_identity
 from reefd.releases import Candidate, HeadConflict, Release, ReleaseChain, ReleaseError, UnknownRelease, WrongScenario
-from reefd.scenarios import Binding, Registry, Scenario
+from reefd.scenarios import Binding, Registry, Scenario, Trial
 
 log = logging.getLogger("reefd.reconcile")
 
@@ -62,6 +62,7 @@ class Reconciler:
         self._locks: dict[str, asyncio.Lock] = {}
         self._tasks: set[asyncio.Task[None]] = set()
         self._retries: dict[str, asyncio.TimerHandle] = {}  # scenario -> its next try after a failure
+        self._listeners: list[Callable[[Scenario, Release], None]] = []
 
     # ------------------------------------------------------------ triggers
 
@@ -219,7 +220,73 @@ class Reconciler:
         log.info("%s: imported its harness as release %s", scenario.name, rel.id)
         return rel
 
-    async def _serve(self, scenario: Scenario, rel: Release) -> None:
+    def subscribe(self, listener: Callable[[Scenario, Release], None]) -> None:
+        """Call `listener(scenario, head)` on the event loop each time a scenario serves what its chain declares."""
+        self._listeners.append(listener)
+
+    async def _serve(self, scenario: Scenario, head: Release) -> None:
+        """Serve the head, or, while it is on trial (reefd/canary.py), its stable release to everyone and the head
+        beside it as the scenario's trial."""
+        spec = canary.active(scenario.cfg.release, head)
+        stable = None
+        if spec is not None:
+            stable = await asyncio.to_thread(self.chain.get, spec.stable)
+            if await asyncio.to_thread(self._weights_of, stable.id) != \
+                    await asyncio.to_thread(self._weights_of, head.id):
+                log.warning("%s: %s is on trial with other weights than %s; one engine serves one set of weights, "
+                            "so it serves everyone", scenario.name, head.id, stable.id)
+                spec = stable = None
+        old = scenario.trial
+        if spec is None or stable is None:
+            await self._serve_one(scenario, head, old)
+            scenario.trial = None
+        else:
+            await self._serve_one(scenario, stable, old)
+            side = await self._side(scenario, head, old)
+            scenario.trial = Trial(spec.mode, side, stable.id, spec.share)
+            if old is None or old.binding.release != head.id:
+                log.info("%s: %s %s on %g of sessions; %s serves the rest", scenario.name, spec.mode, head.id,
+                         spec.share, stable.id)
+        if old is not None and old.binding.adapter is not None and \
+                old.binding.adapter not in self.registry.adapters(scenario.engine):
+            self._spawn(self._retire(scenario.engine, old.binding, scenario.cfg.serve.request_timeout_s),
+                        f"retire-{old.binding.adapter}")
+        for listener in list(self._listeners):
+            try:
+                listener(scenario, head)
+            except Exception:  # a listener's bug must not fail a swap already made
+                log.exception("a reconcile listener failed")
+
+    def _weights_of(self, release_id: str) -> str | None:
+        return self.chain.artifacts(release_id).get("weights")
+
+    async def _side(self, scenario: Scenario, rel: Release, old: Trial | None) -> Binding:
+        """The binding of a release on trial: its adapter (loaded beside the stable one, or shared when the bytes
+        are the same) and its harness, on the weights that serve."""
+        current = scenario.binding
+        assert current is not None
+        if old is not None and old.binding.release == rel.id:
+            return old.binding
+        artifacts = await asyncio.to_thread(self.chain.artifacts, rel.id)
+        tree = artifacts.get("adapter")
+        if tree is not None:
+            self._check_base(rel, current.weights)
+        harness, harness_tree = await self._harness(scenario, rel, artifacts.get("harness"), current)
+        adapter = None
+        if tree is not None:
+            reuse = [b for b in (current, old.binding if old else None)
+                     if b is not None and b.artifact == tree and b.adapter is not None]
+            if reuse:
+                adapter = reuse[0].adapter
+            else:
+                adapter = rel.id
+                if rel.id not in scenario.engine.adapters:
+                    await self._wait_ready(scenario)
+                    folder = await asyncio.to_thread(self._materialize, scenario.name, rel.id)
+                    await scenario.engine.load_adapter(rel.id, folder)
+        return Binding(rel.id, adapter, tree, harness, harness_tree, current.weights, current.weights_version)
+
+    async def _serve_one(self, scenario: Scenario, rel: Release, trial: Trial | None = None) -> None:
         current = scenario.binding
         if current is not None and current.release == rel.id:
             return
@@ -239,6 +306,9 @@ class Reconciler:
         elif current is not None and current.artifact == tree and current.adapter is not None:
             # same adapter bytes (a rollback's copy, a harness-only release): keep the loaded one
             binding = Binding(rel.id, current.adapter, tree, harness, harness_tree, **on)
+        elif trial is not None and trial.binding.artifact == tree and trial.binding.adapter is not None:
+            # the adapter of the release that was on trial (its promotion): already loaded
+            binding = Binding(rel.id, trial.binding.adapter, tree, harness, harness_tree, **on)
         else:
             binding = Binding(rel.id, rel.id, tree, harness, harness_tree, **on)
             if rel.id not in engine.adapters:
@@ -344,9 +414,8 @@ class Reconciler:
         deadline = time.monotonic() + drain_s
         while self.registry.in_flight(engine, name) and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
-        if any(s.engine is engine and s.binding is not None and s.binding.adapter == name
-               for s in self.registry.scenarios.values()) or name not in engine.adapters:
-            return  # served again meanwhile, or already gone
+        if name in self.registry.adapters(engine) or name not in engine.adapters:
+            return  # served again meanwhile (or on trial), or already gone
         try:
             await engine.unload_adapter(name)
         except (EngineError, EngineUnavailable) as exc:
@@ -365,6 +434,9 @@ class Reconciler:
         pin = scenario.cfg.release.pin
         if scenario.error:
             reasons.append(scenario.error)
+        trial = scenario.trial
+        if trial is not None and head is not None and trial.binding.release == head.id:
+            serving = head.id  # on trial beside the stable release: what the chain declares
         if head is not None and serving != head.id:
             lock = self._locks.get(scenario.name)
             busy = " (swap in progress)" if lock is not None and lock.locked() else ""

@@ -173,6 +173,7 @@ class RecordStore:
         self._closing: asyncio.Future[None] | None = None
         self.stats = {"commits": 0, "ops": 0, "grows": 0, "largest_batch": 0}
         self._listeners: list[Callable[[str], None]] = []
+        self._report_listeners: list[Callable[[str, dict[str, Any]], None]] = []
         self._selecting: dict[str, asyncio.Lock] = {}
 
     # --- lifecycle ---------------------------------------------------------------------------
@@ -259,7 +260,19 @@ class RecordStore:
         result: tuple[dict[str, Any], bool] = await self._submit(self._apply_report, scenario_key, report, packed,
                                                                  list(claims or []))
         self._written(scenario)
+        if result[1]:
+            for listener in list(self._report_listeners):
+                try:
+                    listener(scenario, result[0])
+                except Exception:  # a listener's bug must not fail a report that is already durable
+                    log.exception("a report listener failed")
         return result
+
+    def subscribe_reports(self, listener: Callable[[str, dict[str, Any]], None]) -> Callable[[], None]:
+        """Call `listener(scenario, report)` on the event loop after each new report is durable; returns the
+        function that unsubscribes it. A listener must be quick."""
+        self._report_listeners.append(listener)
+        return lambda: self._report_listeners.remove(listener)
 
     def subscribe(self, listener: Callable[[str], None]) -> Callable[[], None]:
         """Call `listener(scenario)` on the event loop after each record or report of that scenario is durable;
@@ -311,7 +324,7 @@ class RecordStore:
             for key in sorted(keys):  # receipt order: receipts sort by creation time
                 if txn.get(key, db=self._dbs["consumed"]) is None:
                     record = self._load_record(txn, key[len(prefix):])
-                    if record is not None:
+                    if record is not None and record.get("turn_kind") != "shadow":  # never served: never trained on
                         out.append(record)
         return out
 

@@ -503,8 +503,12 @@ def plan(chain: ReleaseChain, scenario: str, cand: Candidate, *, pin: str | None
     return Plan(head, target)
 
 
+Trial = Callable[[Release | None, Candidate], dict[str, Any]]
+"""What a release policy adds to a candidate's meta, given the head it is appended on (canary.py: a trial)."""
+
+
 def commit(chain: ReleaseChain, scenario: str, cand: Candidate, *, pin: str | None, on_conflict: str,
-           keep_refused: bool = False) -> Release:
+           keep_refused: bool = False, trial: Trial | None = None) -> Release:
     """Append `cand` to the scenario's chain: the whole commit policy, for every caller (the publish, rollback and
     promote routes, Grow jobs, the reconciler's base release and pin).
 
@@ -515,6 +519,7 @@ def commit(chain: ReleaseChain, scenario: str, cand: Candidate, *, pin: str | No
       new head instead (meta: rebased_from, built_on), at most REBASE_ATTEMPTS times; else it is refused.
     - A refusal (Pinned, or HeadConflict) raises; with `keep_refused` the candidate is kept as rejected instead,
       with meta["refused"] saying why, and returned (status "rejected").
+    - `trial` adds to the meta of what is appended, given the head it is appended on (a canary's start).
     """
     meta = {**cand.meta, "gate": cand.verdict} if cand.verdict is not None else dict(cand.meta)
     built_on = cand.built_on
@@ -526,7 +531,8 @@ def commit(chain: ReleaseChain, scenario: str, cand: Candidate, *, pin: str | No
             built_on = built_on or (head.id if head is not None else None)
         for attempt in range(1, REBASE_ATTEMPTS + 1):
             try:
-                return _append(chain, scenario, cand, built_on, meta)
+                extra = trial(chain.get(built_on) if built_on else None, cand) if trial is not None else {}
+                return _append(chain, scenario, cand, built_on, {**meta, **extra})
             except HeadConflict as exc:
                 if cand.exact or on_conflict != "rebase" or exc.actual is None or attempt == REBASE_ATTEMPTS:
                     raise

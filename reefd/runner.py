@@ -324,8 +324,11 @@ class Runner:
         else:
             await self.swap(scenario)
             live = self.registry.scenarios.get(job.scenario)
-            binding = live.binding if live is not None else None
-            if binding is None or binding.release != rel.id:
+            serving = {b.release: b for b in (live.binding if live is not None else None,
+                                              live.trial.binding if live is not None and live.trial else None)
+                       if b is not None}
+            binding = serving.get(rel.id)  # serving everyone, or on trial as a canary or shadow
+            if binding is None:
                 job.error = f"published, but not serving yet: {live.error if live else 'scenario removed'}"
             elif cand.kind in ("adapter", "weights"):  # the next gate's current side: scores measured on this
                 self.scores.remember(serving_key(binding), verdict.fingerprint,

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import aiohttp
 
-from reefd import recipes
+from reefd import canary, recipes
 from reefd.admission import Admission
 from reefd.config import ScenarioConfig
 from reefd.engines import Engine, ModelConfig, build_engine, turn_limits
@@ -60,6 +60,30 @@ class Binding:
     weights_version: str | None = None  # the engine's name for those weights: the release they were swapped in as
 
 
+@dataclass(frozen=True)
+class Trial:
+    """A release on trial beside the scenario's binding (reefd/canary.py): a canary serves `share` of the sessions;
+    a shadow answers a copy of them, never returned."""
+
+    mode: str  # canary | shadow
+    binding: Binding  # what the release on trial serves
+    stable: str  # the release that serves everyone else
+    share: float
+
+    def takes(self, session: str | None, sticky: str | None) -> bool:
+        """Whether a turn of `session` (whose previous turn was served by `sticky`) goes to the release on trial."""
+        return canary.takes(self.binding.release, self.share, session,
+                            sticky if self.mode == "canary" else None, self.stable)
+
+
+@dataclass(frozen=True)
+class Route:
+    """What picks a request's side of a canary: its session, and the release its session's previous turn had."""
+
+    session: str | None = None
+    sticky: str | None = None
+
+
 @dataclass
 class Scenario:
     cfg: ScenarioConfig
@@ -67,6 +91,7 @@ class Scenario:
     binding: Binding | None = None  # what serves new requests, once the reconciler has bound a release
     error: str | None = None  # why the reconciler could not make it serve what is declared
     recipe: Recipe | None = None  # its recipe, for what it asks of serving (top-K capture) and judging
+    trial: Trial | None = None  # a release on trial beside `binding` (canary or shadow)
 
     @property
     def capture_top_k(self) -> int:
@@ -139,7 +164,8 @@ class Registry:
             old = self.scenarios.get(name)
             same_engine = old is not None and old.engine is self.engines[key]
             scenarios[name] = Scenario(cfg, self.engines[key], old.binding if old and same_engine else None,
-                                       old.error if old and same_engine else None, _recipe(cfg))
+                                       old.error if old and same_engine else None, _recipe(cfg),
+                                       old.trial if old and same_engine else None)
         return scenarios, fresh
 
     async def start(self) -> None:
@@ -167,25 +193,31 @@ class Registry:
             line.resize(*limits, cfg.model.max_queue_wait_s)
 
     @contextlib.asynccontextmanager
-    async def serving(self, scenario: Scenario, left: Callable[[], bool] | None = None) -> AsyncIterator[Binding]:
+    async def serving(self, scenario: Scenario, left: Callable[[], bool] | None = None,
+                      route: Route | None = None) -> AsyncIterator[Binding]:
         """Wait for a turn at the scenario's engine (Overloaded when its line is full or the wait runs out; Left
-        when `left()` says the client went away meanwhile), then serve with that turn held."""
+        when `left()` says the client went away meanwhile), then serve with that turn held: the release on
+        canary when `route` falls on its side, else the scenario's binding."""
         line = self.admissions.get(id(scenario.engine))
         async with line.turn(left) if line is not None else contextlib.nullcontext(), \
-                self._bound(scenario) as binding:
+                self._bound(scenario, route) as binding:
             yield binding
 
     @contextlib.asynccontextmanager
-    async def _bound(self, scenario: Scenario) -> AsyncIterator[Binding]:
-        """Take the scenario's current binding for one request and count the request in flight on it, so neither
-        a reload nor a release swap takes its engine, adapter or weights away mid-answer. While an engine loads
-        new weights the request waits here first (`admit`). NotServing before a release is bound."""
+    async def _bound(self, scenario: Scenario, route: Route | None = None) -> AsyncIterator[Binding]:
+        """Take the scenario's current binding (or its canary's) for one request and count the request in flight on
+        it, so neither a reload nor a release swap takes its engine, adapter or weights away mid-answer. While an
+        engine loads new weights the request waits here first (`admit`). NotServing before a release is bound."""
         admit = getattr(scenario.engine, "admit", None)
         if admit is not None:
             await admit()
         binding = scenario.binding
         if binding is None:  # the chain has not named this scenario's release yet
             raise NotServing(scenario.name, scenario.error)
+        trial = scenario.trial
+        if trial is not None and trial.mode == "canary" and route is not None and \
+                trial.takes(route.session, route.sticky):
+            binding = trial.binding
         use = (id(scenario.engine), binding.adapter)
         weights = (use[0], binding.weights_version)
         self._inflight[use[0]] += 1
@@ -216,6 +248,16 @@ class Registry:
             yield
         finally:
             self._uses[(id(engine), adapter)] -= 1
+
+    def adapters(self, engine: Engine) -> set[str]:
+        """The adapters that scenarios served by `engine` serve now (their bindings and trials)."""
+        out = set()
+        for s in self.scenarios.values():
+            if s.engine is engine:
+                for binding in (s.binding, s.trial.binding if s.trial is not None else None):
+                    if binding is not None and binding.adapter is not None:
+                        out.add(binding.adapter)
+        return out
 
     def in_flight(self, engine: Engine, adapter: str | None) -> int:
         """Requests running on `engine` with `adapter`."""

@@ -107,6 +107,7 @@ class Turn:
     fingerprint: str
     seen: float
     explicit: bool  # the session came from a header
+    release: str | None = None  # the release that served it (a canary keeps the session on its side)
 
 
 @dataclass
@@ -124,6 +125,7 @@ class Placement:
     length: int = 0
     fingerprint: str = ""
     explicit: bool = False
+    sticky: str | None = None  # the release that served the session's turn this one follows (or repeats)
 
     def fields(self) -> dict[str, Any]:
         """The record's fields for it (`conversation` is what reopens the turn after a restart; the reply's hash
@@ -191,7 +193,8 @@ class Conversations:
             return
         try:
             turn = Turn(record["id"], record["session"], int(record["turn"]), c["request"], c["reply"],
-                        int(c["length"]), c["fingerprint"], float(record["created_at"]), bool(c["explicit"]))
+                        int(c["length"]), c["fingerprint"], float(record["created_at"]), bool(c["explicit"]),
+                        record.get("release"))
         except (KeyError, TypeError, ValueError):
             return
         self._open_turn(self._scenario(scenario), turn, record["turn_kind"])
@@ -219,7 +222,9 @@ class Conversations:
         mid = any(m.get("role") == "assistant" for m in convo)
         if side:
             s.counts.side += 1
-            return replace(base, session=header or f"s-{receipt}", turn=None, kind="side")
+            known = s.last.get(header) if header is not None else None
+            return replace(base, session=header or f"s-{receipt}", turn=None, kind="side",
+                           sticky=known.release if known is not None else None)
         if header is not None:
             last = s.last.get(header)
             if last is None:
@@ -227,10 +232,11 @@ class Conversations:
                 return replace(base, session=header, turn=0, kind="main", unlinked=mid)
             if last.fingerprint != frame:
                 s.counts.side += 1
-                return replace(base, session=header, turn=None, kind="side")
+                return replace(base, session=header, turn=None, kind="side", sticky=last.release)
             if request == last.request:
                 s.counts.retries += 1
-                return replace(base, session=header, turn=last.index, kind="retry", retry_of=last.receipt)
+                return replace(base, session=header, turn=last.index, kind="retry", retry_of=last.receipt,
+                               sticky=last.release)
             # the reply it extends may be a retry's (same slot): it then links to that exact receipt
             target = s.by_reply.get(hashes[last.length]) if len(hashes) > last.length + 1 else None
             if target is not None and target.session == header and target.index == last.index:
@@ -243,12 +249,13 @@ class Conversations:
                 continue
             if turn.fingerprint != frame:
                 s.counts.side += 1
-                return replace(base, session=turn.session, turn=None, kind="side")
+                return replace(base, session=turn.session, turn=None, kind="side", sticky=turn.release)
             return self._continue(base, turn, convo[i + 1:])
         first = s.by_request.get(request)
         if first is not None and not first.explicit and first.fingerprint == frame:
             s.counts.retries += 1
-            return replace(base, session=first.session, turn=first.index, kind="retry", retry_of=first.receipt)
+            return replace(base, session=first.session, turn=first.index, kind="retry", retry_of=first.receipt,
+                           sticky=first.release)
         s.counts.unlinked += mid
         return replace(base, session=f"s-{receipt}", turn=0, kind="main", unlinked=mid)
 
@@ -257,16 +264,16 @@ class Conversations:
         state = [{"role": m.get("role"), "content": text_of(m.get("content")),
                   **({"name": m["name"]} if isinstance(m.get("name"), str) else {})} for m in following]
         return replace(base, session=previous.session, turn=previous.index + 1, previous=previous.receipt,
-                       next_state=state)
+                       next_state=state, sticky=previous.release)
 
     def served(self, scenario: str, receipt: str, placement: Placement, reply: dict[str, Any],
-               at: float | None = None) -> None:
+               at: float | None = None, release: str | None = None) -> None:
         """A main or retry turn's record is durable: it is open for a continuation."""
         if placement.kind not in ("main", "retry") or placement.session is None or placement.turn is None:
             return
         turn = Turn(receipt, placement.session, placement.turn, placement.request,
                     chain(placement.request, reply), placement.length, placement.fingerprint,
-                    self.clock() if at is None else at, placement.explicit)
+                    self.clock() if at is None else at, placement.explicit, release)
         self._open_turn(self._scenario(scenario), turn, placement.kind)
 
     @staticmethod

@@ -14,7 +14,7 @@ from reefd import __version__
 from reefd.api import access
 from reefd.api.errors import ApiError, json_response, shown
 from reefd.auth import AUTHENTICATED
-from reefd.loop import ATTEMPTS, CHAIN, CONVERSATIONS, JUDGES, RECONCILER, RECORDS, REGISTRY, STARTED_AT
+from reefd.loop import ATTEMPTS, CHAIN, CONVERSATIONS, JUDGES, RECONCILER, RECORDS, REGISTRY, STARTED_AT, TRIALS
 
 MAX_LIMIT = 1000
 
@@ -62,7 +62,8 @@ async def status(request: web.Request) -> web.Response:
                           "sessions": request.app[CONVERSATIONS].counts(name),
                           **({"judge": request.app[JUDGES].status(name)}
                              if request.app[JUDGES].settings(s) is not None else {}),
-                          **({"search": search} if (search := request.app[ATTEMPTS].summary(name)) else {})})
+                          **({"search": search} if (search := request.app[ATTEMPTS].summary(name)) else {}),
+                          **({"canary": trial} if (trial := request.app[TRIALS].describe(name)) else {})})
     return json_response({"version": __version__, "ready": registry.ready,
                               "uptime_s": round(time.time() - request.app[STARTED_AT], 3),
                               "scenarios": scenarios})

@@ -15,9 +15,9 @@ import orjson
 from aiohttp import web
 
 from reefd.api.errors import ApiError, anthropic_body, check, json_response, read_json, shown
-from reefd.api.turns import client_left, scenario_of, serve_turn
+from reefd.api.turns import scenario_of, serve_turn
 from reefd.chat import ChatRequest, Completion
-from reefd.loop import RECORDS, REGISTRY
+from reefd.loop import RECORDS
 
 _TEXT_BLOCK = {"type": "object", "required": ["type", "text"],
                "properties": {"type": {"const": "text"}, "text": {"type": "string"}}}
@@ -236,15 +236,13 @@ class AnthropicWire:
 
 
 async def messages(request: web.Request) -> web.StreamResponse:
-    registry = request.app[REGISTRY]
     scenario = scenario_of(request)
     body = await read_json(request)
     check(_VALIDATOR, body)
     chat = to_chat_request(body)
-    async with registry.serving(scenario, left=client_left(request)) as binding:
-        return await serve_turn(request, scenario, binding, request.app[RECORDS],
-                                lambda receipt: AnthropicWire(receipt, scenario.name),
-                                body, chat, bool(body.get("stream")))
+    return await serve_turn(request, scenario, request.app[RECORDS],
+                            lambda receipt: AnthropicWire(receipt, scenario.name),
+                            body, chat, bool(body.get("stream")))
 
 
 async def count_tokens(request: web.Request) -> web.Response:

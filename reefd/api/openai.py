@@ -15,7 +15,7 @@ from aiohttp import web
 
 from reefd.api import access
 from reefd.api.errors import ApiError, check, json_response, openai_body, read_json, shown
-from reefd.api.turns import client_left, scenario_of, serve_turn
+from reefd.api.turns import scenario_of, serve_turn
 from reefd.chat import ChatRequest, Completion
 from reefd.config import ScenarioConfig
 from reefd.loop import RECORDS, REGISTRY, STARTED_AT
@@ -172,16 +172,14 @@ class OpenAIWire:
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
-    registry = request.app[REGISTRY]
     scenario = scenario_of(request)
     body = await read_json(request)
     chat = to_chat_request(body, scenario.cfg)
     stream = bool(body.get("stream"))
     include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
-    async with registry.serving(scenario, left=client_left(request)) as binding:
-        return await serve_turn(request, scenario, binding, request.app[RECORDS],
-                                lambda receipt: OpenAIWire(receipt, scenario.name, include_usage),
-                                body, chat, stream)
+    return await serve_turn(request, scenario, request.app[RECORDS],
+                            lambda receipt: OpenAIWire(receipt, scenario.name, include_usage),
+                            body, chat, stream)
 
 
 async def list_models(request: web.Request) -> web.Response:

@@ -33,6 +33,16 @@ def _obj(required: str, **props: Any) -> dict[str, Any]:
 
 _TOOL_CALL = _obj("id type function", id=STR, type={"const": "function"},
                   function=_obj("name arguments", name=STR, arguments=STR))
+# a new head on trial (reefd/canary.py): what a publish or promote started, and its progress in /reef/status
+_TRIAL = _obj("mode release share stable", mode={"enum": ["canary", "shadow"]}, release=STR, share=_NUM, stable=STR)
+_TALLY = _obj("n mean sd", n=_INT, mean={"type": ["number", "null"]}, sd={"type": ["number", "null"]})
+_TRIAL_PROGRESS = _obj("mode release stable_release share started_at max_age_s canary stable min_reports max_drop "
+                       "confidence decision reason age_s loaded deciding", mode={"enum": ["canary", "shadow"]},
+                       release=STR, stable_release=STR, share=_NUM, started_at=_NUM, max_age_s=_NUM, canary=_TALLY,
+                       stable=_TALLY, pairs=_TALLY, min_reports=_INT, max_drop=_NUM, confidence=_NUM,
+                       decision={"enum": ["promote", "rollback", None]}, reason=STR, age_s=_NUM,
+                       loaded={"type": "boolean"}, deciding={"type": "boolean"}, diff=_NUM,
+                       interval={"type": "array", "items": _NUM}, test=OBJ)
 _RELEASE = _obj("id scenario parent kind seq created_at commit meta status", id=STR, scenario=STR,
                 parent=_OPT_STR, kind=STR, seq=_INT, created_at=STR, commit=STR, meta=OBJ,
                 status={"enum": ["released", "rejected"]})
@@ -184,7 +194,8 @@ SCHEMAS: dict[str, Any] = {
     "Status": _obj("version ready uptime_s scenarios", version=STR, ready={"type": "boolean"}, uptime_s=_NUM,
                    scenarios={"type": "array", "items": _obj("name model engine release releases records reports",
                                                              name=STR, model=STR, engine=OBJ, release=_OPT_STR,
-                                                             releases=OBJ, records=_INT, reports=_INT)}),
+                                                             releases=OBJ, records=_INT, reports=_INT,
+                                                             canary=_TRIAL_PROGRESS)}),
     "Release": _RELEASE,
     "ReleaseFiles": {"allOf": [_RELEASE, _obj("files", files={"type": "array", "items": _FILE})]},
     "Releases": _obj("object scenario serving head declared data", object={"const": "list"}, scenario=STR,
@@ -214,8 +225,8 @@ SCHEMAS: dict[str, Any] = {
             "dry_run": {"type": "boolean", "default": False},
             "expected_head": {"type": ["string", "null"], "minLength": 1}}},
     "Copied": _obj("dry_run release from to serving", dry_run={"type": "boolean"}, release={
-        "anyOf": [_RELEASE, {"type": "null"}]}, to=STR, serving=_OPT_STR, **{"from": _OPT_STR}),
-    "Published": _obj("release serving warnings", release=_RELEASE, serving=_OPT_STR,
+        "anyOf": [_RELEASE, {"type": "null"}]}, to=STR, serving=_OPT_STR, trial=_TRIAL, **{"from": _OPT_STR}),
+    "Published": _obj("release serving warnings", release=_RELEASE, serving=_OPT_STR, trial=_TRIAL,
                       warnings={"type": "array", "items": STR}),
     "Job": _obj("id scenario reason recipe state stage created_at", id=STR, scenario=STR, reason=STR,
                 recipe=STR, state={"enum": list(STATES)}, stage=STR, created_at=_NUM, release=_OPT_STR,

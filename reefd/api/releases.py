@@ -67,6 +67,9 @@ async def _written(request: web.Request, scenario: Scenario, rel: Release, **ext
     """The answer after a commit (which swapped the engine before returning): the release and what serves."""
     live = request.app[REGISTRY].scenarios.get(scenario.name, scenario)
     out = {"release": release_json(rel), "serving": live.release, **extra}
+    if live.trial is not None:  # the new head is on trial: a canary serves a share of the sessions, a shadow none
+        out["trial"] = {"mode": live.trial.mode, "release": live.trial.binding.release, "share": live.trial.share,
+                        "stable": live.trial.stable}
     if live.error:
         out["error"] = live.error
     return out

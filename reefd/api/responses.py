@@ -16,10 +16,10 @@ import orjson
 from aiohttp import web
 
 from reefd.api.errors import ApiError, check, json_response, openai_body, read_json, shown, shown_text
-from reefd.api.turns import client_left, scenario_of, serve_turn
+from reefd.api.turns import scenario_of, serve_turn
 from reefd.chat import ChatRequest, Completion
 from reefd.config import ScenarioConfig
-from reefd.loop import RECORDS, REGISTRY
+from reefd.loop import RECORDS
 from reefd.records import RecordStore
 from reefd.scenarios import Scenario
 
@@ -300,16 +300,14 @@ class ResponsesWire:
 
 
 async def create(request: web.Request) -> web.StreamResponse:
-    registry = request.app[REGISTRY]
     scenario = scenario_of(request)
     body = await read_json(request)
     check(_VALIDATOR, body)
     store = request.app[RECORDS]
     chat = to_chat_request(body, scenario.cfg, await asyncio.to_thread(_prior, store, scenario, body))
-    async with registry.serving(scenario, left=client_left(request)) as binding:
-        return await serve_turn(request, scenario, binding, store,
-                                lambda receipt: ResponsesWire(receipt, scenario.name, body, chat),
-                                body, chat, bool(body.get("stream")))
+    return await serve_turn(request, scenario, store,
+                            lambda receipt: ResponsesWire(receipt, scenario.name, body, chat),
+                            body, chat, bool(body.get("stream")))
 
 
 async def retrieve(request: web.Request) -> web.Response:

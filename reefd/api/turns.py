@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import copy
 import logging
 import time
 from collections.abc import AsyncIterator, Callable, Coroutine
@@ -16,7 +17,7 @@ from typing import Any, Protocol, TypeVar
 
 from aiohttp import web
 
-from reefd import loop
+from reefd import canary, loop
 from reefd.api import access
 from reefd.api.errors import SCENARIO_HEADER, ApiError, from_domain, json_response
 from reefd.chat import ChatRequest, Completion, add_system_text
@@ -25,7 +26,7 @@ from reefd.loop import CONVERSATIONS, REGISTRY
 from reefd.metrics import Metrics
 from reefd.receipts import new_receipt
 from reefd.records import RecordStore, StorageError
-from reefd.scenarios import Binding, Scenario
+from reefd.scenarios import Binding, Route, Scenario, Trial
 from reefd.sessions import Conversations, Placement, chain
 
 log = logging.getLogger("reefd.api")
@@ -160,18 +161,44 @@ class Served:
         if self.metrics is not None:
             self.metrics.turn(record["scenario"], record["api"], record)
         scenario = record["scenario"]
-        self.conversations.served(scenario, record["id"], placement, record["messages"][-1])
+        self.conversations.served(scenario, record["id"], placement, record["messages"][-1],
+                                  release=record["release"])
         if linked and placement.previous is not None:
             self.conversations.linked(scenario, placement.previous)
 
 
-async def serve_turn(request: web.Request, scenario: Scenario, binding: Binding, store: RecordStore,
+async def serve_turn(request: web.Request, scenario: Scenario, store: RecordStore,
                      wire_for: Callable[[str], Wire], body: dict[str, Any],
                      chat: ChatRequest, stream: bool) -> web.StreamResponse:
-    """Serve one turn with the release `binding` names (taken when the request started: see Registry.serving)."""
-    serve = scenario.cfg.serve  # the scenario's sampling defaults fill what the request left unset
+    """Serve one turn: place it in its session, wait for a turn at the engine, and answer with the release that
+    serves it (the scenario's, or its canary's for the sessions on the canary's side: see Registry.serving)."""
+    receipt = new_receipt()
+    placement = request.app[CONVERSATIONS].place(scenario.name, receipt, session_of(request, body), chat.messages,
+                                                 chat.tools, side=request.headers.get(TURN_HEADER) == "side")
+    trial = scenario.trial
+    shadow = None  # the request as it came, for a copy to the release on shadow trial
+    if trial is not None and trial.mode == "shadow" and trial.takes(placement.session, None):
+        shadow = copy.deepcopy(chat)
+    async with request.app[REGISTRY].serving(scenario, left=client_left(request),
+                                             route=Route(placement.session, placement.sticky)) as binding:
+        response = await _serve_bound(request, scenario, binding, store, wire_for, receipt, placement, body, chat,
+                                      stream)
+    record = response.get(RECORD)
+    if shadow is not None and trial is not None and isinstance(record, dict) and "response" in record:
+        trials = request.app[loop.TRIALS]
+        if trials.take_shadow_slot(scenario.name):
+            trials.spawn(_shadow(request.app, scenario, trial, shadow, record, wire_for), f"shadow-{receipt}")
+    return response
+
+
+RECORD = web.ResponseKey("record", dict)  # the turn's record, kept on its response for what follows the answer
+
+
+def sampling(scenario: Scenario, binding: Binding, chat: ChatRequest) -> None:
+    """Fill what the request left unset: the release's harness config.yaml first, then the scenario's defaults."""
+    serve = scenario.cfg.serve
     chat.top_logprobs = scenario.capture_top_k
-    harness = binding.harness.sampling() if binding.harness is not None else {}  # its config.yaml comes first
+    harness = binding.harness.sampling() if binding.harness is not None else {}
     if chat.temperature is None:
         chat.temperature = harness.get("temperature", serve.temperature)
     if chat.top_p is None:
@@ -179,10 +206,14 @@ async def serve_turn(request: web.Request, scenario: Scenario, binding: Binding,
     cap = scenario.cfg.model.max_new_tokens  # whatever the client asked for (Claude Code: 32000)
     if cap is not None:
         chat.max_tokens = min(chat.max_tokens, cap)
-    receipt = new_receipt()
+
+
+async def _serve_bound(request: web.Request, scenario: Scenario, binding: Binding, store: RecordStore,
+                       wire_for: Callable[[str], Wire], receipt: str, placement: Placement, body: dict[str, Any],
+                       chat: ChatRequest, stream: bool) -> web.StreamResponse:
+    """Serve one turn with the release `binding` names (taken when the request started)."""
+    sampling(scenario, binding, chat)
     wire = wire_for(receipt)
-    placement = request.app[CONVERSATIONS].place(scenario.name, receipt, session_of(request, body), chat.messages,
-                                                 chat.tools, side=request.headers.get(TURN_HEADER) == "side")
     chat.routing_key = placement.session
     if binding.harness is not None and scenario.cfg.harness.inject:
         add_system_text(chat, binding.harness.prompt_block(inline_skills=scenario.cfg.harness.inline_skills))
@@ -196,7 +227,9 @@ async def serve_turn(request: web.Request, scenario: Scenario, binding: Binding,
                                       adapter=binding.adapter, **on_weights)
     if stream:
         first = await _first(events)  # engine refusals become proper statuses, not broken streams
-        return await _stream(request, turn, wire, record, headers, first, events, started)
+        resp = await _stream(request, turn, wire, record, headers, first, events, started)
+        resp[RECORD] = record
+        return resp
     try:
         completion = await _unless_client_leaves(request, _whole(events))
         if completion is None:
@@ -210,7 +243,54 @@ async def serve_turn(request: web.Request, scenario: Scenario, binding: Binding,
         raise engine_failure(exc) from exc
     finally:
         await events.aclose()  # type: ignore[attr-defined]
-    return json_response(answer, headers=headers)
+    resp = json_response(answer, headers=headers)
+    resp[RECORD] = record
+    return resp
+
+
+async def _shadow(app: web.Application, scenario: Scenario, trial: Trial, chat: ChatRequest,
+                  served: dict[str, Any], wire_for: Callable[[str], Wire]) -> None:
+    """A copy of a served turn, answered by the release on shadow trial: recorded as a shadow record (never
+    returned, never trained on), and both answers scored by the scenario's scorer for the trial."""
+    trials = app[loop.TRIALS]
+    try:
+        binding = trial.binding
+        sampling(scenario, binding, chat)
+        chat.routing_key = served.get("session")
+        if binding.harness is not None and scenario.cfg.harness.inject:
+            add_system_text(chat, binding.harness.prompt_block(inline_skills=scenario.cfg.harness.inline_skills))
+        receipt = new_receipt()
+        record: dict[str, Any] = {
+            "id": receipt, "scenario": scenario.name, "release": binding.release, "adapter": binding.adapter,
+            "harness": binding.release if binding.harness is not None and scenario.cfg.harness.inject else None,
+            "weights": binding.weights_version, "engine": scenario.engine.kind, "model": scenario.cfg.model.name,
+            "api": served.get("api"), "requested_model": served.get("requested_model"), "created_at": time.time(),
+            "session": served.get("session"), "turn": None, "turn_kind": "shadow", "previous": None,
+            "tags": served.get("tags") or {}, "stream": False, "request": served.get("request"),
+            "messages": chat.messages, "tools": chat.tools,
+            "sampling": {"temperature": chat.temperature, "top_p": chat.top_p, "max_tokens": chat.max_tokens}}
+        on_weights = {"weights": binding.weights_version} if hasattr(scenario.engine, "swap_weights") else {}
+        started = time.monotonic()
+        with app[REGISTRY].using(scenario.engine, binding.adapter):
+            events = scenario.engine.generate(chat, stream=False, timeout_s=scenario.cfg.serve.request_timeout_s,
+                                              adapter=binding.adapter, **on_weights)
+            try:
+                completion = await _whole(events)
+            finally:
+                await events.aclose()  # type: ignore[attr-defined]
+        finish_record(record, completion, wire_for(receipt).response(completion), started, None)
+        record.pop("conversation", None)
+        score = canary.scorer(scenario.cfg.release.shadow)
+        served_score, shadow_score = await asyncio.to_thread(lambda: (float(score(served)), float(score(record))))
+        record["shadow"] = {"of": served["id"], "score": shadow_score, "served_score": served_score}
+        await app[loop.RECORDS].put_record(record, link=False)
+        trials.shadowed(scenario.name, binding.release, served_score, shadow_score)
+    except (ApiError, *FAILURES) as exc:
+        log.warning("%s: the shadow copy of %s failed: %s", scenario.name, served.get("id"), exc)
+    except Exception:  # the scorer is the operator's code
+        log.exception("%s: the shadow copy of %s failed", scenario.name, served.get("id"))
+    finally:
+        trials.free_shadow_slot(scenario.name)
 
 
 CLIENT_CLOSED = 499  # nginx's status for a request whose client closed the connection first

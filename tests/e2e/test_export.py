@@ -66,10 +66,11 @@ def test_export_jsonl_and_parquet_that_datasets_loads(tmp_path: Path, monkeypatc
 
 
 def test_retention_deletes_beyond_max_records_but_keeps_what_a_release_learned_from(tmp_path: Path) -> None:
-    """max_records 3: four records train a published release, then six more arrive; the three oldest of those go
-    (shortly after the writes, with no operator), the release's four stay without counting against the bound, and
-    `reefctl status` counts seven. A deleted receipt is a 404 to read and to report on."""
-    d = daemon(tmp_path, trigger="manual", extra="retention:\n  max_records: 3\n")
+    """max_records 4: four records (within the bound, so no sweep can take one before the job does) train a
+    published release, then six more arrive; the two oldest of those go (shortly after the writes, with no
+    operator), the release's four stay without counting against the bound, and `reefctl status` counts eight. A
+    deleted receipt is a 404 to read and to report on."""
+    d = daemon(tmp_path, trigger="manual", extra="retention:\n  max_records: 4\n")
     try:
         c = client(d)
         learned = [turn(d, c, f"task {i}", score=float(i % 2))[0] for i in range(4)]
@@ -95,14 +96,14 @@ def test_retention_deletes_beyond_max_records_but_keeps_what_a_release_learned_f
         later = [turn(d, c, f"later {i}", score=None)[0] for i in range(6)]
 
         deadline = time.monotonic() + 60
-        while (count := records_of(d)) > 7 and time.monotonic() < deadline:
+        while (count := records_of(d)) > 8 and time.monotonic() < deadline:
             time.sleep(0.2)
-        assert count == 7, d.logs()
-        assert [r["id"] for r in exported(d)] == [*learned, *later[3:]]
+        assert count == 8, d.logs()
+        assert [r["id"] for r in exported(d)] == [*learned, *later[2:]]
         assert [r["id"] for r in exported(d, "--reported-only")] == learned  # their reports stayed with them
         status = reefctl(d, "status").stdout.splitlines()
         header, row = status[0].split(), status[1].split()
-        assert (row[header.index("RECORDS")], row[header.index("REPORTS")]) == ("7", "4")
+        assert (row[header.index("RECORDS")], row[header.index("REPORTS")]) == ("8", "4")
 
         code, body = d.get(f"/reef/records/{later[0]}")
         assert code == 404 and json.loads(body)["error"]["code"] == "record_not_found"
