@@ -42,6 +42,8 @@ log = logging.getLogger("reefd.canary")
 
 MODES = ("canary", "shadow")
 PAGE = 500  # records read per transaction when a trial's counts are rebuilt
+RETRY_S = 30.0  # a decision that could not be committed is tried again this long after (at the deadline check)
+RECOUNT_MARGIN_S = 900.0  # a recount reads from this long before the trial began (turns that waited in the line)
 
 
 # ---------------------------------------------------------------- the test
@@ -189,6 +191,11 @@ class Spec:
     def deadline(self) -> float:
         return self.started_at + self.cfg.max_age_s
 
+    @property
+    def floor(self) -> str:
+        """The first receipt of the trial: the stable release's records from here on are its other side."""
+        return receipt_floor(int(self.started_at * 1000))
+
 
 def settings(release: ReleaseConfig, mode: str) -> TrialConfig:
     return release.canary if mode == "canary" else release.shadow
@@ -231,6 +238,18 @@ def takes(spec_release: str, share: float, session: str | None, sticky: str | No
     return int.from_bytes(digest, "big") / 2.0 ** 64 < share
 
 
+def side_of(spec: Spec, record: dict[str, Any]) -> bool | None:
+    """The side of a canary a served record is on: True (the release on trial), False (the stable release, served
+    since the trial began), or None (neither: another release, older traffic, a shadow record)."""
+    if isinstance(record.get("shadow"), dict) or record.get("turn_kind") == "shadow":
+        return None
+    if record.get("release") == spec.release:
+        return True
+    if record.get("release") == spec.stable and str(record.get("id")) >= spec.floor:
+        return False
+    return None
+
+
 def metric_of(report: dict[str, Any], metric: str) -> float | None:
     """The report's number for `metric` (score, or metadata.KEY); None when it has none."""
     if metric == "score":
@@ -252,6 +271,8 @@ class Watch:
     stable: Tally = field(default_factory=Tally)
     pairs: Tally | None = None
     counted: set[tuple[str, bool]] = field(default_factory=set)  # (report id, side) already in a tally
+    paired: set[str] = field(default_factory=set)  # shadow records already in the tallies
+    backlog: list[Callable[[], None]] = field(default_factory=list)  # scores that came while the recount ran
     loaded: bool = False
     look: int | None = None
     deciding: bool = False
@@ -298,13 +319,15 @@ class Trials:
 
     # ------------------------------------------------------------ lifecycle
 
-    def serving(self, scenario: str, release: ReleaseConfig, head: Release) -> None:
-        """The reconciler has made `scenario` serve `head` (on trial or not)."""
-        spec = active(release, head)
+    def serving(self, scenario: str, release: ReleaseConfig, head: Release, on_trial: bool = True) -> None:
+        """The reconciler has made `scenario` serve `head`: on trial beside its stable release (`on_trial`), or to
+        everyone (then no trial is watched, whatever the head's meta says)."""
+        spec = active(release, head) if on_trial else None
         watch = self._watches.get(scenario)
         if watch is not None and spec is not None and watch.spec.release == spec.release:
             watch.spec = spec  # settings may have changed on reload
-            self._arm(scenario, watch)
+            if watch.loaded:
+                self._arm(scenario, watch)
             return
         self._drop(scenario)
         if spec is None:
@@ -313,7 +336,12 @@ class Trials:
         self._watches[scenario] = watch
         self._spawn(self._load(scenario, watch), f"trial-{scenario}")
 
+    def watching(self) -> list[str]:
+        """The scenarios with a trial being counted."""
+        return list(self._watches)
+
     def forget(self, scenario: str) -> None:
+        """A scenario that is no longer served."""
         self._drop(scenario)
 
     async def close(self) -> None:
@@ -339,24 +367,35 @@ class Trials:
             log.error("%s failed", task.get_name(), exc_info=task.exception())
 
     async def _load(self, scenario: str, watch: Watch) -> None:
-        """Count the scores of the records served since the trial started (a restart resumes with them)."""
-        await asyncio.to_thread(self._recount, scenario, watch)
+        """Count the scores of the records served since the trial started (a restart resumes with them): into a
+        fresh count off the event loop, then taken over here, with what arrived meanwhile applied on top."""
+        fresh = await asyncio.to_thread(self._recount, scenario, watch.spec)
         if self._watches.get(scenario) is not watch:
             return
+        watch.canary, watch.stable, watch.pairs = fresh.canary, fresh.stable, fresh.pairs
+        watch.counted, watch.paired = fresh.counted, fresh.paired
         watch.loaded = True
+        for apply in watch.backlog:
+            apply()
+        watch.backlog.clear()
+        n = watch.pairs.n if watch.pairs is not None else min(watch.canary.n, watch.stable.n)
+        watch.look = look_of(n, watch.spec.cfg.min_reports)  # tested before the restart: the next look decides
         log.info("%s: %s of %s against %s: %d and %d scores so far", scenario, watch.spec.mode, watch.spec.release,
                  watch.spec.stable, watch.canary.n, watch.stable.n)
         self._arm(scenario, watch)
-        self._check(scenario, watch, resumed=True)
+        self._check(scenario, watch)
 
-    def _recount(self, scenario: str, watch: Watch) -> None:
-        after: str | None = receipt_floor(int(watch.spec.started_at * 1000) - 1)
+    def _recount(self, scenario: str, spec: Spec) -> Watch:
+        """The trial's scores, from the store (blocking). Records are read from a little before the trial began,
+        since a turn that waited in the engine's line then may have been served on its side."""
+        fresh = Watch(spec, pairs=Tally() if spec.mode == "shadow" else None)
+        after: str | None = receipt_floor(int((spec.started_at - RECOUNT_MARGIN_S) * 1000))
         while True:
             page = self.store.list_records(scenario, after=after, limit=PAGE)
             for record in page:
-                self._count_record(watch, record)
+                self._count_record(fresh, record)
             if len(page) < PAGE:
-                return
+                return fresh
             after = page[-1]["id"]
 
     def _count_record(self, watch: Watch, record: dict[str, Any]) -> None:
@@ -364,13 +403,12 @@ class Trials:
         shadow = record.get("shadow")
         if isinstance(shadow, dict):
             if spec.mode == "shadow" and record.get("release") == spec.release:
-                self._pair(watch, shadow.get("served_score"), shadow.get("score"))
+                self._pair(watch, str(record.get("id")), shadow.get("served_score"), shadow.get("score"))
             return
-        if spec.mode != "canary" or record.get("release") not in (spec.release, spec.stable):
-            return
-        on_trial = record.get("release") == spec.release
-        for report in record.get("reports") or []:
-            self._score(watch, report, on_trial)
+        side = side_of(spec, record)
+        if spec.mode == "canary" and side is not None:
+            for report in record.get("reports") or []:
+                self._score(watch, report, side)
 
     def _score(self, watch: Watch, report: dict[str, Any], on_trial: bool) -> bool:
         value = metric_of(report, getattr(watch.spec.cfg, "metric", "score"))
@@ -382,19 +420,22 @@ class Trials:
         return True
 
     @staticmethod
-    def _pair(watch: Watch, served: Any, shadow: Any) -> None:
-        if not all(isinstance(v, int | float) and math.isfinite(v) for v in (served, shadow)):
-            return
+    def _pair(watch: Watch, receipt: str, served: Any, shadow: Any) -> bool:
+        if receipt in watch.paired or \
+                not all(isinstance(v, int | float) and math.isfinite(v) for v in (served, shadow)):
+            return False
         assert watch.pairs is not None
+        watch.paired.add(receipt)
         watch.stable.add(float(served))
         watch.canary.add(float(shadow))
         watch.pairs.add(float(shadow) - float(served))
+        return True
 
-    def _arm(self, scenario: str, watch: Watch) -> None:
-        """A timer for the trial's max_age_s."""
+    def _arm(self, scenario: str, watch: Watch, at_least: float = 0.0) -> None:
+        """A timer for the trial's max_age_s (not sooner than `at_least` seconds from now)."""
         if watch.timer is not None:
             watch.timer.cancel()
-        delay = max(0.0, watch.spec.deadline - self.clock())
+        delay = max(at_least, watch.spec.deadline - self.clock())
         watch.timer = asyncio.get_running_loop().call_later(min(delay, 3600.0), self._tick, scenario, watch)
 
     def _tick(self, scenario: str, watch: Watch) -> None:
@@ -422,35 +463,52 @@ class Trials:
             found = set()
             for ref in report.get("references") or []:
                 record = self.store.get_record(str(ref))
-                if record is not None and record.get("release") in (spec.release, spec.stable) \
-                        and not isinstance(record.get("shadow"), dict):
-                    found.add(record.get("release") == spec.release)
+                side = side_of(spec, record) if record is not None else None
+                if side is not None:
+                    found.add(side)
             return found
 
         on = await asyncio.to_thread(sides)
-        if self._watches.get(scenario) is not watch or not watch.loaded:
-            return  # a recount that is still loading reads it from the store
-        if any([self._score(watch, report, side) for side in on]):
-            self._check(scenario, watch)
-
-    def shadowed(self, scenario: str, release: str, served: float, shadow: float) -> None:
-        """A shadow answer of `release` and the served answer it copies were scored."""
-        watch = self._watches.get(scenario)
-        if watch is None or watch.spec.mode != "shadow" or watch.spec.release != release or not watch.loaded:
+        if self._watches.get(scenario) is not watch:
             return
-        self._pair(watch, served, shadow)
-        self._check(scenario, watch)
+
+        def apply() -> None:
+            if any([self._score(watch, report, side) for side in on]):
+                self._check(scenario, watch)
+
+        if watch.loaded:
+            apply()
+        else:  # the recount may have read the record before this report: applied once it is done
+            watch.backlog.append(apply)
+
+    def shadowed(self, scenario: str, release: str, receipt: str, served: float, shadow: float) -> None:
+        """A shadow answer of `release` (record `receipt`) and the served answer it copies were scored."""
+        watch = self._watches.get(scenario)
+        if watch is None or watch.spec.mode != "shadow" or watch.spec.release != release:
+            return
+
+        def apply() -> None:
+            if self._pair(watch, receipt, served, shadow):
+                self._check(scenario, watch)
+
+        if watch.loaded:
+            apply()
+        else:
+            watch.backlog.append(apply)
 
     # ------------------------------------------------------------ decisions
 
-    def _check(self, scenario: str, watch: Watch, *, resumed: bool = False) -> None:
+    def _check(self, scenario: str, watch: Watch) -> None:
         if self._watches.get(scenario) is not watch or watch.deciding or not watch.loaded:
             return
-        evidence = watch.evidence()
         n = watch.pairs.n if watch.pairs is not None else min(watch.canary.n, watch.stable.n)
         look = look_of(n, watch.spec.cfg.min_reports)
+        due = look is not None and look != watch.look
+        if not due and self.clock() < watch.spec.deadline:
+            return
+        evidence = watch.evidence()
         decision = None
-        if look is not None and (resumed or look != watch.look):
+        if due:
             watch.look = look  # each look is tested once, with the scores it has when the smaller side reaches it
             decision = evidence["decision"]
         if decision is None and self.clock() >= watch.spec.deadline:
@@ -481,8 +539,13 @@ class Trials:
             log.info("%s: %s: %s; release %s (%s)", scenario, spec.mode, decision, rel.id, evidence["reason"])
         except (HeadConflict, ReleaseError) as exc:  # the head moved (a new candidate, an operator): no decision
             log.info("%s: the %s of %s ended without a decision: %s", scenario, spec.mode, spec.release, exc)
+        except Exception:
+            log.exception("%s: the %s of %s could not be decided; trying again at the next look or deadline check",
+                          scenario, spec.mode, spec.release)
         finally:
             watch.deciding = False
+            if self._watches.get(scenario) is watch:  # not decided after all: the deadline is checked again later
+                self._arm(scenario, watch, at_least=RETRY_S)
 
     # ------------------------------------------------------------ what the chain and status read
 
@@ -496,18 +559,20 @@ class Trials:
     def meta_for(self, scenario: str, release: ReleaseConfig, head: Release | None, cand: Candidate) -> dict[str, Any]:
         """release.json's `canary` for a candidate about to be appended on `head` (blocking: reads the chain):
         - a trial's own decision: as the trial wrote it;
-        - an operator's rollback, or promote of the release on trial: that decision, with the evidence so far;
+        - an operator's rollback, or promote of the release on trial (or of its stable release: a rollback): that
+          decision, with the evidence so far;
         - a new adapter or harness release, or a promote, when the file declares a trial: the start of its trial
           (against the head, or, when the head is itself on trial, against the same stable release)."""
         if cand.meta.get("source") == "canary" or cand.applies_pin or head is None:
             return {}
         current = active(release, head)
         if current is not None and cand.kind in ("rollback", "promote") and \
-                (cand.kind == "rollback" or cand.target == head.id):
+                (cand.kind == "rollback" or cand.target in (head.id, current.stable)):
             watch = self._watches.get(scenario)
             evidence = watch.evidence() if watch is not None and watch.spec.release == head.id else {}
+            decision = "promote" if cand.kind == "promote" and cand.target == head.id else "rollback"
             return {"canary": {**evidence, "mode": current.mode, "release": head.id, "stable_release": current.stable,
-                               "decision": cand.kind, "reason": "decided by an operator"}}
+                               "decision": decision, "reason": "decided by an operator"}}
         mode = declared_mode(release)
         if mode is None or release.pin is not None or cand.kind not in ("adapter", "harness", "promote"):
             return {}

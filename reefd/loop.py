@@ -132,12 +132,13 @@ def install(app: web.Application, settings: Settings) -> None:
         app[TRIALS] = Trials(app[RECORDS], app[CHAIN], decide)
         unsubscribe = app[RECORDS].subscribe_reports(app[TRIALS].reported)  # Observe → trial: scores
         app[RECONCILER] = Reconciler(app[REGISTRY], app[CHAIN], state, settings.scenarios_dir)
-        app[RECONCILER].subscribe(lambda s, head: app[TRIALS].serving(s.name, s.cfg.release, head))  # Serve → trial
+        app[RECONCILER].subscribe(  # Serve → trial: what the reconciler bound (a head with other weights: no trial)
+            lambda s, head: app[TRIALS].serving(s.name, s.cfg.release, head, on_trial=s.trial is not None))
         app[RECONCILER].start()
         yield
-        await app[RECONCILER].stop()
         unsubscribe()
         await app[TRIALS].close()
+        await app[RECONCILER].stop()
 
     async def grow(app: web.Application) -> AsyncIterator[None]:  # Grow: triggers → jobs → candidates → commit
         jobs = await asyncio.to_thread(JobStore, state / "jobs")
@@ -248,6 +249,8 @@ async def reload(app: web.Application, configs: dict[str, ScenarioConfig]) -> No
     """SIGHUP: apply a re-read scenario folder. New engines get their releases before routes move to them, every
     scenario is reconciled against its (possibly new) file, triggers are declared again and trainers readied."""
     await app[REGISTRY].reload(configs, bind=app[RECONCILER].bind)
+    for name in set(app[TRIALS].watching()) - set(configs):
+        app[TRIALS].forget(name)
     app[RECONCILER].kick_all()
     app[SCHEDULER].sync_triggers()
     app[RUNNER].prewarm()

@@ -236,21 +236,23 @@ class Reconciler:
                 log.warning("%s: %s is on trial with other weights than %s; one engine serves one set of weights, "
                             "so it serves everyone", scenario.name, head.id, stable.id)
                 spec = stable = None
-        old = scenario.trial
+        old, before = scenario.trial, scenario.binding
         if spec is None or stable is None:
-            await self._serve_one(scenario, head, old)
+            await self._serve_one(scenario, head, old, retire=False)
             scenario.trial = None
         else:
-            await self._serve_one(scenario, stable, old)
+            await self._serve_one(scenario, stable, old, retire=False)
             side = await self._side(scenario, head, old)
             scenario.trial = Trial(spec.mode, side, stable.id, spec.share)
             if old is None or old.binding.release != head.id:
                 log.info("%s: %s %s on %g of sessions; %s serves the rest", scenario.name, spec.mode, head.id,
                          spec.share, stable.id)
-        if old is not None and old.binding.adapter is not None and \
-                old.binding.adapter not in self.registry.adapters(scenario.engine):
-            self._spawn(self._retire(scenario.engine, old.binding, scenario.cfg.serve.request_timeout_s),
-                        f"retire-{old.binding.adapter}")
+        # only now that both the binding and the trial are set: what neither serves any more is unloaded
+        for gone in (before, old.binding if old is not None else None):
+            if gone is not None and gone.adapter is not None and \
+                    gone.adapter not in self.registry.adapters(scenario.engine):
+                self._spawn(self._retire(scenario.engine, gone, scenario.cfg.serve.request_timeout_s),
+                            f"retire-{gone.adapter}")
         for listener in list(self._listeners):
             try:
                 listener(scenario, head)
@@ -286,7 +288,8 @@ class Reconciler:
                     await scenario.engine.load_adapter(rel.id, folder)
         return Binding(rel.id, adapter, tree, harness, harness_tree, current.weights, current.weights_version)
 
-    async def _serve_one(self, scenario: Scenario, rel: Release, trial: Trial | None = None) -> None:
+    async def _serve_one(self, scenario: Scenario, rel: Release, trial: Trial | None = None, *,
+                         retire: bool = True) -> None:
         current = scenario.binding
         if current is not None and current.release == rel.id:
             return
@@ -318,7 +321,7 @@ class Reconciler:
         scenario.binding = binding  # new requests take it from here; running ones keep theirs
         log.info("%s: serving %s%s", scenario.name, rel.id,
                  f" (was {current.release})" if current else "")
-        if current is not None and current.adapter is not None and current.adapter != binding.adapter:
+        if retire and current is not None and current.adapter is not None and current.adapter != binding.adapter:
             self._spawn(self._retire(engine, current, scenario.cfg.serve.request_timeout_s),
                         f"retire-{current.adapter}")
 

@@ -249,6 +249,19 @@ class Registry:
         finally:
             self._uses[(id(engine), adapter)] -= 1
 
+    def hold(self, engine: Engine, adapter: str | None) -> Callable[[], None]:
+        """Keep `adapter` loaded on `engine` until the returned function is called (a second call does nothing):
+        for a user that starts now and finishes in another task (a shadow copy)."""
+        key = (id(engine), adapter)
+        self._uses[key] += 1
+        held = [True]
+
+        def release() -> None:
+            if held.pop() if held else False:
+                self._uses[key] -= 1
+
+        return release
+
     def adapters(self, engine: Engine) -> set[str]:
         """The adapters that scenarios served by `engine` serve now (their bindings and trials)."""
         out = set()

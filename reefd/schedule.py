@@ -103,7 +103,8 @@ class Scheduler:
 
     async def _fire(self, scenario: str, reason: str) -> None:
         """APScheduler runs coroutines on the daemon's loop (plain functions would run in a thread)."""
-        if scenario in self.registry.scenarios:
+        s = self.registry.scenarios.get(scenario)
+        if s is not None and s.trial is None:  # a release on trial is judged before anything replaces it
             await self.submit(scenario, reason)
 
     # ------------------------------------------------------------ triggers
@@ -122,8 +123,8 @@ class Scheduler:
 
     async def _count_check(self, scenario: str) -> None:
         s = self.registry.scenarios.get(scenario)
-        if s is None or s.cfg.trigger.every_n_records is None or self.jobs.active(scenario):
-            return
+        if s is None or s.cfg.trigger.every_n_records is None or self.jobs.active(scenario) or s.trial is not None:
+            return  # (a release on trial is judged before a job may replace it; `reefctl train` still can)
         if time.monotonic() < self._cooldown.get(scenario, 0.0):
             return
         recipe = s.recipe  # built once per scenario (re)load: a recipe that cannot be built is None

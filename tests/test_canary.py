@@ -208,3 +208,46 @@ def test_reports_and_judgments_count_for_their_side_and_a_restart_counts_them_ag
     assert (rebuilt["canary"], rebuilt["stable"]) == (live["canary"], live["stable"])
     assert decided and decided[0].kind == "promote" and decided[0].target == "r2-canary0"
     assert decided[0].meta["canary"]["canary"]["n"] == 3 and decided[0].meta["source"] == "canary"
+
+
+def test_a_trial_past_its_max_age_is_resolved_by_on_timeout(tmp_path: Path) -> None:
+    """Too few scores by max_age_s: on_timeout decides (here promote), and the evidence says why."""
+    from reefd.records import RecordStore
+
+    cfg = ReleaseConfig(canary=CanaryConfig(share=0.5, min_reports=50, max_age_s=60, on_timeout="promote"))
+    now = [1000.0]
+    meta = {"canary": {"mode": "canary", "stable": "r1-stable0", "started_at": 990.0}}
+    head = Release("r2-canary0", "s", "r1-stable0", "adapter", meta, "c" * 40, "2026-12-02T00:00:00Z", 2)
+    decided: list[Candidate] = []
+
+    async def decide(scenario: str, cand: Candidate) -> Release:
+        decided.append(cand)
+        return head
+
+    async def main() -> tuple[object, object]:
+        store = RecordStore(tmp_path / "records")
+        await store.open()
+        try:
+            trials = canary.Trials(store, None, decide, clock=lambda: now[0])  # type: ignore[arg-type]
+            trials.serving("s", cfg, head)
+            for _ in range(100):
+                await asyncio.sleep(0.01)
+                if (trials.describe("s") or {}).get("loaded"):
+                    break
+            undecided = list(decided)
+            now[0] = 1051.0  # past started_at + max_age_s
+            trials._tick("s", trials._watches["s"])
+            for _ in range(100):
+                await asyncio.sleep(0.01)
+                if decided:
+                    break
+            await trials.close()
+            return undecided, trials.describe("s")
+        finally:
+            await store.close()
+
+    undecided, _ = asyncio.run(main())
+    assert undecided == []
+    assert len(decided) == 1 and decided[0].kind == "promote" and decided[0].target == "r2-canary0"
+    reason = decided[0].meta["canary"]["reason"]
+    assert reason.startswith("timed out after 60 s undecided") and reason.endswith("on_timeout: promote")

@@ -17,7 +17,8 @@ from reefd.schedule import Scheduler
 
 def scenario(cron: str | None = None) -> Any:
     trigger = SimpleNamespace(interval_s=None, cron=cron, every_n_records=None)
-    return SimpleNamespace(cfg=SimpleNamespace(trigger=trigger, recipe=SimpleNamespace(name="sao")), recipe=None)
+    return SimpleNamespace(cfg=SimpleNamespace(trigger=trigger, recipe=SimpleNamespace(name="sao")), recipe=None,
+                           trial=None)
 
 
 class Runner:

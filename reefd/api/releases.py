@@ -19,7 +19,7 @@ from typing import Any
 
 from aiohttp import web
 
-from reefd import loop, releases
+from reefd import canary, loop, releases
 from reefd.adapters import InvalidAdapter, base_linear_shapes, check_adapter
 from reefd.api import access
 from reefd.api.errors import ApiError, json_response, read_json, shown, shown_text
@@ -199,6 +199,11 @@ async def _copy_release(request: web.Request, kind: str, target_field: str, summ
     expected = _release_id(body.get("expected_head"), "expected_head")
     cand = Candidate(kind, {}, target=to, built_on=expected, exact=expected is not None)
     plan = await _plan(request, scenario, cand)
+    assert plan.head is not None and plan.target is not None
+    trial = canary.active(scenario.cfg.release, plan.head)
+    if kind == "rollback" and to is None and trial is not None:  # a plain rollback of a trial: to its stable release
+        plan = releases.Plan(plan.head, await asyncio.to_thread(request.app[CHAIN].target, scenario.name,
+                                                                trial.stable))
     assert plan.head is not None and plan.target is not None
     if dry_run:
         return json_response({"dry_run": True, "release": None, "from": plan.head.id, "to": plan.target.id,

@@ -179,19 +179,19 @@ async def serve_turn(request: web.Request, scenario: Scenario, store: RecordStor
     shadow = None  # the request as it came, for a copy to the release on shadow trial
     if trial is not None and trial.mode == "shadow" and trial.takes(placement.session, None):
         shadow = copy.deepcopy(chat)
-    async with request.app[REGISTRY].serving(scenario, left=client_left(request),
-                                             route=Route(placement.session, placement.sticky)) as binding:
-        response = await _serve_bound(request, scenario, binding, store, wire_for, receipt, placement, body, chat,
-                                      stream)
-    record = response.get(RECORD)
-    if shadow is not None and trial is not None and isinstance(record, dict) and "response" in record:
-        trials = request.app[loop.TRIALS]
-        if trials.take_shadow_slot(scenario.name):
-            trials.spawn(_shadow(request.app, scenario, trial, shadow, record, wire_for), f"shadow-{receipt}")
+    registry = request.app[REGISTRY]
+    async with registry.serving(scenario, left=client_left(request),
+                                route=Route(placement.session, placement.sticky)) as binding:
+        response, record = await _serve_bound(request, scenario, binding, store, wire_for, receipt, placement, body,
+                                              chat, stream)
+    live = registry.scenarios.get(scenario.name)
+    if shadow is not None and trial is not None and live is not None and live.trial is trial and \
+            "response" in record and request.app[loop.TRIALS].take_shadow_slot(scenario.name):
+        # the trial still runs: its adapter is held from here (synchronously) until the copy is answered
+        hold = registry.hold(scenario.engine, trial.binding.adapter)
+        request.app[loop.TRIALS].spawn(_shadow(request.app, scenario, trial, shadow, record, wire_for, hold),
+                                       f"shadow-{receipt}")
     return response
-
-
-RECORD = web.ResponseKey("record", dict)  # the turn's record, kept on its response for what follows the answer
 
 
 def sampling(scenario: Scenario, binding: Binding, chat: ChatRequest) -> None:
@@ -210,8 +210,9 @@ def sampling(scenario: Scenario, binding: Binding, chat: ChatRequest) -> None:
 
 async def _serve_bound(request: web.Request, scenario: Scenario, binding: Binding, store: RecordStore,
                        wire_for: Callable[[str], Wire], receipt: str, placement: Placement, body: dict[str, Any],
-                       chat: ChatRequest, stream: bool) -> web.StreamResponse:
-    """Serve one turn with the release `binding` names (taken when the request started)."""
+                       chat: ChatRequest, stream: bool) -> tuple[web.StreamResponse, dict[str, Any]]:
+    """Serve one turn with the release `binding` names (taken when the request started); returns the answer and
+    the turn's record (complete when it has a `response`)."""
     sampling(scenario, binding, chat)
     wire = wire_for(receipt)
     chat.routing_key = placement.session
@@ -227,15 +228,13 @@ async def _serve_bound(request: web.Request, scenario: Scenario, binding: Bindin
                                       adapter=binding.adapter, **on_weights)
     if stream:
         first = await _first(events)  # engine refusals become proper statuses, not broken streams
-        resp = await _stream(request, turn, wire, record, headers, first, events, started)
-        resp[RECORD] = record
-        return resp
+        return await _stream(request, turn, wire, record, headers, first, events, started), record
     try:
         completion = await _unless_client_leaves(request, _whole(events))
         if completion is None:
             log.info("client went away before its answer %s: the engine request is cancelled, nothing recorded",
                      record["id"])
-            return web.Response(status=CLIENT_CLOSED, reason="Client Closed Request")
+            return web.Response(status=CLIENT_CLOSED, reason="Client Closed Request"), record
         answer = wire.response(completion)
         finish_record(record, completion, answer, started, None)
         await turn.put()
@@ -243,13 +242,12 @@ async def _serve_bound(request: web.Request, scenario: Scenario, binding: Bindin
         raise engine_failure(exc) from exc
     finally:
         await events.aclose()  # type: ignore[attr-defined]
-    resp = json_response(answer, headers=headers)
-    resp[RECORD] = record
-    return resp
+    return json_response(answer, headers=headers), record
 
 
 async def _shadow(app: web.Application, scenario: Scenario, trial: Trial, chat: ChatRequest,
-                  served: dict[str, Any], wire_for: Callable[[str], Wire]) -> None:
+                  served: dict[str, Any], wire_for: Callable[[str], Wire],
+                  hold: Callable[[], None]) -> None:
     """A copy of a served turn, answered by the release on shadow trial: recorded as a shadow record (never
     returned, never trained on), and both answers scored by the scenario's scorer for the trial."""
     trials = app[loop.TRIALS]
@@ -271,25 +269,26 @@ async def _shadow(app: web.Application, scenario: Scenario, trial: Trial, chat: 
             "sampling": {"temperature": chat.temperature, "top_p": chat.top_p, "max_tokens": chat.max_tokens}}
         on_weights = {"weights": binding.weights_version} if hasattr(scenario.engine, "swap_weights") else {}
         started = time.monotonic()
-        with app[REGISTRY].using(scenario.engine, binding.adapter):
-            events = scenario.engine.generate(chat, stream=False, timeout_s=scenario.cfg.serve.request_timeout_s,
-                                              adapter=binding.adapter, **on_weights)
-            try:
-                completion = await _whole(events)
-            finally:
-                await events.aclose()  # type: ignore[attr-defined]
+        events = scenario.engine.generate(chat, stream=False, timeout_s=scenario.cfg.serve.request_timeout_s,
+                                          adapter=binding.adapter, **on_weights)
+        try:
+            completion = await _whole(events)
+        finally:
+            await events.aclose()  # type: ignore[attr-defined]
+            hold()
         finish_record(record, completion, wire_for(receipt).response(completion), started, None)
         record.pop("conversation", None)
         score = canary.scorer(scenario.cfg.release.shadow)
         served_score, shadow_score = await asyncio.to_thread(lambda: (float(score(served)), float(score(record))))
         record["shadow"] = {"of": served["id"], "score": shadow_score, "served_score": served_score}
         await app[loop.RECORDS].put_record(record, link=False)
-        trials.shadowed(scenario.name, binding.release, served_score, shadow_score)
+        trials.shadowed(scenario.name, binding.release, receipt, served_score, shadow_score)
     except (ApiError, *FAILURES) as exc:
         log.warning("%s: the shadow copy of %s failed: %s", scenario.name, served.get("id"), exc)
     except Exception:  # the scorer is the operator's code
         log.exception("%s: the shadow copy of %s failed", scenario.name, served.get("id"))
     finally:
+        hold()
         trials.free_shadow_slot(scenario.name)
 
 

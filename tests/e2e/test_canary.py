@@ -35,7 +35,7 @@ SHADOW = ("release:\n  shadow: {share: 1.0, min_reports: 6, max_drop: 0.1, confi
 def d(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
     base = tmp_path_factory.mktemp("canary")
     scenarios = {"ref": BASE, "canary": BASE + CANARY, "resume": BASE + CANARY, "pinned": BASE + CANARY,
-                 "shadow": BASE + SHADOW}
+                 "shadow": BASE + SHADOW, "operator": BASE + CANARY}
     folder = make_scenarios(base / "scenarios", names=(), extra=scenarios)
     daemon = Daemon(scenarios=folder, state=base / "state", log_path=base / "reefd.log",
                     env={"REEF_TEST_SCENARIOS": str(folder)})
@@ -234,7 +234,8 @@ def test_a_shadow_answers_copies_and_is_promoted_on_its_scores(d: Daemon, loras:
             break
         time.sleep(0.05)
     assert decided is not None, status(d, "shadow").get("canary")
-    assert {r for releases in traffic.served.values() for r in releases} == {base}  # copies were never returned
+    served = {r for releases in traffic.served.values() for r in releases}
+    assert served - {decided["id"]} == {base}  # until the decision the copies' answers were never returned
     evidence = decided["meta"]["canary"]
     assert decided["kind"] == "promote" and evidence["mode"] == "shadow" and evidence["decision"] == "promote"
     assert evidence["pairs"]["n"] >= 6 and evidence["test"]["kind"] == "paired t, one-sided"
@@ -245,5 +246,22 @@ def test_a_shadow_answers_copies_and_is_promoted_on_its_scores(d: Daemon, loras:
     assert sum(r["shadow"]["score"] for r in shadows) / len(shadows) > 0.5 > \
         sum(r["shadow"]["served_score"] for r in shadows) / len(shadows), \
         [(r["shadow"], r["messages"][-1]["content"]) for r in shadows]
-    served = {r["id"] for r in records if r.get("turn_kind") != "shadow"}
-    assert all(r["shadow"]["of"] in served for r in shadows)
+    originals = {r["id"] for r in records if r.get("turn_kind") != "shadow"}
+    assert all(r["shadow"]["of"] in originals for r in shadows)
+
+
+def test_a_new_candidate_replaces_the_canary_and_an_operators_rollback_goes_to_the_stable_release(
+        d: Daemon, loras: dict[str, Path]) -> None:
+    base = head(d, "operator")["id"]
+    first = publish(d, "operator", loras["good"])["release"]["id"]
+    second = publish(d, "operator", loras["bad"])
+    assert second["trial"]["stable"] == base  # against the same stable release
+    assert second["release"]["meta"]["canary"]["supersedes"]["release"] == first
+    out = reefctl(d, "rollback", "operator", "-o", "json")
+    assert out.returncode == 0, out.stderr
+    rolled = json.loads(out.stdout)
+    assert (rolled["from"], rolled["to"]) == (second["release"]["id"], base)  # not the superseded canary
+    evidence = rolled["release"]["meta"]["canary"]
+    assert (evidence["decision"], evidence["reason"]) == ("rollback", "decided by an operator")
+    assert "trial" not in rolled and rolled["serving"] == rolled["release"]["id"]
+    assert "canary" not in status(d, "operator")
