@@ -185,7 +185,10 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
                                 "seconds": round(time.monotonic() - started, 1),
                                 "scores_per_side_median": sorted(min(e["canary"]["n"], e["stable"]["n"])
                                                                  for e in decisions)[len(decisions) // 2],
-                                "looks": sorted(e["test"]["look"] for e in decisions)}
+                                "looks": sorted(e["test"]["look"] for e in decisions),
+                                "score_sd_median": sorted(e["canary"]["sd"] for e in decisions)[len(decisions) // 2],
+                                "diffs": [e["diff"] for e in decisions],
+                                "intervals": [e["interval"] for e in decisions]}
             print(f"identical adapters: {rollbacks}/{len(same)} rolled back (false rollbacks), "
                   f"{len(same) - rollbacks} promoted, in {out['identical']['seconds']} s", flush=True)
     finally:
