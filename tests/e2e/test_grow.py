@@ -137,6 +137,30 @@ def test_reports_trigger_training_and_the_next_answer_comes_from_the_new_release
         stop(d)
 
 
+def test_a_jobs_release_goes_on_canary_and_count_triggers_wait_for_its_decision(tmp_path: Path) -> None:
+    """With a canary declared, a job's release serves its share (here every new session) beside the release it
+    replaces, the job counts as published, and count triggers wait while the release is on trial."""
+    d = daemon(tmp_path, extra="release:\n  canary: {share: 1.0, min_reports: 50}\n")
+    try:
+        c = client(d)
+        base = json.loads(d.get("/reef/status")[1])["scenarios"][0]["release"]
+        for i in range(4):
+            turn(d, c, f"task {i}", score=float(i % 2))
+        job = wait_job(d)
+        assert job["state"] == "published" and not job.get("error"), json.dumps(job)
+        status = json.loads(d.get("/reef/status")[1])["scenarios"][0]
+        assert (status["release"], status["canary"]["release"], status["canary"]["stable_release"]) == \
+            (base, job["release"], base)
+        assert status["releases"]["drift"] == []  # on trial beside the stable release: as declared
+        assert turn(d, c, "after")[1] == job["release"]  # a new session falls on the canary's side (share 1.0)
+        for i in range(4):
+            turn(d, c, f"more {i}", score=1.0)
+        time.sleep(3)  # well past the count trigger's debounce: no job while the release is on trial
+        assert [j["id"] for j in jobs(d)] == [job["id"]]
+    finally:
+        stop(d)
+
+
 def test_a_worse_candidate_is_rejected_and_the_serving_release_stays(tmp_path: Path) -> None:
     """The holdout tasks are the base model's own greedy answers: a candidate can at best tie, and a tie fails."""
     d = daemon(tmp_path, trigger="manual", gate="holdout", extra="gate:\n  tasks: tasks.jsonl\n  min_tasks: 3\n"
