@@ -28,15 +28,16 @@ import hashlib
 import logging
 import math
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import Any
 
 from reefd import plugins
-from reefd.config import ReleaseConfig, ShadowConfig, TrialConfig
+from reefd.config import CanaryConfig, ReleaseConfig, ShadowConfig, TrialConfig
 from reefd.receipts import receipt_floor
 from reefd.records import RecordStore
 from reefd.releases import Candidate, HeadConflict, Release, ReleaseChain, ReleaseError
+from reefd.tasks import Background
 
 log = logging.getLogger("reefd.canary")
 
@@ -192,6 +193,11 @@ class Spec:
         return self.started_at + self.cfg.max_age_s
 
     @property
+    def metric(self) -> str:
+        """What a canary compares (a shadow compares its scorer's scores)."""
+        return self.cfg.metric if isinstance(self.cfg, CanaryConfig) else "score"
+
+    @property
     def floor(self) -> str:
         """The first receipt of the trial: the stable release's records from here on are its other side."""
         return receipt_floor(int(self.started_at * 1000))
@@ -282,7 +288,7 @@ class Watch:
         out = compare(self.canary, self.stable, self.spec.cfg, pairs=self.pairs)
         return {"mode": self.spec.mode, "release": self.spec.release, "stable_release": self.spec.stable,
                 "share": self.spec.share, "started_at": self.spec.started_at, "max_age_s": self.spec.cfg.max_age_s,
-                **({"metric": self.spec.cfg.metric} if hasattr(self.spec.cfg, "metric") else {}),
+                **({"metric": self.spec.metric} if self.spec.mode == "canary" else {}),
                 **out}
 
 
@@ -298,7 +304,7 @@ class Trials:
                  clock: Callable[[], float] = time.time) -> None:
         self.store, self.chain, self.decide, self.clock = store, chain, decide, clock
         self._watches: dict[str, Watch] = {}
-        self._tasks: set[asyncio.Task[Any]] = set()
+        self._background = Background(log)  # recounts, reports being counted, decisions, shadow copies
         self._shadows: dict[str, int] = {}  # shadow copies in flight, per scenario
 
     SHADOWS_IN_FLIGHT = 4  # per scenario: beyond it a turn is not copied (a shadow never queues behind traffic)
@@ -313,9 +319,9 @@ class Trials:
     def free_shadow_slot(self, scenario: str) -> None:
         self._shadows[scenario] = max(0, self._shadows.get(scenario, 0) - 1)
 
-    def spawn(self, coro: Any, name: str) -> None:
+    def spawn(self, coro: Coroutine[Any, Any, Any], name: str) -> None:
         """Run `coro` in the background, cancelled when reefd stops."""
-        self._spawn(coro, name)
+        self._background.spawn(coro, name)
 
     # ------------------------------------------------------------ lifecycle
 
@@ -334,7 +340,7 @@ class Trials:
             return
         watch = Watch(spec, pairs=Tally() if spec.mode == "shadow" else None)
         self._watches[scenario] = watch
-        self._spawn(self._load(scenario, watch), f"trial-{scenario}")
+        self.spawn(self._load(scenario, watch), f"trial-{scenario}")
 
     def watching(self) -> list[str]:
         """The scenarios with a trial being counted."""
@@ -347,24 +353,12 @@ class Trials:
     async def close(self) -> None:
         for name in list(self._watches):
             self._drop(name)
-        for task in list(self._tasks):
-            task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self._background.cancel()
 
     def _drop(self, scenario: str) -> None:
         watch = self._watches.pop(scenario, None)
         if watch is not None and watch.timer is not None:
             watch.timer.cancel()
-
-    def _spawn(self, coro: Any, name: str) -> None:
-        task = asyncio.create_task(coro, name=name)
-        self._tasks.add(task)
-        task.add_done_callback(self._done)
-
-    def _done(self, task: asyncio.Task[Any]) -> None:
-        self._tasks.discard(task)
-        if not task.cancelled() and task.exception() is not None:
-            log.error("%s failed", task.get_name(), exc_info=task.exception())
 
     async def _load(self, scenario: str, watch: Watch) -> None:
         """Count the scores of the records served since the trial started (a restart resumes with them): into a
@@ -411,7 +405,7 @@ class Trials:
                 self._score(watch, report, side)
 
     def _score(self, watch: Watch, report: dict[str, Any], on_trial: bool) -> bool:
-        value = metric_of(report, getattr(watch.spec.cfg, "metric", "score"))
+        value = metric_of(report, watch.spec.metric)
         key = (str(report.get("report_id")), on_trial)
         if value is None or key in watch.counted:
             return False
@@ -452,9 +446,9 @@ class Trials:
         watch = self._watches.get(scenario)
         if watch is None or watch.spec.mode != "canary":
             return
-        if metric_of(report, getattr(watch.spec.cfg, "metric", "score")) is None:
+        if metric_of(report, watch.spec.metric) is None:
             return
-        self._spawn(self._count_report(scenario, watch, report), f"trial-report-{scenario}")
+        self.spawn(self._count_report(scenario, watch, report), f"trial-report-{scenario}")
 
     async def _count_report(self, scenario: str, watch: Watch, report: dict[str, Any]) -> None:
         spec = watch.spec
@@ -519,7 +513,7 @@ class Trials:
         if decision is None:
             return
         watch.deciding = True
-        self._spawn(self._commit(scenario, watch, {**evidence, "decision": decision}), f"trial-decide-{scenario}")
+        self.spawn(self._commit(scenario, watch, {**evidence, "decision": decision}), f"trial-decide-{scenario}")
 
     async def _commit(self, scenario: str, watch: Watch, evidence: dict[str, Any]) -> None:
         spec, decision = watch.spec, evidence["decision"]
@@ -588,7 +582,7 @@ class Trials:
         if isinstance(cfg, ShadowConfig):
             trial["scorer"] = cfg.scorer
         else:
-            trial["metric"] = getattr(cfg, "metric", "score")
+            trial["metric"] = release.canary.metric
         if current is not None:
             watch = self._watches.get(scenario)
             trial["supersedes"] = {"release": head.id,

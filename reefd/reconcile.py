@@ -24,7 +24,7 @@ import logging
 import shutil
 import tempfile
 import time
-from collections.abc import AsyncIterator, Callable, Coroutine
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +34,7 @@ from reefd.harness import Harness, HarnessError
 from reefd.identity import model_identity
 from reefd.releases import Candidate, HeadConflict, Release, ReleaseChain, ReleaseError, UnknownRelease, WrongScenario
 from reefd.scenarios import Binding, Registry, Scenario, Trial
+from reefd.tasks import Background
 
 log = logging.getLogger("reefd.reconcile")
 
@@ -60,7 +61,7 @@ class Reconciler:
         self.weights_dir = state_dir / "weights"
         self.scenarios_dir = scenarios_dir
         self._locks: dict[str, asyncio.Lock] = {}
-        self._tasks: set[asyncio.Task[None]] = set()
+        self._background = Background(log)  # swaps kicked off, adapters being retired
         self._retries: dict[str, asyncio.TimerHandle] = {}  # scenario -> its next try after a failure
         self._listeners: list[Callable[[Scenario, Release], None]] = []
 
@@ -75,7 +76,7 @@ class Reconciler:
 
     def kick(self, name: str) -> None:
         """Reconcile `name` in the background."""
-        self._spawn(self._kick(name), f"reconcile-{name}")
+        self._background.spawn(self._kick(name), f"reconcile-{name}")
 
     async def _kick(self, name: str) -> None:
         scenario = self.registry.scenarios.get(name)
@@ -86,22 +87,10 @@ class Reconciler:
         """Bind a scenario a reload has not installed yet (it moves to a new engine) to its declared release."""
         await self.reconcile(scenario, pending=True)
 
-    def _spawn(self, coro: Coroutine[Any, Any, None], name: str) -> None:
-        task = asyncio.create_task(coro, name=name)
-        self._tasks.add(task)
-        task.add_done_callback(self._done)
-
-    def _done(self, task: asyncio.Task[None]) -> None:
-        self._tasks.discard(task)
-        if not task.cancelled() and task.exception() is not None:
-            log.error("%s failed", task.get_name(), exc_info=task.exception())
-
     async def stop(self) -> None:
         for handle in self._retries.values():
             handle.cancel()
-        for task in list(self._tasks):
-            task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self._background.cancel()
 
     # ------------------------------------------------------------ the loop
 
@@ -251,7 +240,7 @@ class Reconciler:
         for gone in (before, old.binding if old is not None else None):
             if gone is not None and gone.adapter is not None and \
                     gone.adapter not in self.registry.adapters(scenario.engine):
-                self._spawn(self._retire(scenario.engine, gone, scenario.cfg.serve.request_timeout_s),
+                self._background.spawn(self._retire(scenario.engine, gone, scenario.cfg.serve.request_timeout_s),
                             f"retire-{gone.adapter}")
         for listener in list(self._listeners):
             try:
@@ -322,7 +311,7 @@ class Reconciler:
         log.info("%s: serving %s%s", scenario.name, rel.id,
                  f" (was {current.release})" if current else "")
         if retire and current is not None and current.adapter is not None and current.adapter != binding.adapter:
-            self._spawn(self._retire(engine, current, scenario.cfg.serve.request_timeout_s),
+            self._background.spawn(self._retire(engine, current, scenario.cfg.serve.request_timeout_s),
                         f"retire-{current.adapter}")
 
     def _check_base(self, rel: Release, weights: str | None) -> None:

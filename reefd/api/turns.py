@@ -94,14 +94,21 @@ def new_record(request: web.Request, scenario: Scenario, binding: Binding, recei
     prefix = "x-reef-tag-"
     tags = {k[len(prefix):].lower(): v for k, v in request.headers.items()
             if k.lower().startswith(prefix)}
+    return {**served_by(scenario, binding, receipt), "api": api, "requested_model": body.get("model"),
+            "created_at": time.time(), **placement.fields(),
+            "tags": tags, "stream": stream, "request": body, **asked(chat)}
+
+
+def served_by(scenario: Scenario, binding: Binding, receipt: str) -> dict[str, Any]:
+    """A record's id and what answered it: the scenario, its release (adapter, harness, weights) and engine."""
     return {"id": receipt, "scenario": scenario.name, "release": binding.release, "adapter": binding.adapter,
             "harness": binding.release if binding.harness is not None and scenario.cfg.harness.inject else None,
-            "weights": binding.weights_version,
-            "engine": scenario.engine.kind, "model": scenario.cfg.model.name, "api": api,
-            "requested_model": body.get("model"),
-            "created_at": time.time(), **placement.fields(),
-            "tags": tags, "stream": stream,
-            "request": body, "messages": chat.messages, "tools": chat.tools,
+            "weights": binding.weights_version, "engine": scenario.engine.kind, "model": scenario.cfg.model.name}
+
+
+def asked(chat: ChatRequest) -> dict[str, Any]:
+    """A record's view of what the engine was asked: the messages, tools and sampling."""
+    return {"messages": chat.messages, "tools": chat.tools,
             "sampling": {"temperature": chat.temperature, "top_p": chat.top_p, "max_tokens": chat.max_tokens}}
 
 
@@ -259,14 +266,10 @@ async def _shadow(app: web.Application, scenario: Scenario, trial: Trial, chat: 
             add_system_text(chat, binding.harness.prompt_block(inline_skills=scenario.cfg.harness.inline_skills))
         receipt = new_receipt()
         record: dict[str, Any] = {
-            "id": receipt, "scenario": scenario.name, "release": binding.release, "adapter": binding.adapter,
-            "harness": binding.release if binding.harness is not None and scenario.cfg.harness.inject else None,
-            "weights": binding.weights_version, "engine": scenario.engine.kind, "model": scenario.cfg.model.name,
-            "api": served.get("api"), "requested_model": served.get("requested_model"), "created_at": time.time(),
+            **served_by(scenario, binding, receipt), "api": served.get("api"),
+            "requested_model": served.get("requested_model"), "created_at": time.time(),
             "session": served.get("session"), "turn": None, "turn_kind": "shadow", "previous": None,
-            "tags": served.get("tags") or {}, "stream": False, "request": served.get("request"),
-            "messages": chat.messages, "tools": chat.tools,
-            "sampling": {"temperature": chat.temperature, "top_p": chat.top_p, "max_tokens": chat.max_tokens}}
+            "tags": served.get("tags") or {}, "stream": False, "request": served.get("request"), **asked(chat)}
         on_weights = {"weights": binding.weights_version} if hasattr(scenario.engine, "swap_weights") else {}
         started = time.monotonic()
         events = scenario.engine.generate(chat, stream=False, timeout_s=scenario.cfg.serve.request_timeout_s,
