@@ -24,7 +24,7 @@ import time
 import openai
 from _harness import Daemon, scratch_dir
 
-from reefd.recordcodec import pack
+from reefd.observe.recordcodec import pack
 from tests.conftest import make_scenarios
 
 SCENARIO = """defaults:

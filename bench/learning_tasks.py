@@ -69,5 +69,5 @@ def score(text: str) -> float:
 
 
 def one_word(text: str, task: Any) -> float:
-    """The gate's scorer (reefd.gates: `pkg.mod:fn(text, task) -> [0, 1]`); the task is not needed."""
+    """The gate's scorer (reefd.commit.gates: `pkg.mod:fn(text, task) -> [0, 1]`); the task is not needed."""
     return score(text)

@@ -83,7 +83,7 @@ def preflight(openings: list[str]) -> list[dict[str, Any]]:
     from transformers.utils import logging as hf_logging
 
     from recipes.openclaw_rl.objective import with_hint
-    from reefd.chat import ChatRequest, ChatTemplate
+    from reefd.serve.chat import ChatRequest, ChatTemplate
     from reefd.worker.prepare import prepare
 
     hf_logging.disable_progress_bar()

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import os
 
-from reefd.judge import JudgeCall
+from reefd.grow.judge import JudgeCall
 
 TRAIN = [
     "What is the capital of France?", "Name a prime number.", "What colour is the sky?",

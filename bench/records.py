@@ -27,8 +27,8 @@ import lmdb
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from reefd.recordcodec import pack as _pack  # noqa: E402  (the store's own encoding)
-from reefd.records import RecordStore, new_receipt  # noqa: E402
+from reefd.observe.recordcodec import pack as _pack  # noqa: E402  (the store's own encoding)
+from reefd.observe.records import RecordStore, new_receipt  # noqa: E402
 
 ANSWER = "Paris. It has been the seat of French kings since the Capetians, and it sits at the heart of the country."
 

@@ -25,11 +25,11 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench.records import filesystem, make_templates  # noqa: E402
+from reefd.commit.chain import ReleaseChain  # noqa: E402
 from reefd.config import RetentionConfig, ScenarioConfig  # noqa: E402
-from reefd.jobs import JobStore  # noqa: E402
-from reefd.records import RecordStore, new_receipt  # noqa: E402
-from reefd.releases import ReleaseChain  # noqa: E402
-from reefd.retention import Retention  # noqa: E402
+from reefd.grow.job_store import JobStore  # noqa: E402
+from reefd.observe.records import RecordStore, new_receipt  # noqa: E402
+from reefd.observe.retention import Retention  # noqa: E402
 
 TICK_S = 0.002
 

@@ -50,8 +50,8 @@ import aiohttp
 from _harness import scratch_dir
 from trainer import LORA, LR, make_samples, model_folder
 
-from reefd.train.backends import LocalTrainers
-from reefd.train.ray_jobs import RayJobs
+from reefd.grow.backends.local import LocalTrainers
+from reefd.grow.backends.ray_jobs import RayJobs
 from tests.conftest import free_port
 
 GOAL_S = 5.0  # Ray's overhead per job, against a cold local process

@@ -19,11 +19,12 @@ from pathlib import Path
 from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 
-from reefd import __version__, config, loop, memory, systemd
+from reefd import __version__, config, loop
 from reefd.app import Settings, build_app, metrics_app
-from reefd.auth import KEYRING, load_tokens
-from reefd.tokens import TokensFileError, path_for
-from reefd.tokens import read as read_tokens_file
+from reefd.ops import malloc, systemd
+from reefd.ops.auth import KEYRING, load_tokens
+from reefd.ops.tokens import TokensFileError, path_for
+from reefd.ops.tokens import read as read_tokens_file
 
 log = logging.getLogger("reefd")
 
@@ -209,7 +210,7 @@ def main(argv: list[str] | None = None) -> int:
         except argparse.ArgumentTypeError as exc:
             print(f"REEF_METRICS_LISTEN: {exc}", file=sys.stderr)
             return 2
-    memory.return_big_buffers()
+    malloc.return_big_buffers()
     args.state.mkdir(mode=0o700, parents=True, exist_ok=True)  # records and the token live here
     tokens_file = path_for(args.state)
     try:

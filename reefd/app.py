@@ -9,7 +9,7 @@ from collections.abc import Awaitable, Callable
 
 from aiohttp import web
 
-from reefd import loop, memory
+from reefd import loop
 from reefd.api import access, admin, anthropic, openai, reports, responses
 from reefd.api import attempts as attempts_api
 from reefd.api import export as export_api
@@ -18,9 +18,10 @@ from reefd.api import jobs as jobs_api
 from reefd.api import releases as release_api
 from reefd.api.errors import SCENARIO_HEADER, ApiError, error_middleware
 from reefd.api.openapi import openapi_json
-from reefd.auth import ANY, KEYRING, ROUTE_SCOPES, Keyring, auth_middleware
 from reefd.loop import Settings
-from reefd.metrics import INSTALL_HINT
+from reefd.ops import malloc
+from reefd.ops.auth import ANY, KEYRING, ROUTE_SCOPES, Keyring, auth_middleware
+from reefd.ops.metrics import INSTALL_HINT
 
 __all__ = ["Settings", "build_app", "metrics_app"]
 
@@ -32,8 +33,8 @@ async def trim_after_big_bodies(request: web.Request,
     try:
         return await handler(request)
     finally:
-        if (request.content_length or 0) > memory.BIG_BODY:
-            await asyncio.to_thread(memory.trim)
+        if (request.content_length or 0) > malloc.BIG_BODY:
+            await asyncio.to_thread(malloc.trim)
 
 
 AGENT_APIS = (("/v1/chat/completions", "openai.chat_completions"), ("/v1/messages/count_tokens",
@@ -93,7 +94,7 @@ def metrics_app(main: web.Application) -> web.Application:
     return app
 
 
-# The scope each route needs (reefd/tokens.py): `serve` for agents, `report` for feedback, `read` for operators'
+# The scope each route needs (reefd/ops/tokens.py): `serve` for agents, `report` for feedback, `read` for operators'
 # reads, `admin` for what changes the chain or starts work. A handler missing here needs `admin`.
 SCOPES: dict[Callable[..., object], str] = {
     openai.chat_completions: "serve", anthropic.messages: "serve", anthropic.count_tokens: "serve",

@@ -2,7 +2,7 @@
 
 Owns the scenario's YAML contract and turns any mistake into one line naming the file and the full key path.
 The plug points own their parts of it: `model:` is the engines' ModelConfig, `gate:` is checked by the gate kind
-it names (reefd/gates), `recipe.params` by the recipe. Knows nothing about HTTP, records or the chain.
+it names (reefd/commit/gates), `recipe.params` by the recipe. Knows nothing about HTTP, records or the chain.
 """
 
 from __future__ import annotations
@@ -23,10 +23,12 @@ import jsonschema
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from reefd import gates, plugins, recipes, schema
+from reefd import plugins, schema
+from reefd.commit import gates
+from reefd.commit.chain import InvalidName, validate_name
 from reefd.engines import ModelConfig, engine_class
+from reefd.grow import recipes
 from reefd.harness import Harness, HarnessError
-from reefd.releases import InvalidName, validate_name
 
 __all__ = ["ConfigError", "ModelConfig", "ReleaseConfig", "ScenarioConfig", "compose", "json_schema", "load_all"]
 
@@ -235,7 +237,7 @@ class ScenarioConfig:
     gate: dict[str, Any] = field(
         default_factory=lambda: {"kind": "always"},
         metadata={"description": "How a candidate is judged before it may be published: `kind` and that kind's "
-                                 "own keys (reefd/gates)."})
+                                 "own keys (reefd/commit/gates)."})
     harness: HarnessConfig = field(default_factory=HarnessConfig)
     retention: RetentionConfig = field(default_factory=RetentionConfig)
 
@@ -417,7 +419,7 @@ def _grow_problem(cfg: ScenarioConfig, scenarios_dir: Path) -> str | None:
         if not (cfg.recipe.ray_address or os.environ.get("REEF_RAY_ADDRESS")):
             return f"recipe.ray_address: backend {backend} needs the cluster's address (or set REEF_RAY_ADDRESS)"
         if backend == "slime":
-            from reefd.train.slime import SlimeError, SlimeSettings
+            from reefd.grow.backends.slime import SlimeError, SlimeSettings
 
             try:
                 slime = SlimeSettings.parse(dict(cfg.recipe.slime))

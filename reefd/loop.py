@@ -33,21 +33,22 @@ import aiohttp
 import orjson
 from aiohttp import web
 
-from reefd import metrics, releases
-from reefd.attempts import Attempts
-from reefd.canary import Trials
+from reefd.commit import chain as releases
+from reefd.commit.chain import Candidate, Release, ReleaseChain
+from reefd.commit.reconcile import Reconciler
+from reefd.commit.trials import Trials
 from reefd.config import ScenarioConfig, ServeConfig
-from reefd.jobs import JobStore
-from reefd.judge import Judges
-from reefd.reconcile import Reconciler
-from reefd.records import RecordStore
-from reefd.releases import Candidate, Release, ReleaseChain
-from reefd.retention import Retention
-from reefd.runner import Runner
-from reefd.scenarios import Registry, Scenario
-from reefd.schedule import Scheduler
-from reefd.sessions import Conversations
-from reefd.train.backends import Backends
+from reefd.grow.attempts import Attempts
+from reefd.grow.backends.local import Backends
+from reefd.grow.job_store import JobStore
+from reefd.grow.judge import Judges
+from reefd.grow.runner import Runner
+from reefd.grow.schedule import Scheduler
+from reefd.observe.conversations import Conversations
+from reefd.observe.records import RecordStore
+from reefd.observe.retention import Retention
+from reefd.ops import metrics
+from reefd.serve.scenarios import Registry, Scenario
 
 log = logging.getLogger("reefd")
 
@@ -73,7 +74,7 @@ class Settings:
 
     state_dir: Path
     tokens: list[str]  # root tokens: every scope, every scenario
-    tokens_file: Path | None = None  # scoped tokens (reefd/tokens.py), re-read on SIGHUP
+    tokens_file: Path | None = None  # scoped tokens (reefd/ops/tokens.py), re-read on SIGHUP
     records_map_size: int = 1 << 30
     shutdown_timeout_s: float = 30.0
     scenarios: dict[str, ScenarioConfig] = field(default_factory=dict)

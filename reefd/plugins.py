@@ -13,11 +13,12 @@ from typing import Any
 
 ENGINES = {"worker": "reefd.engines.sglang:SGLangEngine", "sglang": "reefd.engines.sglang:SGLangEngine",
            "upstream": "reefd.engines.upstream:UpstreamEngine"}
-GATES = {"always": "reefd.gates.kinds:Always", "holdout": "reefd.gates.kinds:Holdout",
-         "floor": "reefd.gates.kinds:Floor", "paired": "reefd.gates.kinds:Paired"}
-BACKENDS = {"local": "reefd.train.backends:LocalTrainers", "ray": "reefd.train.ray_jobs:RayJobs",
-            "slime": "reefd.train.slime:SlimeJobs"}
-RECIPES = {"record": "reefd.recipes:RecordOnly", "sao": "recipes.sao.recipe:SAO", "grpo": "recipes.sao.recipe:GRPO",
+GATES = {"always": "reefd.commit.gates.kinds:Always", "holdout": "reefd.commit.gates.kinds:Holdout",
+         "floor": "reefd.commit.gates.kinds:Floor", "paired": "reefd.commit.gates.kinds:Paired"}
+BACKENDS = {"local": "reefd.grow.backends.local:LocalTrainers", "ray": "reefd.grow.backends.ray_jobs:RayJobs",
+            "slime": "reefd.grow.backends.slime:SlimeJobs"}
+RECIPES = {"record": "reefd.grow.recipes:RecordOnly", "sao": "recipes.sao.recipe:SAO",
+           "grpo": "recipes.sao.recipe:GRPO",
            "skillclaw": "recipes.skillclaw.recipe:SkillClaw", "openclaw-rl": "recipes.openclaw_rl.recipe:OpenClawRL",
            "ttt-discover": "recipes.ttt_discover.recipe:TTTDiscover", "gepa": "recipes.gepa.recipe:GEPA"}
 

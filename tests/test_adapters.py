@@ -1,4 +1,4 @@
-"""reefd.adapters against real PEFT LoRA folders, real HF model folders and hand-made safetensors files."""
+"""reefd.commit.adapters against real PEFT LoRA folders, real HF model folders and hand-made safetensors files."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from reefd.adapters import InvalidAdapter, base_linear_shapes, check_adapter, read_safetensors_header
+from reefd.commit.adapters import InvalidAdapter, base_linear_shapes, check_adapter, read_safetensors_header
 from tests.loras import make_lora, make_other_base
 
 # peft 0.21 still reads transformers' deprecated `is_gradient_checkpointing` (a FutureWarning)
@@ -92,7 +92,7 @@ def test_base_linear_shapes_agree_with_torch(tiny_model: Path, other_base: Path)
 
 
 def test_daemon_does_not_import_torch() -> None:
-    code = "import reefd.adapters, sys; assert 'torch' not in sys.modules and 'numpy' not in sys.modules"
+    code = "import reefd.commit.adapters, sys; assert 'torch' not in sys.modules and 'numpy' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True)
 
 

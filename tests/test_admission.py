@@ -7,7 +7,7 @@ import contextlib
 
 import pytest
 
-from reefd.admission import Admission, Left, Overloaded
+from reefd.serve.admission import Admission, Left, Overloaded
 
 
 async def hold(line: Admission, order: list[str], name: str, release: asyncio.Event) -> None:

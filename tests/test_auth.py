@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from reefd import tokens
-from reefd.auth import Keyring, load_tokens, matches
-from reefd.tokens import FULL
+from reefd.ops import tokens
+from reefd.ops.auth import Keyring, load_tokens, matches
+from reefd.ops.tokens import FULL
 
 
 def test_env_tokens_allow_rotation(tmp_path: Path) -> None:
@@ -122,7 +122,7 @@ def test_a_job_of_another_scenario_is_not_found_for_a_limited_token(tmp_path: Pa
     from aiohttp.test_utils import TestClient, TestServer
 
     from reefd.app import Settings, build_app
-    from reefd.jobs import Job
+    from reefd.grow.job_store import Job
     from reefd.loop import SCHEDULER
 
     path = tmp_path / "tokens.json"

@@ -1,4 +1,4 @@
-"""The trial test (reefd/canary.py): Student's t, the decision rule and its error over many looks, sticky sides,
+"""The trial test (reefd/commit/trials.py): Student's t, the decision rule and its error over many looks, sticky sides,
 and what a release's meta says of its trial."""
 
 from __future__ import annotations
@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from reefd import canary
+from reefd.commit import trials as canary
+from reefd.commit.chain import Candidate, Release, ReleaseChain
 from reefd.config import CanaryConfig, ReleaseConfig, ShadowConfig
-from reefd.releases import Candidate, Release, ReleaseChain
 
 
 @pytest.mark.parametrize(("p", "df", "expected"), [
@@ -144,8 +144,8 @@ def test_reports_and_judgments_count_for_their_side_and_a_restart_counts_them_ag
     """A real record store: each report counts once for the side that served its record (a judge's too), records
     of other releases and shadow records do not count, and a new Trials (a restarted reefd) rebuilds the same
     counts from the store; the first look then decides, and the decision is committed."""
-    from reefd.receipts import new_receipt
-    from reefd.records import RecordStore
+    from reefd.observe.receipts import new_receipt
+    from reefd.observe.records import RecordStore
 
     cfg = ReleaseConfig(canary=CanaryConfig(share=0.5, min_reports=3, max_drop=0.1))
     meta = {"canary": {"mode": "canary", "stable": "r1-stable0", "started_at": time.time() - 1}}
@@ -212,7 +212,7 @@ def test_reports_and_judgments_count_for_their_side_and_a_restart_counts_them_ag
 
 def test_a_trial_past_its_max_age_is_resolved_by_on_timeout(tmp_path: Path) -> None:
     """Too few scores by max_age_s: on_timeout decides (here promote), and the evidence says why."""
-    from reefd.records import RecordStore
+    from reefd.observe.records import RecordStore
 
     cfg = ReleaseConfig(canary=CanaryConfig(share=0.5, min_reports=50, max_age_s=60, on_timeout="promote"))
     now = [1000.0]

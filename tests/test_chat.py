@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from reefd.chat import ChatRequest, ChatTemplate, parse_tool_calls
+from reefd.serve.chat import ChatRequest, ChatTemplate, parse_tool_calls
 
 TOOLS = [{"type": "function", "function": {"name": "get", "description": "d",
                                            "parameters": {"type": "object"}}}]
@@ -99,7 +99,7 @@ def test_templates_without_tools_get_them_folded_in(tmp_path: Path, tiny: Path) 
 def test_unrenderable_conversation_is_a_template_error(tmp_path: Path, tiny: Path) -> None:
     import shutil
 
-    from reefd.chat import TemplateError
+    from reefd.serve.chat import TemplateError
 
     strict = tmp_path / "strict"
     shutil.copytree(tiny, strict)

@@ -26,9 +26,9 @@ from urllib.parse import parse_qsl, unquote, urlsplit
 
 import pytest
 
-from reefd import cli as reefctl
-from reefd import cli_releases
-from reefd.cli import main
+from reefd.cli import main as reefctl
+from reefd.cli import release_verbs
+from reefd.cli.main import main
 from tests.served import in_thread
 
 REPO = Path(__file__).resolve().parents[1]
@@ -466,7 +466,7 @@ def pump(stream: IO[str], lines: queue.Queue[str]) -> None:
 def test_follow_prints_records_as_they_arrive(reef: FakeReef) -> None:
     # Through -c rather than -m so SIGINT raises KeyboardInterrupt even if this test runs with SIGINT ignored.
     code = "import signal, sys; signal.signal(signal.SIGINT, signal.default_int_handler); " \
-           "from reefd.cli import main; sys.exit(main(sys.argv[1:]))"
+           "from reefd.cli.main import main; sys.exit(main(sys.argv[1:]))"
     argv = ["--url", reef.url, "records", "hello", "-o", "json", "--follow", "--interval", "0.05"]
     with subprocess.Popen([sys.executable, "-c", code, *argv], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                           text=True, env=child_env(), cwd=REPO) as proc:
@@ -659,7 +659,7 @@ def test_publish_sends_a_tar_of_the_folder_contents(reef: FakeReef, capsys: pyte
     assert code == 0
     assert out == "release/r4-eeeeeee published to demo; serving r4-eeeeeee\n"
     assert err == "reefctl: warning: adapter rank 64 is above the engine's max_lora_rank 32; loading may be slow\n"
-    assert timeouts == [cli_releases.PUBLISH_TIMEOUT_S]
+    assert timeouts == [release_verbs.PUBLISH_TIMEOUT_S]
     (seen,) = reef.seen
     assert (seen.method, seen.path) == ("POST", "/reef/scenarios/demo/releases")
     assert seen.query == {"kind": "adapter", "expected_head": "r3-ccccccc", "summary": "from a test"}

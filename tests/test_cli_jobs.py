@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from reefd.cli_jobs import outcome, progress_line
+from reefd.cli.job_verbs import outcome, progress_line
 
 JOB = {"id": "j-1", "state": "running", "stage": "train", "release": None, "verdict": None, "error": None,
        "progress": {"step": 3, "steps": 8, "loss": 0.41234, "tokens_per_s": 951.6}}

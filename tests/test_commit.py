@@ -1,4 +1,4 @@
-"""The commit policy (reefd/releases.py `commit`): one function for every writer. Unit tests on a real chain, then
+"""The commit policy (reefd/commit/chain.py `commit`): one function for every writer. Unit tests on a real chain, then
 its two kinds of callers, the publish route and a Grow job, driven in one in-process daemon on the tiny model
 while a rival writer keeps moving the head: both follow the head the same number of times."""
 
@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 
 from reefd import config
-from reefd.releases import (
+from reefd.commit.chain import (
     REBASE_ATTEMPTS,
     Candidate,
     HeadConflict,

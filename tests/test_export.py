@@ -16,13 +16,13 @@ import lmdb
 import pyarrow.parquet as pq
 import pytest
 
-from reefd import cli
 from reefd.api.errors import ApiError
 from reefd.api.export import since_cursor
-from reefd.cli_export import PARQUET_COLUMNS, flat_row, write_parquet
-from reefd.receipts import new_receipt, receipt_ms
-from reefd.records import RecordStore
-from reefd.releases import ReleaseChain
+from reefd.cli import main as cli
+from reefd.cli.export_verbs import PARQUET_COLUMNS, flat_row, write_parquet
+from reefd.commit.chain import ReleaseChain
+from reefd.observe.receipts import new_receipt, receipt_ms
+from reefd.observe.records import RecordStore
 from tests.test_records import record, with_store
 
 
@@ -94,7 +94,7 @@ def test_a_record_is_one_flat_row() -> None:
 
 
 def test_parquet_file_has_the_flat_schema_in_row_groups(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr("reefd.cli_export.ROW_GROUP", 2)
+    monkeypatch.setattr("reefd.cli.export_verbs.ROW_GROUP", 2)
     records = [served(reports=[{"score": float(i)}]) for i in range(5)]
     out = io.BytesIO()
     assert write_parquet(iter(records), out) == 5
@@ -126,9 +126,9 @@ def test_an_export_cut_half_way_is_an_error_not_a_short_file(tmp_path: Path, mon
     """A failure after the first page was sent cuts the stream: the client cannot take a part for the whole."""
     from aiohttp import web
 
-    from reefd.adminclient import Client, CliError
     from reefd.api import export as export_api
     from reefd.api.errors import error_middleware
+    from reefd.cli.client import Client, CliError
     from reefd.loop import CHAIN, RECORDS, REGISTRY
     from tests.served import aiohttp_in_thread
 

@@ -1,5 +1,5 @@
-"""Where a gate finds the serving release's per-task scores (reefd/gates/memory.py, as reefd/runner.py asks it):
-what this process measured, keyed by adapter tree, else the `candidate` column of the gate that admitted the
+"""Where a gate finds the serving release's per-task scores (reefd/commit/gates/memory.py, as reefd/grow/runner.py asks
+it): what this process measured, keyed by adapter tree, else the `candidate` column of the gate that admitted the
 release, in its release.json, following a rollback or promote to the release it copies. A real release chain; no
 engine, no daemon."""
 
@@ -11,10 +11,10 @@ from typing import Any
 
 import pytest
 
-from reefd.gates.memory import ScoreMemory
-from reefd.releases import Release, ReleaseChain
-from reefd.runner import serving_key
-from reefd.scenarios import Binding
+from reefd.commit.chain import Release, ReleaseChain
+from reefd.commit.gates.memory import ScoreMemory
+from reefd.grow.runner import serving_key
+from reefd.serve.scenarios import Binding
 
 
 def adapter(tmp_path: Path, name: str) -> Path:

@@ -12,8 +12,8 @@ from typing import Any
 
 import pytest
 
-from reefd import gates
-from reefd.gates import GateError, Generate, Sampling, Task, Verdict, build, load_tasks, scorer
+from reefd.commit import gates
+from reefd.commit.gates import GateError, Generate, Sampling, Task, Verdict, build, load_tasks, scorer
 
 CAND, CUR = "cand", "cur"
 NOT_CALLABLE = 42

@@ -10,9 +10,9 @@ from typing import Any
 import pytest
 
 from recipes.gepa.recipe import GEPA, GEPAConfig, pick_parent, proposed_text, reflections
-from reefd.gates.tasks import Task
+from reefd.commit.gates.tasks import Task
+from reefd.grow.recipes import Ask, Found, HarnessSearch, RecipeError, Sample, SearchContext
 from reefd.harness import Entry, Harness
-from reefd.recipes import Ask, Found, HarnessSearch, RecipeError, Sample, SearchContext
 from tests.recipes.reflectors import revise
 
 TRAIN = [Task([{"role": "user", "content": f"train {i}"}], "yes", {}) for i in range(5)]

@@ -1,4 +1,4 @@
-"""The judge (reefd/judge.py): vote parsing, the plurality, hint selection, and a judgment stored as a report
+"""The judge (reefd/grow/judge.py): vote parsing, the plurality, hint selection, and a judgment stored as a report
 with `source: judge` in a real record store, whatever the judge answers. The daemon's use of it is in
 tests/e2e/test_openclaw.py."""
 
@@ -11,10 +11,10 @@ from typing import Any
 
 import pytest
 
-from reefd.chat import Completion
 from reefd.engines import EngineUnavailable, ModelConfig
-from reefd.judge import Judges, JudgeSettings, Unreachable, parse_hint, parse_vote, plurality, select_hints
-from reefd.records import RecordStore, new_receipt
+from reefd.grow.judge import Judges, JudgeSettings, Unreachable, parse_hint, parse_vote, plurality, select_hints
+from reefd.observe.records import RecordStore, new_receipt
+from reefd.serve.chat import Completion
 
 
 def test_the_last_boxed_value_is_the_vote() -> None:

@@ -12,11 +12,12 @@ from typing import Any, ClassVar
 import aiohttp
 import pytest
 
-from reefd import config, gates, plugins
-from reefd.chat import ChatRequest, Completion
+from reefd import config, plugins
+from reefd.commit import gates
+from reefd.commit.gates import Generate, KnownScores, Sampling, Verdict
 from reefd.engines import ModelConfig, build_engine, engine_class
-from reefd.gates import Generate, KnownScores, Sampling, Verdict
-from reefd.train.backends import Backends, LocalTrainers
+from reefd.grow.backends.local import Backends, LocalTrainers
+from reefd.serve.chat import ChatRequest, Completion
 from tests.conftest import make_scenarios
 
 

@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from reefd.recipes import RecipeError, RecordOnly, Sample, WeightJob, build, scored_rollout
+from reefd.grow.recipes import RecipeError, RecordOnly, Sample, WeightJob, build, scored_rollout
 
 
 def record(**extra: Any) -> dict[str, Any]:
@@ -84,15 +84,16 @@ def test_eligibility_needs_engine_tokens_and_a_score() -> None:
 
 
 def test_groups_are_stable_across_processes() -> None:
-    code = ("from reefd.recipes import scored_rollout; print(scored_rollout({'id': 'x', 'prompt_token_ids': [1, 2, 3],"
-            " 'completion_token_ids': [4], 'completion_logprobs': [0.0]}, [{'report_id': 'r', 'score': 1}]).group)")
+    code = ("from reefd.grow.recipes import scored_rollout; print(scored_rollout({'id': 'x',"
+            " 'prompt_token_ids': [1, 2, 3], 'completion_token_ids': [4], 'completion_logprobs': [0.0]},"
+            " [{'report_id': 'r', 'score': 1}]).group)")
     runs = {subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
             for _ in range(2)}
     assert len(runs) == 1
 
 
 def test_daemon_side_of_recipes_does_not_import_torch() -> None:
-    code = ("import reefd.recipes, recipes.sao.recipe, sys; reefd.recipes.build('sao', {}); "
+    code = ("import reefd.grow.recipes, recipes.sao.recipe, sys; reefd.grow.recipes.build('sao', {}); "
             "print('torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "False"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 
-from reefd.recordcodec import pack, unpack
+from reefd.observe.recordcodec import pack, unpack
 
 
 def test_round_trip_is_exact_and_arrays_are_compact() -> None:

@@ -17,8 +17,8 @@ from typing import Any
 import lmdb
 import pytest
 
-from reefd.recordcodec import pack
-from reefd.records import (
+from reefd.observe.recordcodec import pack
+from reefd.observe.records import (
     ClaimTaken,
     RecordStore,
     ReportConflict,
@@ -484,7 +484,7 @@ def test_close_drains_queued_writes_then_refuses(tmp_path: Path) -> None:
 
 CHILD = r"""
 import asyncio, base64, os, sys
-from reefd.records import RecordStore, new_receipt
+from reefd.observe.records import RecordStore, new_receipt
 
 async def main(path):
     store = RecordStore(path, map_size=64 * 1024)  # small: the map also grows while we are killed
@@ -539,7 +539,7 @@ def test_a_failed_write_on_a_full_disk_says_no_space_left(tmp_path: Path, monkey
     import errno
     import os
 
-    from reefd import records
+    from reefd.observe import records
 
     eio = OSError(errno.EIO, "Input/output error")
     assert records.disk_says(str(tmp_path), eio) == "[Errno 5] Input/output error"  # plenty of room here

@@ -14,7 +14,7 @@ from pathlib import Path
 import pygit2
 import pytest
 
-from reefd.releases import (
+from reefd.commit.chain import (
     HeadConflict,
     InvalidName,
     Release,
@@ -130,7 +130,7 @@ RACER = textwrap.dedent(
     """
     import json, sys, time
     from pathlib import Path
-    from reefd.releases import HeadConflict, ReleaseChain
+    from reefd.commit.chain import HeadConflict, ReleaseChain
     chain, tag, art = ReleaseChain(Path(sys.argv[1])), sys.argv[2], Path(sys.argv[3])
     ready, go = Path(sys.argv[4] + "." + tag), Path(sys.argv[4])
     ready.touch()
@@ -189,7 +189,7 @@ CRASHER = textwrap.dedent(
     """
     import sys
     from pathlib import Path
-    from reefd.releases import ReleaseChain
+    from reefd.commit.chain import ReleaseChain
     chain = ReleaseChain(Path(sys.argv[1]))
     head = chain.head(sys.argv[2])
     chain.publish(sys.argv[2], expected_head=head.id if head else None, kind="adapter",

@@ -13,12 +13,12 @@ from typing import Any
 
 import pytest
 
+from reefd.commit.chain import ReleaseChain
 from reefd.config import RetentionConfig, ScenarioConfig
-from reefd.jobs import JobStore
-from reefd.receipts import new_receipt, receipt_floor, receipt_ms
-from reefd.records import RecordStore, UnknownReceipt
-from reefd.releases import ReleaseChain
-from reefd.retention import Retention, lineage
+from reefd.grow.job_store import JobStore
+from reefd.observe.receipts import new_receipt, receipt_floor, receipt_ms
+from reefd.observe.records import RecordStore, UnknownReceipt
+from reefd.observe.retention import Retention, lineage
 from tests.test_records import noise, record, with_store
 
 CROCKFORD = "0123456789ABCDEFGHJKMNPQRSTVWXYZ"

@@ -11,7 +11,7 @@ import aiohttp
 
 from reefd import config
 from reefd.config import ScenarioConfig
-from reefd.scenarios import Binding, Registry, Scenario
+from reefd.serve.scenarios import Binding, Registry, Scenario
 from tests.conftest import make_scenarios
 from tests.test_plugins import EchoEngine
 

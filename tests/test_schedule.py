@@ -11,8 +11,8 @@ from typing import Any
 
 import pytest
 
-from reefd.jobs import Job, JobStore
-from reefd.schedule import Scheduler
+from reefd.grow.job_store import Job, JobStore
+from reefd.grow.schedule import Scheduler
 
 
 def scenario(cron: str | None = None) -> Any:

@@ -1,11 +1,12 @@
 """Conversations: which session and turn each request is, the next state of the turn it continues, retries,
-side calls and expiry (reefd/sessions.py), without a daemon. The daemon's use of it is in tests/e2e/test_openclaw.py."""
+side calls and expiry (reefd/observe/conversations.py), without a daemon. The daemon's use of it is in
+tests/e2e/test_openclaw.py."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from reefd.sessions import Conversations, Placement, chain
+from reefd.observe.conversations import Conversations, Placement, chain
 
 SYSTEM = {"role": "system", "content": "You are helpful."}
 

@@ -12,8 +12,8 @@ import pytest
 
 from recipes.skillclaw.recipe import SkillClaw, SkillClawConfig
 from reefd import config
+from reefd.grow.recipes import HarnessJob, RecipeError, build
 from reefd.harness import Entry, Harness
-from reefd.recipes import HarnessJob, RecipeError, build
 from tests.conftest import ROOT, make_scenarios
 
 PATH = "recipes.skillclaw.recipe:SkillClaw"

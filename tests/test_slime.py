@@ -18,8 +18,8 @@ from typing import Any
 import pytest
 
 from reefd import config
+from reefd.grow.backends.slime import SlimeError, SlimeJobs, SlimeSettings, batch_lines, slime_args
 from reefd.train import slime_batch
-from reefd.train.slime import SlimeError, SlimeJobs, SlimeSettings, batch_lines, slime_args
 from tests.conftest import make_scenarios
 
 pytestmark = pytest.mark.contract

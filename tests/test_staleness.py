@@ -1,4 +1,4 @@
-"""Staleness (reefd/staleness.py) on a real release chain and a real record store: releases behind the head counted
+"""Staleness (reefd/grow/staleness.py) on a real release chain and a real record store: releases behind the head counted
 by seq (a promote of the same artifacts is a release too), samples past max_staleness dropped or kept to be
 weighted, the recipes' params, the job's summary and its STALENESS cell."""
 
@@ -10,13 +10,13 @@ from pathlib import Path
 import pytest
 
 from recipes.sao.recipe import SAO, SAOConfig
-from reefd.cli_jobs import staleness_cell
-from reefd.jobs import JobStore
-from reefd.recipes import RecipeError, Sample, build
-from reefd.records import RecordStore
-from reefd.releases import ReleaseChain
-from reefd.runner import eligible
-from reefd.staleness import Policy, StalenessParams, age, behind, past
+from reefd.cli.job_verbs import staleness_cell
+from reefd.commit.chain import ReleaseChain
+from reefd.grow.job_store import JobStore
+from reefd.grow.recipes import RecipeError, Sample, build
+from reefd.grow.runner import eligible
+from reefd.grow.staleness import Policy, StalenessParams, age, behind, past
+from reefd.observe.records import RecordStore
 from tests.test_records import record, with_store
 
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from reefd import systemd
+from reefd.ops import systemd
 from tests.conftest import ROOT, Daemon, make_scenarios
 
 

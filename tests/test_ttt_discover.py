@@ -11,7 +11,7 @@ import pytest
 
 from recipes.ttt_discover.archive import ROOT, Archive
 from recipes.ttt_discover.recipe import TTTConfig, TTTDiscover
-from reefd.recipes import RecipeError, build
+from reefd.grow.recipes import RecipeError, build
 
 
 def child(cid: str, parent: str, score: float, step: int = 0, state: str | None = None) -> dict[str, Any]:

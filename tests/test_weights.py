@@ -1,4 +1,4 @@
-"""reefd.weights against copies of the real tiny model, as transformers writes them and as damaged by hand."""
+"""reefd.commit.weights against copies of the real tiny model, as transformers writes them and as damaged by hand."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from reefd.weights import TOKENIZER_FILES, InvalidWeights, check_weights, weight_files
+from reefd.commit.weights import TOKENIZER_FILES, InvalidWeights, check_weights, weight_files
 
 WEIGHTS = "model.safetensors"
 INDEX = "model.safetensors.index.json"
@@ -67,7 +67,7 @@ def refused(folder: Path, base: Path) -> str:
 
 
 def test_daemon_does_not_import_torch() -> None:
-    code = "import reefd.weights, sys; assert 'torch' not in sys.modules and 'numpy' not in sys.modules"
+    code = "import reefd.commit.weights, sys; assert 'torch' not in sys.modules and 'numpy' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True)
 
 

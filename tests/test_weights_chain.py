@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from reefd import releases
-from reefd.releases import BaseMismatch, Candidate, ReleaseChain, trained_on
+from reefd.commit import chain as releases
+from reefd.commit.chain import BaseMismatch, Candidate, ReleaseChain, trained_on
 from tests.test_releases import adapter_dir, git
 
 

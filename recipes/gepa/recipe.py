@@ -1,7 +1,7 @@
 """GEPA as a Reef recipe: reflective evolution of the harness's texts against labelled tasks.
 
 A candidate maps each evolved component of the harness (the body of a rules file or of a skill) to its text. One
-job runs `iterations` GEPA iterations as a search (reefd/recipes.py HarnessSearch): choose a parent by its share of
+job runs `iterations` GEPA iterations as a search (reefd/grow/recipes.py HarnessSearch): choose a parent by its share of
 the per-task Pareto fronts over the validation tasks, a component round-robin, and a minibatch of training tasks;
 answer the minibatch under the parent; show the reflection model the component's text with those examples
 (inputs, outputs, the scorer's feedback) and the feedback of recent reported traffic; take the new text from its
@@ -21,8 +21,8 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from reefd.gates.tasks import GateError, Task, scorer
-from reefd.recipes import (
+from reefd.commit.gates.tasks import GateError, Task, scorer
+from reefd.grow.recipes import (
     Ask,
     Found,
     HarnessSearch,

@@ -18,7 +18,7 @@ import torch
 from torch import Tensor
 
 from recipes.openclaw_rl.loss import opd_terms, pg_terms, sample_mean
-from reefd.chat import ChatRequest, ChatTemplate, TemplateError
+from reefd.serve.chat import ChatRequest, ChatTemplate, TemplateError
 from reefd.train.batch import Batch, collate, stale_weights
 from reefd.train.objective import Context, Outputs
 from reefd.train.spec import Rollout

@@ -10,8 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from reefd.recipes import Sample, WeightJob, scored_rollout
-from reefd.staleness import StalenessParams
+from reefd.grow.recipes import Sample, WeightJob, scored_rollout
+from reefd.grow.staleness import StalenessParams
 
 if TYPE_CHECKING:
     from reefd.harness import Harness

@@ -1,7 +1,7 @@
 """SkillClaw as a harness recipe: turns with low scores or feedback -> a proposer prompt -> skill-pool mutations.
 
 Owns eligibility, the prompt and the answer's contract (schema, safety rules, mutations); it does not call the
-proposer, gate or publish (reefd/runner.py), nor read harness files (reefd/harness). See README.md."""
+proposer, gate or publish (reefd/grow/runner.py), nor read harness files (reefd/harness). See README.md."""
 
 from __future__ import annotations
 
@@ -15,8 +15,8 @@ from typing import Any
 import jsonschema
 
 from reefd.engines import ModelConfig
+from reefd.grow.recipes import HarnessJob, RecipeError, Sample
 from reefd.harness import ID_PATTERN, MAX_BODY_BYTES, MAX_DESCRIPTION_CHARS, Harness, HarnessError
-from reefd.recipes import HarnessJob, RecipeError, Sample
 from reefd.schema import dataclass_schema, first_error
 
 ACTIONS = ("improve_skill", "optimize_description", "create_skill", "skip")
@@ -288,7 +288,7 @@ def _number(value: Any) -> float | None:
 
 
 def _latest_score(reports: list[dict[str, Any]]) -> float | None:
-    """The latest report's score (the latest that has one), like reefd.recipes.scored_rollout."""
+    """The latest report's score (the latest that has one), like reefd.grow.recipes.scored_rollout."""
     for r in reversed(reports):
         score = _number(r.get("score"))
         if score is not None:

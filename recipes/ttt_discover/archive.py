@@ -1,5 +1,5 @@
 """TTT-Discover's archive of states: the best attempts so far, their scores and visit counts, and PUCT selection of
-the states the next grid starts from (pure Python; reefd keeps one per scenario, reefd/attempts.py).
+the states the next grid starts from (pure Python; reefd keeps one per scenario, reefd/grow/attempts.py).
 
 A state is an attempt's answer (or what the client's scorer made of it) with its score, the release that produced
 it, the step it came from and its parent. Selection scores every state as
@@ -62,7 +62,7 @@ class Archive:
         self.size = size
         self.nodes: dict[str, Node] = {ROOT: Node(ROOT, initial_state, initial_score)}
         self.total = 0  # T
-        self.curve: list[dict[str, Any]] = []  # one entry per closed step (reefd/attempts.py writes it)
+        self.curve: list[dict[str, Any]] = []  # one entry per closed step (reefd/grow/attempts.py writes it)
 
     # ------------------------------------------------------------ persistence
 

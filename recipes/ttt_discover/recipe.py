@@ -1,6 +1,6 @@
 """TTT-Discover as a Reef recipe: a grid of scored attempts -> one LoRA step with entropic advantages.
 
-The daemon side (no torch). A client, the solver loop, asks reefd for the next step (reefd/attempts.py): G parent
+The daemon side (no torch). A client, the solver loop, asks reefd for the next step (reefd/grow/attempts.py): G parent
 states chosen by PUCT from the scenario's archive (archive.py), each with the prompt to send. It sends R attempts
 per state through the normal APIs and reports each with `metadata: {step, group, rollout}` and its score. Once the
 grid is full, this recipe turns it into a trainer job: per group, entropic leave-one-out advantages (entropic.py),
@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from recipes.ttt_discover.archive import Archive
 from recipes.ttt_discover.entropic import GroupError, advantages
-from reefd.recipes import RecipeError, Sample, WeightJob, engine_tokens
+from reefd.grow.recipes import RecipeError, Sample, WeightJob, engine_tokens
 
 if TYPE_CHECKING:
     from reefd.harness import Harness
@@ -95,7 +95,7 @@ class TTTDiscover:
         self.trains = cfg.train
         self.sampling = {"temperature": cfg.temperature, "max_tokens": cfg.max_tokens}
 
-    # ------------------------------------------------------------ the search side (reefd/attempts.py)
+    # ------------------------------------------------------------ the search side (reefd/grow/attempts.py)
 
     def new_archive(self) -> Archive:
         return Archive(self.cfg.initial_state, self.cfg.initial_score, self.cfg.archive_size)

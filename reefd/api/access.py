@@ -12,10 +12,10 @@ from collections.abc import Iterable
 from aiohttp import web
 
 from reefd.api.errors import SCENARIO_HEADER, ApiError, shown
-from reefd.auth import GRANT
 from reefd.loop import REGISTRY
-from reefd.scenarios import Scenario, UnknownScenario
-from reefd.tokens import FULL, Grant
+from reefd.ops.auth import GRANT
+from reefd.ops.tokens import FULL, Grant
+from reefd.serve.scenarios import Scenario, UnknownScenario
 
 
 def grant(request: web.Request) -> Grant:

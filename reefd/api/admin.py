@@ -13,8 +13,8 @@ from aiohttp import web
 from reefd import __version__
 from reefd.api import access
 from reefd.api.errors import ApiError, json_response, shown
-from reefd.auth import AUTHENTICATED
 from reefd.loop import ATTEMPTS, CHAIN, CONVERSATIONS, JUDGES, RECONCILER, RECORDS, REGISTRY, STARTED_AT, TRIALS
+from reefd.ops.auth import AUTHENTICATED
 
 MAX_LIMIT = 1000
 

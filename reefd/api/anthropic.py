@@ -16,8 +16,8 @@ from aiohttp import web
 
 from reefd.api.errors import ApiError, anthropic_body, check, json_response, read_json, shown
 from reefd.api.turns import scenario_of, serve_turn
-from reefd.chat import ChatRequest, Completion
 from reefd.loop import RECORDS
+from reefd.serve.chat import ChatRequest, Completion
 
 _TEXT_BLOCK = {"type": "object", "required": ["type", "text"],
                "properties": {"type": {"const": "text"}, "text": {"type": "string"}}}

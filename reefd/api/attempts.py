@@ -1,7 +1,7 @@
 """Search scenarios over HTTP (recipes with a grid of attempts, such as ttt-discover): the next step to attempt,
 and the archive with its best-so-far curve. Reports on attempts arrive through POST /reef/report (api/reports.py).
 
-Knows the wire shapes; reefd/attempts.py keeps the steps and the archive.
+Knows the wire shapes; reefd/grow/attempts.py keeps the steps and the archive.
 """
 
 from __future__ import annotations

@@ -17,12 +17,7 @@ import jsonschema
 import orjson
 from aiohttp import web
 
-from reefd.admission import Left, Overloaded
-from reefd.attempts import AttemptError
-from reefd.engines import EngineError, EngineUnavailable
-from reefd.recipes import RecipeError
-from reefd.records import ReportConflict, StorageError, UnknownReceipt
-from reefd.releases import (
+from reefd.commit.chain import (
     BaseMismatch,
     HeadConflict,
     InvalidName,
@@ -32,7 +27,12 @@ from reefd.releases import (
     UnknownRelease,
     WrongScenario,
 )
-from reefd.scenarios import NotServing, UnknownScenario
+from reefd.engines import EngineError, EngineUnavailable
+from reefd.grow.attempts import AttemptError
+from reefd.grow.recipes import RecipeError
+from reefd.observe.records import ReportConflict, StorageError, UnknownReceipt
+from reefd.serve.admission import Left, Overloaded
+from reefd.serve.scenarios import NotServing, UnknownScenario
 
 SCENARIO_HEADER = "x-reef-scenario"
 

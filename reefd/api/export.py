@@ -19,10 +19,10 @@ from aiohttp import web
 
 from reefd.api import access
 from reefd.api.errors import ApiError, shown
+from reefd.commit.chain import ReleaseChain, UnknownRelease, WrongScenario
 from reefd.loop import CHAIN, RECORDS
-from reefd.receipts import is_receipt, receipt_floor
-from reefd.records import RecordStore
-from reefd.releases import ReleaseChain, UnknownRelease, WrongScenario
+from reefd.observe.receipts import is_receipt, receipt_floor
+from reefd.observe.records import RecordStore
 
 log = logging.getLogger("reefd.api")
 

@@ -16,12 +16,12 @@ from aiohttp import web
 from reefd.api import access
 from reefd.api.errors import SCENARIO_HEADER, ApiError, json_response, shown
 from reefd.api.turns import RELEASE_HEADER
+from reefd.commit.chain import Release, ReleaseChain, UnknownRelease, WrongScenario
+from reefd.commit.reconcile import read_harness
 from reefd.harness import Harness
 from reefd.harness.installer import ADAPTERS, installer
 from reefd.loop import CHAIN, REGISTRY
-from reefd.reconcile import read_harness
-from reefd.releases import Release, ReleaseChain, UnknownRelease, WrongScenario
-from reefd.scenarios import Scenario
+from reefd.serve.scenarios import Scenario
 
 
 def _scenario(request: web.Request) -> Scenario:

@@ -1,6 +1,6 @@
 """Grow jobs over HTTP: start one (`reefctl train`), list them, follow one, cancel one (`reefctl cancel`).
 
-Knows the admin wire shapes; reefd/schedule.py decides when jobs run and reefd/runner.py runs them.
+Knows the admin wire shapes; reefd/grow/schedule.py decides when jobs run and reefd/grow/runner.py runs them.
 """
 
 from __future__ import annotations
@@ -9,10 +9,10 @@ from aiohttp import web
 
 from reefd.api import access
 from reefd.api.errors import ApiError, json_response, shown
-from reefd.jobs import Job
+from reefd.grow.job_store import Job
+from reefd.grow.recipes import build
+from reefd.grow.schedule import CannotCancel
 from reefd.loop import SCHEDULER
-from reefd.recipes import build
-from reefd.schedule import CannotCancel
 
 
 async def train(request: web.Request) -> web.Response:

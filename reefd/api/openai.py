@@ -16,9 +16,9 @@ from aiohttp import web
 from reefd.api import access
 from reefd.api.errors import ApiError, check, json_response, openai_body, read_json, shown
 from reefd.api.turns import scenario_of, serve_turn
-from reefd.chat import ChatRequest, Completion
 from reefd.config import ScenarioConfig
 from reefd.loop import RECORDS, REGISTRY, STARTED_AT
+from reefd.serve.chat import ChatRequest, Completion
 
 _NUM = {"type": "number"}
 _CONTENT_PART = {"type": "object", "required": ["type"],

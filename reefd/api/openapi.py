@@ -16,9 +16,9 @@ from reefd.api import access, admin, attempts, releases
 from reefd.api.errors import SCENARIO_HEADER, json_response
 from reefd.api.openapi_schemas import ID, OBJ, SCHEMAS, STR, ref
 from reefd.api.turns import RECEIPT_HEADER, RELEASE_HEADER, SESSION_HEADERS, TURN_HEADER
-from reefd.auth import ANY, ROUTE_SCOPES
 from reefd.harness.installer import ADAPTERS
 from reefd.loop import REGISTRY
+from reefd.ops.auth import ANY, ROUTE_SCOPES
 
 JSON = "application/json"
 SSE = "text/event-stream"
@@ -331,7 +331,7 @@ def document(names: list[str], routes: set[tuple[str, str]] | dict[tuple[str, st
 
 def routes(app: web.Application) -> dict[tuple[str, str], str]:
     """(method, path) of every route `app` serves (HEAD aside: aiohttp adds it to each GET), with the token
-    scope it needs (reefd/tokens.py)."""
+    scope it needs (reefd/ops/tokens.py)."""
     scopes = app.get(ROUTE_SCOPES, {})
     return {(r.method, r.resource.canonical): scopes.get(r.handler, "admin") for r in app.router.routes()
             if r.resource is not None and r.method != "HEAD"}

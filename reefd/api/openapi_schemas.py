@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from reefd.api import anthropic, openai, reports, responses
-from reefd.jobs import STATES
+from reefd.grow.job_store import STATES
 
 
 def ref(name: str) -> dict[str, str]:
@@ -33,7 +33,7 @@ def _obj(required: str, **props: Any) -> dict[str, Any]:
 
 _TOOL_CALL = _obj("id type function", id=STR, type={"const": "function"},
                   function=_obj("name arguments", name=STR, arguments=STR))
-# a new head on trial (reefd/canary.py): what a publish or promote started, and its progress in /reef/status
+# a new head on trial (reefd/commit/trials.py): what a publish or promote started, and its progress in /reef/status
 _TRIAL = _obj("mode release share stable", mode={"enum": ["canary", "shadow"]}, release=STR, share=_NUM, stable=STR)
 _TALLY = _obj("n mean sd", n=_INT, mean={"type": ["number", "null"]}, sd={"type": ["number", "null"]})
 _TRIAL_PROGRESS = _obj("mode release stable_release share started_at max_age_s canary stable min_reports max_drop "
@@ -47,8 +47,8 @@ _RELEASE = _obj("id scenario parent kind seq created_at commit meta status", id=
                 parent=_OPT_STR, kind=STR, seq=_INT, created_at=STR, commit=STR, meta=OBJ,
                 status={"enum": ["released", "rejected"]})
 _OPT_INT = {"type": ["integer", "null"]}
-# a weight job's batch in releases behind its base (reefd/staleness.py): min, max, mean over the samples whose release
-# is in the chain, those that are not, and those past max_staleness (`limit`) dropped or kept to be weighted
+# a weight job's batch in releases behind its base (reefd/grow/staleness.py): min, max, mean over the samples whose
+# release is in the chain, those that are not, and those past max_staleness (`limit`) dropped or kept to be weighted
 _STALENESS = _obj("min max mean off_chain dropped weighted limit", min=_OPT_INT, max=_OPT_INT,
                   mean={"type": ["number", "null"]}, off_chain=_INT, dropped=_INT, weighted=_INT, limit=_OPT_INT)
 _FILE = _obj("path size lfs sha256", path=STR, size=_INT, lfs={"type": "boolean"}, sha256=STR)

@@ -1,6 +1,6 @@
 """The release chain over HTTP: history, show, diff, and the operator's writes (publish, rollback, promote).
 
-Every write goes through the chain's commit policy (reefd/releases.py `commit`, via reefd/loop.py `commit`, which
+Every write goes through the chain's commit policy (reefd/commit/chain.py `commit`, via reefd/loop.py `commit`, which
 then hot-swaps): a compare-and-swap on the scenario's head, so a 409 means nothing was written, and the answer's
 `serving` is what new requests get. Knows the admin wire shapes; the chain and the reconciler do the work.
 """
@@ -19,14 +19,16 @@ from typing import Any
 
 from aiohttp import web
 
-from reefd import canary, loop, releases
-from reefd.adapters import InvalidAdapter, base_linear_shapes, check_adapter
+from reefd import loop
 from reefd.api import access
 from reefd.api.errors import ApiError, json_response, read_json, shown, shown_text
+from reefd.commit import chain as releases
+from reefd.commit import trials as canary
+from reefd.commit.adapters import InvalidAdapter, base_linear_shapes, check_adapter
+from reefd.commit.chain import Candidate, Release, UnknownRelease, validate_name
+from reefd.commit.weights import InvalidWeights, check_weights, weight_files
 from reefd.loop import CHAIN, REGISTRY
-from reefd.releases import Candidate, Release, UnknownRelease, validate_name
-from reefd.scenarios import Scenario
-from reefd.weights import InvalidWeights, check_weights, weight_files
+from reefd.serve.scenarios import Scenario
 
 MAX_UPLOAD = {"adapter": 8 << 30, "weights": 512 << 30}  # upload limits (adapters are megabytes, weights gigabytes)
 PUBLISH_KINDS = ("adapter", "weights")

@@ -17,11 +17,11 @@ from aiohttp import web
 
 from reefd.api.errors import ApiError, check, json_response, openai_body, read_json, shown, shown_text
 from reefd.api.turns import scenario_of, serve_turn
-from reefd.chat import ChatRequest, Completion
 from reefd.config import ScenarioConfig
 from reefd.loop import RECORDS
-from reefd.records import RecordStore
-from reefd.scenarios import Scenario
+from reefd.observe.records import RecordStore
+from reefd.serve.chat import ChatRequest, Completion
+from reefd.serve.scenarios import Scenario
 
 log = logging.getLogger("reefd.api")
 

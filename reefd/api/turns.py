@@ -17,17 +17,18 @@ from typing import Any, Protocol, TypeVar
 
 from aiohttp import web
 
-from reefd import canary, loop
+from reefd import loop
 from reefd.api import access
 from reefd.api.errors import SCENARIO_HEADER, ApiError, from_domain, json_response
-from reefd.chat import ChatRequest, Completion, add_system_text
+from reefd.commit import trials as canary
 from reefd.engines import EngineError, EngineUnavailable, Prompt
 from reefd.loop import CONVERSATIONS, REGISTRY
-from reefd.metrics import Metrics
-from reefd.receipts import new_receipt
-from reefd.records import RecordStore, StorageError
-from reefd.scenarios import Binding, Route, Scenario, Trial
-from reefd.sessions import Conversations, Placement, chain
+from reefd.observe.conversations import Conversations, Placement, chain
+from reefd.observe.receipts import new_receipt
+from reefd.observe.records import RecordStore, StorageError
+from reefd.ops.metrics import Metrics
+from reefd.serve.chat import ChatRequest, Completion, add_system_text
+from reefd.serve.scenarios import Binding, Route, Scenario, Trial
 
 log = logging.getLogger("reefd.api")
 T = TypeVar("T")

@@ -15,7 +15,7 @@ from typing import Any, Protocol
 import aiohttp
 
 from reefd import plugins
-from reefd.chat import ChatRequest, Completion
+from reefd.serve.chat import ChatRequest, Completion
 
 MODEL_SOURCES = ["tiny", "smollm2"]
 ANY_WEIGHTS = "*"

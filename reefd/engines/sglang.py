@@ -24,7 +24,6 @@ from typing import Any
 import aiohttp
 import orjson
 
-from reefd.chat import ChatRequest, ChatTemplate, Completion, PromptTooLong, TemplateError, parse_tool_calls
 from reefd.engines import (
     ANY_WEIGHTS,
     ContextLengthExceeded,
@@ -38,6 +37,7 @@ from reefd.engines import (
 from reefd.engines.replicas import ROUTING_HEADER, Replica, Replicas
 from reefd.engines.stream import StreamGuard
 from reefd.engines.supervisor import Supervisor, die_with_parent
+from reefd.serve.chat import ChatRequest, ChatTemplate, Completion, PromptTooLong, TemplateError, parse_tool_calls
 from reefd.worker.prepare import is_complete
 
 log = logging.getLogger("reefd.engine")

@@ -6,7 +6,7 @@ Knows nothing about engines or wire formats.
 
 from __future__ import annotations
 
-from reefd.chat import TOOL_OPEN
+from reefd.serve.chat import TOOL_OPEN
 
 
 class StreamGuard:

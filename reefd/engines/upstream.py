@@ -15,8 +15,8 @@ from typing import Any
 import aiohttp
 import orjson
 
-from reefd.chat import ChatRequest, Completion
 from reefd.engines import EngineError, EngineUnavailable, ModelConfig, retry_after, sse
+from reefd.serve.chat import ChatRequest, Completion
 
 
 def upstream_body(req: ChatRequest, model: str, stream: bool) -> dict[str, Any]:

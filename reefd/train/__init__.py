@@ -1,8 +1,9 @@
 """Trainer jobs: `python -m reefd.train --spec FILE` turns scored rollouts into a PEFT LoRA candidate.
 
-Two sides. The daemon's: `backends` (where a job runs: the TrainerBackend plug point) and `spec` (the job's JSON
-contract) are torch-free, so reefd imports them. The trainer process's: `loop`, `batch` and `objective` import
-torch. The losses live with their recipes, as the objective a spec names (`recipes.sao.objective:SAOObjective`).
+This package is the trainer process and its job contract. `spec` (the job's JSON contract) is torch-free, so
+reefd imports it; where a job runs is the daemon's concern (reefd/grow/backends). The trainer process's
+`training`, `batch` and `objective` import torch. The losses live with their recipes, as the objective a spec names
+(`recipes.sao.objective:SAOObjective`).
 """
 
 from __future__ import annotations

@@ -30,7 +30,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from reefd.files import fsync_path
+from reefd.ops.files import fsync_path
 from reefd.train import NonFinite, Terminated, on_sigterm, sigterm_pending, uninterrupted
 from reefd.train.spec import SpecError, TrainSpec, load_spec
 
@@ -88,7 +88,7 @@ def warm_up() -> None:
         import transformers  # noqa: F401
         from transformers import AutoModelForCausalLM  # noqa: F401  (transformers imports lazily)
 
-        import reefd.train.loop  # noqa: F401
+        import reefd.train.training  # noqa: F401
 
 
 def job(path: str, fault: str | None) -> int:
@@ -114,7 +114,7 @@ def job(path: str, fault: str | None) -> int:
 
 
 def run(spec: TrainSpec, fault: str | None) -> int:
-    from reefd.train.loop import train  # torch: only in this process, only after the spec is good
+    from reefd.train.training import train  # torch: only in this process, only after the spec is good
 
     trained = train(spec, emit, fault)
     metrics = trained.metrics

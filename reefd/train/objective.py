@@ -31,7 +31,7 @@ class Context:
     samples: list[Rollout]  # the job's rollouts, in spec order (Batch.index points into this list)
     hidden_size: int  # of the policy's last hidden states (Outputs.hidden)
     init_adapter: Path | None  # the adapter folder the job continues from, with any files `save` wrote there
-    base_model: Path | None = None  # the base model's folder (its tokenizer and chat template: reefd.chat)
+    base_model: Path | None = None  # the base model's folder (its tokenizer and chat template: reefd.serve.chat)
     # the frozen base model (adapter disabled, no gradient) on a batch: what a KL penalty or a teacher needs;
     # `reference(batch, own_top=k)` also gives its own k most likely ids per position (Outputs.own_top_ids)
     reference: Callable[..., Outputs] | None = None

@@ -189,12 +189,12 @@ class Model:
     def check_adapter(self, path: Path) -> list[str]:
         """Refuse (BadRequest) a folder that is not a LoRA adapter this base model can take.
 
-        The same rules reefd applies before it publishes an adapter (reefd.adapters): a LoRA
+        The same rules reefd applies before it publishes an adapter (reefd.commit.adapters): a LoRA
         config whose targets are Linear layers of the model, intact safetensors with lora_A/lora_B
         shapes that fit them, finite values. Returns warnings.
         """
-        from reefd.adapters import InvalidAdapter
-        from reefd.adapters import check_adapter as check
+        from reefd.commit.adapters import InvalidAdapter
+        from reefd.commit.adapters import check_adapter as check
 
         try:
             return check(Path(path), self.path)

@@ -12,7 +12,7 @@ from typing import Any
 
 from aiohttp import web
 
-from reefd.chat import parse_tool_calls  # the same parser reefd uses (torch-free)
+from reefd.serve.chat import parse_tool_calls  # the same parser reefd uses (torch-free)
 from reefd.worker.detok import held_back
 from reefd.worker.generation import Generation
 from reefd.worker.params import BadRequest, GenerateRequest, parse_sampling

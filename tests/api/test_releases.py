@@ -12,8 +12,8 @@ import pytest
 
 from reefd.api import releases as release_api
 from reefd.api.openapi_schemas import SCHEMAS
-from reefd.records import RecordStore
-from reefd.releases import Release, ReleaseChain
+from reefd.commit.chain import Release, ReleaseChain
+from reefd.observe.records import RecordStore
 from tests.test_records import record, with_store
 
 RULE = "Answer briefly.\n"

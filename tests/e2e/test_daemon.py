@@ -273,8 +273,8 @@ def test_reload_drains_requests_on_an_engine_it_removes(fresh_daemon: Daemon) ->
 
 
 def test_first_start_records_the_base_release_and_restarts_keep_it(fresh_daemon: Daemon) -> None:
-    from reefd.identity import sha256_file
-    from reefd.releases import ReleaseChain
+    from reefd.commit.chain import ReleaseChain
+    from reefd.commit.identity import sha256_file
 
     fresh_daemon.seed_tiny = False  # this daemon prepares its tiny model itself, as a fresh install does
     fresh_daemon.start()

@@ -29,7 +29,7 @@ serve:
 
 
 def test_a_recipe_from_tests_trains_and_publishes_through_the_daemon(tmp_path: Path) -> None:
-    # whole words: slime's estimator names (reinforce_plus_plus, in reefd/train/slime.py) are not this recipe
+    # whole words: slime's estimator names (reinforce_plus_plus, in reefd/grow/backends/slime.py) are not this recipe
     found = subprocess.run(["git", "grep", "-ilw", "-e", "reinforce", "-e", "tests.recipes", "--", "reefd", "recipes",
                             ":!*.md"], cwd=ROOT, capture_output=True, text=True)
     assert found.returncode == 1 and found.stdout == "", f"code in reefd/ or recipes/ names it: {found.stdout}"

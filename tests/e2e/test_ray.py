@@ -128,7 +128,7 @@ def test_a_restart_mid_job_follows_the_ray_job_instead_of_training_twice(ray_hea
 
 def test_a_wrong_token_fails_the_job_with_a_clear_message(ray_head: tuple[str, Path], tmp_path: Path,
                                                           monkeypatch: pytest.MonkeyPatch) -> None:
-    from reefd.train.ray_jobs import RayJobs
+    from reefd.grow.backends.ray_jobs import RayJobs
 
     url, _ = ray_head
     monkeypatch.delenv("RAY_AUTH_TOKEN_PATH", raising=False)
@@ -192,7 +192,7 @@ def test_cancel_stops_the_ray_job_and_its_trainer_saves_first(ray_head: tuple[st
 
 
 def run_backend(url: str, spec: Path, timeout_s: float, **kw: object) -> tuple[int, list[dict[str, object]]]:
-    from reefd.train.ray_jobs import RayJobs
+    from reefd.grow.backends.ray_jobs import RayJobs
 
     events: list[dict[str, object]] = []
 

@@ -93,7 +93,7 @@ def test_records_of_one_session_in_order(daemon: Daemon) -> None:
 
 
 def test_history_and_show_read_the_release_chain(daemon: Daemon, tmp_path: Path) -> None:
-    from reefd.releases import ReleaseChain
+    from reefd.commit.chain import ReleaseChain
 
     log = reefctl(daemon, "history", "tiny")
     assert log.returncode == 0, log.stderr

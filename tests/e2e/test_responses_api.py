@@ -17,7 +17,7 @@ from openai.types.responses import Response, ResponseStreamEvent
 
 from reefd.api.errors import ApiError
 from reefd.api.responses import ResponsesWire, input_messages
-from reefd.chat import ChatRequest, Completion
+from reefd.serve.chat import ChatRequest, Completion
 from tests.conftest import Daemon, base_release, sdk
 
 HEADERS = {"x-reef-scenario": "tiny"}

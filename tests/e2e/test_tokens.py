@@ -23,7 +23,7 @@ from typing import Any
 
 import pytest
 
-from reefd.tokens import SCOPES
+from reefd.ops.tokens import SCOPES
 from tests.conftest import TOKEN, Daemon, make_scenarios
 from tests.fake_upstream import build
 from tests.served import aiohttp_in_thread

@@ -17,9 +17,9 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from reefd.chat import ChatRequest, Completion
 from reefd.engines import EngineUnavailable, ModelConfig, Prompt
 from reefd.engines.sglang import SGLangEngine
+from reefd.serve.chat import ChatRequest, Completion
 
 pytestmark = pytest.mark.contract
 

@@ -4,9 +4,9 @@ and how compactly a record keeps it."""
 from __future__ import annotations
 
 from reefd.api.turns import top_k_fields
-from reefd.chat import Completion
 from reefd.engines.sglang import top_k_rows
-from reefd.recordcodec import pack, unpack
+from reefd.observe.recordcodec import pack, unpack
+from reefd.serve.chat import Completion
 
 
 def test_a_full_capture_is_k_ids_and_logprobs_per_token() -> None:

@@ -19,10 +19,10 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from reefd.chat import ChatRequest, Completion
 from reefd.engines import EngineError, EngineUnavailable, ModelConfig
 from reefd.engines.replicas import Replica
 from reefd.engines.sglang import SGLangClient, SGLangEngine
+from reefd.serve.chat import ChatRequest, Completion
 
 pytestmark = pytest.mark.contract
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 
-from reefd.judge import JudgeCall
+from reefd.grow.judge import JudgeCall
 
 CORRECTION = "start your answer with"
 

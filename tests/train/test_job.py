@@ -341,7 +341,7 @@ def test_a_prewarmed_trainer_has_its_imports_before_the_first_job(tiny_model: Pa
     import asyncio
     import time
 
-    from reefd.train.backends import LocalTrainers
+    from reefd.grow.backends.local import LocalTrainers
 
     def torch_mapped(pid: int) -> bool:
         return "libtorch" in Path(f"/proc/{pid}/maps").read_text()
@@ -379,7 +379,7 @@ def test_a_hint_while_a_job_trains_starts_no_second_trainer(tiny_model: Path, ba
     carries the job's optimizer state, is the one kept warm."""
     import asyncio
 
-    from reefd.train.backends import LocalTrainers
+    from reefd.grow.backends.local import LocalTrainers
 
     hold = tmp_path / "hold"
     hold.touch()
@@ -423,7 +423,7 @@ def test_full_target_trains_every_parameter_into_a_full_model_folder(tiny_model:
     (reefd's own check passes), and the rewarded token becomes likelier under it."""
     from transformers import AutoModelForCausalLM
 
-    from reefd.weights import check_weights
+    from reefd.commit.weights import check_weights
 
     spec = make_spec(tiny_model, tmp_path / "out", toy_samples(base), target="full",
                      optim={"lr": 1e-3, "epochs": 3, "micro_batch": 8})

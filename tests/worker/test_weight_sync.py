@@ -19,9 +19,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from reefd.chat import ChatRequest, Completion
 from reefd.engines import EngineError, ModelConfig
 from reefd.engines.sglang import SGLangClient, SGLangEngine
+from reefd.serve.chat import ChatRequest, Completion
 from tests.conftest import free_port
 from tests.loras import make_weights
 from tests.served import ROOT

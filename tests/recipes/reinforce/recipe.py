@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from reefd.recipes import Sample, WeightJob, scored_rollout
+from reefd.grow.recipes import Sample, WeightJob, scored_rollout
 
 if TYPE_CHECKING:
     from reefd.harness import Harness

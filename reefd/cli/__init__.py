@@ -1,0 +1,1 @@
+"""reefctl: a kubectl-style command line over reefd's admin HTTP API (standard library only)."""

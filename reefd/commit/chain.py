@@ -1,0 +1,570 @@
+"""The append-only release chain: a bare git repo (pygit2) with Git LFS objects and a CAS head per scenario, and
+`commit`, the one function through which every release is written (the commit policy).
+
+Knows git, release.json and the commit policy (pin, expected head, discard or rebase, rejection); knows nothing
+about HTTP, engines, gates or training. Blocking: callers on an event loop run it in a thread.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import os
+import re
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TypeVar
+
+import pygit2
+
+from reefd.commit.trees import GITATTRIBUTES, METADATA, Trees
+
+ARTIFACT_FOLDER = {"base": "weights", "adapter": "adapter", "weights": "weights", "harness": "harness"}
+COPIES = ("rollback", "promote")
+REBASE_ATTEMPTS = 5  # on_conflict: rebase follows a moving head this many times at most, for every caller
+FAULT_ENV = "REEF_RELEASE_FAULT"  # after_lfs | after_commit | before_ref: os._exit(137) there (crash tests)
+_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
+_ID_RE = re.compile(r"r(0|[1-9][0-9]{0,8})-([0-9a-f]{7})")
+_SIG = pygit2.Signature("reefd", "reefd@localhost")
+
+pygit2.option(pygit2.enums.Option.ENABLE_FSYNC_GITDIR, True)  # loose objects and refs reach disk before we move on
+
+
+class ReleaseError(Exception):
+    """Base class for release chain errors."""
+
+
+class InvalidName(ReleaseError, ValueError):
+    """A scenario name that could escape the ref namespace or the filesystem."""
+
+    def __init__(self, name: object) -> None:
+        super().__init__(f"invalid scenario name: {name!r}")
+        self.name = name
+
+
+class UnknownRelease(ReleaseError, KeyError):
+    """No release with this id is reachable from its scenario's head."""
+
+
+class WrongScenario(ReleaseError, ValueError):
+    """The target release belongs to another scenario."""
+
+
+class NothingToRollBack(UnknownRelease):
+    """A plain rollback of a scenario whose head is its first release."""
+
+
+class HeadConflict(ReleaseError):
+    """The scenario head is not what the publisher expected; nothing was overwritten."""
+
+    def __init__(self, scenario: str, expected: str | None, actual: str | None) -> None:
+        super().__init__(f"scenario {scenario!r}: expected head {expected}, found {actual}")
+        self.scenario, self.expected, self.actual = scenario, expected, actual
+
+
+class Pinned(ReleaseError):
+    """The scenario's file pins its release (release.pin): it takes no other release."""
+
+    def __init__(self, scenario: str, pin: str) -> None:
+        super().__init__(f"scenario {scenario!r} is pinned to {pin}")
+        self.scenario, self.pin = scenario, pin
+
+
+class BaseMismatch(ReleaseError):
+    """An adapter made on other weights than the head's: it would serve on a model it was not trained on."""
+
+    def __init__(self, scenario: str, trained_on: str | None, head_weights: str | None) -> None:
+        super().__init__(f"scenario {scenario!r}: the adapter was trained on "
+                         f"{_weights_label(trained_on)}, but the head serves {_weights_label(head_weights)}")
+        self.scenario, self.trained_on, self.head_weights = scenario, trained_on, head_weights
+
+
+def _weights_label(release: str | None) -> str:
+    return f"the weights of {release}" if release else "the base model's weights"
+
+
+class NoRelease(ReleaseError):
+    """The scenario has no release yet (its base is recorded at its first start)."""
+
+    def __init__(self, scenario: str) -> None:
+        super().__init__(f"scenario {scenario!r} has no base release yet")
+        self.scenario = scenario
+
+
+@dataclass(frozen=True)
+class Release:
+    id: str
+    scenario: str
+    parent: str | None
+    kind: str
+    meta: dict[str, Any]
+    commit: str
+    created_at: str
+    seq: int
+    status: str = "released"  # or "rejected": a candidate the gates refused, kept for the record, never served
+
+
+def validate_name(name: str) -> str:
+    if not isinstance(name, str) or not _NAME_RE.fullmatch(name) or ".." in name or name.endswith((".lock", ".")):
+        raise InvalidName(name)
+    return name
+
+
+def head_ref(scenario: str) -> str:
+    return f"refs/reef/scenarios/{validate_name(scenario)}/head"
+
+
+def rejected_prefix(scenario: str) -> str:
+    return f"refs/reef/scenarios/{validate_name(scenario)}/rejected/"
+
+
+def _fault(point: str) -> None:
+    if os.environ.get(FAULT_ENV) == point:
+        os._exit(137)
+
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def _locked(method: F) -> F:
+    """One thread at a time in the repository: libgit2 objects are not to be shared between threads, and reefd
+    calls the chain from a thread pool."""
+
+    @functools.wraps(method)
+    def wrapper(self: ReleaseChain, *args: Any, **kwargs: Any) -> Any:
+        with self._lock:
+            return method(self, *args, **kwargs)
+
+    return wrapper  # type: ignore[return-value]
+
+
+class ReleaseChain:
+    """Releases of every scenario in one bare repo at `path` (created if missing)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = Path(path)
+        if (self.path / "HEAD").exists():
+            self.repo = pygit2.Repository(str(self.path))
+        else:
+            self.repo = pygit2.init_repository(str(self.path), bare=True)
+        self.trees = Trees(self.repo, self.path)
+        self._lock = threading.RLock()
+
+    # ---- reading -------------------------------------------------------------------------------------------------
+    @_locked
+    def head(self, scenario: str) -> Release | None:
+        ref = self.repo.references.get(head_ref(scenario))
+        return None if ref is None else self._release(self.repo[ref.target].peel(pygit2.Commit))
+
+    @_locked
+    def history(self, scenario: str, *, include_rejected: bool = False) -> list[Release]:
+        """Releases of `scenario`, newest first; with `include_rejected`, the refused candidates too."""
+        out = []
+        rel = self.head(scenario)
+        while rel is not None:
+            out.append(rel)
+            commit = self.repo[rel.commit].peel(pygit2.Commit)
+            rel = self._release(commit.parents[0]) if commit.parents else None
+        if include_rejected:
+            out.extend(self.rejected(scenario))
+            out.sort(key=lambda r: (r.seq, r.created_at, r.status == "released"), reverse=True)
+        return out
+
+    @_locked
+    def rejected(self, scenario: str) -> list[Release]:
+        """The candidates of `scenario` that were refused (by a gate or a moved head), oldest first."""
+        prefix = rejected_prefix(scenario)
+        out = []
+        for name in self.repo.references:
+            if name.startswith(prefix):
+                commit = self.repo.references[name].peel(pygit2.Commit)
+                out.append(dataclasses.replace(self._release(commit), status="rejected"))
+        return sorted(out, key=lambda r: (r.seq, r.created_at))
+
+    @_locked
+    def get(self, release_id: str, *, include_rejected: bool = False) -> Release:
+        """A release reachable from its scenario's head (or, with `include_rejected`, a refused candidate)."""
+        m = _ID_RE.fullmatch(release_id) if isinstance(release_id, str) else None
+        if m is None:
+            raise UnknownRelease(release_id)
+        try:
+            commit = self.repo.revparse_single(m.group(2)).peel(pygit2.Commit)
+            rel = self._release(commit)
+        except (KeyError, ValueError, pygit2.GitError) as e:  # missing, ambiguous, or not a release commit
+            raise UnknownRelease(release_id) from e
+        if rel.id != release_id:
+            raise UnknownRelease(release_id)
+        head = self.head(rel.scenario)
+        if head is not None and (head.commit == rel.commit or self.repo.descendant_of(head.commit, rel.commit)):
+            return rel
+        if include_rejected and self.repo.references.get(rejected_prefix(rel.scenario) + rel.id) is not None:
+            return dataclasses.replace(rel, status="rejected")
+        raise UnknownRelease(release_id)  # an unreachable commit (a lost race) is not a release
+
+    @_locked
+    def weights(self, release_id: str) -> dict[str, str | None]:
+        """The weights a release serves: `tree` (the id of its `weights/` folder; None: the base model's own) and
+        `release` (the release those weights came from: the one that published them, or the scenario's base)."""
+        rel = self.get(release_id, include_rejected=True)
+        tree = self.artifacts(rel.id).get("weights")
+        origin = rel
+        while origin.parent is not None:
+            parent = self.get(origin.parent)
+            if self.artifacts(parent.id).get("weights") != tree:
+                break
+            origin = parent
+        return {"tree": tree, "release": origin.id}
+
+    @_locked
+    def artifacts(self, release_id: str) -> dict[str, str]:
+        """The artifact folders of a release (`adapter`, `weights`, `harness`) and their tree ids: two releases
+        serve the same thing exactly when these are equal."""
+        tree = self.repo[self.get(release_id, include_rejected=True).commit].peel(pygit2.Commit).tree
+        return {str(e.name): str(e.id) for e in tree if e.type_str == "tree"}
+
+    def _release(self, commit: pygit2.Commit) -> Release:
+        data = json.loads(self._blob(commit.tree, "release.json"))
+        return Release(
+            id=f"r{data['seq']}-{str(commit.id)[:7]}",
+            scenario=data["scenario"],
+            parent=data["parent"],
+            kind=data["kind"],
+            meta=data["meta"],
+            commit=str(commit.id),
+            created_at=data["created_at"],
+            seq=data["seq"],
+        )
+
+    def _blob(self, tree: pygit2.Tree, name: str) -> bytes:
+        return self.repo[tree[name].id].peel(pygit2.Blob).data
+
+    # ---- writing -------------------------------------------------------------------------------------------------
+    @_locked
+    def publish(
+        self,
+        scenario: str,
+        *,
+        expected_head: str | None,
+        kind: str,
+        artifact_dir: Path | None,
+        meta: dict[str, Any],
+        folder: str | None = None,
+    ) -> Release:
+        """Append a release; the head moves only if it still is `expected_head` (a release id, None = no head yet).
+        `artifact_dir` goes into the tree as the kind's folder (or `folder`: a base release may carry `harness`)."""
+        if kind not in ARTIFACT_FOLDER:
+            raise ValueError(f"kind must be one of {sorted(ARTIFACT_FOLDER)}; rollback/promote have their own calls")
+        parent = self._expect(scenario, expected_head)
+        entries = self._entries(parent)
+        if kind == "weights":  # an adapter trained on the old weights does not apply to the new ones
+            entries.pop("adapter", None)
+        elif kind == "adapter" and parent is not None:
+            claim = trained_on(meta)
+            have = str(entries["weights"][0]) if "weights" in entries else None
+            if claim is not None and claim.get("tree") != have:
+                raise BaseMismatch(scenario, claim.get("release") if claim.get("tree") else None,
+                                   self.weights(parent.id)["release"] if have else None)
+        if artifact_dir is not None:
+            name = folder or ARTIFACT_FOLDER[kind]
+            entries[name] = (self.trees.store(Path(artifact_dir)), pygit2.enums.FileMode.TREE)
+        return self._append(scenario, parent, kind, entries, meta)
+
+    @_locked
+    def rollback(self, scenario: str, to: str | None = None, *, expected_head: str | None,
+                 meta: dict[str, Any] | None = None) -> Release:
+        """Append a release carrying `to`'s tree (default: the head's parent)."""
+        head = self._expect(scenario, expected_head)
+        if head is None:
+            raise UnknownRelease(f"scenario {scenario!r} has no releases")
+        return self._copy(scenario, head, to or self.rollback_target(head), "rollback", meta)
+
+    @staticmethod
+    def rollback_target(head: Release) -> str:
+        """Where a plain rollback goes: the head's parent."""
+        if head.parent is None:
+            raise NothingToRollBack(f"{head.id} is the first release of {head.scenario!r}; there is nothing to roll "
+                                    "back to")
+        return head.parent
+
+    @_locked
+    def promote(self, scenario: str, release_id: str, *, expected_head: str | None,
+                meta: dict[str, Any] | None = None) -> Release:
+        """Append a release carrying `release_id`'s tree (an older release, or a refused candidate)."""
+        return self._copy(scenario, self._expect(scenario, expected_head), release_id, "promote", meta)
+
+    @_locked
+    def target(self, scenario: str, release_id: str, *, include_rejected: bool = False) -> Release:
+        """`release_id`, checked to belong to `scenario` (UnknownRelease, WrongScenario)."""
+        target = self.get(release_id, include_rejected=include_rejected)
+        if target.scenario != scenario:
+            raise WrongScenario(f"{release_id} is a release of scenario {target.scenario!r}, not {scenario!r}")
+        return target
+
+    def _copy(self, scenario: str, head: Release | None, target_id: str, kind: str,
+              meta: dict[str, Any] | None = None) -> Release:
+        target = self.target(scenario, target_id, include_rejected=kind == "promote")
+        entries = self._entries(target)
+        doc = {"source": kind, **(meta or {}), "target": target.id, "target_meta": target.meta}
+        return self._append(scenario, head, kind, entries, doc)
+
+    @_locked
+    def reject(self, scenario: str, *, built_on: str | None, kind: str, artifact_dir: Path | None,
+               meta: dict[str, Any]) -> Release:
+        """Keep a refused candidate for the record (`history --all`): a commit on top of the head it was built on,
+        under refs/reef/scenarios/<scenario>/rejected/<id>. The head does not move."""
+        if kind not in ARTIFACT_FOLDER:
+            raise ValueError(f"kind must be one of {sorted(ARTIFACT_FOLDER)}")
+        parent = self.get(built_on) if built_on is not None else None
+        entries = self._entries(parent)
+        if kind == "weights":  # as publish: the old weights' adapter does not come with new weights
+            entries.pop("adapter", None)
+        if artifact_dir is not None:
+            entries[ARTIFACT_FOLDER[kind]] = (self.trees.store(Path(artifact_dir)), pygit2.enums.FileMode.TREE)
+        oid = self._commit(scenario, parent, kind, entries, meta)
+        rel = dataclasses.replace(self._release(self.repo[oid].peel(pygit2.Commit)), status="rejected")
+        self.repo.references.create(rejected_prefix(scenario) + rel.id, oid, force=False)
+        return rel
+
+    def _expect(self, scenario: str, expected_head: str | None) -> Release | None:
+        head = self.head(scenario)
+        actual = head.id if head else None
+        if actual != expected_head:
+            raise HeadConflict(scenario, expected_head, actual)
+        return head
+
+    def _entries(self, rel: Release | None) -> dict[str, tuple[pygit2.Oid, int]]:
+        if rel is None:
+            return {}
+        tree = self.repo[rel.commit].peel(pygit2.Commit).tree
+        return {str(e.name): (e.id, e.filemode) for e in tree if e.name not in METADATA}
+
+    def _append(
+        self,
+        scenario: str,
+        parent: Release | None,
+        kind: str,
+        entries: dict[str, tuple[pygit2.Oid, int]],
+        meta: dict[str, Any],
+    ) -> Release:
+        oid = self._commit(scenario, parent, kind, entries, meta)
+        self._move_head(scenario, parent, oid)
+        return self._release(self.repo[oid].peel(pygit2.Commit))
+
+    def _commit(
+        self,
+        scenario: str,
+        parent: Release | None,
+        kind: str,
+        entries: dict[str, tuple[pygit2.Oid, int]],
+        meta: dict[str, Any],
+    ) -> pygit2.Oid:
+        seq = 0 if parent is None else parent.seq + 1
+        created_at = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+        doc = {"scenario": scenario, "seq": seq, "parent": parent.id if parent else None, "kind": kind,
+               "created_at": created_at, "meta": meta}
+        body = json.dumps(doc, indent=2, sort_keys=True).encode() + b"\n"
+        _fault("after_lfs")
+        tb = self.repo.TreeBuilder()
+        tb.insert(".gitattributes", self.repo.create_blob(GITATTRIBUTES), pygit2.enums.FileMode.BLOB)
+        tb.insert("release.json", self.repo.create_blob(body), pygit2.enums.FileMode.BLOB)
+        for name, (oid, mode) in entries.items():
+            tb.insert(name, oid, mode)
+        parents = [pygit2.Oid(hex=parent.commit)] if parent else []
+        msg = f"{kind} r{seq} of {scenario}\n"
+        oid = self.repo.create_commit(None, _SIG, _SIG, msg, tb.write(), parents)
+        _fault("after_commit")
+        return oid
+
+    def _move_head(self, scenario: str, parent: Release | None, oid: pygit2.Oid) -> None:
+        name = head_ref(scenario)
+        _fault("before_ref")
+        try:
+            if parent is None:
+                self.repo.references.create(name, oid, force=False)
+            else:
+                ref = self.repo.references[name]
+                if str(ref.target) != parent.commit:
+                    raise HeadConflict(scenario, parent.id, self._head_id(scenario))
+                ref.set_target(oid, f"reef: append {scenario}")  # libgit2 CAS: locks the ref, checks the old value
+        except (pygit2.GitError, OSError) as e:  # exists / old value does not match / ref.lock held by another writer
+            if isinstance(e, OSError) and not isinstance(e, pygit2.GitError) and "lock" not in str(e):
+                raise
+            raise HeadConflict(scenario, parent.id if parent else None, self._head_id(scenario)) from e
+
+    def _head_id(self, scenario: str) -> str | None:
+        head = self.head(scenario)
+        return head.id if head else None
+
+    # ---- contents ------------------------------------------------------------------------------------------------
+    def _tree(self, release_id: str, *, include_rejected: bool = True) -> pygit2.Tree:
+        return self.repo[self.get(release_id, include_rejected=include_rejected).commit].peel(pygit2.Commit).tree
+
+    def lfs_object(self, oid: str) -> Path:
+        return self.trees.lfs_object(oid)
+
+    @_locked
+    def lfs_pointers(self, release_id: str) -> dict[str, tuple[str, int]]:
+        """Path -> (sha256 oid, size) of every LFS pointer in a release's tree."""
+        return {p: (oid, n) for p, _, oid, n in self.trees.walk(self._tree(release_id, include_rejected=False))
+                if oid is not None}
+
+    @_locked
+    def materialize(self, release_id: str, dest: Path, folder: str | None = None) -> Path:
+        """Write a release's files (LFS content restored and verified) into `dest`, which must be empty or missing;
+        with `folder` (e.g. "adapter"), only that folder's contents."""
+        tree = self._tree(release_id)
+        if folder is not None:
+            tree = self.repo[tree[folder].id].peel(pygit2.Tree)
+        return self.trees.materialize(tree, Path(dest))
+
+    @_locked
+    def diff(self, a: str, b: str) -> dict[str, Any]:
+        """Metadata and per-file differences from release `a` to release `b` (see Trees.diff)."""
+        ra, rb = self.get(a, include_rejected=True), self.get(b, include_rejected=True)
+        keys = set(ra.meta) | set(rb.meta)
+        return {"kind": (ra.kind, rb.kind),
+                "meta": {k: (ra.meta.get(k), rb.meta.get(k)) for k in sorted(keys) if ra.meta.get(k) != rb.meta.get(k)},
+                **self.trees.diff(self._tree(a), self._tree(b))}
+
+    @_locked
+    def files(self, release_id: str) -> list[dict[str, Any]]:
+        """Every file of a release: path, size, sha256 (the LFS oid for LFS files), lfs."""
+        return self.trees.files(self._tree(release_id))
+
+    def clear_stale_locks(self) -> list[Path]:
+        """Remove head lock files a killed writer left behind. Only for the repo's sole writer
+        (reefd at start), since a live writer's lock must never be removed."""
+        refs = self.path / "refs" / "reef" / "scenarios"
+        stale = list(refs.glob("*/head.lock")) if refs.is_dir() else []
+        for lock in stale:
+            lock.unlink(missing_ok=True)
+        return stale
+
+
+def trained_on(meta: dict[str, Any]) -> dict[str, Any] | None:
+    """The weights an adapter release says it was trained on (`meta["weights"]`: tree and release), looked up
+    through the copies (rollback, promote) that carry it; None when it does not say (an older release)."""
+    while isinstance(meta, dict):
+        claim = meta.get("weights")
+        if isinstance(claim, dict):
+            return claim
+        meta = meta.get("target_meta")  # type: ignore[assignment]
+    return None
+
+
+# ---- the commit policy ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """What a caller asks the chain to append: an artifact folder (adapter, harness, weights; a base release may
+    carry a harness), or a copy of another release's tree (rollback, promote)."""
+
+    kind: str
+    meta: dict[str, Any]  # release.json's meta: source, summary, metrics, the receipts it learned from, ...
+    artifact: Path | None = None  # the folder stored as the kind's artifact
+    folder: str | None = None  # store `artifact` under this folder name instead of the kind's
+    target: str | None = None  # rollback and promote: the release whose tree is carried (rollback: None = parent)
+    built_on: str | None = None  # the head the candidate was made on; None: the head when it is committed
+    exact: bool = False  # built_on was named by the caller (an expected head): a moved head refuses it
+    verdict: dict[str, Any] | None = None  # the gate's verdict (meta["gate"]); a failing one is never released
+    applies_pin: bool = False  # the reconciler's rollback to release.pin: the one copy a pinned scenario takes
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What a commit would do now: append on `head` (None: the scenario's first release), carrying `target`'s
+    tree for a copy."""
+
+    head: Release | None
+    target: Release | None
+
+
+def plan(chain: ReleaseChain, scenario: str, cand: Candidate, *, pin: str | None) -> Plan:
+    """Check a candidate against the scenario's pin and head without writing anything (a dry run, or a refusal
+    before an upload), in this order. Pinned: a pinned scenario takes only its base release and the
+    reconciler's copy of the pinned one; NoRelease: only a base may be a scenario's first release; HeadConflict:
+    an exact candidate whose head moved; UnknownRelease, WrongScenario, NothingToRollBack: a copy's target."""
+    if pin is not None and cand.kind != "base" and not (cand.applies_pin and cand.target == pin):
+        raise Pinned(scenario, pin)
+    head = chain.head(scenario)
+    if head is None and cand.kind != "base":
+        raise NoRelease(scenario)
+    if cand.exact and (head.id if head else None) != cand.built_on:
+        raise HeadConflict(scenario, cand.built_on, head.id if head else None)
+    target = None
+    if cand.kind in COPIES and head is not None:
+        target = chain.target(scenario, cand.target or chain.rollback_target(head),
+                              include_rejected=cand.kind == "promote")
+    return Plan(head, target)
+
+
+Trial = Callable[[Release | None, Candidate], dict[str, Any]]
+"""What a release policy adds to a candidate's meta, given the head it is appended on (canary.py: a trial)."""
+
+
+def commit(chain: ReleaseChain, scenario: str, cand: Candidate, *, pin: str | None, on_conflict: str,
+           keep_refused: bool = False, trial: Trial | None = None) -> Release:
+    """Append `cand` to the scenario's chain: the whole commit policy, for every caller (the publish, rollback and
+    promote routes, Grow jobs, the reconciler's base release and pin).
+
+    - A verdict goes into release.json as meta["gate"]; a failed one is kept as a rejected candidate, never served.
+    - `plan`: the pin, the head, a copy's target.
+    - The head moves by compare-and-swap on the head the candidate was built on. If another writer moved it
+      meanwhile and `on_conflict` is "rebase" (and the candidate is not `exact`), the candidate is appended on the
+      new head instead (meta: rebased_from, built_on), at most REBASE_ATTEMPTS times; else it is refused.
+    - A refusal (Pinned, or HeadConflict) raises; with `keep_refused` the candidate is kept as rejected instead,
+      with meta["refused"] saying why, and returned (status "rejected").
+    - `trial` adds to the meta of what is appended, given the head it is appended on (a canary's start).
+    """
+    meta = {**cand.meta, "gate": cand.verdict} if cand.verdict is not None else dict(cand.meta)
+    built_on = cand.built_on
+    if cand.verdict is not None and cand.verdict.get("verdict") != "pass":
+        return _keep(chain, scenario, cand, built_on, meta)
+    try:
+        head = plan(chain, scenario, cand, pin=pin).head
+        if not cand.exact:
+            built_on = built_on or (head.id if head is not None else None)
+        for attempt in range(1, REBASE_ATTEMPTS + 1):
+            try:
+                extra = trial(chain.get(built_on) if built_on else None, cand) if trial is not None else {}
+                return _append(chain, scenario, cand, built_on, {**meta, **extra})
+            except HeadConflict as exc:
+                if cand.exact or on_conflict != "rebase" or exc.actual is None or attempt == REBASE_ATTEMPTS:
+                    raise
+                meta = {**meta, "rebased_from": meta.get("rebased_from", built_on)}
+                built_on = exc.actual
+        raise AssertionError("unreachable")
+    except (Pinned, HeadConflict, BaseMismatch) as exc:
+        if not keep_refused or cand.kind in COPIES:
+            raise
+        why = (f"the scenario is pinned to {exc.pin}" if isinstance(exc, Pinned)
+               else str(exc) if isinstance(exc, BaseMismatch)
+               else f"the head moved to {exc.actual} while the candidate was built")
+        return _keep(chain, scenario, cand, cand.built_on, {**meta, "refused": why})
+
+
+def _append(chain: ReleaseChain, scenario: str, cand: Candidate, built_on: str | None,
+            meta: dict[str, Any]) -> Release:
+    if cand.kind == "rollback":
+        return chain.rollback(scenario, cand.target, expected_head=built_on, meta=meta)
+    if cand.kind == "promote":
+        assert cand.target is not None
+        return chain.promote(scenario, cand.target, expected_head=built_on, meta=meta)
+    if cand.artifact is not None and cand.kind != "base":
+        meta = {**meta, "built_on": built_on}
+    return chain.publish(scenario, expected_head=built_on, kind=cand.kind, artifact_dir=cand.artifact, meta=meta,
+                         folder=cand.folder)
+
+
+def _keep(chain: ReleaseChain, scenario: str, cand: Candidate, built_on: str | None, meta: dict[str, Any]) -> Release:
+    """A candidate that is not released, kept for the record on the head it was built on (or the head now)."""
+    if built_on is None and (head := chain.head(scenario)) is not None:
+        built_on = head.id
+    if cand.artifact is not None:
+        meta = {"built_on": built_on, **meta}
+    return chain.reject(scenario, built_on=built_on, kind=cand.kind, artifact_dir=cand.artifact, meta=meta)

@@ -1,0 +1,452 @@
+"""The reconciler: declared release (YAML pin, else the chain head) ↔ release chain ↔ serving engine.
+
+It runs when told to (reefd/loop.py wires it): at start, after every commit through reefd (before the caller is
+answered), and on SIGHUP; a reconcile that failed is tried again every RETRY_S. reefd is the chain's only
+writer, so nothing else moves a head. For each scenario it:
+
+1. records the base release on a scenario's first start;
+2. if the YAML pins a release whose artifacts differ from the head's, appends a rollback release
+   carrying the pinned tree (the chain never rewinds);
+3. swaps the engine to the head: an adapter is materialized from the chain and loaded under a new
+   name (its release id), the scenario's binding moves to it for new requests, and the previous
+   adapter is unloaded once the requests that started on it have finished.
+
+Requests capture a scenario's `Binding` when they start, so each answers and is recorded with the
+release that served it. Knows the chain and the engine contract; nothing about wire formats.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import logging
+import shutil
+import tempfile
+import time
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+from typing import Any
+
+from reefd.commit import chain as releases
+from reefd.commit import trials as canary
+from reefd.commit.chain import (
+    Candidate,
+    HeadConflict,
+    Release,
+    ReleaseChain,
+    ReleaseError,
+    UnknownRelease,
+    WrongScenario,
+)
+from reefd.commit.identity import model_identity
+from reefd.engines import Engine, EngineError, EngineUnavailable
+from reefd.harness import Harness, HarnessError
+from reefd.ops.background import Background
+from reefd.serve.scenarios import Binding, Registry, Scenario, Trial
+
+log = logging.getLogger("reefd.commit.reconcile")
+
+
+def read_harness(chain: ReleaseChain, release_id: str) -> Harness | None:
+    """A release's harness, parsed from its `harness/` tree (None when it has none)."""
+    if "harness" not in chain.artifacts(release_id):
+        return None
+    with tempfile.TemporaryDirectory(dir=chain.path / "lfs" / "tmp") as tmp:
+        folder = chain.materialize(release_id, Path(tmp) / "h", "harness")
+        try:
+            return Harness.from_dir(folder)
+        except HarnessError as exc:
+            raise ReleaseError(f"{release_id}: its harness does not parse: {exc}") from None
+
+
+class Reconciler:
+    RETRY_S = 30.0  # a swap that failed is tried again this often (an engine restarting, a corrupt object)
+
+    def __init__(self, registry: Registry, chain: ReleaseChain, state_dir: Path, scenarios_dir: Path):
+        self.registry = registry
+        self.chain = chain
+        self.serving_dir = state_dir / "serving"
+        self.weights_dir = state_dir / "weights"
+        self.scenarios_dir = scenarios_dir
+        self._locks: dict[str, asyncio.Lock] = {}
+        self._background = Background(log)  # swaps kicked off, adapters being retired
+        self._retries: dict[str, asyncio.TimerHandle] = {}  # scenario -> its next try after a failure
+        self._listeners: list[Callable[[Scenario, Release], None]] = []
+
+    # ------------------------------------------------------------ triggers
+
+    def start(self) -> None:
+        self.kick_all()
+
+    def kick_all(self) -> None:
+        for name in self.registry.scenarios:
+            self.kick(name)
+
+    def kick(self, name: str) -> None:
+        """Reconcile `name` in the background."""
+        self._background.spawn(self._kick(name), f"reconcile-{name}")
+
+    async def _kick(self, name: str) -> None:
+        scenario = self.registry.scenarios.get(name)
+        if scenario is not None:
+            await self.reconcile(scenario)
+
+    async def bind(self, scenario: Scenario) -> None:
+        """Bind a scenario a reload has not installed yet (it moves to a new engine) to its declared release."""
+        await self.reconcile(scenario, pending=True)
+
+    async def stop(self) -> None:
+        for handle in self._retries.values():
+            handle.cancel()
+        await self._background.cancel()
+
+    # ------------------------------------------------------------ the loop
+
+    async def reconcile(self, scenario: Scenario, *, pending: bool = False) -> Binding | None:
+        """Make a scenario serve its declared release; returns what serves it afterwards.
+
+        The scenario served now is the one reconciled, even when the caller holds an object from before a
+        reload; `pending` is for a reload's new object, bound before it is installed."""
+        live = self.registry.scenarios.get(scenario.name)
+        if not pending and live is not None:
+            scenario = live
+        lock = self._locks.setdefault(scenario.name, asyncio.Lock())
+        async with lock:
+            retry = self._retries.pop(scenario.name, None)
+            if retry is not None:
+                retry.cancel()
+            try:
+                head, problem = await self._declared_head(scenario)
+                await self._serve(scenario, head)
+                scenario.error = problem
+                if problem:
+                    log.error("%s: %s", scenario.name, problem)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # recorded on the scenario (status shows it) and tried again in RETRY_S
+                if not pending:
+                    self._retries[scenario.name] = asyncio.get_running_loop().call_later(
+                        self.RETRY_S, self.kick, scenario.name)
+                scenario.error = str(exc) or type(exc).__name__
+                expected = (EngineError, EngineUnavailable, ReleaseError, HarnessError, OSError)
+                log.error("%s: %s", scenario.name, exc, exc_info=not isinstance(exc, expected))
+            return scenario.binding
+
+    async def _declared_head(self, scenario: Scenario) -> tuple[Release, str | None]:
+        """The chain head after recording the base and applying the pin (appending a rollback if needed),
+        and what is wrong with the pin if it cannot be applied (the head then serves)."""
+        name, pin = scenario.name, scenario.cfg.release.pin
+        head = await asyncio.to_thread(self.chain.head, name)
+        if head is None:
+            head = await self._record_base(scenario)
+        elif pin is None and scenario.cfg.harness.dir and \
+                "harness" not in await asyncio.to_thread(self.chain.artifacts, head.id):
+            head = await self._import_harness(scenario, head)  # a harness added to a scenario that had none
+        if pin is None or pin == head.id:
+            return head, None
+        try:
+            target = await asyncio.to_thread(self.chain.target, name, pin)
+        except UnknownRelease:
+            return head, f"release.pin: {pin} is not a release of scenario {name!r}; serving the chain head"
+        except WrongScenario as exc:
+            return head, f"release.pin: {exc}; serving the chain head"
+        if await self._same_artifacts(target.id, head.id):
+            return head, None
+        rel = await self._commit(scenario, Candidate(
+            "rollback", {"source": "pin", "summary": f"release.pin in the scenario file: {pin}"}, target=pin,
+            built_on=head.id, applies_pin=True), on_conflict="rebase")  # a head moved meanwhile: the pin still wins
+        log.info("%s: pinned to %s; appended rollback release %s", name, pin, rel.id)
+        return rel, None
+
+    async def _commit(self, scenario: Scenario, cand: Candidate, on_conflict: str = "discard") -> Release:
+        return await asyncio.to_thread(releases.commit, self.chain, scenario.name, cand, pin=scenario.cfg.release.pin,
+                                       on_conflict=on_conflict)
+
+    async def _same_artifacts(self, a: str, b: str) -> bool:
+        return bool(await asyncio.to_thread(self.chain.artifacts, a)
+                    == await asyncio.to_thread(self.chain.artifacts, b))
+
+    async def _record_base(self, scenario: Scenario) -> Release:
+        """A scenario's first start: its base release records the model's identity."""
+        deadline = time.monotonic() + scenario.cfg.model.startup_timeout_s
+        while (model_dir := scenario.engine.model_folder()) is None and scenario.cfg.model.engine != "upstream":
+            if scenario.engine.describe()["state"] == "failed" or time.monotonic() > deadline:
+                raise EngineUnavailable(f"engine for model {scenario.cfg.model.name!r} did not start; "
+                                        "no base release recorded")
+            await asyncio.sleep(0.25)  # a built-in model is still being prepared
+        ident = await asyncio.to_thread(model_identity, scenario.cfg.model, model_dir)
+        meta: dict[str, Any] = {"source": "import", "identity": ident}
+        async with self._scratch() as tmp:
+            harness = await self._base_harness(scenario, tmp)
+            if harness is not None:
+                meta["summary"] = f"base harness from {scenario.cfg.harness.dir}"
+            try:
+                head = await self._commit(scenario, Candidate("base", meta, artifact=harness, folder="harness",
+                                                              exact=True))
+                log.info("%s: recorded base release %s", scenario.name, head.id)
+                return head
+            except HeadConflict:  # recorded meanwhile (a reload's reconcile, say): serve that
+                again = await asyncio.to_thread(self.chain.head, scenario.name)
+                assert again is not None
+                return again
+
+    @contextlib.asynccontextmanager
+    async def _scratch(self) -> AsyncIterator[Path]:
+        """A temporary folder beside the chain's LFS objects, made and removed off the event loop."""
+        tmp = Path(await asyncio.to_thread(tempfile.mkdtemp, dir=self.chain.path / "lfs" / "tmp"))
+        try:
+            yield tmp
+        finally:
+            await asyncio.to_thread(shutil.rmtree, tmp, True)
+
+    async def _base_harness(self, scenario: Scenario, tmp: Path) -> Path | None:
+        """The scenario's harness folder, read and rendered canonically into `tmp` (None: it has none)."""
+        if not scenario.cfg.harness.dir:
+            return None
+        source = self.scenarios_dir / scenario.cfg.harness.dir
+        harness = await asyncio.to_thread(Harness.from_dir, source)
+        await asyncio.to_thread(harness.render, tmp / "harness")
+        return tmp / "harness"
+
+    async def _import_harness(self, scenario: Scenario, head: Release) -> Release:
+        async with self._scratch() as tmp:
+            folder = await self._base_harness(scenario, tmp)
+            rel = await self._commit(scenario, Candidate(
+                "harness", {"source": "import", "summary": f"harness imported from {scenario.cfg.harness.dir}"},
+                artifact=folder, built_on=head.id, exact=True))
+        log.info("%s: imported its harness as release %s", scenario.name, rel.id)
+        return rel
+
+    def subscribe(self, listener: Callable[[Scenario, Release], None]) -> None:
+        """Call `listener(scenario, head)` on the event loop each time a scenario serves what its chain declares."""
+        self._listeners.append(listener)
+
+    async def _serve(self, scenario: Scenario, head: Release) -> None:
+        """Serve the head, or, while it is on trial (reefd/commit/trials.py), its stable release to everyone and the
+        head beside it as the scenario's trial."""
+        spec = canary.active(scenario.cfg.release, head)
+        stable = None
+        if spec is not None:
+            stable = await asyncio.to_thread(self.chain.get, spec.stable)
+            if await asyncio.to_thread(self._weights_of, stable.id) != \
+                    await asyncio.to_thread(self._weights_of, head.id):
+                log.warning("%s: %s is on trial with other weights than %s; one engine serves one set of weights, "
+                            "so it serves everyone", scenario.name, head.id, stable.id)
+                spec = stable = None
+        old, before = scenario.trial, scenario.binding
+        if spec is None or stable is None:
+            await self._serve_one(scenario, head, old, retire=False)
+            scenario.trial = None
+        else:
+            await self._serve_one(scenario, stable, old, retire=False)
+            side = await self._side(scenario, head, old)
+            scenario.trial = Trial(spec.mode, side, stable.id, spec.share)
+            if old is None or old.binding.release != head.id:
+                log.info("%s: %s %s on %g of sessions; %s serves the rest", scenario.name, spec.mode, head.id,
+                         spec.share, stable.id)
+        # only now that both the binding and the trial are set: what neither serves any more is unloaded
+        for gone in (before, old.binding if old is not None else None):
+            if gone is not None and gone.adapter is not None and \
+                    gone.adapter not in self.registry.adapters(scenario.engine):
+                self._background.spawn(self._retire(scenario.engine, gone, scenario.cfg.serve.request_timeout_s),
+                            f"retire-{gone.adapter}")
+        for listener in list(self._listeners):
+            try:
+                listener(scenario, head)
+            except Exception:  # a listener's bug must not fail a swap already made
+                log.exception("a reconcile listener failed")
+
+    def _weights_of(self, release_id: str) -> str | None:
+        return self.chain.artifacts(release_id).get("weights")
+
+    async def _side(self, scenario: Scenario, rel: Release, old: Trial | None) -> Binding:
+        """The binding of a release on trial: its adapter (loaded beside the stable one, or shared when the bytes
+        are the same) and its harness, on the weights that serve."""
+        current = scenario.binding
+        assert current is not None
+        if old is not None and old.binding.release == rel.id:
+            return old.binding
+        artifacts = await asyncio.to_thread(self.chain.artifacts, rel.id)
+        tree = artifacts.get("adapter")
+        if tree is not None:
+            self._check_base(rel, current.weights)
+        harness, harness_tree = await self._harness(scenario, rel, artifacts.get("harness"), current)
+        adapter = None
+        if tree is not None:
+            reuse = [b for b in (current, old.binding if old else None)
+                     if b is not None and b.artifact == tree and b.adapter is not None]
+            if reuse:
+                adapter = reuse[0].adapter
+            else:
+                adapter = rel.id
+                if rel.id not in scenario.engine.adapters:
+                    await self._wait_ready(scenario)
+                    folder = await asyncio.to_thread(self._materialize, scenario.name, rel.id)
+                    await scenario.engine.load_adapter(rel.id, folder)
+        return Binding(rel.id, adapter, tree, harness, harness_tree, current.weights, current.weights_version)
+
+    async def _serve_one(self, scenario: Scenario, rel: Release, trial: Trial | None = None, *,
+                         retire: bool = True) -> None:
+        current = scenario.binding
+        if current is not None and current.release == rel.id:
+            return
+        artifacts = await asyncio.to_thread(self.chain.artifacts, rel.id)
+        tree, weights = artifacts.get("adapter"), artifacts.get("weights")
+        if tree is not None:
+            self._check_base(rel, weights)
+        engine = scenario.engine
+        harness, harness_tree = await self._harness(scenario, rel, artifacts.get("harness"), current)
+        served = getattr(getattr(engine, "weights", None), "version", None)  # what the engine really has
+        if weights != (current.weights if current is not None else None) or (current is None and served is not None):
+            await self._swap_weights(scenario, rel, weights, tree, harness, harness_tree)
+            return
+        on = {"weights": weights, "weights_version": current.weights_version if current is not None else None}
+        if tree is None:
+            binding = Binding(rel.id, harness=harness, harness_tree=harness_tree, **on)
+        elif current is not None and current.artifact == tree and current.adapter is not None:
+            # same adapter bytes (a rollback's copy, a harness-only release): keep the loaded one
+            binding = Binding(rel.id, current.adapter, tree, harness, harness_tree, **on)
+        elif trial is not None and trial.binding.artifact == tree and trial.binding.adapter is not None:
+            # the adapter of the release that was on trial (its promotion): already loaded
+            binding = Binding(rel.id, trial.binding.adapter, tree, harness, harness_tree, **on)
+        else:
+            binding = Binding(rel.id, rel.id, tree, harness, harness_tree, **on)
+            if rel.id not in engine.adapters:
+                await self._wait_ready(scenario)
+                folder = await asyncio.to_thread(self._materialize, scenario.name, rel.id)
+                await engine.load_adapter(rel.id, folder)
+        scenario.binding = binding  # new requests take it from here; running ones keep theirs
+        log.info("%s: serving %s%s", scenario.name, rel.id,
+                 f" (was {current.release})" if current else "")
+        if retire and current is not None and current.adapter is not None and current.adapter != binding.adapter:
+            self._background.spawn(self._retire(engine, current, scenario.cfg.serve.request_timeout_s),
+                        f"retire-{current.adapter}")
+
+    def _check_base(self, rel: Release, weights: str | None) -> None:
+        """An adapter serves only on the weights it was trained on (its release says which)."""
+        claim = releases.trained_on(rel.meta)
+        if claim is not None and claim.get("tree") != weights:
+            made_on = claim.get("release") or "the base model"
+            raise ReleaseError(f"{rel.id}: its adapter was trained on the weights of {made_on}, not on the "
+                               "weights this release carries; it is not served")
+
+    async def _swap_weights(self, scenario: Scenario, rel: Release, weights: str | None, tree: str | None,
+                            harness: Harness | None, harness_tree: str | None) -> None:
+        """Serve a release whose weights differ from what serves: the engine swaps them (holding new requests on
+        one process, rolling across replicas) and moves the binding at the moment the new weights serve."""
+        engine = scenario.engine
+        swap = getattr(engine, "swap_weights", None)
+        if swap is None:
+            raise EngineError(f"{rel.id} carries full weights, which a {engine.kind} engine cannot load")
+        sharing = [name for name in self.registry.sharing(engine) if name != scenario.name]
+        if sharing:
+            raise EngineError(f"{rel.id} carries full weights, but scenario(s) {', '.join(sharing)} share this "
+                              f"model's engine; give {scenario.name} a model of its own (another model.name) to "
+                              "serve weights releases")
+        await self._wait_ready(scenario)
+        path = await asyncio.to_thread(self._weights_folder, rel.id, weights) if weights is not None else None
+        adapter = (rel.id, await asyncio.to_thread(self._materialize, scenario.name, rel.id)) if tree else None
+        binding = Binding(rel.id, rel.id if tree else None, tree, harness, harness_tree, weights, rel.id)
+        timeout = scenario.cfg.serve.request_timeout_s
+
+        async def drained(version: str | None) -> None:
+            await self.registry.drained(engine, version, timeout)
+
+        report = await swap(path, rel.id, adapter, functools.partial(setattr, scenario, "binding", binding),
+                            drained)
+        log.info("%s: serving %s on its weights (%s)", scenario.name, rel.id, report)
+        await asyncio.to_thread(self._prune_weights)
+        for folder in self.serving_dir.glob(f"{scenario.name}/*"):  # adapters of the old weights: unloaded
+            if folder.name != rel.id:
+                await asyncio.to_thread(shutil.rmtree, folder, True)
+
+    def _weights_folder(self, release_id: str, tree: str) -> Path:
+        """A release's weights folder under STATE/weights/<tree id>, written once (atomically), shared by every
+        release that carries the same weights."""
+        return self._write_once(self.weights_dir / tree, release_id, "weights")
+
+    def _prune_weights(self) -> None:
+        """Drop the weights folders no scenario serves (a rollback writes them again from the chain)."""
+        keep = {s.binding.weights for s in self.registry.scenarios.values() if s.binding is not None}
+        for engine in self.registry.engines.values():
+            path = getattr(getattr(engine, "weights", None), "path", None)
+            if path is not None:
+                keep.add(Path(path).name)
+        for folder in self.weights_dir.glob("*"):
+            if folder.name not in keep and not folder.name.startswith("."):
+                shutil.rmtree(folder, ignore_errors=True)
+
+    async def _harness(self, scenario: Scenario, rel: Release, tree: str | None,
+                       current: Binding | None) -> tuple[Harness | None, str | None]:
+        """The release's harness, parsed from the chain (or the current one, when the tree is the same)."""
+        if tree is None:
+            return None, None
+        if current is not None and current.harness_tree == tree:
+            return current.harness, tree
+        return await asyncio.to_thread(read_harness, self.chain, rel.id), tree
+
+    async def _wait_ready(self, scenario: Scenario) -> None:
+        deadline = time.monotonic() + scenario.cfg.model.startup_timeout_s
+        while not scenario.engine.ready:
+            if scenario.engine.describe()["state"] == "failed" or time.monotonic() > deadline:
+                raise EngineUnavailable(f"engine for model {scenario.cfg.model.name!r} is "
+                                        f"{scenario.engine.describe()['state']}")
+            await asyncio.sleep(0.1)
+
+    def _materialize(self, scenario: str, release_id: str) -> Path:
+        """The release's adapter folder under STATE/serving/<scenario>/<release>, written once (atomically)."""
+        return self._write_once(self.serving_dir / scenario / release_id, release_id, "adapter")
+
+    def _write_once(self, dest: Path, release_id: str, folder: str) -> Path:
+        """`dest`, holding the release's `folder` from the chain: written beside it, then renamed into place."""
+        if dest.is_dir():
+            return dest
+        tmp = dest.with_name(f".{dest.name}.tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        self.chain.materialize(release_id, tmp, folder=folder)
+        tmp.rename(dest)
+        return dest
+
+    async def _retire(self, engine: Engine, old: Binding, drain_s: float) -> None:
+        """Unload an adapter no scenario serves any more, once the requests that started on it are done."""
+        name = old.adapter
+        assert name is not None
+        deadline = time.monotonic() + drain_s
+        while self.registry.in_flight(engine, name) and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        if name in self.registry.adapters(engine) or name not in engine.adapters:
+            return  # served again meanwhile (or on trial), or already gone
+        try:
+            await engine.unload_adapter(name)
+        except (EngineError, EngineUnavailable) as exc:
+            log.warning("unloading adapter %s failed: %s", name, exc)
+            return
+        for folder in self.serving_dir.glob(f"*/{name}"):
+            await asyncio.to_thread(shutil.rmtree, folder, True)
+        log.info("unloaded adapter %s", name)
+
+    # ------------------------------------------------------------ reporting
+
+    def drift(self, scenario: Scenario, head: Release | None) -> list[str]:
+        """Why what serves differs from what is declared (empty when in sync)."""
+        reasons = []
+        serving = scenario.binding.release if scenario.binding else None
+        pin = scenario.cfg.release.pin
+        if scenario.error:
+            reasons.append(scenario.error)
+        trial = scenario.trial
+        if trial is not None and head is not None and trial.binding.release == head.id:
+            serving = head.id  # on trial beside the stable release: what the chain declares
+        if head is not None and serving != head.id:
+            lock = self._locks.get(scenario.name)
+            busy = " (swap in progress)" if lock is not None and lock.locked() else ""
+            reasons.append(f"serving {serving or 'nothing'} but the chain head is {head.id}{busy}")
+        if pin is not None and head is not None and pin != head.id and not scenario.error:
+            try:
+                same = self.chain.artifacts(pin) == self.chain.artifacts(head.id)
+            except ReleaseError:
+                same = False
+            if not same:
+                reasons.append(f"declared release {pin} differs from the chain head {head.id}")
+        return reasons

@@ -1,0 +1,596 @@
+"""Trials of a new release on live traffic: a canary serves a share of the sessions, a shadow answers a copy of
+them; scores of both sides decide, by a one-sided test, whether the release is promoted or rolled back.
+
+A trial is state in the release chain, not in memory. A release whose `release.json` meta carries `canary` (mode,
+stable, share, started_at) is on trial while it is the head, the scenario still declares that kind of trial and no
+pin: it serves its share and the stable release serves the rest (reconcile.py binds both). A later release ends the
+trial: the decision (a promote or a rollback whose meta holds `canary.decision` and the evidence), an operator's
+rollback or promote, or a new candidate (which goes on trial against the same stable release). After a restart the
+scores are counted again from the records served since the trial started, so it resumes with its counts.
+
+The test. Each side's scores are the metric of the reports on its records (a canary), or the scorer's score of the
+served and the shadow answer of each copied turn (a shadow, compared pair by pair). With d the canary's mean minus
+the stable's, and [d - q·se, d + q·se] its interval (Welch's t; paired t for a shadow):
+- promote when the lower bound is above -max_drop: the new release is no worse than the tolerated drop;
+- roll back when the upper bound is below -max_drop: it is worse by more than that;
+- otherwise wait for more scores, or for max_age_s (then `on_timeout`).
+The test looks when the smaller side first reaches min_reports, then at each doubling of it; look k spends
+(1 - confidence) / 2^(k+1) of the error, so a wrong decision over all looks has probability at most 1 - confidence.
+
+Knows the chain's meta, records and reports; nothing about HTTP or engines (the loop wires the commit).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import logging
+import math
+import time
+from collections.abc import Awaitable, Callable, Coroutine
+from dataclasses import dataclass, field
+from typing import Any
+
+from reefd import plugins
+from reefd.commit.chain import Candidate, HeadConflict, Release, ReleaseChain, ReleaseError
+from reefd.config import CanaryConfig, ReleaseConfig, ShadowConfig, TrialConfig
+from reefd.observe.receipts import receipt_floor
+from reefd.observe.records import RecordStore
+from reefd.ops.background import Background
+
+log = logging.getLogger("reefd.commit.trials")
+
+MODES = ("canary", "shadow")
+PAGE = 500  # records read per transaction when a trial's counts are rebuilt
+RETRY_S = 30.0  # a decision that could not be committed is tried again this long after (at the deadline check)
+RECOUNT_MARGIN_S = 900.0  # a recount reads from this long before the trial began (turns that waited in the line)
+
+
+# ---------------------------------------------------------------- the test
+
+
+def _betacf(a: float, b: float, x: float) -> float:
+    """The continued fraction of the incomplete beta function (modified Lentz)."""
+    tiny, eps = 1e-300, 1e-15
+    qab, qap, qam = a + b, a + 1.0, a - 1.0
+    c, d = 1.0, 1.0 - qab * x / qap
+    d = 1.0 / (d if abs(d) > tiny else tiny)
+    h = d
+    for m in range(1, 400):
+        m2 = 2 * m
+        for aa in (m * (b - m) * x / ((qam + m2) * (a + m2)), -(a + m) * (qab + m) * x / ((a + m2) * (qap + m2))):
+            d = 1.0 + aa * d
+            d = 1.0 / (d if abs(d) > tiny else tiny)
+            c = 1.0 + aa / c
+            c = c if abs(c) > tiny else tiny
+            h *= d * c
+        if abs(d * c - 1.0) < eps:
+            break
+    return h
+
+
+def betainc(a: float, b: float, x: float) -> float:
+    """The regularized incomplete beta function I_x(a, b)."""
+    if x <= 0.0:
+        return 0.0
+    if x >= 1.0:
+        return 1.0
+    front = math.exp(math.lgamma(a + b) - math.lgamma(a) - math.lgamma(b) + a * math.log(x) + b * math.log1p(-x))
+    if x < (a + 1.0) / (a + b + 2.0):
+        return front * _betacf(a, b, x) / a
+    return 1.0 - front * _betacf(b, a, 1.0 - x) / b
+
+
+def t_sf(x: float, df: float) -> float:
+    """P(T > x) for Student's t with `df` degrees of freedom, x >= 0."""
+    return 0.5 * betainc(df / 2.0, 0.5, df / (df + x * x))
+
+
+def t_quantile(p: float, df: float) -> float:
+    """The `p` quantile (p > 0.5) of Student's t with `df` degrees of freedom."""
+    target, lo, hi = 1.0 - p, 0.0, 1.0
+    while t_sf(hi, df) > target and hi < 1e12:
+        lo, hi = hi, hi * 2.0
+    for _ in range(200):
+        mid = (lo + hi) / 2.0
+        if t_sf(mid, df) > target:
+            lo = mid
+        else:
+            hi = mid
+        if hi - lo < 1e-10 * max(1.0, hi):
+            break
+    return (lo + hi) / 2.0
+
+
+@dataclass
+class Tally:
+    """Count, mean and sum of squared deviations of one side's scores (Welford)."""
+
+    n: int = 0
+    mean: float = 0.0
+    m2: float = 0.0
+
+    def add(self, x: float) -> None:
+        self.n += 1
+        delta = x - self.mean
+        self.mean += delta / self.n
+        self.m2 += delta * (x - self.mean)
+
+    @property
+    def var(self) -> float:
+        return self.m2 / (self.n - 1) if self.n > 1 else 0.0
+
+    def as_json(self) -> dict[str, Any]:
+        return {"n": self.n, "mean": round(self.mean, 6) if self.n else None,
+                "sd": round(math.sqrt(self.var), 6) if self.n > 1 else None}
+
+
+def look_of(n: int, min_reports: int) -> int | None:
+    """The test's look for `n` scores on the smaller side: None before min_reports, then 0, 1, 2 ... at each
+    doubling."""
+    if n < min_reports:
+        return None
+    return math.floor(math.log2(n / min_reports) + 1e-12)
+
+
+def compare(canary: Tally, stable: Tally, cfg: TrialConfig, *, pairs: Tally | None = None) -> dict[str, Any]:
+    """The evidence for a decision: both sides, the difference, its interval at this look, and the decision
+    (promote, rollback, or None: not yet)."""
+    n = pairs.n if pairs is not None else min(canary.n, stable.n)
+    look = look_of(n, cfg.min_reports)
+    out: dict[str, Any] = {"canary": canary.as_json(), "stable": stable.as_json(), "min_reports": cfg.min_reports,
+                           "max_drop": cfg.max_drop, "confidence": cfg.confidence}
+    if pairs is not None:
+        out["pairs"] = pairs.as_json()
+    if look is None:
+        return {**out, "decision": None, "reason": f"gathering: {n} of {cfg.min_reports} scores on the smaller side"}
+    alpha = (1.0 - cfg.confidence) / 2 ** (look + 1)
+    if pairs is not None:
+        diff, se, df = pairs.mean, math.sqrt(pairs.var / pairs.n), pairs.n - 1.0
+        test = "paired t, one-sided"
+    else:
+        va, vb = canary.var / canary.n, stable.var / stable.n
+        diff, se = canary.mean - stable.mean, math.sqrt(va + vb)
+        df = (va + vb) ** 2 / (va ** 2 / (canary.n - 1) + vb ** 2 / (stable.n - 1)) if va + vb > 0 else math.inf
+        test = "Welch t, one-sided"
+    q = t_quantile(1.0 - alpha, df) if se > 0 else 0.0
+    lower, upper = diff - q * se, diff + q * se
+    if lower > -cfg.max_drop:
+        decision, reason = "promote", (f"no worse than the stable release by more than {cfg.max_drop:g}: "
+                                       f"lower bound {lower:+.4f}")
+    elif upper < -cfg.max_drop:
+        decision, reason = "rollback", (f"worse than the stable release by more than {cfg.max_drop:g}: "
+                                        f"upper bound {upper:+.4f}")
+    else:
+        decision, reason = None, (f"undecided at look {look}: the interval [{lower:+.4f}, {upper:+.4f}] holds "
+                                  f"-{cfg.max_drop:g}")
+    return {**out, "diff": round(diff, 6), "interval": [round(lower, 6), round(upper, 6)],
+            "test": {"kind": test, "look": look, "alpha": alpha, "df": None if math.isinf(df) else round(df, 3),
+                     "quantile": round(q, 6)},
+            "decision": decision, "reason": reason}
+
+
+# ---------------------------------------------------------------- trials in the chain
+
+
+@dataclass(frozen=True)
+class Spec:
+    """A release on trial, as its release.json and the scenario's current file say."""
+
+    mode: str  # canary | shadow
+    release: str  # the release on trial (the chain head)
+    stable: str  # the release that serves everyone else
+    started_at: float
+    cfg: TrialConfig  # the scenario's current settings for that mode
+
+    @property
+    def share(self) -> float:
+        return self.cfg.share
+
+    @property
+    def deadline(self) -> float:
+        return self.started_at + self.cfg.max_age_s
+
+    @property
+    def metric(self) -> str:
+        """What a canary compares (a shadow compares its scorer's scores)."""
+        return self.cfg.metric if isinstance(self.cfg, CanaryConfig) else "score"
+
+    @property
+    def floor(self) -> str:
+        """The first receipt of the trial: the stable release's records from here on are its other side."""
+        return receipt_floor(int(self.started_at * 1000))
+
+
+def settings(release: ReleaseConfig, mode: str) -> TrialConfig:
+    return release.canary if mode == "canary" else release.shadow
+
+
+def declared_mode(release: ReleaseConfig) -> str | None:
+    """The trial a scenario's file declares for its new releases (None: they serve everyone at once)."""
+    if release.canary.share > 0:
+        return "canary"
+    if release.shadow.share > 0:
+        return "shadow"
+    return None
+
+
+def active(release: ReleaseConfig, head: Release | None) -> Spec | None:
+    """The trial the head is on, or None: no trial in its meta, decided, no longer declared, or pinned away."""
+    if head is None or release.pin is not None:
+        return None
+    meta = head.meta.get("canary")
+    if not isinstance(meta, dict) or "decision" in meta or not isinstance(meta.get("stable"), str):
+        return None
+    mode = meta.get("mode")
+    if mode not in MODES or declared_mode(release) != mode:
+        return None
+    return Spec(mode, head.id, meta["stable"], float(meta.get("started_at") or 0.0), settings(release, mode))
+
+
+def takes(spec_release: str, share: float, session: str | None, sticky: str | None = None,
+          stable: str | None = None) -> bool:
+    """Whether a turn goes to the release on trial: the side its session's previous turn had, else a hash of the
+    session (and of the release, so that each trial draws its own sessions)."""
+    if sticky is not None:
+        if sticky == spec_release:
+            return True
+        if sticky == stable:
+            return False
+    if session is None:
+        return False
+    digest = hashlib.blake2b(f"{spec_release}\0{session}".encode("utf-8", "surrogatepass"), digest_size=8).digest()
+    return int.from_bytes(digest, "big") / 2.0 ** 64 < share
+
+
+def side_of(spec: Spec, record: dict[str, Any]) -> bool | None:
+    """The side of a canary a served record is on: True (the release on trial), False (the stable release, served
+    since the trial began), or None (neither: another release, older traffic, a shadow record)."""
+    if isinstance(record.get("shadow"), dict) or record.get("turn_kind") == "shadow":
+        return None
+    if record.get("release") == spec.release:
+        return True
+    if record.get("release") == spec.stable and str(record.get("id")) >= spec.floor:
+        return False
+    return None
+
+
+def metric_of(report: dict[str, Any], metric: str) -> float | None:
+    """The report's number for `metric` (score, or metadata.KEY); None when it has none."""
+    if metric == "score":
+        value = report.get("score")
+    else:
+        meta = report.get("metadata")
+        value = meta.get(metric.partition(".")[2]) if isinstance(meta, dict) else None
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        return None
+    return float(value)
+
+
+@dataclass
+class Watch:
+    """A trial being counted."""
+
+    spec: Spec
+    canary: Tally = field(default_factory=Tally)
+    stable: Tally = field(default_factory=Tally)
+    pairs: Tally | None = None
+    counted: set[tuple[str, bool]] = field(default_factory=set)  # (report id, side) already in a tally
+    paired: set[str] = field(default_factory=set)  # shadow records already in the tallies
+    backlog: list[Callable[[], None]] = field(default_factory=list)  # scores that came while the recount ran
+    loaded: bool = False
+    look: int | None = None
+    deciding: bool = False
+    timer: asyncio.TimerHandle | None = None
+
+    def evidence(self) -> dict[str, Any]:
+        out = compare(self.canary, self.stable, self.spec.cfg, pairs=self.pairs)
+        return {"mode": self.spec.mode, "release": self.spec.release, "stable_release": self.spec.stable,
+                "share": self.spec.share, "started_at": self.spec.started_at, "max_age_s": self.spec.cfg.max_age_s,
+                **({"metric": self.spec.metric} if self.spec.mode == "canary" else {}),
+                **out}
+
+
+Decide = Callable[[str, Candidate], Awaitable[Release]]
+"""Commits a decision for a scenario (the loop's commit: write, then swap)."""
+
+
+class Trials:
+    """The trials of every scenario whose head is on one: counts scores as they arrive, decides, and commits the
+    decision through `decide`."""
+
+    def __init__(self, store: RecordStore, chain: ReleaseChain, decide: Decide,
+                 clock: Callable[[], float] = time.time) -> None:
+        self.store, self.chain, self.decide, self.clock = store, chain, decide, clock
+        self._watches: dict[str, Watch] = {}
+        self._background = Background(log)  # recounts, reports being counted, decisions, shadow copies
+        self._shadows: dict[str, int] = {}  # shadow copies in flight, per scenario
+
+    SHADOWS_IN_FLIGHT = 4  # per scenario: beyond it a turn is not copied (a shadow never queues behind traffic)
+
+    def take_shadow_slot(self, scenario: str) -> bool:
+        """Whether a turn may be copied to the release on shadow trial now (then free_shadow_slot when done)."""
+        if self._shadows.get(scenario, 0) >= self.SHADOWS_IN_FLIGHT:
+            return False
+        self._shadows[scenario] = self._shadows.get(scenario, 0) + 1
+        return True
+
+    def free_shadow_slot(self, scenario: str) -> None:
+        self._shadows[scenario] = max(0, self._shadows.get(scenario, 0) - 1)
+
+    def spawn(self, coro: Coroutine[Any, Any, Any], name: str) -> None:
+        """Run `coro` in the background, cancelled when reefd stops."""
+        self._background.spawn(coro, name)
+
+    # ------------------------------------------------------------ lifecycle
+
+    def serving(self, scenario: str, release: ReleaseConfig, head: Release, on_trial: bool = True) -> None:
+        """The reconciler has made `scenario` serve `head`: on trial beside its stable release (`on_trial`), or to
+        everyone (then no trial is watched, whatever the head's meta says)."""
+        spec = active(release, head) if on_trial else None
+        watch = self._watches.get(scenario)
+        if watch is not None and spec is not None and watch.spec.release == spec.release:
+            watch.spec = spec  # settings may have changed on reload
+            if watch.loaded:
+                self._arm(scenario, watch)
+            return
+        self._drop(scenario)
+        if spec is None:
+            return
+        watch = Watch(spec, pairs=Tally() if spec.mode == "shadow" else None)
+        self._watches[scenario] = watch
+        self.spawn(self._load(scenario, watch), f"trial-{scenario}")
+
+    def watching(self) -> list[str]:
+        """The scenarios with a trial being counted."""
+        return list(self._watches)
+
+    def forget(self, scenario: str) -> None:
+        """A scenario that is no longer served."""
+        self._drop(scenario)
+
+    async def close(self) -> None:
+        for name in list(self._watches):
+            self._drop(name)
+        await self._background.cancel()
+
+    def _drop(self, scenario: str) -> None:
+        watch = self._watches.pop(scenario, None)
+        if watch is not None and watch.timer is not None:
+            watch.timer.cancel()
+
+    async def _load(self, scenario: str, watch: Watch) -> None:
+        """Count the scores of the records served since the trial started (a restart resumes with them): into a
+        fresh count off the event loop, then taken over here, with what arrived meanwhile applied on top."""
+        fresh = await asyncio.to_thread(self._recount, scenario, watch.spec)
+        if self._watches.get(scenario) is not watch:
+            return
+        watch.canary, watch.stable, watch.pairs = fresh.canary, fresh.stable, fresh.pairs
+        watch.counted, watch.paired = fresh.counted, fresh.paired
+        watch.loaded = True
+        for apply in watch.backlog:
+            apply()
+        watch.backlog.clear()
+        n = watch.pairs.n if watch.pairs is not None else min(watch.canary.n, watch.stable.n)
+        watch.look = look_of(n, watch.spec.cfg.min_reports)  # tested before the restart: the next look decides
+        log.info("%s: %s of %s against %s: %d and %d scores so far", scenario, watch.spec.mode, watch.spec.release,
+                 watch.spec.stable, watch.canary.n, watch.stable.n)
+        self._arm(scenario, watch)
+        self._check(scenario, watch)
+
+    def _recount(self, scenario: str, spec: Spec) -> Watch:
+        """The trial's scores, from the store (blocking). Records are read from a little before the trial began,
+        since a turn that waited in the engine's line then may have been served on its side."""
+        fresh = Watch(spec, pairs=Tally() if spec.mode == "shadow" else None)
+        after: str | None = receipt_floor(int((spec.started_at - RECOUNT_MARGIN_S) * 1000))
+        while True:
+            page = self.store.list_records(scenario, after=after, limit=PAGE)
+            for record in page:
+                self._count_record(fresh, record)
+            if len(page) < PAGE:
+                return fresh
+            after = page[-1]["id"]
+
+    def _count_record(self, watch: Watch, record: dict[str, Any]) -> None:
+        spec = watch.spec
+        shadow = record.get("shadow")
+        if isinstance(shadow, dict):
+            if spec.mode == "shadow" and record.get("release") == spec.release:
+                self._pair(watch, str(record.get("id")), shadow.get("served_score"), shadow.get("score"))
+            return
+        side = side_of(spec, record)
+        if spec.mode == "canary" and side is not None:
+            for report in record.get("reports") or []:
+                self._score(watch, report, side)
+
+    def _score(self, watch: Watch, report: dict[str, Any], on_trial: bool) -> bool:
+        value = metric_of(report, watch.spec.metric)
+        key = (str(report.get("report_id")), on_trial)
+        if value is None or key in watch.counted:
+            return False
+        watch.counted.add(key)
+        (watch.canary if on_trial else watch.stable).add(value)
+        return True
+
+    @staticmethod
+    def _pair(watch: Watch, receipt: str, served: Any, shadow: Any) -> bool:
+        if receipt in watch.paired or \
+                not all(isinstance(v, int | float) and math.isfinite(v) for v in (served, shadow)):
+            return False
+        assert watch.pairs is not None
+        watch.paired.add(receipt)
+        watch.stable.add(float(served))
+        watch.canary.add(float(shadow))
+        watch.pairs.add(float(shadow) - float(served))
+        return True
+
+    def _arm(self, scenario: str, watch: Watch, at_least: float = 0.0) -> None:
+        """A timer for the trial's max_age_s (not sooner than `at_least` seconds from now)."""
+        if watch.timer is not None:
+            watch.timer.cancel()
+        delay = max(at_least, watch.spec.deadline - self.clock())
+        watch.timer = asyncio.get_running_loop().call_later(min(delay, 3600.0), self._tick, scenario, watch)
+
+    def _tick(self, scenario: str, watch: Watch) -> None:
+        """The trial's timer: check the deadline, and wait again while it is ahead (long ages are checked hourly)."""
+        watch.timer = None
+        self._check(scenario, watch)
+        if self._watches.get(scenario) is watch and not watch.deciding:
+            self._arm(scenario, watch)
+
+    # ------------------------------------------------------------ scores
+
+    def reported(self, scenario: str, report: dict[str, Any]) -> None:
+        """A report (a client's or the judge's) is durable: count it for the side of each record it references."""
+        watch = self._watches.get(scenario)
+        if watch is None or watch.spec.mode != "canary":
+            return
+        if metric_of(report, watch.spec.metric) is None:
+            return
+        self.spawn(self._count_report(scenario, watch, report), f"trial-report-{scenario}")
+
+    async def _count_report(self, scenario: str, watch: Watch, report: dict[str, Any]) -> None:
+        spec = watch.spec
+
+        def sides() -> set[bool]:
+            found = set()
+            for ref in report.get("references") or []:
+                record = self.store.get_record(str(ref))
+                side = side_of(spec, record) if record is not None else None
+                if side is not None:
+                    found.add(side)
+            return found
+
+        on = await asyncio.to_thread(sides)
+        if self._watches.get(scenario) is not watch:
+            return
+
+        def apply() -> None:
+            if any([self._score(watch, report, side) for side in on]):
+                self._check(scenario, watch)
+
+        if watch.loaded:
+            apply()
+        else:  # the recount may have read the record before this report: applied once it is done
+            watch.backlog.append(apply)
+
+    def shadowed(self, scenario: str, release: str, receipt: str, served: float, shadow: float) -> None:
+        """A shadow answer of `release` (record `receipt`) and the served answer it copies were scored."""
+        watch = self._watches.get(scenario)
+        if watch is None or watch.spec.mode != "shadow" or watch.spec.release != release:
+            return
+
+        def apply() -> None:
+            if self._pair(watch, receipt, served, shadow):
+                self._check(scenario, watch)
+
+        if watch.loaded:
+            apply()
+        else:
+            watch.backlog.append(apply)
+
+    # ------------------------------------------------------------ decisions
+
+    def _check(self, scenario: str, watch: Watch) -> None:
+        if self._watches.get(scenario) is not watch or watch.deciding or not watch.loaded:
+            return
+        n = watch.pairs.n if watch.pairs is not None else min(watch.canary.n, watch.stable.n)
+        look = look_of(n, watch.spec.cfg.min_reports)
+        due = look is not None and look != watch.look
+        if not due and self.clock() < watch.spec.deadline:
+            return
+        evidence = watch.evidence()
+        decision = None
+        if due:
+            watch.look = look  # each look is tested once, with the scores it has when the smaller side reaches it
+            decision = evidence["decision"]
+        if decision is None and self.clock() >= watch.spec.deadline:
+            decision = watch.spec.cfg.on_timeout
+            evidence = {**evidence, "decision": decision,
+                        "reason": f"timed out after {watch.spec.cfg.max_age_s:g} s undecided ({evidence['reason']}); "
+                                  f"on_timeout: {decision}"}
+        if decision is None:
+            return
+        watch.deciding = True
+        self.spawn(self._commit(scenario, watch, {**evidence, "decision": decision}), f"trial-decide-{scenario}")
+
+    async def _commit(self, scenario: str, watch: Watch, evidence: dict[str, Any]) -> None:
+        spec, decision = watch.spec, evidence["decision"]
+        c, s = evidence["canary"], evidence["stable"]
+        figures = (f"{c['mean'] if c['mean'] is not None else '-'} vs {s['mean'] if s['mean'] is not None else '-'} "
+                   f"over {c['n']}/{s['n']} scores")
+        if decision == "promote":
+            cand = Candidate("promote", {"source": "canary", "summary": f"{spec.mode} promoted {spec.release}: "
+                                                                        f"{figures}", "canary": evidence},
+                             target=spec.release, built_on=spec.release, exact=True)
+        else:
+            cand = Candidate("rollback", {"source": "canary", "summary": f"{spec.mode} rolled back {spec.release}: "
+                                                                         f"{figures}", "canary": evidence},
+                             target=spec.stable, built_on=spec.release, exact=True)
+        try:
+            rel = await self.decide(scenario, cand)
+            log.info("%s: %s: %s; release %s (%s)", scenario, spec.mode, decision, rel.id, evidence["reason"])
+        except (HeadConflict, ReleaseError) as exc:  # the head moved (a new candidate, an operator): no decision
+            log.info("%s: the %s of %s ended without a decision: %s", scenario, spec.mode, spec.release, exc)
+        except Exception:
+            log.exception("%s: the %s of %s could not be decided; trying again at the next look or deadline check",
+                          scenario, spec.mode, spec.release)
+        finally:
+            watch.deciding = False
+            if self._watches.get(scenario) is watch:  # not decided after all: the deadline is checked again later
+                self._arm(scenario, watch, at_least=RETRY_S)
+
+    # ------------------------------------------------------------ what the chain and status read
+
+    def describe(self, scenario: str) -> dict[str, Any] | None:
+        watch = self._watches.get(scenario)
+        if watch is None:
+            return None
+        return {**watch.evidence(), "age_s": round(self.clock() - watch.spec.started_at, 3),
+                "loaded": watch.loaded, "deciding": watch.deciding}
+
+    def meta_for(self, scenario: str, release: ReleaseConfig, head: Release | None, cand: Candidate) -> dict[str, Any]:
+        """release.json's `canary` for a candidate about to be appended on `head` (blocking: reads the chain):
+        - a trial's own decision: as the trial wrote it;
+        - an operator's rollback, or promote of the release on trial (or of its stable release: a rollback): that
+          decision, with the evidence so far;
+        - a new adapter or harness release, or a promote, when the file declares a trial: the start of its trial
+          (against the head, or, when the head is itself on trial, against the same stable release)."""
+        if cand.meta.get("source") == "canary" or cand.applies_pin or head is None:
+            return {}
+        current = active(release, head)
+        if current is not None and cand.kind in ("rollback", "promote") and \
+                (cand.kind == "rollback" or cand.target in (head.id, current.stable)):
+            watch = self._watches.get(scenario)
+            evidence = watch.evidence() if watch is not None and watch.spec.release == head.id else {}
+            decision = "promote" if cand.kind == "promote" and cand.target == head.id else "rollback"
+            return {"canary": {**evidence, "mode": current.mode, "release": head.id, "stable_release": current.stable,
+                               "decision": decision, "reason": "decided by an operator"}}
+        mode = declared_mode(release)
+        if mode is None or release.pin is not None or cand.kind not in ("adapter", "harness", "promote"):
+            return {}
+        if cand.kind == "promote" and cand.target is not None:
+            with contextlib.suppress(ReleaseError):
+                if self.chain.artifacts(cand.target).get("weights") != self.chain.artifacts(head.id).get("weights"):
+                    return {}  # other weights: one engine serves one set of weights, so no trial
+        cfg = settings(release, mode)
+        trial: dict[str, Any] = {"mode": mode, "stable": current.stable if current is not None else head.id,
+                                 "started_at": self.clock(), "share": cfg.share, "min_reports": cfg.min_reports,
+                                 "max_drop": cfg.max_drop, "confidence": cfg.confidence,
+                                 "max_age_s": cfg.max_age_s, "on_timeout": cfg.on_timeout}
+        if isinstance(cfg, ShadowConfig):
+            trial["scorer"] = cfg.scorer
+        else:
+            trial["metric"] = release.canary.metric
+        if current is not None:
+            watch = self._watches.get(scenario)
+            trial["supersedes"] = {"release": head.id,
+                                   **(watch.evidence() if watch is not None and watch.spec.release == head.id else {})}
+        return {"canary": trial}
+
+
+def scorer(cfg: ShadowConfig) -> Callable[[dict[str, Any]], float]:
+    """The shadow scorer the scenario names (checked when the file loaded)."""
+    fn: Callable[[dict[str, Any]], float] = plugins.resolve({}, str(cfg.scorer), "shadow scorer")
+    return fn

@@ -1,0 +1,111 @@
+"""Grow jobs as records: a job's state, stage, progress and outcome, one JSON file each under STATE/jobs/.
+
+A file is written atomically at every transition, so a restart finds it; a job that was queued or running when
+reefd stopped is marked failed with that reason (`JobStore.recover`). Knows nothing about running a job
+(reefd/grow/runner.py) or when jobs run (reefd/grow/schedule.py).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from reefd.observe.receipts import new_receipt
+from reefd.ops.files import write_json
+
+ACTIVE = ("queued", "running")
+STATES = (*ACTIVE, "published", "rejected", "failed", "skipped", "cancelled")
+
+
+@dataclass
+class Job:
+    id: str
+    scenario: str
+    reason: str  # manual | count | interval | cron
+    recipe: str
+    state: str = "queued"
+    created_at: float = field(default_factory=time.time)
+    started_at: float | None = None
+    finished_at: float | None = None
+    stage: str = "queued"  # batch | train (or propose) | gate | publish | done
+    progress: dict[str, Any] = field(default_factory=dict)  # the trainer's last progress line
+    built_on: str | None = None
+    release: str | None = None  # the published release, or the rejected candidate
+    verdict: dict[str, Any] | None = None
+    error: str | None = None
+    receipts: list[str] = field(default_factory=list)
+    metrics: dict[str, Any] = field(default_factory=dict)
+    skipped: list[str] = field(default_factory=list)  # records not trained on: nothing in them, or past max_staleness
+    staleness: dict[str, Any] | None = None  # a weight job's batch: releases behind its base (grow/staleness.py)
+    detachable: bool = False  # its trainer runs on a cluster that outlives reefd: a restart follows it
+
+    def as_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+class JobStore:
+    """Job files under `root` (one JSON file each, replaced atomically)."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        root.mkdir(parents=True, exist_ok=True)
+        self.jobs: dict[str, Job] = {}
+        for path in sorted(root.glob("j-*.json")):
+            with contextlib.suppress(OSError, ValueError, TypeError):
+                data = json.loads(path.read_text())
+                self.jobs[data["id"]] = Job(**data)
+
+    def recover(self) -> list[Job]:
+        """Jobs a stopped (or killed) reefd left queued or running. They run again (`resumable`): one that had
+        not taken its batch yet from the start, one whose batch is on disk on that same batch, one training on a
+        cluster that outlived reefd by following that trainer. One stopped while it gated or published is
+        marked failed, with the reason (its records stay eligible), and returned."""
+        lost = [j for j in self.jobs.values() if j.state in ACTIVE and not self._resumable(j)]
+        for job in lost:
+            job.state, job.finished_at = "failed", time.time()
+            job.error = f"reefd stopped during the job's {job.stage} stage"
+            self.save(job)
+        for job in self.jobs.values():
+            if job.state == "running" and job.stage in ("queued", "batch"):  # no batch taken yet: it starts over
+                job.state, job.stage, job.started_at = "queued", "queued", None
+                self.save(job)
+        return lost
+
+    def resumable(self) -> list[Job]:
+        """Jobs a stopped reefd left to run again, oldest first: the scheduler queues them before anything new."""
+        return sorted((j for j in self.jobs.values() if j.state in ACTIVE and self._resumable(j)),
+                      key=lambda j: j.created_at)
+
+    def has_batch(self, job: Job) -> bool:
+        """Its batch is on disk (the trainer's spec), so a restart trains it again on the same records."""
+        return job.built_on is not None and (self.workdir(job) / "spec.json").is_file()
+
+    def _resumable(self, job: Job) -> bool:
+        if job.state == "queued" or job.stage in ("queued", "batch"):
+            return True
+        return job.state == "running" and job.stage == "train" and (job.detachable or self.has_batch(job))
+
+    def new(self, scenario: str, reason: str, recipe: str) -> Job:
+        """A queued job, listed at once (the caller saves it)."""
+        job = Job(id=f"j-{new_receipt().lower()}", scenario=scenario, reason=reason, recipe=recipe)
+        self.jobs[job.id] = job
+        return job
+
+    def save(self, job: Job) -> None:
+        write_json(self.root / f"{job.id}.json", job.as_json(), indent=1)
+
+    def workdir(self, job: Job) -> Path:
+        return self.root / job.id
+
+    def active(self, scenario: str) -> Job | None:
+        """The scenario's queued or running job (at most one)."""
+        return next((j for j in self.jobs.values() if j.scenario == scenario and j.state in ACTIVE), None)
+
+    def list(self, scenario: str | None = None) -> list[Job]:
+        return sorted((j for j in self.jobs.values() if scenario is None or j.scenario == scenario),
+                      key=lambda j: j.created_at, reverse=True)

@@ -1,0 +1,208 @@
+"""When Grow jobs run: triggers (record count, interval, cron, `reefctl train`), one job per scenario at
+most, a deployment-wide bound on concurrent jobs, and a fair queue.
+
+Interval and cron triggers are APScheduler 3.x jobs on the daemon's event loop. The count trigger is
+checked after records and reports become durable (`check`, which reefd/loop.py subscribes to the record
+store), debounced. A trigger for a scenario that already has a queued or running job joins that job
+instead of starting another. Waiting scenarios are served in the order they asked (first come, first
+served), so a busy scenario cannot starve another. Running a job is the runner's (reefd/grow/runner.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+import warnings
+from collections import deque
+from typing import Any
+
+from reefd.grow.job_store import Job, JobStore
+from reefd.grow.runner import Runner, eligible
+from reefd.observe.records import RecordStore
+from reefd.serve.scenarios import Registry
+
+log = logging.getLogger("reefd.grow.schedule")
+
+
+class CannotCancel(Exception):
+    """The job has ended, or is writing its release."""
+
+
+class Scheduler:
+    COUNT_DEBOUNCE_S = 0.2
+    FAILURE_COOLDOWN_S = 60.0  # a failed or skipped job's records stay eligible: count triggers wait this long
+
+    def __init__(self, registry: Registry, store: RecordStore, jobs: JobStore, runner: Runner,
+                 max_jobs: int = 1) -> None:
+        self.registry = registry
+        self.store = store
+        self.jobs = jobs
+        self.runner = runner
+        self.max_jobs = max_jobs
+        self._queue: deque[Job] = deque()
+        self._running: dict[str, asyncio.Task[None]] = {}  # scenario -> its running job's task
+        self._wake = asyncio.Event()
+        self._checks: dict[str, asyncio.TimerHandle] = {}
+        self._cooldown: dict[str, float] = {}  # scenario -> monotonic time before which counts do not fire
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._aps: Any = None
+
+    # ------------------------------------------------------------ lifecycle
+
+    async def start(self) -> None:
+        for job in await asyncio.to_thread(self.jobs.recover):
+            log.warning("%s %s: marked failed: %s", job.scenario, job.id, job.error)
+        for job in self.jobs.resumable():  # what a stopped reefd left queued or training runs first
+            if job.scenario in self.registry.scenarios:
+                self._queue.append(job)
+            else:
+                job.state, job.error, job.finished_at = "failed", "its scenario is no longer served", time.time()
+                await asyncio.to_thread(self.jobs.save, job)
+        self._wake.set()
+        with warnings.catch_warnings():  # tzlocal's deprecation chatter on import
+            warnings.simplefilter("ignore", DeprecationWarning)
+            from apscheduler.schedulers.asyncio import AsyncIOScheduler
+
+        self._aps = AsyncIOScheduler(event_loop=asyncio.get_running_loop(), timezone="UTC")
+        self._aps.start()
+        self.sync_triggers()
+        self._spawn(self._dispatch())
+        for name in self.registry.scenarios:
+            self.check(name)
+
+    async def stop(self) -> None:
+        if self._aps is not None:
+            self._aps.shutdown(wait=False)
+        for handle in self._checks.values():
+            handle.cancel()
+        for task in [*self._tasks, *self._running.values()]:
+            task.cancel()
+        await asyncio.gather(*self._tasks, *self._running.values(), return_exceptions=True)
+
+    def _spawn(self, coro: Any) -> None:
+        task = asyncio.create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    def sync_triggers(self) -> None:
+        """(Re)declare the interval and cron triggers of every scenario (at start and after SIGHUP)."""
+        from apscheduler.triggers.cron import CronTrigger
+        from apscheduler.triggers.interval import IntervalTrigger
+
+        self._aps.remove_all_jobs()
+        for name, scenario in self.registry.scenarios.items():
+            trig = scenario.cfg.trigger
+            if trig.interval_s is not None:
+                self._aps.add_job(self._fire, IntervalTrigger(seconds=trig.interval_s), args=[name, "interval"],
+                                  id=f"{name}:interval", coalesce=True, max_instances=1)
+            if trig.cron is not None:
+                self._aps.add_job(self._fire, CronTrigger.from_crontab(trig.cron, timezone="UTC"),
+                                  args=[name, "cron"], id=f"{name}:cron", coalesce=True, max_instances=1)
+
+    async def _fire(self, scenario: str, reason: str) -> None:
+        """APScheduler runs coroutines on the daemon's loop (plain functions would run in a thread)."""
+        s = self.registry.scenarios.get(scenario)
+        if s is not None and s.trial is None:  # a release on trial is judged before anything replaces it
+            await self.submit(scenario, reason)
+
+    # ------------------------------------------------------------ triggers
+
+    def check(self, scenario: str) -> None:
+        """A record or report arrived: soon, see whether the count trigger fires (debounced)."""
+        cfg = self.registry.scenarios.get(scenario)
+        if cfg is None or cfg.cfg.trigger.every_n_records is None or scenario in self._checks:
+            return
+        loop = asyncio.get_running_loop()
+        self._checks[scenario] = loop.call_later(self.COUNT_DEBOUNCE_S, self._count, scenario)
+
+    def _count(self, scenario: str) -> None:
+        self._checks.pop(scenario, None)
+        self._spawn(self._count_check(scenario))
+
+    async def _count_check(self, scenario: str) -> None:
+        s = self.registry.scenarios.get(scenario)
+        if s is None or s.cfg.trigger.every_n_records is None or self.jobs.active(scenario) or s.trial is not None:
+            return  # (a release on trial is judged before a job may replace it; `reefctl train` still can)
+        if time.monotonic() < self._cooldown.get(scenario, 0.0):
+            return
+        recipe = s.recipe  # built once per scenario (re)load: a recipe that cannot be built is None
+        if recipe is None or recipe.produces == "nothing":
+            return
+        samples = await asyncio.to_thread(eligible, self.store, recipe, scenario)
+        if len(samples) >= s.cfg.trigger.every_n_records and recipe.ready(samples):
+            await self.submit(scenario, "count")
+
+    async def submit(self, scenario: str, reason: str) -> Job:
+        """Queue a job for `scenario`, or return the one already queued or running (triggers coalesce)."""
+        current = self.jobs.active(scenario)
+        if current is not None:
+            return current
+        s = self.registry.scenarios[scenario]
+        job = self.jobs.new(scenario, reason, s.cfg.recipe.name)  # listed now: a trigger meanwhile joins it
+        await asyncio.to_thread(self.jobs.save, job)
+        self._queue.append(job)
+        log.info("%s %s: queued (%s)", scenario, job.id, reason)
+        self._wake.set()
+        return job
+
+    async def cancel(self, job: Job) -> Job:
+        """Stop a queued or running job (`reefctl cancel`): nothing is published, its records stay eligible (count
+        triggers wait FAILURE_COOLDOWN_S, so the job does not start again at once). CannotCancel once it has
+        ended or is publishing (the release is being written)."""
+        if job.state not in ("queued", "running"):
+            raise CannotCancel(f"job {job.id} already ended: {job.state}")
+        if job.stage in ("publish", "done"):
+            raise CannotCancel(f"job {job.id} is publishing its release; it can no longer be cancelled")
+        self._cooldown[job.scenario] = time.monotonic() + self.FAILURE_COOLDOWN_S
+        task = self._running.get(job.scenario)
+        if task is not None and job.id in self.runner.cancelling:  # a cancel under way: wait for it
+            await asyncio.wait({task})
+            return job
+        if job in self._queue or task is None:  # not started (or, after a restart, not followed yet)
+            with contextlib.suppress(ValueError):
+                self._queue.remove(job)
+            await self._cancel_unstarted(job)
+            return job
+        self.runner.cancelling.add(job.id)
+        task.cancel()
+        await asyncio.wait({task})  # the trainer stopped (SIGTERM, its grace), the job's files removed
+        if job.state in ("queued", "running"):  # cancelled before its task ran a line: the runner never saw it
+            self.runner.cancelling.discard(job.id)
+            if self._running.get(job.scenario) is task:
+                self._running.pop(job.scenario)
+                self._wake.set()
+            await self._cancel_unstarted(job)
+        return job
+
+    async def _cancel_unstarted(self, job: Job) -> None:
+        """A job no task runs (queued, or left training on its cluster by a stopped reefd): cancelled as the
+        runner cancels one, and closed."""
+        job.finished_at = time.time()
+        await self.runner.cancelled(job)
+        await asyncio.to_thread(self.jobs.save, job)
+
+    # ------------------------------------------------------------ dispatch
+
+    async def _dispatch(self) -> None:
+        """Start queued jobs, oldest first, while fewer than max_jobs run."""
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            while self._queue and len(self._running) < self.max_jobs:
+                job = self._queue.popleft()
+                task = asyncio.create_task(self._run(job), name=f"job-{job.id}")
+                self._running[job.scenario] = task
+
+    async def _run(self, job: Job) -> None:
+        try:
+            await self.runner.run(job)
+        finally:
+            self._running.pop(job.scenario, None)
+            self._wake.set()
+            # the batch of a failed job, or of a refused proposal, is still eligible: count triggers wait a while
+            if job.state in ("failed", "cancelled") or (job.state == "skipped" and job.reason != "manual"):
+                self._cooldown[job.scenario] = time.monotonic() + self.FAILURE_COOLDOWN_S
+            with contextlib.suppress(RuntimeError):
+                self.check(job.scenario)  # rollouts that arrived meanwhile may make the next batch

@@ -1,0 +1,1 @@
+"""Observe: durable records and reports (LMDB), receipts, conversations and their next states, retention."""

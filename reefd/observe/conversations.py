@@ -1,0 +1,299 @@
+"""Conversations: which session and turn a request is, and the next state each served turn gets.
+
+A session comes from a header (x-reef-session, or an agent's own session header). A client that resends the
+whole transcript instead continues a session when its request strictly extends that session's last served
+turn: the served reply sits in the next slot, followed by at least one more message. Message identity is role,
+text, and tool name plus arguments. When turn n+1 arrives, turn n gets its next state: the messages that follow
+its reply (a user's next message, or a tool's result), which a recipe may judge.
+
+- main: a turn of the conversation. Its index counts from 0 within the session.
+- retry: an identical resend of a served turn. It takes the same index; the first receipt keeps the slot, and a
+  continuation links to whichever reply it actually extends.
+- side: a call with the session's header that is not part of the conversation: another system prompt or tool
+  set (a title request, a compaction, a sub-agent), or one the client marks with `x-reef-turn: side`. It never
+  gets a next state, so it never trains.
+
+Open sessions live in memory, rebuilt at start from the records of the last `session_ttl_s`, and expire after
+that long without a turn. Knows nothing of HTTP, LMDB or recipes: the caller stores what `place` decides.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+log = logging.getLogger("reefd.observe.conversations")
+
+SYSTEM_ROLES = ("system", "developer")
+
+
+def text_of(content: Any) -> str:
+    """A message's text: a string, or the text parts of a list of content parts, stripped."""
+    if isinstance(content, str):
+        return content.strip()
+    if isinstance(content, list):
+        parts = [p.get("text") for p in content if isinstance(p, dict) and isinstance(p.get("text"), str)]
+        return "\n".join(p for p in parts if p).strip()
+    return ""
+
+
+def _arguments(raw: Any) -> Any:
+    """Tool-call arguments as canonical JSON when they parse, else the text as sent."""
+    if isinstance(raw, str):
+        try:
+            return json.loads(raw)
+        except ValueError:
+            return raw.strip()
+    return raw
+
+
+def identity(message: dict[str, Any]) -> bytes:
+    """What makes two messages the same for continuation: role, text, and each tool call's name and arguments."""
+    calls = [((c.get("function") or {}).get("name"), _arguments((c.get("function") or {}).get("arguments")))
+             for c in message.get("tool_calls") or [] if isinstance(c, dict)]
+    return json.dumps([message.get("role"), text_of(message.get("content")), calls], sort_keys=True,
+                      ensure_ascii=False, separators=(",", ":")).encode("utf-8", "surrogatepass")
+
+
+def fingerprint(messages: list[dict[str, Any]], tools: list[dict[str, Any]]) -> str:
+    """The conversation's frame: its leading system text and its tools' names. Side calls differ in it."""
+    system = [text_of(m.get("content")) for m in _leading_system(messages)]
+    names = sorted(str((t.get("function") or t).get("name")) for t in tools if isinstance(t, dict))
+    return hashlib.blake2b(json.dumps([system, names]).encode(), digest_size=8).hexdigest()
+
+
+def _leading_system(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    n = 0
+    while n < len(messages) and messages[n].get("role") in SYSTEM_ROLES:
+        n += 1
+    return messages[:n]
+
+
+def chain(previous: str, message: dict[str, Any]) -> str:
+    """The hash of a conversation prefix, extended by one message."""
+    return hashlib.blake2b(previous.encode() + b"\x1f" + identity(message), digest_size=16).hexdigest()
+
+
+def prefix_hashes(messages: Iterable[dict[str, Any]]) -> list[str]:
+    """h[i] identifies the first i+1 messages of a conversation (see `conversation`)."""
+    out: list[str] = []
+    previous = ""
+    for m in messages:
+        previous = chain(previous, m)
+        out.append(previous)
+    return out
+
+
+def conversation(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The messages that take part in continuation (the leading system messages dropped)."""
+    return messages[len(_leading_system(messages)):]
+
+
+@dataclass
+class Turn:
+    """A served main (or retry) turn, open for a continuation."""
+
+    receipt: str
+    session: str
+    index: int
+    request: str  # hash of its request's conversation messages
+    reply: str  # hash of those messages plus the served reply
+    length: int  # conversation messages in its request
+    fingerprint: str
+    seen: float
+    explicit: bool  # the session came from a header
+    release: str | None = None  # the release that served it (a canary keeps the session on its side)
+
+
+@dataclass
+class Placement:
+    """Where a request sits: what the record says of its session and turn, and the link it makes."""
+
+    session: str | None
+    turn: int | None
+    kind: str  # main | retry | side
+    previous: str | None = None  # the turn this one continues; it gets `next_state`
+    next_state: list[dict[str, Any]] = field(default_factory=list)
+    retry_of: str | None = None
+    unlinked: bool = False  # mid-conversation (it holds an assistant message) but no open turn matched
+    request: str = ""
+    length: int = 0
+    fingerprint: str = ""
+    explicit: bool = False
+    sticky: str | None = None  # the release that served the session's turn this one follows (or repeats)
+
+    def fields(self) -> dict[str, Any]:
+        """The record's fields for it (`conversation` is what reopens the turn after a restart; the reply's hash
+        is added once the reply is known)."""
+        out: dict[str, Any] = {"session": self.session, "turn": self.turn, "turn_kind": self.kind,
+                               "previous": self.previous,
+                               "conversation": {"request": self.request, "length": self.length,
+                                                "fingerprint": self.fingerprint, "explicit": self.explicit}}
+        if self.retry_of:
+            out["retry_of"] = self.retry_of
+        if self.unlinked:
+            out["unlinked"] = True
+        return out
+
+
+@dataclass
+class Counts:
+    """Per scenario, since reefd started: what correlation did, so a failure to link is visible."""
+
+    linked: int = 0
+    unlinked: int = 0
+    retries: int = 0
+    side: int = 0
+    expired: int = 0
+
+    def as_dict(self) -> dict[str, int]:
+        return dict(self.__dict__)
+
+
+class _Open:
+    """One scenario's open turns."""
+
+    def __init__(self) -> None:
+        self.by_reply: dict[str, Turn] = {}
+        self.by_request: dict[str, Turn] = {}
+        self.last: dict[str, Turn] = {}  # session -> its newest main turn
+        self.counts = Counts()
+
+
+class Conversations:
+    """Places requests in sessions and remembers the turns still open, per scenario."""
+
+    def __init__(self, ttl_s: Callable[[str], float], clock: Callable[[], float] = time.time) -> None:
+        self.ttl_s, self.clock = ttl_s, clock
+        self._open: dict[str, _Open] = {}
+        self._listeners: list[Callable[[str, str], None]] = []
+
+    def subscribe(self, listener: Callable[[str, str], None]) -> None:
+        """Call `listener(scenario, receipt)` on the event loop when that turn's next state is durable."""
+        self._listeners.append(listener)
+
+    def linked(self, scenario: str, receipt: str) -> None:
+        """The turn `receipt` got its next state (the caller stored the link)."""
+        self._scenario(scenario).counts.linked += 1
+        for listener in list(self._listeners):
+            try:
+                listener(scenario, receipt)
+            except Exception:  # a listener's bug must not fail a turn already answered
+                log.exception("a conversation listener failed")
+
+    def restore(self, scenario: str, record: dict[str, Any]) -> None:
+        """Reopen a turn from its record (at start: the records of the last session_ttl_s, oldest first)."""
+        c = record.get("conversation")
+        if not isinstance(c, dict) or record.get("turn_kind") not in ("main", "retry"):
+            return
+        try:
+            turn = Turn(record["id"], record["session"], int(record["turn"]), c["request"], c["reply"],
+                        int(c["length"]), c["fingerprint"], float(record["created_at"]), bool(c["explicit"]),
+                        record.get("release"))
+        except (KeyError, TypeError, ValueError):
+            return
+        self._open_turn(self._scenario(scenario), turn, record["turn_kind"])
+
+    def _scenario(self, name: str) -> _Open:
+        return self._open.setdefault(name, _Open())
+
+    def counts(self, scenario: str) -> dict[str, int]:
+        s = self._scenario(scenario)
+        self.expire(scenario)
+        return {"open": len(s.last), **s.counts.as_dict()}
+
+    def place(self, scenario: str, receipt: str, header: str | None, messages: list[dict[str, Any]],
+              tools: list[dict[str, Any]], *, side: bool = False) -> Placement:
+        """Decide the session and turn of a request (its messages as the client sent them); `side`: the client
+        says it is a side call (x-reef-turn: side)."""
+        s = self._scenario(scenario)
+        self.expire(scenario)
+        convo = conversation(messages)
+        hashes = prefix_hashes(convo)
+        frame = fingerprint(messages, tools)
+        request = hashes[-1] if hashes else ""
+        base = Placement(None, None, "main", request=request, length=len(convo), fingerprint=frame,
+                         explicit=header is not None)
+        mid = any(m.get("role") == "assistant" for m in convo)
+        if side:
+            s.counts.side += 1
+            known = s.last.get(header) if header is not None else None
+            return replace(base, session=header or f"s-{receipt}", turn=None, kind="side",
+                           sticky=known.release if known is not None else None)
+        if header is not None:
+            last = s.last.get(header)
+            if last is None:
+                s.counts.unlinked += mid
+                return replace(base, session=header, turn=0, kind="main", unlinked=mid)
+            if last.fingerprint != frame:
+                s.counts.side += 1
+                return replace(base, session=header, turn=None, kind="side", sticky=last.release)
+            if request == last.request:
+                s.counts.retries += 1
+                return replace(base, session=header, turn=last.index, kind="retry", retry_of=last.receipt,
+                               sticky=last.release)
+            # the reply it extends may be a retry's (same slot): it then links to that exact receipt
+            target = s.by_reply.get(hashes[last.length]) if len(hashes) > last.length + 1 else None
+            if target is not None and target.session == header and target.index == last.index:
+                return self._continue(base, target, convo[last.length + 1:])
+            return self._continue(base, last, convo[-1:])  # no transcript resent: the new message follows
+        # no header: the longest open turn whose request plus reply this request extends
+        for i in range(len(hashes) - 2, -1, -1):
+            turn = s.by_reply.get(hashes[i])
+            if turn is None or turn.explicit:
+                continue
+            if turn.fingerprint != frame:
+                s.counts.side += 1
+                return replace(base, session=turn.session, turn=None, kind="side", sticky=turn.release)
+            return self._continue(base, turn, convo[i + 1:])
+        first = s.by_request.get(request)
+        if first is not None and not first.explicit and first.fingerprint == frame:
+            s.counts.retries += 1
+            return replace(base, session=first.session, turn=first.index, kind="retry", retry_of=first.receipt,
+                           sticky=first.release)
+        s.counts.unlinked += mid
+        return replace(base, session=f"s-{receipt}", turn=0, kind="main", unlinked=mid)
+
+    @staticmethod
+    def _continue(base: Placement, previous: Turn, following: list[dict[str, Any]]) -> Placement:
+        state = [{"role": m.get("role"), "content": text_of(m.get("content")),
+                  **({"name": m["name"]} if isinstance(m.get("name"), str) else {})} for m in following]
+        return replace(base, session=previous.session, turn=previous.index + 1, previous=previous.receipt,
+                       next_state=state, sticky=previous.release)
+
+    def served(self, scenario: str, receipt: str, placement: Placement, reply: dict[str, Any],
+               at: float | None = None, release: str | None = None) -> None:
+        """A main or retry turn's record is durable: it is open for a continuation."""
+        if placement.kind not in ("main", "retry") or placement.session is None or placement.turn is None:
+            return
+        turn = Turn(receipt, placement.session, placement.turn, placement.request,
+                    chain(placement.request, reply), placement.length, placement.fingerprint,
+                    self.clock() if at is None else at, placement.explicit, release)
+        self._open_turn(self._scenario(scenario), turn, placement.kind)
+
+    @staticmethod
+    def _open_turn(s: _Open, turn: Turn, kind: str) -> None:
+        s.by_reply[turn.reply] = turn
+        if kind == "main":
+            s.by_request.setdefault(turn.request, turn)
+            current = s.last.get(turn.session)
+            if current is None or current.index <= turn.index:
+                s.last[turn.session] = turn
+
+    def expire(self, scenario: str) -> None:
+        """Forget the sessions idle for longer than the scenario's session_ttl_s; count them."""
+        s = self._scenario(scenario)
+        cutoff = self.clock() - self.ttl_s(scenario)
+        stale = [name for name, t in s.last.items() if t.seen < cutoff]
+        for name in stale:
+            del s.last[name]
+        s.counts.expired += len(stale)
+        if stale or len(s.by_reply) > 4 * max(1, len(s.last)) + 64:
+            s.by_reply = {k: t for k, t in s.by_reply.items() if t.seen >= cutoff}
+            s.by_request = {k: t for k, t in s.by_request.items() if t.seen >= cutoff}
+
