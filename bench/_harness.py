@@ -74,6 +74,12 @@ def cpu_busy_s() -> float:
     return (sum(fields[:8]) - fields[3] - fields[4]) / os.sysconf("SC_CLK_TCK")
 
 
+def process_cpu_s(pid: int) -> float:
+    """CPU-seconds one process has used so far, all its threads (utime + stime)."""
+    f = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(f[11]) + int(f[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def tree_cpu_s(root: int) -> float:
     """CPU-seconds used by `root` and its descendants, living or reaped (utime + stime + cutime + cstime)."""
     stats: dict[int, tuple[int, float]] = {}
@@ -129,5 +135,5 @@ def median(values: list[float]) -> float:
     return statistics.median(values)
 
 
-__all__ = ["ROOT", "Daemon", "cpu_busy_s", "load", "os", "pct", "peak_rss_mb", "rss_mb", "scratch_dir",
+__all__ = ["ROOT", "Daemon", "cpu_busy_s", "load", "os", "pct", "peak_rss_mb", "process_cpu_s", "rss_mb", "scratch_dir",
            "start_reefd", "start_upstream", "tree_cpu_s", "upstream_scenario"]

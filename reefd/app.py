@@ -11,9 +11,9 @@ from aiohttp import web
 
 from reefd import loop
 from reefd.api import access, admin, anthropic, openai, reports, responses
-from reefd.api import attempts as attempts_api
+from reefd.api import search as search_api
 from reefd.api import export as export_api
-from reefd.api import harness as harness_api
+from reefd.api import delivery as harness_api
 from reefd.api import jobs as jobs_api
 from reefd.api import releases as release_api
 from reefd.api.errors import SCENARIO_HEADER, ApiError, error_middleware
@@ -99,12 +99,12 @@ def metrics_app(main: web.Application) -> web.Application:
 SCOPES: dict[Callable[..., object], str] = {
     openai.chat_completions: "serve", anthropic.messages: "serve", anthropic.count_tokens: "serve",
     responses.create: "serve", responses.refuse_get: "serve", responses.retrieve: "serve",
-    openai.list_models: "serve", attempts_api.next_step: "serve",
+    openai.list_models: "serve", search_api.next_step: "serve",
     harness_api.get_harness: "serve", harness_api.releases: "serve", harness_api.install: "serve",
     reports.report: "report",
     admin.get_record: "read", admin.list_records: "read", admin.status: "read",
     release_api.history: "read", release_api.show: "read", release_api.diff: "read", release_api.lineage: "read",
-    attempts_api.archive: "read", jobs_api.list_jobs: "read", jobs_api.get_job: "read", metrics_route: "read",
+    search_api.archive: "read", jobs_api.list_jobs: "read", jobs_api.get_job: "read", metrics_route: "read",
     export_api.export: "read",
     release_api.publish: "admin", release_api.rollback: "admin", release_api.promote: "admin",
     jobs_api.train: "admin", jobs_api.cancel_job: "admin",
@@ -147,8 +147,8 @@ def build_app(settings: Settings) -> web.Application:
     app.router.add_get("/reef/diff", release_api.diff)
     # Grow: jobs that turn records and reports into candidates.
     app.router.add_post("/reef/scenarios/{name}/train", jobs_api.train)
-    app.router.add_post("/reef/scenarios/{name}/attempts/next", attempts_api.next_step)
-    app.router.add_get("/reef/scenarios/{name}/archive", attempts_api.archive)
+    app.router.add_post("/reef/scenarios/{name}/attempts/next", search_api.next_step)
+    app.router.add_get("/reef/scenarios/{name}/archive", search_api.archive)
     app.router.add_get("/reef/jobs", jobs_api.list_jobs)
     app.router.add_get("/reef/jobs/{job}", jobs_api.get_job)
     app.router.add_post("/reef/jobs/{job}/cancel", jobs_api.cancel_job)

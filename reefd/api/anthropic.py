@@ -10,11 +10,10 @@ import asyncio
 import json
 from typing import Any
 
-import jsonschema
 import orjson
 from aiohttp import web
 
-from reefd.api.errors import ApiError, anthropic_body, check, json_response, read_json, shown
+from reefd.api.errors import ApiError, BodySchema, anthropic_body, json_response, read_json, shown
 from reefd.api.turns import scenario_of, serve_turn
 from reefd.loop import RECORDS
 from reefd.serve.chat import ChatRequest, Completion
@@ -68,8 +67,8 @@ REQUEST_SCHEMA = {
     },
 }
 COUNT_SCHEMA = {"type": "object", "required": ["model", "messages"], "properties": _BASE_PROPS}
-_VALIDATOR = jsonschema.Draft202012Validator(REQUEST_SCHEMA)
-_COUNT_VALIDATOR = jsonschema.Draft202012Validator(COUNT_SCHEMA)
+_BODY = BodySchema(REQUEST_SCHEMA)
+_COUNT_BODY = BodySchema(COUNT_SCHEMA)
 _STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use"}
 
 
@@ -238,7 +237,7 @@ class AnthropicWire:
 async def messages(request: web.Request) -> web.StreamResponse:
     scenario = scenario_of(request)
     body = await read_json(request)
-    check(_VALIDATOR, body)
+    _BODY.check(body)
     chat = to_chat_request(body)
     return await serve_turn(request, scenario, request.app[RECORDS],
                             lambda receipt: AnthropicWire(receipt, scenario.name),
@@ -248,6 +247,6 @@ async def messages(request: web.Request) -> web.StreamResponse:
 async def count_tokens(request: web.Request) -> web.Response:
     scenario = scenario_of(request)
     body = await read_json(request)
-    check(_COUNT_VALIDATOR, body)
+    _COUNT_BODY.check(body)
     tokens = await asyncio.to_thread(scenario.engine.count_tokens, to_chat_request(body))  # long prompts take a while
     return json_response({"input_tokens": tokens})

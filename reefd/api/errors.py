@@ -14,6 +14,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 import jsonschema
+import jsonschema_rs
 import orjson
 from aiohttp import web
 
@@ -243,7 +244,8 @@ async def read_json(request: web.Request) -> dict[str, Any]:
         body = _slow_json(raw)  # the stdlib parser explains what is wrong, NaN included
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object")
-    _check_depth(body)
+    if raw.count(b"[") + raw.count(b"{") > MAX_DEPTH:  # fewer brackets than that cannot nest past it
+        _check_depth(body)
     return body
 
 
@@ -311,19 +313,32 @@ def shown_text(text: str, limit: int = 200) -> str:
     return text if len(text) <= limit else f"{text[: limit - 20]}... ({len(text)} chars)"
 
 
-def check(validator: jsonschema.protocols.Validator, body: Any, root: str = "") -> None:
-    """Validate a request body; a 400 names the first bad field's full path."""
-    try:
-        errors = sorted(validator.iter_errors(body), key=lambda e: (len(e.absolute_path),
-                                                                   list(map(str, e.absolute_path))))
-    except RecursionError:  # a value nested past what the validator (or its message) can walk
-        raise ApiError(400, f"{root or 'the body'}: nested too deeply to check") from None
-    if not errors:
-        return
-    err = errors[0]
-    path = ".".join(str(p) for p in err.absolute_path)
-    path = ".".join(p for p in (root, path) if p)
-    message = err.message
-    if err.validator == "required":
-        message = message.replace("is a required property", "is required")
-    raise ApiError(400, f"{path}: {message}" if path else message, param=path or None)
+class BodySchema:
+    """A request body's JSON Schema (2020-12). jsonschema-rs accepts a good body in microseconds (jsonschema takes
+    1-2 ms on an agent's first turn); jsonschema, the reference, names the first bad field of a refused one."""
+
+    def __init__(self, schema: dict[str, Any]):
+        self.schema = schema
+        self._fast = jsonschema_rs.Draft202012Validator(schema, validate_formats=False)
+        self._full = jsonschema.Draft202012Validator(schema)
+
+    def check(self, body: Any, root: str = "") -> None:
+        """Validate a request body; a 400 names the first bad field's full path."""
+        try:
+            if self._fast.is_valid(body):
+                return
+        except (ValueError, OverflowError, RecursionError):  # what it cannot take, the reference judges
+            pass
+        try:
+            errors = sorted(self._full.iter_errors(body), key=lambda e: (len(e.absolute_path),
+                                                                         list(map(str, e.absolute_path))))
+        except RecursionError:  # a value nested past what the validator (or its message) can walk
+            raise ApiError(400, f"{root or 'the body'}: nested too deeply to check") from None
+        if not errors:
+            return
+        err = errors[0]
+        path = ".".join(p for p in (root, ".".join(str(p) for p in err.absolute_path)) if p)
+        message = err.message
+        if err.validator == "required":
+            message = message.replace("is a required property", "is required")
+        raise ApiError(400, f"{path}: {message}" if path else message, param=path or None)

@@ -9,12 +9,11 @@ from __future__ import annotations
 import time
 from typing import Any
 
-import jsonschema
 import orjson
 from aiohttp import web
 
 from reefd.api import access
-from reefd.api.errors import ApiError, check, json_response, openai_body, read_json, shown
+from reefd.api.errors import ApiError, BodySchema, json_response, openai_body, read_json, shown
 from reefd.api.turns import scenario_of, serve_turn
 from reefd.config import ScenarioConfig
 from reefd.loop import RECORDS, REGISTRY, STARTED_AT
@@ -73,7 +72,7 @@ REQUEST_SCHEMA = {
         "ignore_eos": {"type": "boolean"},  # SGLang's and vLLM's extension
     },
 }
-_VALIDATOR = jsonschema.Draft202012Validator(REQUEST_SCHEMA)
+_BODY = BodySchema(REQUEST_SCHEMA)
 
 
 def _text(content: Any, where: str) -> str | None:
@@ -89,7 +88,7 @@ def _text(content: Any, where: str) -> str | None:
 
 
 def to_chat_request(body: dict[str, Any], cfg: ScenarioConfig) -> ChatRequest:
-    check(_VALIDATOR, body)
+    _BODY.check(body)
     if body.get("logprobs") or body.get("top_logprobs"):
         raise ApiError(400, "logprobs: per-token logprobs in answers are not supported yet; "
                        "every record keeps them (GET /reef/records/{receipt})", param="logprobs")

@@ -12,7 +12,7 @@ from typing import Any
 from aiohttp import web
 
 from reefd import __version__
-from reefd.api import access, admin, attempts, releases
+from reefd.api import access, admin, releases, search
 from reefd.api.errors import SCENARIO_HEADER, json_response
 from reefd.api.openapi_schemas import ID, OBJ, SCHEMAS, STR, ref
 from reefd.api.turns import RECEIPT_HEADER, RELEASE_HEADER, SESSION_HEADERS, TURN_HEADER
@@ -254,7 +254,7 @@ def _reef_ops(names: list[str]) -> dict[str, dict[str, Any]]:
             {**_ok("Step", "The step to attempt."), 202: {"description": "Not yet: retry after Retry-After.",
                                                            "headers": _RETRY, "content": _content("Wait")}},
             (400, 404), params=(name, _param("wait", "query", {"type": "number", "minimum": 0,
-                                                               "maximum": attempts.MAX_WAIT_S},
+                                                               "maximum": search.MAX_WAIT_S},
                                              "Seconds to wait for a plan.")))},
         "/reef/scenarios/{name}/archive": {"get": _op(
             "archive", "A search scenario's archive and best-so-far curve", "grow", _ok("Archive", "The archive."),

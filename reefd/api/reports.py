@@ -7,10 +7,9 @@ from __future__ import annotations
 
 from typing import Any
 
-import jsonschema
 from aiohttp import web
 
-from reefd.api.errors import check, json_response, read_json
+from reefd.api.errors import BodySchema, json_response, read_json
 from reefd.api.turns import scenario_of
 from reefd.loop import ATTEMPTS, RECORDS
 
@@ -27,13 +26,13 @@ REPORT_SCHEMA: dict[str, Any] = {
         "report_id": {"type": "string", "minLength": 1, "maxLength": 200},
     },
 }
-_VALIDATOR = jsonschema.Draft202012Validator(REPORT_SCHEMA)
+_BODY = BodySchema(REPORT_SCHEMA)
 
 
 async def report(request: web.Request) -> web.Response:
     scenario = scenario_of(request)
     body = await read_json(request)
-    check(_VALIDATOR, body)
+    _BODY.check(body)
     attempts = request.app[ATTEMPTS]
     if attempts.handles(scenario):  # a search scenario: the report is an attempt's score at a grid coordinate
         stored, _created = await attempts.report(scenario.name, body)

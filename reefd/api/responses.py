@@ -11,11 +11,10 @@ import logging
 import time
 from typing import Any
 
-import jsonschema
 import orjson
 from aiohttp import web
 
-from reefd.api.errors import ApiError, check, json_response, openai_body, read_json, shown, shown_text
+from reefd.api.errors import ApiError, BodySchema, json_response, openai_body, read_json, shown, shown_text
 from reefd.api.turns import scenario_of, serve_turn
 from reefd.config import ScenarioConfig
 from reefd.loop import RECORDS
@@ -77,7 +76,7 @@ REQUEST_SCHEMA = {
         "user": _OPT_STR, "service_tier": _OPT_STR,
     },
 }
-_VALIDATOR = jsonschema.Draft202012Validator(REQUEST_SCHEMA)
+_BODY = BodySchema(REQUEST_SCHEMA)
 
 
 def _text(content: str | list[dict[str, Any]], where: str) -> str:
@@ -302,7 +301,7 @@ class ResponsesWire:
 async def create(request: web.Request) -> web.StreamResponse:
     scenario = scenario_of(request)
     body = await read_json(request)
-    check(_VALIDATOR, body)
+    _BODY.check(body)
     store = request.app[RECORDS]
     chat = to_chat_request(body, scenario.cfg, await asyncio.to_thread(_prior, store, scenario, body))
     return await serve_turn(request, scenario, store,

@@ -2,7 +2,7 @@
 
 Owns where each agent reads its instructions and skills, how its wrapper points it at reefd, and the marked
 blocks, manifest and releases folder that keep a user's own files untouched; knows nothing about HTTP, the release
-chain or how harnesses are made (reefd/api/harness.py serves the script, reefd/harness/__init__.py renders the
+chain or how harnesses are made (reefd/api/delivery.py serves the script, reefd/harness/__init__.py renders the
 files). The shell itself lives in sh/*.sh beside this module, each file clean under `shellcheck -s sh` on its own;
 this module checks the input, quotes the constants, and joins the fragments and the harness files into a script.
 

@@ -56,8 +56,11 @@ def identity(message: dict[str, Any]) -> bytes:
     """What makes two messages the same for continuation: role, text, and each tool call's name and arguments."""
     calls = [((c.get("function") or {}).get("name"), _arguments((c.get("function") or {}).get("arguments")))
              for c in message.get("tool_calls") or [] if isinstance(c, dict)]
-    return json.dumps([message.get("role"), text_of(message.get("content")), calls], sort_keys=True,
-                      ensure_ascii=False, separators=(",", ":")).encode("utf-8", "surrogatepass")
+    return _CANONICAL.encode([message.get("role"), text_of(message.get("content")), calls]).encode(
+        "utf-8", "surrogatepass")
+
+
+_CANONICAL = json.JSONEncoder(sort_keys=True, ensure_ascii=False, separators=(",", ":"))  # built once: per turn
 
 
 def fingerprint(messages: list[dict[str, Any]], tools: list[dict[str, Any]]) -> str:
