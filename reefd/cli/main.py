@@ -367,10 +367,7 @@ def cmd_report(client: Client, args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     """Connection flags go on the root and on every subcommand, so they work before or after the verb."""
-    import reefd.cli.export_verbs  # noqa: F401
-    from reefd.cli import (
-        job_verbs,  # noqa: F401  (register their verbs after these)
-        )
+    from reefd.cli import export_verbs, job_verbs, release_verbs, token_verbs  # noqa: F401  (their verbs, after these)
 
     conn = argparse.ArgumentParser(add_help=False)
     conn.add_argument("--url", default=argparse.SUPPRESS, help=f"reefd's address (env REEF_URL; {DEFAULT_URL})")
