@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.installed
 # The daemon's default state folder (reefctl finds the API token there too).
 STATE  ?= $(or $(REEF_STATE),$(STATE_DIRECTORY),$(HOME)/.local/state/reefd)
 
-.PHONY: venv run test lint fuzz bench demo clean
+.PHONY: venv run test check lint fuzz bench demo clean
 
 $(STAMP): pyproject.toml
 	@if ! command -v git-lfs >/dev/null 2>&1 || ! command -v shellcheck >/dev/null 2>&1; then \
@@ -36,6 +36,13 @@ lint: venv
 
 test: venv lint
 	@$(BIN)/python -m pytest -m "not slow" --durations=25; rc=$$?; \
+	if [ $$rc -eq 5 ]; then echo "make: pytest collected no tests; that is a failure" >&2; exit 1; fi; \
+	exit $$rc
+
+# The fast tier, in about two minutes: lint, types, and every test that starts no reefd and no engine worker
+# (tests/conftest.py marks the others `e2e`, and fails a test that starts one unmarked). `make test` runs them all.
+check: venv lint
+	@$(BIN)/python -m pytest -m "not slow and not e2e" --durations=10; rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "make: pytest collected no tests; that is a failure" >&2; exit 1; fi; \
 	exit $$rc
 

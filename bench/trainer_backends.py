@@ -51,7 +51,7 @@ from _harness import scratch_dir
 from trainer import LORA, LR, make_samples, model_folder
 
 from reefd.grow.backends.local import LocalTrainers
-from reefd.grow.backends.ray_jobs import RayJobs
+from reefd.grow.backends.ray_jobs import RayConfig, RayJobs
 from tests.conftest import free_port
 
 GOAL_S = 5.0  # Ray's overhead per job, against a cold local process
@@ -217,7 +217,7 @@ async def timed(backend: LocalTrainers | RayJobs, job: Job, name: str, ray_url: 
 async def measure(head: Head, job: Job, runs: int, work: Path) -> tuple[Series, Series, Series]:
     cold, ray, warm = Series("local, cold process"), Series("ray"), Series("local, warm process")
     token = head.token.read_text().strip()
-    rayjobs = RayJobs(work / "ray", 1, head.url)
+    rayjobs = RayJobs(work / "ray", 1, RayConfig(address=head.url))
     kept = LocalTrainers(work / "warm", 1)
     try:
         await timed(kept, job, "warmup")  # untimed: the kept process imports once, as a prewarmed one has

@@ -44,31 +44,24 @@ def parse_listen(value: str) -> tuple[str, int]:
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="reefd", description="Reef daemon: serve agents, record every turn, learn.")
+    p = argparse.ArgumentParser(prog="reefd", description="Reef daemon: serve agents, record every turn, learn.")
     p.add_argument("command", nargs="?", choices=["serve", "schema"], default="serve",
                    help="serve (default), or schema: print the scenario JSON Schema")
-    p.add_argument("--scenarios", type=Path,
-                   default=Path(os.environ.get("REEF_SCENARIOS", "scenarios")),
+    p.add_argument("--scenarios", type=Path, default=Path(os.environ.get("REEF_SCENARIOS", "scenarios")),
                    help="scenario folder (env REEF_SCENARIOS; default ./scenarios)")
     p.add_argument("--state", type=Path,
-                   default=Path(os.environ["REEF_STATE"]) if os.environ.get("REEF_STATE")
-                   else default_state_dir(),
-                   help="state folder (env REEF_STATE; default $STATE_DIRECTORY or "
-                        "~/.local/state/reefd)")
-    p.add_argument("--listen", type=parse_listen,
-                   default=os.environ.get("REEF_LISTEN", "127.0.0.1:8900"),
+                   default=Path(os.environ["REEF_STATE"]) if os.environ.get("REEF_STATE") else default_state_dir(),
+                   help="state folder (env REEF_STATE; default $STATE_DIRECTORY or ~/.local/state/reefd)")
+    p.add_argument("--listen", type=parse_listen, default=os.environ.get("REEF_LISTEN", "127.0.0.1:8900"),
                    help="HOST:PORT to listen on (env REEF_LISTEN; default 127.0.0.1:8900)")
-    p.add_argument("--check", action="store_true",
-                   help="compose and validate every scenario, then exit")
+    p.add_argument("--check", action="store_true", help="compose and validate every scenario, then exit")
     p.add_argument("--version", action="version", version=f"reefd {__version__}")
     return p
 
 
 async def serve(settings: Settings, host: str, port: int, scenarios_dir: Path) -> int:
     app = build_app(settings)
-    runner = web.AppRunner(app, handle_signals=False, access_log=None,
-                           shutdown_timeout=settings.shutdown_timeout_s)
+    runner = web.AppRunner(app, handle_signals=False, access_log=None, shutdown_timeout=settings.shutdown_timeout_s)
     await runner.setup()
     try:
         await web.TCPSite(runner, host, port, reuse_address=True).start()
@@ -76,8 +69,7 @@ async def serve(settings: Settings, host: str, port: int, scenarios_dir: Path) -
         log.error("cannot listen on %s:%d: %s", host, port, exc.strerror or exc)
         await runner.cleanup()
         return 1
-    log.info("listening on http://%s:%d (scenarios: %s)", host, port,
-             ", ".join(sorted(settings.scenarios)))
+    log.info("listening on http://%s:%d (scenarios: %s)", host, port, ", ".join(sorted(settings.scenarios)))
     try:
         scraper = await _metrics_site(app)
     except OSError as exc:
@@ -152,8 +144,7 @@ async def _announce_ready(app: web.Application) -> None:
     """READY=1 once every engine generates; or, past the start-up deadline, with a STATUS=
     naming the engines that do not (so `systemctl start` never hangs on a broken model)."""
     registry = app[loop.REGISTRY]
-    deadline = time.monotonic() + max(
-        (s.cfg.model.startup_timeout_s for s in registry.scenarios.values()), default=0)
+    deadline = time.monotonic() + max((s.cfg.model.startup_timeout_s for s in registry.scenarios.values()), default=0)
     while not registry.ready and time.monotonic() < deadline:
         await systemd.notify_async("STATUS=starting engines", "EXTEND_TIMEOUT_USEC=30000000")
         await asyncio.sleep(1)

@@ -11,11 +11,11 @@ from aiohttp import web
 
 from reefd import loop
 from reefd.api import access, admin, anthropic, openai, reports, responses
-from reefd.api import search as search_api
-from reefd.api import export as export_api
 from reefd.api import delivery as harness_api
+from reefd.api import export as export_api
 from reefd.api import jobs as jobs_api
 from reefd.api import releases as release_api
+from reefd.api import search as search_api
 from reefd.api.errors import SCENARIO_HEADER, ApiError, error_middleware
 from reefd.api.openapi import openapi_json
 from reefd.loop import Settings
@@ -66,7 +66,7 @@ async def count_requests(request: web.Request,
         raise
     finally:
         name = request.match_info.get("scenario") or request.headers.get(SCENARIO_HEADER)
-        m.requests.labels(m.scenario(name), api, str(status)).inc()
+        m.child(m.requests, m.scenario(name), api, str(status)).inc()
 
 
 async def _scrape(main: web.Application) -> web.Response:

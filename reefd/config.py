@@ -9,12 +9,8 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-import importlib.util
-import ipaddress
-import os
 import re
 import typing
-import urllib.parse
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -23,12 +19,13 @@ import jsonschema
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from reefd import plugins, schema
+from reefd import engines, plugins, schema
 from reefd.commit import gates
 from reefd.commit.chain import InvalidName, validate_name
-from reefd.engines import ModelConfig, engine_class
-from reefd.grow import recipes
+from reefd.engines import ModelConfig
+from reefd.grow import backends, recipes
 from reefd.harness import Harness, HarnessError
+from reefd.train.spec import SpecError, parse_fault
 
 __all__ = ["ConfigError", "ModelConfig", "ReleaseConfig", "ScenarioConfig", "compose", "json_schema", "load_all"]
 
@@ -38,21 +35,17 @@ class ServeConfig:
     """Per-scenario serving limits."""
 
     default_max_tokens: int = field(
-        default=512, metadata={"minimum": 1,
-                               "description": "Used when an OpenAI request sets no max_tokens."}
-    )
+        default=512, metadata={"minimum": 1, "description": "Used when an OpenAI request sets no max_tokens."})
     request_timeout_s: float = field(
-        default=600.0, metadata={"exclusiveMinimum": 0, "description": "Engine call deadline."}
-    )
+        default=600.0, metadata={"exclusiveMinimum": 0, "description": "Engine call deadline."})
     temperature: float | None = field(
         default=None, metadata={"minimum": 0, "maximum": 2,
                                 "description": "Used when a request sets no temperature "
                                                "(unset: the API's default, 1.0)."}
     )
     top_p: float | None = field(
-        default=None, metadata={"exclusiveMinimum": 0, "maximum": 1,
-                                "description": "Used when a request sets no top_p."}
-    )
+        default=None,
+        metadata={"exclusiveMinimum": 0, "maximum": 1, "description": "Used when a request sets no top_p."})
     session_ttl_s: float = field(
         default=900.0, metadata={"exclusiveMinimum": 0,
                                  "description": "An open session with no new turn for this long expires: its "
@@ -69,32 +62,19 @@ class RecipeConfig:
         metadata={"description": "A shipped recipe (record, sao, grpo, skillclaw, openclaw-rl) or a dotted path "
                                  "pkg.mod:Class. record only records and never trains."},
     )
-    backend: str = field(
+    backend: Any = field(
         default="local",
-        metadata={"description": "Where weight jobs run: local runs `python -m reefd.train` as a subprocess; ray "
-                                 "submits it to a Ray cluster as a job; or pkg.mod:Class, a TrainerBackend of your "
-                                 "own."},
+        metadata={"description": "Where weight jobs run: a kind (local, ray, slime, or pkg.mod:Class), or {kind: "
+                                 "KIND, ...its keys} (reefd/grow/backends)."},
     )
     params: dict[str, Any] = field(
         default_factory=dict,
         metadata={"description": "The recipe's own settings; each recipe validates them (see recipes/<name>/)."},
     )
     job_timeout_s: float = field(
-        default=3600.0, metadata={"exclusiveMinimum": 0, "description": "A training job running longer fails."}
-    )
-    ray_address: str | None = field(
-        default=None, metadata={"description": "backend ray: the cluster's dashboard (Ray Jobs API), e.g. "
-                                               "http://127.0.0.1:8265; default: the REEF_RAY_ADDRESS variable."})
-    slime: dict[str, Any] = field(
-        default_factory=dict,
-        metadata={"description": "backend slime: where slime is on the cluster and how it runs (model: its "
-                                 "scripts/models/<model>.sh; path; python; megatron_path; actor_num_nodes; "
-                                 "actor_num_gpus_per_node; args: more slime arguments). See the README."})
-    ray_resources: dict[str, Any] = field(
-        default_factory=dict,
-        metadata={"description": "backend ray: what the job's process needs on the cluster, as Ray's entrypoint "
-                                 "resources: num_cpus, num_gpus, memory (bytes), resources ({name: amount}). A job "
-                                 "the cluster has no room for waits, and fails at job_timeout_s."})
+        default=3600.0, metadata={"exclusiveMinimum": 0, "description": "A training job running longer fails."})
+    fault: dict[str, Any] | None = field(default=None, metadata={
+        "description": "Tests only: the trainer fails on purpose, {kind: crash|nan|hang|hold|pause, hold: FILE}."})
 
 
 @dataclass
@@ -102,15 +82,11 @@ class TriggerConfig:
     """When a scenario's recipe runs (besides `reefctl train`)."""
 
     every_n_records: int | None = field(
-        default=None, metadata={"minimum": 1,
-                                "description": "Run once this many eligible records are waiting."},
-    )
+        default=None, metadata={"minimum": 1, "description": "Run once this many eligible records are waiting."})
     interval_s: float | None = field(
-        default=None, metadata={"exclusiveMinimum": 0, "description": "Run every this many seconds."}
-    )
+        default=None, metadata={"exclusiveMinimum": 0, "description": "Run every this many seconds."})
     cron: str | None = field(
-        default=None, metadata={"description": "A crontab expression (minute hour day month weekday)."}
-    )
+        default=None, metadata={"description": "A crontab expression (minute hour day month weekday)."})
 
 
 @dataclass
@@ -119,9 +95,8 @@ class RetentionConfig:
     its lineage); their reports too."""
 
     max_age_days: float | None = field(
-        default=None, metadata={"exclusiveMinimum": 0,
-                                "description": "Delete records older than this many days (null: any age)."}
-    )
+        default=None,
+        metadata={"exclusiveMinimum": 0, "description": "Delete records older than this many days (null: any age)."})
     max_records: int | None = field(
         default=None, metadata={"minimum": 1,
                                 "description": "Keep at most this many records, deleting the oldest first (null: "
@@ -144,8 +119,7 @@ class HarnessConfig:
                                                "system prompt (the client's own system prompt is kept)."},
     )
     inline_skills: bool = field(
-        default=False, metadata={"description": "Inject whole skill bodies, not only names and descriptions."}
-    )
+        default=False, metadata={"description": "Inject whole skill bodies, not only names and descriptions."})
 
 
 RELEASE_ID_PATTERN = r"^r(0|[1-9][0-9]{0,8})-[0-9a-f]{7}$"
@@ -250,9 +224,12 @@ class ConfigError(Exception):
 
 
 def json_schema() -> dict[str, Any]:
-    """The schema of a composed scenario, printed by `reefd schema` for editors (with each gate kind's keys)."""
+    """The schema of a composed scenario, printed by `reefd schema` for editors (with each engine and gate kind's
+    keys)."""
     out = schema.dataclass_schema(ScenarioConfig)
+    out["properties"]["model"] = engines.json_schema()
     out["properties"]["gate"] = gates.json_schema()
+    out["properties"]["recipe"]["properties"]["backend"] = backends.json_schema()
     out["$schema"] = "https://json-schema.org/draft/2020-12/schema"
     out["title"] = "Reef scenario (composed)"
     return out
@@ -263,33 +240,10 @@ _VALIDATOR = jsonschema.Draft202012Validator(schema.dataclass_schema(ScenarioCon
 
 def _semantic_errors(cfg: dict[str, Any]) -> list[tuple[str, str]]:
     """Cross-field rules that JSON Schema would express only clumsily."""
-    m = cfg["model"]
-    errs: list[tuple[str, str]] = []
-    if m["engine"] not in plugins.ENGINES:  # a dotted path: the engine's class must at least import
-        try:
-            engine_class(m["engine"])
-        except plugins.PluginError as exc:
-            errs.append(("model.engine", str(exc)))
-    elif m["engine"] == "upstream":
-        if not m["url"]:
-            errs.append(("model.url", "an upstream model needs its provider's base URL"))
-    elif m["engine"] == "worker" and not (m["source"] or m["path"]):
-        errs.append(("model", "a worker model needs 'source' or 'path'"))
-    elif m["engine"] == "sglang" and not (m["url"] or m["source"] or m["path"]):
-        errs.append(("model", "an sglang model needs 'url' to attach to, or 'source'/'path'"))
-    if m["replicas"] > 1 or m["workers"]:
-        key = "model.replicas" if m["replicas"] > 1 else "model.workers"
-        if m["engine"] not in ("worker", "sglang"):
-            errs.append((key, f"replicas run behind sglang-router: engine worker or sglang, not {m['engine']!r}"))
-        elif not _installed("sglang_router"):
-            errs.append((key, "replicas run behind sglang-router, which is not installed: "
-                              "pip install 'reefd[scale]'"))
-        elif m["url"]:
-            errs.append(("model.url", "with replicas, list engines already running in model.workers"))
+    errs = engines.check(cfg["model"])  # the engine kind's own rules (reefd/engines/kind_configs.py)
     r = cfg["release"]
     if r["canary"]["share"] > 0 and r["shadow"]["share"] > 0:
-        errs.append(("release", "a new release is on trial as a canary or as a shadow, not both: set one share "
-                                "to 0"))
+        errs.append(("release", "a new release is on trial as a canary or as a shadow, not both: set one share to 0"))
     if r["shadow"]["share"] > 0:
         if not r["shadow"]["scorer"]:
             errs.append(("release.shadow.scorer", "a shadow trial compares answers nobody reported on: name a "
@@ -363,42 +317,10 @@ def compose(path: Path) -> ScenarioConfig:
     for where, msg in _semantic_errors(data):
         raise ConfigError(f"{label}: {where}: {msg}")
     cfg = from_dict(data)
-    problem = _serve_problem(cfg) or _grow_problem(cfg, path.parent)
+    problem = _grow_problem(cfg, path.parent)
     if problem:
         raise ConfigError(f"{label}: {problem}")
     return cfg
-
-
-RAY_RESOURCES = ("num_cpus", "num_gpus", "memory", "resources")  # Ray's entrypoint_* fields
-
-
-def _loopback(host: str) -> bool:
-    if host.lower() == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
-
-
-ENGINE_MODULES = ("torch", "transformers", "peft")  # what the worker process imports: the `engine` extra
-
-
-def _installed(module: str) -> bool:
-    try:
-        return importlib.util.find_spec(module) is not None
-    except (ImportError, ValueError):
-        return False
-
-
-def _serve_problem(cfg: ScenarioConfig) -> str | None:
-    """What the scenario's engine needs installed, checked at start rather than as a worker's traceback."""
-    if cfg.model.engine == "worker":
-        missing = [m for m in ENGINE_MODULES if not _installed(m)]
-        if missing:
-            return (f"model.engine: worker runs the model with {', '.join(missing)}, not installed here: "
-                    "pip install 'reefd[engine]'")
-    return None
 
 
 def _grow_problem(cfg: ScenarioConfig, scenarios_dir: Path) -> str | None:
@@ -409,37 +331,10 @@ def _grow_problem(cfg: ScenarioConfig, scenarios_dir: Path) -> str | None:
     except recipes.RecipeError as exc:
         return f"recipe: {exc}" if not str(exc).startswith("recipe.") else str(exc)
     try:
-        plugins.resolve(plugins.BACKENDS, cfg.recipe.backend, "trainer backend")
-    except plugins.PluginError as exc:
-        return f"recipe.backend: {exc}"
-    if cfg.recipe.backend in ("ray", "slime"):
-        backend = cfg.recipe.backend
-        if not _installed("ray"):
-            return f"recipe.backend: {backend} needs Ray, which is not installed: pip install 'reefd[ray]'"
-        if not (cfg.recipe.ray_address or os.environ.get("REEF_RAY_ADDRESS")):
-            return f"recipe.ray_address: backend {backend} needs the cluster's address (or set REEF_RAY_ADDRESS)"
-        if backend == "slime":
-            from reefd.grow.backends.slime import SlimeError, SlimeSettings
-
-            try:
-                slime = SlimeSettings.parse(dict(cfg.recipe.slime))
-            except (SlimeError, TypeError) as exc:
-                return str(exc)
-            address = cfg.recipe.ray_address or os.environ.get("REEF_RAY_ADDRESS") or ""
-            try:
-                host = urllib.parse.urlsplit(address if "//" in address else f"//{address}").hostname or ""
-            except ValueError as exc:
-                return f"recipe.ray_address: {address!r} is not an address: {exc}"
-            if slime.push and not _loopback(host):
-                return ("recipe.slime.push: the engine reefd launches for slime to push to listens on 127.0.0.1, so "
-                        f"slime must run on reefd's machine (a Ray head on localhost, not {host})")
-        for key, value in cfg.recipe.ray_resources.items():
-            if key not in RAY_RESOURCES:
-                return f"recipe.ray_resources.{key}: not one of {', '.join(RAY_RESOURCES)}"
-            ok = isinstance(value, dict) if key == "resources" else isinstance(value, int | float) and value >= 0
-            if not ok or isinstance(value, bool):
-                return f"recipe.ray_resources.{key}: {value!r} is not " + (
-                    "a map of resource names to amounts" if key == "resources" else "a number >= 0")
+        backends.load(cfg.recipe.backend)
+        parse_fault(cfg.recipe.fault, "recipe.fault")
+    except (plugins.PluginError, SpecError) as exc:
+        return str(exc)
     if cfg.trigger.cron is not None:
         from apscheduler.triggers.cron import CronTrigger
 
@@ -465,18 +360,12 @@ def _grow_problem(cfg: ScenarioConfig, scenarios_dir: Path) -> str | None:
 
 def from_dict(data: dict[str, Any]) -> ScenarioConfig:
     return ScenarioConfig(
-        name=data["name"],
-        description=data["description"],
-        model=ModelConfig(**data["model"]),
-        serve=ServeConfig(**data["serve"]),
+        name=data["name"], description=data["description"],
+        model=ModelConfig(**data["model"]), serve=ServeConfig(**data["serve"]),
         release=ReleaseConfig(**{**data["release"], "canary": CanaryConfig(**data["release"]["canary"]),
                                  "shadow": ShadowConfig(**data["release"]["shadow"])}),
-        recipe=RecipeConfig(**data["recipe"]),
-        trigger=TriggerConfig(**data["trigger"]),
-        gate=dict(data["gate"]),
-        harness=HarnessConfig(**data["harness"]),
-        retention=RetentionConfig(**data["retention"]),
-    )
+        recipe=RecipeConfig(**data["recipe"]), trigger=TriggerConfig(**data["trigger"]), gate=dict(data["gate"]),
+        harness=HarnessConfig(**data["harness"]), retention=RetentionConfig(**data["retention"]))
 
 
 def load_all(scenarios_dir: Path) -> dict[str, ScenarioConfig]:
@@ -487,7 +376,3 @@ def load_all(scenarios_dir: Path) -> dict[str, ScenarioConfig]:
     if not out:
         raise ConfigError(f"{scenarios_dir}: no scenario files (*.yaml) found")
     return out
-
-
-def to_dict(cfg: ScenarioConfig) -> dict[str, Any]:
-    return dataclasses.asdict(cfg)

@@ -7,8 +7,8 @@ them (callbacks wired here), in the order a turn travels to a hot swap:
              Conversations (sessions.py) → Judges (judge.py)         next states, judged into reports
     Grow     Scheduler (schedule.py) → Runner (runner.py)            triggers → batch → trainer backend → gate
              Attempts (attempts.py) → Scheduler                      search recipes: a full grid of attempts
-    Commit   commit() below → releases.commit → Reconciler (reconcile.py) → engines/   append, then hot-swap
-             Trials (canary.py) → commit()                           a canary or shadow decided by its scores
+    Commit   commit() below → policy.commit → Reconciler (reconcile.py) → engines/   append, then hot-swap
+             Trials (trials.py) → commit()                           a canary or shadow decided by its scores
 
 Handlers read the resources through their AppKeys; the resources call one another only through the edges
 wired here: the record store tells the scheduler when a record or report is durable; the admin routes hand a
@@ -33,13 +33,13 @@ import aiohttp
 import orjson
 from aiohttp import web
 
-from reefd.commit import chain as releases
+from reefd.commit import policy
 from reefd.commit.chain import Candidate, Release, ReleaseChain
 from reefd.commit.reconcile import Reconciler
 from reefd.commit.trials import Trials
 from reefd.config import ScenarioConfig, ServeConfig
 from reefd.grow.attempts import Attempts
-from reefd.grow.backends.local import Backends
+from reefd.grow.backends import Backends
 from reefd.grow.job_store import JobStore
 from reefd.grow.judge import Judges
 from reefd.grow.runner import Runner
@@ -82,97 +82,107 @@ class Settings:
     max_jobs: int = 1  # Grow jobs running at once, across every scenario
 
 
+SETTINGS = web.AppKey("settings", Settings)
+
+
 def install(app: web.Application, settings: Settings) -> None:
     """Add the resources to `app`, set up in this order and torn down in the reverse one."""
-    state = settings.state_dir
-    app[STARTED_AT] = time.time()
+    app[SETTINGS], app[STARTED_AT] = settings, time.time()
     app[METRICS] = metrics.Metrics(lambda: app[REGISTRY].scenarios) if metrics.prom is not None else None
-
-    async def records(app: web.Application) -> AsyncIterator[None]:  # Observe
-        app[RECORDS] = RecordStore(state / "records", map_size=settings.records_map_size)
-        await app[RECORDS].open()
-        yield
-        await app[RECORDS].close()
-
-    async def http(app: web.Application) -> AsyncIterator[None]:  # reefd's client of engines and providers
-        app[HTTP] = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0, limit_per_host=0),
-                                          trust_env=False, json_serialize=lambda o: orjson.dumps(o).decode())
-        yield
-        await app[HTTP].close()
-
-    async def chain(app: web.Application) -> AsyncIterator[None]:  # Commit: the append-only release chain
-        app[CHAIN] = await asyncio.to_thread(open_chain, state)
-        yield
-
-    async def engines(app: web.Application) -> AsyncIterator[None]:  # Serve: scenarios bound to engines
-        app[REGISTRY] = Registry(settings.scenarios, state, app[HTTP])
-        await app[REGISTRY].start()
-        yield
-        await app[REGISTRY].stop()
-
-    async def conversations(app: web.Application) -> AsyncIterator[None]:  # Observe: sessions and next states
-        registry = app[REGISTRY]
-
-        def ttl(name: str) -> float:
-            scenario = registry.scenarios.get(name)
-            return scenario.cfg.serve.session_ttl_s if scenario is not None else ServeConfig.session_ttl_s
-
-        app[CONVERSATIONS] = Conversations(ttl)
-        await asyncio.to_thread(reopen_sessions, app[RECORDS], app[CONVERSATIONS], list(registry.scenarios), ttl)
-        app[JUDGES] = Judges(registry, app[RECORDS])
-        app[CONVERSATIONS].subscribe(app[JUDGES].linked)  # Observe → Observe: a linked turn is judged
-        backlog = asyncio.create_task(app[JUDGES].backlog(), name="judge-backlog")
-        yield
-        backlog.cancel()
-        await app[JUDGES].close()
-
-    async def reconciler(app: web.Application) -> AsyncIterator[None]:  # Commit → Serve: the declared release
-        async def decide(name: str, cand: Candidate) -> Release:  # a trial's decision → Commit
-            return await commit(app, app[REGISTRY].get(name), cand)
-
-        app[TRIALS] = Trials(app[RECORDS], app[CHAIN], decide)
-        unsubscribe = app[RECORDS].subscribe_reports(app[TRIALS].reported)  # Observe → trial: scores
-        app[RECONCILER] = Reconciler(app[REGISTRY], app[CHAIN], state, settings.scenarios_dir)
-        app[RECONCILER].subscribe(  # Serve → trial: what the reconciler bound (a head with other weights: no trial)
-            lambda s, head: app[TRIALS].serving(s.name, s.cfg.release, head, on_trial=s.trial is not None))
-        app[RECONCILER].start()
-        yield
-        unsubscribe()
-        await app[TRIALS].close()
-        await app[RECONCILER].stop()
-
-    async def grow(app: web.Application) -> AsyncIterator[None]:  # Grow: triggers → jobs → candidates → commit
-        jobs = await asyncio.to_thread(JobStore, state / "jobs")
-
-        async def write_candidate(scenario: Scenario, cand: Candidate) -> Release:  # Grow → Commit
-            return await write(app, scenario, cand, keep_refused=True)
-
-        async def swap_to(scenario: Scenario) -> None:  # Commit → Serve
-            await swap(app, scenario)
-
-        app[RUNNER] = Runner(app[REGISTRY], app[RECORDS], app[CHAIN], jobs, settings.scenarios_dir,
-                             Backends(state / "jobs", settings.max_jobs), write_candidate, swap_to)
-        app[SCHEDULER] = Scheduler(app[REGISTRY], app[RECORDS], jobs, app[RUNNER], max_jobs=settings.max_jobs)
-        unsubscribe = app[RECORDS].subscribe(app[SCHEDULER].check)  # Observe → Grow: count triggers
-        await app[SCHEDULER].start()
-        # Observe → Grow for search recipes: a full grid of attempts submits its job
-        app[ATTEMPTS] = Attempts(state / "attempts", app[REGISTRY], app[RECORDS], jobs, app[SCHEDULER].submit)
-        await app[ATTEMPTS].start()
-        app[RUNNER].prewarm()
-        yield
-        unsubscribe()
-        await app[SCHEDULER].stop()
-        await app[RUNNER].close()
-
-    async def retention(app: web.Application) -> AsyncIterator[None]:  # Observe: records bounded, lineage kept
-        app[RETENTION] = Retention(app[REGISTRY], app[RECORDS], app[CHAIN], app[RUNNER].jobs)
-        unsubscribe = app[RECORDS].subscribe(app[RETENTION].written)
-        app[RETENTION].start()
-        yield
-        unsubscribe()
-        await app[RETENTION].stop()
-
     app.cleanup_ctx.extend([records, http, chain, engines, conversations, reconciler, grow, retention])
+
+
+async def records(app: web.Application) -> AsyncIterator[None]:  # Observe
+    app[RECORDS] = RecordStore(app[SETTINGS].state_dir / "records", map_size=app[SETTINGS].records_map_size)
+    await app[RECORDS].open()
+    yield
+    await app[RECORDS].close()
+
+
+async def http(app: web.Application) -> AsyncIterator[None]:  # reefd's client of engines and providers
+    app[HTTP] = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0, limit_per_host=0),
+                                      trust_env=False, json_serialize=lambda o: orjson.dumps(o).decode())
+    yield
+    await app[HTTP].close()
+
+
+async def chain(app: web.Application) -> AsyncIterator[None]:  # Commit: the append-only release chain
+    app[CHAIN] = await asyncio.to_thread(open_chain, app[SETTINGS].state_dir)
+    yield
+
+
+async def engines(app: web.Application) -> AsyncIterator[None]:  # Serve: scenarios bound to engines
+    app[REGISTRY] = Registry(app[SETTINGS].scenarios, app[SETTINGS].state_dir, app[HTTP])
+    await app[REGISTRY].start()
+    yield
+    await app[REGISTRY].stop()
+
+
+async def conversations(app: web.Application) -> AsyncIterator[None]:  # Observe: sessions and next states
+    registry = app[REGISTRY]
+
+    def ttl(name: str) -> float:
+        scenario = registry.scenarios.get(name)
+        return scenario.cfg.serve.session_ttl_s if scenario is not None else ServeConfig.session_ttl_s
+
+    app[CONVERSATIONS] = Conversations(ttl)
+    await asyncio.to_thread(reopen_sessions, app[RECORDS], app[CONVERSATIONS], list(registry.scenarios), ttl)
+    app[JUDGES] = Judges(registry, app[RECORDS])
+    app[CONVERSATIONS].subscribe(app[JUDGES].linked)  # Observe → Observe: a linked turn is judged
+    backlog = asyncio.create_task(app[JUDGES].backlog(), name="judge-backlog")
+    yield
+    backlog.cancel()
+    await app[JUDGES].close()
+
+
+async def reconciler(app: web.Application) -> AsyncIterator[None]:  # Commit → Serve: the declared release
+    async def decide(name: str, cand: Candidate) -> Release:  # a trial's decision → Commit
+        return await commit(app, app[REGISTRY].get(name), cand)
+
+    app[TRIALS] = Trials(app[RECORDS], app[CHAIN], decide)
+    unsubscribe = app[RECORDS].subscribe_reports(app[TRIALS].reported)  # Observe → trial: scores
+    app[RECONCILER] = Reconciler(app[REGISTRY], app[CHAIN], app[SETTINGS].state_dir, app[SETTINGS].scenarios_dir)
+    app[RECONCILER].subscribe(  # Serve → trial: what the reconciler bound (a head with other weights: no trial)
+        lambda s, head: app[TRIALS].serving(s.name, s.cfg.release, head, on_trial=s.trial is not None))
+    app[RECONCILER].start()
+    yield
+    unsubscribe()
+    await app[TRIALS].close()
+    await app[RECONCILER].stop()
+
+
+async def grow(app: web.Application) -> AsyncIterator[None]:  # Grow: triggers → jobs → candidates → commit
+    settings, state = app[SETTINGS], app[SETTINGS].state_dir
+    jobs = await asyncio.to_thread(JobStore, state / "jobs")
+
+    async def write_candidate(scenario: Scenario, cand: Candidate) -> Release:  # Grow → Commit
+        return await write(app, scenario, cand, keep_refused=True)
+
+    async def swap_to(scenario: Scenario) -> None:  # Commit → Serve
+        await swap(app, scenario)
+
+    app[RUNNER] = Runner(app[REGISTRY], app[RECORDS], app[CHAIN], jobs, settings.scenarios_dir,
+                         Backends(state / "jobs", settings.max_jobs), write_candidate, swap_to)
+    app[SCHEDULER] = Scheduler(app[REGISTRY], app[RECORDS], jobs, app[RUNNER], max_jobs=settings.max_jobs)
+    unsubscribe = app[RECORDS].subscribe(app[SCHEDULER].check)  # Observe → Grow: count triggers
+    await app[SCHEDULER].start()
+    # Observe → Grow for search recipes: a full grid of attempts submits its job
+    app[ATTEMPTS] = Attempts(state / "attempts", app[REGISTRY], app[RECORDS], jobs, app[SCHEDULER].submit)
+    await app[ATTEMPTS].start()
+    app[RUNNER].prewarm()
+    yield
+    unsubscribe()
+    await app[SCHEDULER].stop()
+    await app[RUNNER].close()
+
+
+async def retention(app: web.Application) -> AsyncIterator[None]:  # Observe: records bounded, lineage kept
+    app[RETENTION] = Retention(app[REGISTRY], app[RECORDS], app[CHAIN], app[RUNNER].jobs)
+    unsubscribe = app[RECORDS].subscribe(app[RETENTION].written)
+    app[RETENTION].start()
+    yield
+    unsubscribe()
+    await app[RETENTION].stop()
 
 
 def reopen_sessions(store: RecordStore, conversations: Conversations, scenarios: list[str],
@@ -217,7 +227,7 @@ def open_chain(state: Path) -> ReleaseChain:
 
 
 async def write(app: web.Application, scenario: Scenario, cand: Candidate, *, keep_refused: bool = False) -> Release:
-    """The chain's commit policy (releases.commit) with the scenario's release settings, off the event loop."""
+    """The chain's commit policy (policy.commit) with the scenario's release settings, off the event loop."""
     m = of(app)
     with m.timed(m.publish, scenario.name) if m is not None else contextlib.nullcontext():
         trials = app.get(TRIALS)
@@ -225,7 +235,7 @@ async def write(app: web.Application, scenario: Scenario, cand: Candidate, *, ke
         def trial(head: Release | None, c: Candidate) -> dict[str, Any]:  # a canary or shadow starts or is decided
             return trials.meta_for(scenario.name, scenario.cfg.release, head, c) if trials is not None else {}
 
-        return await asyncio.to_thread(releases.commit, app[CHAIN], scenario.name, cand,
+        return await asyncio.to_thread(policy.commit, app[CHAIN], scenario.name, cand,
                                        pin=scenario.cfg.release.pin, on_conflict=scenario.cfg.release.on_conflict,
                                        keep_refused=keep_refused, trial=trial)
 

@@ -11,7 +11,7 @@ import importlib
 import re
 from typing import Any
 
-ENGINES = {"worker": "reefd.engines.sglang:SGLangEngine", "sglang": "reefd.engines.sglang:SGLangEngine",
+ENGINES = {"worker": "reefd.engines.sglang:WorkerEngine", "sglang": "reefd.engines.sglang:SGLangEngine",
            "upstream": "reefd.engines.upstream:UpstreamEngine"}
 GATES = {"always": "reefd.commit.gates.kinds:Always", "holdout": "reefd.commit.gates.kinds:Holdout",
          "floor": "reefd.commit.gates.kinds:Floor", "paired": "reefd.commit.gates.kinds:Paired"}

@@ -2,20 +2,24 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
+import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from tests import served
 from tests.served import ROOT, Served, free_port
 
 TOKEN = "test-token-" + "x" * 16
@@ -71,6 +75,25 @@ class Daemon(Served):
     def wait_ready(self, timeout_s: float = 180.0) -> None:
         self.wait_for("/readyz", timeout_s)
 
+    def reload(self, timeout_s: float = 180.0) -> None:
+        """SIGHUP (`systemctl reload reefd`), then until reefd says it applied its scenarios folder and is ready
+        again (every scenario bound to its release); a folder it refuses fails here with its log."""
+        assert self.proc is not None and self.proc.poll() is None, self.logs()
+
+        def counts() -> tuple[int, int]:
+            text = self.log_path.read_text(errors="replace")
+            return text.count("reloaded scenarios:"), text.count("reload refused") + text.count("reload failed")
+
+        done, refused = counts()
+        self.proc.send_signal(signal.SIGHUP)
+        deadline = time.monotonic() + timeout_s
+        while (now := counts())[0] == done:
+            if now[1] != refused:
+                raise AssertionError(f"reefd refused its scenarios folder:\n{self.logs()}")
+            assert time.monotonic() < deadline, f"no reload in {timeout_s} s:\n{self.logs()}"
+            time.sleep(0.05)
+        self.wait_ready(max(1.0, deadline - time.monotonic()))
+
 
 def make_scenarios(dst: Path, names: tuple[str, ...] = ("tiny",), extra: dict[str, str] | None = None
                    ) -> Path:
@@ -108,6 +131,61 @@ def fresh_daemon(tmp_path: Path) -> Iterator[Daemon]:
         d.proc.wait()
 
 
+_NAMES = itertools.count(1)
+
+
+@pytest.fixture
+def own_scenario() -> Iterator[Callable[..., str]]:
+    """Adds a scenario of the test's own to a shared daemon: `own_scenario(d, text, prefix="s", files={...})`
+    writes NAME.yaml (and `files`, relative to the scenarios folder) and reloads; returns NAME, unique in the
+    session. At the test's end its unfinished jobs are cancelled, its files removed and reefd reloaded, so the
+    next test finds the daemon serving what it served before (with this scenario's records and releases kept)."""
+    added: list[tuple[Daemon, str, list[Path]]] = []
+
+    def add(d: Daemon, text: str, prefix: str = "s", files: dict[str, str] | None = None) -> str:
+        name = f"{prefix}-{next(_NAMES)}"
+        paths = [d.scenarios / f"{name}.yaml"]
+        for rel, content in (files or {}).items():
+            paths.append(d.scenarios / rel)
+            paths[-1].write_text(content)
+        paths[0].write_text(text)
+        added.append((d, name, paths))
+        d.reload()
+        return name
+
+    yield add
+    for d, name, paths in reversed(added):
+        alive = d.proc is not None and d.proc.poll() is None
+        if alive:
+            cancel_jobs(d, name)
+        for path in paths:
+            path.unlink(missing_ok=True)
+        if alive:
+            d.reload()
+
+
+def cancel_jobs(d: Daemon, scenario: str) -> None:
+    """Cancel a scenario's queued and running jobs (reefd runs one job at a time, across every scenario)."""
+    listed = json.loads(d.get(f"/reef/jobs?scenario={scenario}")[1])["data"]
+    for job in listed:
+        if job["state"] in ("queued", "running"):
+            d.post(f"/reef/jobs/{job['id']}/cancel", {})
+
+
+def shared_daemon(base: Path, names: tuple[str, ...] = ("tiny",), extra: dict[str, str] | None = None,
+                  env: dict[str, str] | None = None) -> Iterator[Daemon]:
+    """The body of a module's shared-daemon fixture: one reefd for the module, a scenario per test
+    (`own_scenario`). Tests of the process itself (signals, restarts, kills) keep a daemon of their own."""
+    d = Daemon(scenarios=make_scenarios(base / "scenarios", names=names, extra=extra), state=base / "state",
+               log_path=base / "reefd.log", env=env or {})
+    d.start()
+    try:
+        yield d
+    finally:
+        if d.proc is not None and d.proc.poll() is None:
+            d.stop()
+
+
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The tiny test model, built once per session by the worker's own preparation command."""
@@ -118,9 +196,13 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session", autouse=True)
-def _tiny_for_daemons(tiny_model: Path) -> Iterator[None]:
-    """Every test daemon starts with the session's tiny model (see Daemon._seed_tiny)."""
-    os.environ["REEF_TEST_TINY"] = str(tiny_model)
+def _tiny_for_daemons(request: pytest.FixtureRequest) -> Iterator[None]:
+    """Every test daemon starts with the session's tiny model (see Daemon._seed_tiny); a session without e2e
+    tests (`make check`) does not build it."""
+    if not any(item.get_closest_marker("e2e") for item in request.session.items):
+        yield
+        return
+    os.environ["REEF_TEST_TINY"] = str(request.getfixturevalue("tiny_model"))
     yield
     os.environ.pop("REEF_TEST_TINY", None)
 
@@ -147,3 +229,67 @@ def base_release(d: Daemon, scenario: str = "tiny") -> str:
     release = next(s["release"] for s in status["scenarios"] if s["name"] == scenario)
     assert isinstance(release, str) and release.startswith("r0-")
     return release
+
+
+E2E = ROOT / "tests" / "e2e"
+# reefd, an engine worker, a Ray head, or the tiny model itself (real weights: a trainer, an in-process engine)
+E2E_FIXTURES = frozenset({"daemon", "fresh_daemon", "own_scenario", "worker", "fresh_worker", "ray_head",
+                          "tiny_model", "engine"})
+
+
+def _starts_processes(item: pytest.Item) -> bool:
+    """Whether a test is of the slow tier: it lives in tests/e2e, uses one of E2E_FIXTURES, or its module holds a
+    class that launches reefd or an engine worker (Daemon, Worker)."""
+    if item.path.is_relative_to(E2E) or E2E_FIXTURES & set(getattr(item, "fixturenames", ())):
+        return True
+    module = getattr(item, "module", None)
+    return module is not None and any(isinstance(v, type) and issubclass(v, Served) and v is not Served
+                                      for v in vars(module).values())
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Mark `e2e` every test of the slow tier (`make check` runs the others; `make test` runs all)."""
+    for item in items:
+        if _starts_processes(item):
+            item.add_marker(pytest.mark.e2e)
+
+
+_current: list[pytest.Item] = []  # the test being set up, run or torn down
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item: pytest.Item) -> Any:
+    _current.append(item)
+    try:
+        return (yield)
+    finally:
+        _current.pop()
+
+
+def _check_launch(proc: Served) -> None:
+    """A test not marked `e2e` may not start reefd or a worker: the mark is what keeps `make check` fast."""
+    if _current and _current[-1].get_closest_marker("e2e") is None:
+        raise RuntimeError(f"{_current[-1].nodeid} starts a {type(proc).__name__} process but is not marked e2e; "
+                           "see _starts_processes in tests/conftest.py")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    served.on_launch = _check_launch
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    workeroutput = getattr(session.config, "workeroutput", None)  # a pytest-xdist worker: tell the controller
+    if workeroutput is not None:
+        workeroutput["launches"] = dict(served.LAUNCHES)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node: Any, error: Any) -> None:
+    """(pytest-xdist's controller) add up what each worker launched."""
+    served.LAUNCHES.update(getattr(node, "workeroutput", {}).get("launches", {}))
+
+
+def pytest_terminal_summary(terminalreporter: Any) -> None:
+    """How many reefd and engine worker processes the session started: the suite's time follows this count."""
+    terminalreporter.write_line(f"reefd daemon starts: {served.LAUNCHES['Daemon']}, "
+                                f"engine worker starts (tests/worker): {served.LAUNCHES['Worker']}")

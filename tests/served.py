@@ -6,6 +6,7 @@ Shared by the reefd fixtures (tests/conftest.py) and the worker's (tests/worker/
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import signal
 import socket
@@ -15,12 +16,15 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from aiohttp import web
 
 ROOT = Path(__file__).resolve().parent.parent
+
+LAUNCHES: collections.Counter[str] = collections.Counter()  # processes launched, by class (Daemon, Worker)
+on_launch: Callable[[Served], None] | None = None  # the test session's check before each launch (tests/conftest.py)
 
 
 def free_port() -> int:
@@ -41,6 +45,9 @@ class Served:
         return f"http://127.0.0.1:{self.port}"
 
     def launch(self, argv: list[str], env: dict[str, str] | None = None) -> None:
+        if on_launch is not None:
+            on_launch(self)
+        LAUNCHES[type(self).__name__] += 1
         with self.log_path.open("ab") as log:
             self.proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env,
                                          cwd=ROOT)

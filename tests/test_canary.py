@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from reefd.commit import decision as rule
 from reefd.commit import trials as canary
 from reefd.commit.chain import Candidate, Release, ReleaseChain
 from reefd.config import CanaryConfig, ReleaseConfig, ShadowConfig
@@ -19,15 +20,15 @@ from reefd.config import CanaryConfig, ReleaseConfig, ShadowConfig
     (0.95, 1, 6.3138), (0.95, 5, 2.0150), (0.975, 10, 2.2281), (0.995, 3, 5.8409), (0.95, 1e9, 1.6449),
     (0.99, 30, 2.4573)])
 def test_t_quantiles_match_the_tables(p: float, df: float, expected: float) -> None:
-    assert canary.t_quantile(p, df) == pytest.approx(expected, abs=2e-4)
+    assert rule.t_quantile(p, df) == pytest.approx(expected, abs=2e-4)
 
 
 def test_looks_fall_on_doublings_of_the_smaller_side() -> None:
-    assert [canary.look_of(n, 50) for n in (49, 50, 99, 100, 199, 200, 400)] == [None, 0, 0, 1, 1, 2, 3]
+    assert [rule.look_of(n, 50) for n in (49, 50, 99, 100, 199, 200, 400)] == [None, 0, 0, 1, 1, 2, 3]
 
 
-def tally(values: list[float]) -> canary.Tally:
-    t = canary.Tally()
+def tally(values: list[float]) -> rule.Tally:
+    t = rule.Tally()
     for v in values:
         t.add(v)
     return t
@@ -36,11 +37,11 @@ def tally(values: list[float]) -> canary.Tally:
 def test_a_clear_difference_decides_at_the_first_look() -> None:
     cfg = CanaryConfig(share=0.1, min_reports=20, max_drop=0.05)
     better, worse = tally([1.0] * 15 + [0.0] * 5), tally([0.0] * 15 + [1.0] * 5)
-    assert canary.compare(better, worse, cfg)["decision"] == "promote"
-    verdict = canary.compare(worse, better, cfg)
+    assert rule.compare(better, worse, cfg)["decision"] == "promote"
+    verdict = rule.compare(worse, better, cfg)
     assert verdict["decision"] == "rollback" and verdict["interval"][1] < -0.05
     assert verdict["test"]["look"] == 0 and verdict["test"]["alpha"] == pytest.approx(0.025)
-    gathering = canary.compare(tally([1.0] * 19), worse, cfg)
+    gathering = rule.compare(tally([1.0] * 19), worse, cfg)
     assert gathering["decision"] is None and gathering["reason"].startswith("gathering: 19 of 20")
 
 
@@ -49,7 +50,7 @@ def test_a_close_call_waits_for_more_scores() -> None:
     rng = random.Random(3)
     a = tally([float(rng.random() < 0.5) for _ in range(20)])
     b = tally([float(rng.random() < 0.5) for _ in range(20)])
-    assert canary.compare(a, b, cfg)["decision"] is None  # ±0.3 of noise cannot tell a 0.05 drop
+    assert rule.compare(a, b, cfg)["decision"] is None  # ±0.3 of noise cannot tell a 0.05 drop
 
 
 def test_identical_releases_are_rarely_rolled_back_over_all_looks() -> None:
@@ -59,12 +60,12 @@ def test_identical_releases_are_rarely_rolled_back_over_all_looks() -> None:
     rng = random.Random(7)
     runs, rollbacks = 200, 0
     for _ in range(runs):
-        a, b = canary.Tally(), canary.Tally()
+        a, b = rule.Tally(), rule.Tally()
         for look in range(5):
             while a.n < cfg.min_reports * 2 ** look:
                 a.add(float(rng.random() < 0.6))
                 b.add(float(rng.random() < 0.6))
-            decision = canary.compare(a, b, cfg)["decision"]
+            decision = rule.compare(a, b, cfg)["decision"]
             if decision is not None:
                 rollbacks += decision == "rollback"
                 break
@@ -73,13 +74,13 @@ def test_identical_releases_are_rarely_rolled_back_over_all_looks() -> None:
 
 def test_pairs_are_compared_by_their_differences() -> None:
     cfg = ShadowConfig(share=1.0, min_reports=10, max_drop=0.05, scorer="x:y")
-    served, shadow, pairs = canary.Tally(), canary.Tally(), canary.Tally()
+    served, shadow, pairs = rule.Tally(), rule.Tally(), rule.Tally()
     for i in range(10):
         s = 0.5 + 0.04 * (i % 5)
         served.add(s)
         shadow.add(s + 0.2)
         pairs.add(0.2)
-    verdict = canary.compare(shadow, served, cfg, pairs=pairs)
+    verdict = rule.compare(shadow, served, cfg, pairs=pairs)
     assert verdict["decision"] == "promote" and verdict["test"]["kind"] == "paired t, one-sided"
     assert verdict["diff"] == pytest.approx(0.2)
 

@@ -1,4 +1,4 @@
-"""The commit policy (reefd/commit/chain.py `commit`): one function for every writer. Unit tests on a real chain, then
+"""The commit policy (reefd/commit/policy.py `commit`): one function for every writer. Unit tests on a real chain, then
 its two kinds of callers, the publish route and a Grow job, driven in one in-process daemon on the tiny model
 while a rival writer keeps moving the head: both follow the head the same number of times."""
 
@@ -16,7 +16,6 @@ import pytest
 
 from reefd import config
 from reefd.commit.chain import (
-    REBASE_ATTEMPTS,
     Candidate,
     HeadConflict,
     NoRelease,
@@ -24,9 +23,9 @@ from reefd.commit.chain import (
     Pinned,
     Release,
     ReleaseChain,
-    commit,
     plan,
 )
+from reefd.commit.policy import REBASE_ATTEMPTS, commit
 from tests.conftest import TOKEN, make_scenarios
 from tests.test_gate_reuse import adapter
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import importlib.util
 from pathlib import Path
 
 import jsonschema
@@ -15,7 +17,7 @@ from tests.conftest import ROOT, make_scenarios
 def test_every_shipped_scenario_composes_and_validates(path: Path) -> None:
     cfg = config.compose(path)
     assert cfg.name == path.stem
-    jsonschema.validate(config.to_dict(cfg), config.json_schema())
+    jsonschema.validate(dataclasses.asdict(cfg), config.json_schema())
 
 
 def test_defaults_pick_the_model_group_and_self_overrides(tmp_path: Path) -> None:
@@ -110,8 +112,8 @@ def test_replicas_are_checked_at_load(tmp_path: Path, monkeypatch: pytest.Monkey
     assert (cfg.model.replicas, cfg.model.workers) == (2, ["http://10.0.0.7:30000"])
     with pytest.raises(config.ConfigError, match=r"model\.replicas: replicas run behind sglang-router: engine worker"):
         config.compose(scen / "up.yaml")
-    real = config.importlib.util.find_spec
-    monkeypatch.setattr(config.importlib.util, "find_spec",
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
                         lambda name, *a: None if name == "sglang_router" else real(name, *a))
     with pytest.raises(config.ConfigError, match=r"model\.replicas: .*not installed: pip install 'reefd\[scale\]'"):
         config.compose(scen / "ok.yaml")
@@ -149,19 +151,34 @@ def test_each_gate_kind_has_its_group_and_its_own_keys(tmp_path: Path) -> None:
 
 
 def test_the_ray_backend_is_checked_at_load(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    head = "defaults:\n  - model: tiny\n  - recipe: sao\n  - _self_\nrecipe:\n  backend: ray\n"
-    scen = make_scenarios(tmp_path, names=(), extra={"ok": head + "  ray_address: http://127.0.0.1:8265\n",
-                                                     "nowhere": head})
+    head = "defaults:\n  - model: tiny\n  - recipe: sao\n  - _self_\nrecipe:\n"
+    scen = make_scenarios(tmp_path, names=(), extra={
+        "ok": head + "  backend: {kind: ray, address: http://127.0.0.1:8265}\n", "nowhere": head + "  backend: ray\n",
+        "gpus": head + "  backend: {kind: ray, address: h:1, resources: {num_gpus: one}}\n",
+        "typo": head + "  backend: {kind: ray, adress: h:1}\n"})
     monkeypatch.delenv("REEF_RAY_ADDRESS", raising=False)
-    assert config.compose(scen / "ok.yaml").recipe.ray_address == "http://127.0.0.1:8265"
-    with pytest.raises(config.ConfigError, match=r"recipe\.ray_address: backend ray needs the cluster's address"):
+    assert config.compose(scen / "ok.yaml").recipe.backend == {"kind": "ray", "address": "http://127.0.0.1:8265"}
+    with pytest.raises(config.ConfigError, match=r"recipe\.backend\.address: backend ray needs a cluster address"):
         config.compose(scen / "nowhere.yaml")
+    with pytest.raises(config.ConfigError, match=r"recipe\.backend\.resources\.num_gpus: 'one' is not a number >= 0"):
+        config.compose(scen / "gpus.yaml")
+    with pytest.raises(config.ConfigError, match=r"recipe\.backend: Additional properties are not allowed \('adress'"):
+        config.compose(scen / "typo.yaml")
     monkeypatch.setenv("REEF_RAY_ADDRESS", "http://10.0.0.9:8265")
     assert config.compose(scen / "nowhere.yaml").recipe.backend == "ray"
-    real = config.importlib.util.find_spec
-    monkeypatch.setattr(config.importlib.util, "find_spec", lambda name, *a: None if name == "ray" else real(name, *a))
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "ray" else real(name, *a))
     with pytest.raises(config.ConfigError, match=r"recipe\.backend: ray needs Ray.*pip install 'reefd\[ray\]'"):
         config.compose(scen / "ok.yaml")
+
+
+def test_a_fault_is_checked_at_load(tmp_path: Path) -> None:
+    head = "defaults:\n  - model: tiny\n  - recipe: sao\n  - _self_\nrecipe:\n"
+    scen = make_scenarios(tmp_path, names=(), extra={"hang": head + "  fault: {kind: hang}\n",
+                                                     "boom": head + "  fault: {kind: boom}\n"})
+    assert config.compose(scen / "hang.yaml").recipe.fault == {"kind": "hang"}
+    with pytest.raises(config.ConfigError, match=r"recipe\.fault\.kind: 'boom' is not one of crash, nan, hang"):
+        config.compose(scen / "boom.yaml")
 
 
 def test_a_worker_scenario_without_the_engine_extra_fails_at_start_in_one_line(tmp_path: Path) -> None:

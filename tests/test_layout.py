@@ -148,3 +148,40 @@ def test_daemon_module_names_say_what_they_hold() -> None:
             seen[name.rpartition(".")[2]].append(name)
     shared = {base: names for base, names in seen.items() if len(names) > 1 and base != "__main__"}
     assert len(seen) > 40 and shared == {}
+
+
+# What a plug-in can do is declared (a Protocol checked with isinstance, or a declared attribute), never probed.
+# getattr/hasattr with these literal names reads something that is no plug-in; the worker and the trainer read HF
+# model configs, whose attributes vary by architecture.
+NOT_PLUGINS = {"full_key": "omegaconf's ConfigKeyError", "errno": "an OSError",
+               "strerror": "an OSError or a URLError's reason", "url": "argparse's namespace (verbs differ in flags)",
+               "token": "argparse's namespace", "file": "argparse's namespace"}
+KIND_NAMES = {"reefd.engines": {"worker", "sglang", "upstream", "vllm"},
+              "reefd.grow.backends": {"local", "ray", "slime"}}
+
+
+def _daemon_side() -> Iterator[tuple[str, ast.AST]]:
+    for name, path in modules().items():
+        if not name.startswith(TORCH_SIDE) and not name.startswith("reefd.train"):
+            for node in ast.walk(ast.parse(path.read_text())):
+                yield name, node
+
+
+def test_capabilities_are_declared_not_probed() -> None:
+    probes = [f"{name}:{node.lineno} {node.func.id}(…, {node.args[1].value!r})" for name, node in _daemon_side()
+              if isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+              and node.func.id in ("getattr", "hasattr") and len(node.args) >= 2
+              and isinstance(node.args[1], ast.Constant) and node.args[1].value not in NOT_PLUGINS]
+    assert probes == []
+
+
+def test_kind_names_are_compared_only_in_their_own_package() -> None:
+    compared = []
+    for name, node in _daemon_side():
+        if isinstance(node, ast.Compare):
+            texts = {n.value for n in (node.left, *node.comparators) if isinstance(n, ast.Constant)}
+            texts |= {e.value for n in node.comparators if isinstance(n, ast.Tuple | ast.List | ast.Set)
+                      for e in n.elts if isinstance(e, ast.Constant)}
+            compared += [f"{name}:{node.lineno} {ast.unparse(node)}" for package, kinds in KIND_NAMES.items()
+                         if texts & kinds and not name.startswith(package)]
+    assert compared == []

@@ -16,7 +16,8 @@ from reefd import config, plugins
 from reefd.commit import gates
 from reefd.commit.gates import Generate, KnownScores, Sampling, Verdict
 from reefd.engines import ModelConfig, build_engine, engine_class
-from reefd.grow.backends.local import Backends, LocalTrainers
+from reefd.grow.backends import Backends
+from reefd.grow.backends.local import LocalTrainers
 from reefd.serve.chat import ChatRequest, Completion
 from tests.conftest import make_scenarios
 
@@ -92,11 +93,21 @@ class LengthGate:
         return Verdict(passed, self.kind, float(passed), None, 1, 0.0, None, f"{len(text)} characters", [])
 
 
+@dataclass
+class InlineConfig:
+    """Its keys under `recipe.backend`, besides kind."""
+
+    note: str = ""
+
+
 class InlineBackend:
     """A trainer backend of a user's own (it fails every job)."""
 
-    def __init__(self, work_dir: Path, max_jobs: int) -> None:
-        self.work_dir, self.max_jobs = work_dir, max_jobs
+    Config = InlineConfig
+    detachable = full_weights = pushes = False
+
+    def __init__(self, work_dir: Path, max_jobs: int, cfg: InlineConfig) -> None:
+        self.work_dir, self.max_jobs, self.cfg = work_dir, max_jobs, cfg
         self.warmed = 0
 
     async def run(self, spec: Path, on_event: Callable[[dict[str, Any]], None], timeout_s: float) -> int:
@@ -146,7 +157,7 @@ def test_a_gate_kind_of_your_own_by_dotted_path(tmp_path: Path) -> None:
     assert not asyncio.run(gate.evaluate(answer, current=None, candidate="bad")).passed
     with pytest.raises(config.ConfigError, match=r"gate\.at_least: -1 is less than the minimum of 0"):
         compose(tmp_path / "bad", "gate:\n  kind: tests.test_plugins:LengthGate\n  at_least: -1\n")
-    with pytest.raises(gates.GateError, match=r"is not a Gate \(no Config, check, evaluate, kind\)"):
+    with pytest.raises(gates.GateError, match=r"is not a Gate \(no check, evaluate, kind\)"):
         gates.build({"kind": "tests.test_plugins:InlineBackend"}, tmp_path)
 
 
@@ -163,3 +174,7 @@ def test_a_trainer_backend_of_your_own_by_dotted_path(tmp_path: Path) -> None:
         backends.get("tests.test_plugins:EchoEngine")
     with pytest.raises(config.ConfigError, match=r"recipe\.backend: unknown trainer backend 'nope': use one of local"):
         compose(tmp_path / "bad", "recipe:\n  backend: nope\n")
+    keyed = compose(tmp_path / "keyed", "recipe:\n  backend: {kind: tests.test_plugins:InlineBackend, note: hi}\n")
+    assert backends.get(keyed.recipe.backend).cfg.note == "hi"  # type: ignore[attr-defined]
+    with pytest.raises(config.ConfigError, match=r"recipe\.backend: Additional properties are not allowed"):
+        compose(tmp_path / "typo", "recipe:\n  backend: {kind: tests.test_plugins:InlineBackend, nope: 1}\n")

@@ -539,12 +539,12 @@ def test_a_failed_write_on_a_full_disk_says_no_space_left(tmp_path: Path, monkey
     import errno
     import os
 
-    from reefd.observe import records
+    from reefd.observe.groupcommit import disk_says
 
     eio = OSError(errno.EIO, "Input/output error")
-    assert records.disk_says(str(tmp_path), eio) == "[Errno 5] Input/output error"  # plenty of room here
+    assert disk_says(str(tmp_path), eio) == "[Errno 5] Input/output error"  # plenty of room here
     full = os.statvfs_result((4096, 4096, 1000, 10, 10, 100, 0, 0, 0, 255, 0))  # 40 KiB free
     monkeypatch.setattr(os, "statvfs", lambda path: full)
-    assert records.disk_says(str(tmp_path), eio) == "no space left on device (0 MiB free; [Errno 5] Input/output error)"
+    assert disk_says(str(tmp_path), eio) == "no space left on device (0 MiB free; [Errno 5] Input/output error)"
     enospc = OSError(errno.ENOSPC, "No space left on device")
-    assert records.disk_says("/nonexistent/x", enospc).startswith("no space left on device")
+    assert disk_says("/nonexistent/x", enospc).startswith("no space left on device")

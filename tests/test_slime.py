@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 
 from reefd import config
-from reefd.grow.backends.slime import SlimeError, SlimeJobs, SlimeSettings, batch_lines, slime_args
+from reefd.grow.backends.slime import SlimeConfig, SlimeError, SlimeJobs, batch_lines, slime_args
 from reefd.train import slime_batch
 from tests.conftest import make_scenarios
 
@@ -54,6 +54,11 @@ def spec(tiny_model: Path, tmp_path: Path, objective: str = SAO, groups: tuple[s
             "optim": {"lr": 5e-4, "weight_decay": 0.0, "epochs": 2, "micro_batch": 2, "max_grad_norm": 1.0, **optim}}
 
 
+def slime_cfg(keys: dict[str, Any], address: str = "http://127.0.0.1:1") -> SlimeConfig:
+    """`recipe.backend: {kind: slime, ...keys}` as its config."""
+    return SlimeConfig(address=address, **keys)
+
+
 def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     mod = standin()
     args = mod.build_parser().parse_args(argv + model_args())
@@ -61,7 +66,7 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
 
 
 def test_sao_maps_to_slime_arguments_that_slime_accepts(tiny_model: Path, tmp_path: Path) -> None:
-    settings = SlimeSettings.parse({"model": "tiny", "actor_num_gpus_per_node": 2})
+    settings = slime_cfg({"model": "tiny", "actor_num_gpus_per_node": 2})
     argv = slime_args(spec(tiny_model, tmp_path), settings, tmp_path)
     args, problems = parse(argv)
     assert problems == []
@@ -78,7 +83,7 @@ def test_sao_maps_to_slime_arguments_that_slime_accepts(tiny_model: Path, tmp_pa
 
 
 def test_stale_samples_turn_on_slimes_truncated_importance_sampling(tiny_model: Path, tmp_path: Path) -> None:
-    settings = SlimeSettings.parse({"model": "tiny"})
+    settings = slime_cfg({"model": "tiny"})
     doc = spec(tiny_model, tmp_path)
     args, problems = parse(slime_args(doc, settings, tmp_path))
     assert problems == [] and not args.use_tis  # every sample fresh
@@ -89,7 +94,7 @@ def test_stale_samples_turn_on_slimes_truncated_importance_sampling(tiny_model: 
 
 
 def test_groups_become_prompts_of_n_samples(tiny_model: Path, tmp_path: Path) -> None:
-    settings = SlimeSettings.parse({"model": "tiny"})
+    settings = slime_cfg({"model": "tiny"})
     doc = spec(tiny_model, tmp_path, GRPO, groups=("x", "y", "x", "y"))
     args, problems = parse(slime_args(doc, settings, tmp_path))
     assert problems == [] and args.advantage_estimator == "grpo"
@@ -116,14 +121,14 @@ def test_the_batch_file_is_what_slime_loads(tiny_model: Path, tmp_path: Path) ->
     import torch
 
     samples = torch.load(tmp_path / "rollout.pt", weights_only=False)["samples"]  # rollout_data_utils.py:124-137
-    args, _ = parse(slime_args(doc, SlimeSettings.parse({"model": "tiny"}), tmp_path))
+    args, _ = parse(slime_args(doc, slime_cfg({"model": "tiny"}), tmp_path))
     assert standin().check_samples(samples, args) == []
     broken = [dict(samples[0], loss_mask=[1]), *samples[1:]]
     assert standin().check_samples(broken, args) == ["sample 0: loss_mask length 1 != response_length 2"]
 
 
 def test_push_sends_the_batch_through_the_forge_loader_to_reefds_engine(tiny_model: Path, tmp_path: Path) -> None:
-    settings = SlimeSettings.parse({"model": "tiny", "push": True})
+    settings = slime_cfg({"model": "tiny", "push": True})
     doc = spec(tiny_model, tmp_path)
     with pytest.raises(SlimeError, match="reefd gave the job no engine to push to"):
         slime_args(doc, settings, tmp_path)
@@ -133,25 +138,25 @@ def test_push_sends_the_batch_through_the_forge_loader_to_reefds_engine(tiny_mod
     assert args.load_forge_rollout_data == str(tmp_path / "slime" / "rollout.pt")
     assert args.rollout_external_engine_addrs == ["127.0.0.1:30001"] and args.sglang_router_ip is None
     assert (args.update_weight_transport, args.update_weight_disk_dir) == ("disk", str(tmp_path / "slime" / "push"))
-    jobs = SlimeJobs(tmp_path, 1, "http://127.0.0.1:1", None, {"model": "tiny", "push": True})
+    jobs = SlimeJobs(tmp_path, 1, slime_cfg({"model": "tiny", "push": True}))
     assert jobs.pushed_version(doc) == "3"  # one push before training, one per rollout step (2)
     assert jobs.detachable is False  # its engine lives with reefd: the job does not outlive it
 
 
 def test_scenario_args_win_and_null_drops_one(tiny_model: Path, tmp_path: Path) -> None:
-    settings = SlimeSettings.parse({"model": "tiny", "args": {"tensor-model-parallel-size": 2, "colocate": True,
+    settings = slime_cfg({"model": "tiny", "args": {"tensor-model-parallel-size": 2, "colocate": True,
                                                               "eps-clip-high": None, "lr": 1e-6}})
     args, problems = parse(slime_args(spec(tiny_model, tmp_path), settings, tmp_path))
     assert problems == [] and args.tensor_model_parallel_size == 2 and args.colocate
     assert args.eps_clip_high is None and args.lr == 1e-6
-    drop = SlimeSettings.parse({"model": "tiny", "args": {"save-hf": None}})
+    drop = slime_cfg({"model": "tiny", "args": {"save-hf": None}})
     with pytest.raises(SlimeError, match="--save-hf cannot be dropped: reefd finds slime's checkpoint by it"):
         slime_args(spec(tiny_model, tmp_path), drop, tmp_path)
 
 
 def test_the_stand_in_fails_what_slime_would(tiny_model: Path, tmp_path: Path) -> None:
     """The contract can fail: slime's own checks, as the stand-in runs them."""
-    settings = SlimeSettings.parse({"model": "tiny", "args": {"save-hf": str(tmp_path / "hf"),
+    settings = slime_cfg({"model": "tiny", "args": {"save-hf": str(tmp_path / "hf"),
                                                               "advantage-estimator": "reinforce_plus_plus"}})
     _, problems = parse(slime_args(spec(tiny_model, tmp_path), settings, tmp_path))
     assert problems == ["reinforce_plus_plus needs --normalize-advantages",
@@ -160,43 +165,40 @@ def test_the_stand_in_fails_what_slime_would(tiny_model: Path, tmp_path: Path) -
         standin().build_parser().parse_args(["--rollout-batch-size", "4", "--rollout-batchsize", "4"])
     wrong = [a if a != "128" else "256" for a in model_args()]  # --hidden-size against config.json
     mod = standin()
-    args = mod.build_parser().parse_args(slime_args(spec(tiny_model, tmp_path), SlimeSettings.parse(
+    args = mod.build_parser().parse_args(slime_args(spec(tiny_model, tmp_path), slime_cfg(
         {"model": "tiny"}), tmp_path) + wrong)
     assert mod.validate(args) == ["hidden_size in hf config 128 is not equal to hidden_size 256, please check "
                                   "the config."]
 
 
 def test_settings_and_objectives_without_a_slime_counterpart(tiny_model: Path, tmp_path: Path) -> None:
-    with pytest.raises(SlimeError, match=r"recipe\.slime\.model: name slime's model script"):
-        SlimeSettings.parse({})
-    with pytest.raises(SlimeError, match=r"recipe\.slime\.gpus: unknown setting"):
-        SlimeSettings.parse({"model": "tiny", "gpus": 8})
+    with pytest.raises(SlimeError, match=r"recipe\.backend\.model: name slime's model script"):
+        SlimeConfig(address="http://127.0.0.1:1")
     with pytest.raises(SlimeError, match="slime has no advantage estimator for the objective x:Y"):
-        slime_args(spec(tiny_model, tmp_path, "x:Y"), SlimeSettings.parse({"model": "tiny"}), tmp_path)
+        slime_args(spec(tiny_model, tmp_path, "x:Y"), slime_cfg({"model": "tiny"}), tmp_path)
 
 
 def test_a_job_slime_cannot_run_fails_before_reaching_the_cluster(tiny_model: Path, tmp_path: Path) -> None:
     (tmp_path / "spec.json").write_text(json.dumps(spec(tiny_model, tmp_path, "x:Y")))
-    jobs = SlimeJobs(tmp_path, 1, "http://127.0.0.1:9", None, {"model": "tiny"})  # nothing listens there
+    jobs = SlimeJobs(tmp_path, 1, slime_cfg({"model": "tiny"}, "http://127.0.0.1:9"))  # nothing listens there
     events: list[dict[str, Any]] = []
     assert asyncio.run(jobs.run(tmp_path / "spec.json", events.append, 10)) == 2
     assert events == [{"event": "error", "reason": "slime has no advantage estimator for the objective x:Y; set "
-                       "recipe.slime.args.advantage-estimator (grpo, gspo, cispo, reinforce_plus_plus, "
+                       "recipe.backend.args.advantage-estimator (grpo, gspo, cispo, reinforce_plus_plus, "
                        "reinforce_plus_plus_baseline or ppo)"}]
 
 
 def test_the_entrypoint_runs_prepare_train_finish(tiny_model: Path, tmp_path: Path) -> None:
     doc = spec(tiny_model, tmp_path)
     (tmp_path / "spec.json").write_text(json.dumps(doc))
-    jobs = SlimeJobs(tmp_path, 1, "http://127.0.0.1:1", None, {"model": "tiny", "path": "/opt/slime",
-                                                                "python": "/usr/bin/python3"})
+    jobs = SlimeJobs(tmp_path, 1, slime_cfg({"model": "tiny", "path": "/opt/slime", "python": "/usr/bin/python3"}))
     cmd = jobs.entrypoint(tmp_path / "spec.json")
     assert cmd.startswith("exec bash -c ")
     lines = shlex.split(cmd)[3].strip().splitlines()
     assert lines[0] == "set -e"
     assert lines[1] == f"/usr/bin/python3 reef_slime.py prepare batch.jsonl {tmp_path}/slime/rollout.pt --num-rollout 2"
     assert lines[2] == ". /opt/slime/scripts/models/tiny.sh"
-    # the model script's arguments first: the scenario's (reefd's, then recipe.slime.args) come last and win
+    # the model script's arguments first: the scenario's (reefd's, then recipe.backend.args) come last and win
     assert lines[3].startswith("PYTHONPATH=/root/Megatron-LM${PYTHONPATH:+:$PYTHONPATH} /usr/bin/python3 "
                                '/opt/slime/train.py "${MODEL_ARGS[@]}" --train-backend megatron ')
     assert shlex.split(lines[4]) == ["/usr/bin/python3", "reef_slime.py", "finish",
@@ -208,17 +210,21 @@ def test_the_entrypoint_runs_prepare_train_finish(tiny_model: Path, tmp_path: Pa
 
 
 def test_a_scenario_asking_for_slime_is_checked_at_load(tmp_path: Path) -> None:
-    head = "defaults:\n  - model: tiny\n  - recipe: sao\n  - _self_\nrecipe:\n  backend: slime\n" \
-           "  ray_address: http://127.0.0.1:8265\n"
+    head = "defaults:\n  - model: tiny\n  - recipe: sao\n  - _self_\nrecipe:\n  backend:\n    kind: slime\n" \
+           "    address: http://127.0.0.1:8265\n"
     scen = make_scenarios(tmp_path / "s", names=(), extra={
-        "bad": head + "  slime: {path: /opt/slime}\n", "good": head + "  slime: {model: qwen3-4B}\n",
-        "gpus": head + "  slime: {model: qwen3-4B}\n  ray_resources: {num_gpus: one}\n",
-        "push": head.replace("127.0.0.1", "gpu-head") + "  slime: {model: qwen3-4B, push: true}\n"})
-    with pytest.raises(config.ConfigError, match=r"recipe\.slime\.model: name slime's model script"):
+        "bad": head + "    path: /opt/slime\n", "good": head + "    model: qwen3-4B\n",
+        "gpus": head + "    model: qwen3-4B\n    resources: {num_gpus: one}\n",
+        "typo": head + "    model: qwen3-4B\n    gpus: 8\n",
+        "push": head.replace("127.0.0.1", "gpu-head") + "    model: qwen3-4B\n    push: true\n"})
+    with pytest.raises(config.ConfigError, match=r"recipe\.backend\.model: name slime's model script"):
         config.compose(scen / "bad.yaml")
-    with pytest.raises(config.ConfigError, match=r"recipe\.ray_resources\.num_gpus: 'one' is not a number >= 0"):
+    with pytest.raises(config.ConfigError, match=r"recipe\.backend\.resources\.num_gpus: 'one' is not a number >= 0"):
         config.compose(scen / "gpus.yaml")
-    assert config.compose(scen / "good.yaml").recipe.slime == {"model": "qwen3-4B"}
-    with pytest.raises(config.ConfigError, match=r"recipe\.slime\.push: .* slime must run on reefd's machine \(a Ray "
-                                                 r"head on localhost, not gpu-head\)"):
+    with pytest.raises(config.ConfigError, match=r"recipe\.backend: Additional properties are not allowed \('gpus'"):
+        config.compose(scen / "typo.yaml")
+    assert config.compose(scen / "good.yaml").recipe.backend == {"kind": "slime", "address": "http://127.0.0.1:8265",
+                                                                 "model": "qwen3-4B"}
+    with pytest.raises(config.ConfigError, match=r"recipe\.backend\.push: .* slime must run on reefd's machine \(a "
+                                                 r"Ray head on localhost, not gpu-head\)"):
         config.compose(scen / "push.yaml")

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from reefd.commit import chain as releases
+from reefd.commit import policy
 from reefd.commit.chain import BaseMismatch, Candidate, ReleaseChain, trained_on
 from tests.test_releases import adapter_dir, git
 
@@ -86,14 +86,14 @@ def test_an_adapter_made_on_other_weights_is_refused(chain: ReleaseChain, tmp_pa
     cand = Candidate("adapter", {"weights": claim}, artifact=adapter_dir(tmp_path), built_on=base.id,
                      verdict={"verdict": "pass"})
     with pytest.raises(BaseMismatch) as e:
-        releases.commit(chain, "w", cand, pin=None, on_conflict="rebase")
+        policy.commit(chain, "w", cand, pin=None, on_conflict="rebase")
     assert "trained on the base model's weights" in str(e.value) and w.id in str(e.value)
     assert chain.head("w") == w
-    kept = releases.commit(chain, "w", cand, pin=None, on_conflict="rebase", keep_refused=True)
+    kept = policy.commit(chain, "w", cand, pin=None, on_conflict="rebase", keep_refused=True)
     assert kept.status == "rejected" and "trained on the base model's weights" in kept.meta["refused"]
     assert chain.head("w") == w
     # the same adapter made on the weights that serve is appended
-    ok = releases.commit(chain, "w", Candidate("adapter", {"weights": chain.weights(w.id)},
+    ok = policy.commit(chain, "w", Candidate("adapter", {"weights": chain.weights(w.id)},
                                                artifact=adapter_dir(tmp_path, "art2")), pin=None, on_conflict="rebase")
     assert chain.head("w") == ok and ok.parent == w.id
 
@@ -104,6 +104,6 @@ def test_a_refused_weights_candidate_is_kept_without_the_old_adapter(chain: Rele
                        meta={"weights": chain.weights(base.id)})
     cand = Candidate("weights", {}, artifact=weights_dir(tmp_path, "a", {"model.safetensors": os.urandom(100)}),
                      built_on=ad.id, verdict={"verdict": "fail"})
-    kept = releases.commit(chain, "w", cand, pin=None, on_conflict="discard")
+    kept = policy.commit(chain, "w", cand, pin=None, on_conflict="discard")
     assert kept.status == "rejected" and set(chain.artifacts(kept.id)) == {"weights"}
     assert chain.head("w") == ad

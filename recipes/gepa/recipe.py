@@ -18,6 +18,7 @@ import math
 import random
 import re
 import time
+from collections.abc import Generator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -149,52 +150,7 @@ class GEPA:
             pool.append(serving)
         rejected = {(r["component"], r["sha256"]) for r in archive["rejected"]}
         for _ in range(c.iterations):
-            n = archive["iterations"]
-            rng = random.Random(f"{c.seed}:{n}")
-            parent = pool[pick_parent(pool, rng)]
-            comp = components[parent["next"] % len(components)]
-            parent["next"] += 1
-            batch = rng.sample(range(len(train)), min(c.minibatch, len(train)))
-            tasks = [train[i] for i in batch]
-            outputs = yield self._asks(tasks, self._harness(ctx.serving, parent["texts"]))
-            before = [self._score(t, o) for t, o in zip(tasks, outputs, strict=True)]
-            entry: dict[str, Any] = {"iteration": n, "parent": parent["id"], "component": comp, "minibatch": batch,
-                                     "parent_scores": before}
-            archive["iterations"] = n + 1
-            answer = (yield [Ask(self._reflection(parent["texts"][comp], tasks, outputs, before, traffic),
-                                 reflect=True, max_tokens=c.reflection_max_tokens,
-                                 temperature=c.reflection_temperature, seed=c.seed + n)])[0]
-            text = proposed_text(answer)
-            entry["reflection"] = answer[:1000]  # what the reflection model said (to see why a text was refused)
-            digest = hashlib.sha256((text or "").encode()).hexdigest()
-            reason = None
-            if text is None:
-                reason = "the reflection has no fenced block"
-            elif text == parent["texts"][comp]:
-                reason = "the reflection proposed the same text"
-            elif (comp, digest) in rejected:
-                reason = "this text was rejected before"
-            if reason is None:
-                assert text is not None
-                texts = {**parent["texts"], comp: text}
-                outputs = yield self._asks(tasks, self._harness(ctx.serving, texts))
-                after = [self._score(t, o) for t, o in zip(tasks, outputs, strict=True)]
-                entry["child_scores"] = after
-                if sum(after) > sum(before):
-                    scores = yield self._asks(val, self._harness(ctx.serving, texts))
-                    child = {"id": f"c{len(pool)}", "parent": parent["id"], "origin": f"reflection on {comp}",
-                             "texts": texts, "val": [self._score(t, a) for t, a in zip(val, scores, strict=True)],
-                             "next": 0, "created_at": time.time(), "reflection": answer[:REFLECTION_CHARS]}
-                    pool.append(child)
-                    entry.update(accepted=child["id"], val_mean=_mean(child["val"]))
-                else:
-                    reason = f"the child scored {sum(after):g} on the minibatch, not above the parent's {sum(before):g}"
-            if reason is not None:
-                entry["rejected"] = reason
-                if text is not None and text != parent["texts"][comp] and (comp, digest) not in rejected:
-                    archive["rejected"].append({"component": comp, "sha256": digest, "parent": parent["id"],
-                                                "reason": reason, "text": text[:2000]})
-                    rejected.add((comp, digest))
+            entry = yield from self._iteration(ctx, archive, (train, val), traffic, rejected)
             archive["log"].append(entry)
         best = max(pool, key=lambda cand: (_mean(cand["val"]), -pool.index(cand)))
         metrics = {"serving": serving["id"], "serving_val": _mean(serving["val"]), "best": best["id"],
@@ -208,6 +164,60 @@ class GEPA:
         return Found(archive, f"{best['id']} beats the serving harness on validation: {_mean(best['val']):.3f} > "
                               f"{_mean(serving['val']):.3f}", proposed=ctx.serving.apply(mutations),
                      mutations=mutations, metrics=metrics, proposal=reflections(pool, best, serving))
+
+    def _iteration(self, ctx: SearchContext, archive: dict[str, Any], sets: tuple[list[Task], list[Task]],
+                   traffic: list[Sample], rejected: set[tuple[str, str]]) -> Generator[list[Ask], list[str],
+                                                                                         dict[str, Any]]:
+        """One reflective mutation: a parent's component rewritten on a minibatch, kept if it does better there
+        and then scored on the validation set; its log entry."""
+        c, pool, (train, val) = self.cfg, archive["candidates"], sets
+        n = archive["iterations"]
+        rng = random.Random(f"{c.seed}:{n}")
+        parent = pool[pick_parent(pool, rng)]
+        comp = archive["components"][parent["next"] % len(archive["components"])]
+        parent["next"] += 1
+        batch = rng.sample(range(len(train)), min(c.minibatch, len(train)))
+        tasks = [train[i] for i in batch]
+        outputs = yield self._asks(tasks, self._harness(ctx.serving, parent["texts"]))
+        before = [self._score(t, o) for t, o in zip(tasks, outputs, strict=True)]
+        entry: dict[str, Any] = {"iteration": n, "parent": parent["id"], "component": comp, "minibatch": batch,
+                                 "parent_scores": before}
+        archive["iterations"] = n + 1
+        answer = (yield [Ask(self._reflection(parent["texts"][comp], tasks, outputs, before, traffic),
+                             reflect=True, max_tokens=c.reflection_max_tokens,
+                             temperature=c.reflection_temperature, seed=c.seed + n)])[0]
+        text = proposed_text(answer)
+        entry["reflection"] = answer[:1000]  # what the reflection model said (to see why a text was refused)
+        digest = hashlib.sha256((text or "").encode()).hexdigest()
+        reason = None
+        if text is None:
+            reason = "the reflection has no fenced block"
+        elif text == parent["texts"][comp]:
+            reason = "the reflection proposed the same text"
+        elif (comp, digest) in rejected:
+            reason = "this text was rejected before"
+        if reason is None:
+            assert text is not None
+            texts = {**parent["texts"], comp: text}
+            outputs = yield self._asks(tasks, self._harness(ctx.serving, texts))
+            after = [self._score(t, o) for t, o in zip(tasks, outputs, strict=True)]
+            entry["child_scores"] = after
+            if sum(after) > sum(before):
+                scores = yield self._asks(val, self._harness(ctx.serving, texts))
+                child = {"id": f"c{len(pool)}", "parent": parent["id"], "origin": f"reflection on {comp}",
+                         "texts": texts, "val": [self._score(t, a) for t, a in zip(val, scores, strict=True)],
+                         "next": 0, "created_at": time.time(), "reflection": answer[:REFLECTION_CHARS]}
+                pool.append(child)
+                entry.update(accepted=child["id"], val_mean=_mean(child["val"]))
+            else:
+                reason = f"the child scored {sum(after):g} on the minibatch, not above the parent's {sum(before):g}"
+        if reason is not None:
+            entry["rejected"] = reason
+            if text is not None and text != parent["texts"][comp] and (comp, digest) not in rejected:
+                archive["rejected"].append({"component": comp, "sha256": digest, "parent": parent["id"],
+                                            "reason": reason, "text": text[:2000]})
+                rejected.add((comp, digest))
+        return entry
 
     # ------------------------------------------------------------ pieces
 

@@ -25,8 +25,7 @@ def grant(request: web.Request) -> Grant:
 def require(request: web.Request, name: str, *, param: str | None = SCENARIO_HEADER) -> None:
     g = grant(request)
     if not g.covers(name):
-        raise ApiError(403, f"{g.describe()} may not use scenario {shown(name)}", param=param,
-                       code="permission_denied")
+        raise ApiError(403, f"{g.describe()} may not use scenario {shown(name)}", param=param, code="permission_denied")
 
 
 def scenario(request: web.Request, name: str, *, param: str | None = SCENARIO_HEADER) -> Scenario:

@@ -13,6 +13,7 @@ from aiohttp import web
 from reefd import __version__
 from reefd.api import access
 from reefd.api.errors import ApiError, json_response, shown
+from reefd.engines import Replicated
 from reefd.loop import ATTEMPTS, CHAIN, CONVERSATIONS, JUDGES, RECONCILER, RECORDS, REGISTRY, STARTED_AT, TRIALS
 from reefd.ops.auth import AUTHENTICATED
 
@@ -48,8 +49,7 @@ async def status(request: web.Request) -> web.Response:
         head = heads[name]
         drift = await asyncio.to_thread(request.app[RECONCILER].drift, s, head)
         engine = s.engine.describe()
-        replicas = getattr(s.engine, "replica_status", None)
-        if replicas is not None and (listed := await replicas()) is not None:
+        if isinstance(s.engine, Replicated) and (listed := await s.engine.replica_status()) is not None:
             engine["replicas"] = [{**r, "release": s.release} for r in listed]
         if (line := registry.admissions.get(id(s.engine))) is not None:
             engine["queue"] = line.describe()

@@ -88,8 +88,7 @@ def _convert_message(i: int, m: dict[str, Any]) -> list[dict[str, Any]]:
             texts.append(block["text"])
         elif kind == "tool_use" and m["role"] == "assistant":
             calls.append({"id": block["id"], "type": "function",
-                          "function": {"name": block["name"],
-                                       "arguments": json.dumps(block["input"])}})
+                          "function": {"name": block["name"], "arguments": json.dumps(block["input"])}})
         elif kind == "tool_result" and m["role"] == "user":
             text = _result_text(block.get("content"))
             results.append({"role": "tool", "tool_call_id": block["tool_use_id"],
@@ -132,13 +131,11 @@ def to_chat_request(body: dict[str, Any], max_tokens: int = 1) -> ChatRequest:
                                                "parameters": t.get("input_schema", {})}}
              for t in body.get("tools") or []]
     choice = body.get("tool_choice") or {}
-    tool_choice: Any = {"auto": "auto", "any": "required", "none": "none"}.get(
-        str(choice.get("type")))
+    tool_choice: Any = {"auto": "auto", "any": "required", "none": "none"}.get(str(choice.get("type")))
     if choice.get("type") == "tool":
         tool_choice = {"type": "function", "function": {"name": choice.get("name", "")}}
-    return ChatRequest(messages=messages, max_tokens=body.get("max_tokens", max_tokens),
-                       tools=tools, tool_choice=tool_choice,
-                       temperature=body.get("temperature"), top_p=body.get("top_p"),
+    return ChatRequest(messages=messages, max_tokens=body.get("max_tokens", max_tokens), tools=tools,
+                       tool_choice=tool_choice, temperature=body.get("temperature"), top_p=body.get("top_p"),
                        top_k=body.get("top_k"), stop=list(body.get("stop_sequences") or []),
                        ignore_eos=bool(body.get("ignore_eos")))
 
@@ -199,9 +196,8 @@ class AnthropicWire:
             self._text_open = True
             out += _event("content_block_start", {"type": "content_block_start", "index": 0,
                                                   "content_block": {"type": "text", "text": ""}})
-        return out + _event("content_block_delta", {
-            "type": "content_block_delta", "index": 0,
-            "delta": {"type": "text_delta", "text": text}})
+        return out + _event("content_block_delta",
+            {"type": "content_block_delta", "index": 0, "delta": {"type": "text_delta", "text": text}})
 
     def stream_tail(self, c: Completion) -> bytes:
         out = b""
@@ -240,8 +236,7 @@ async def messages(request: web.Request) -> web.StreamResponse:
     _BODY.check(body)
     chat = to_chat_request(body)
     return await serve_turn(request, scenario, request.app[RECORDS],
-                            lambda receipt: AnthropicWire(receipt, scenario.name),
-                            body, chat, bool(body.get("stream")))
+                            lambda receipt: AnthropicWire(receipt, scenario.name), body, chat, bool(body.get("stream")))
 
 
 async def count_tokens(request: web.Request) -> web.Response:

@@ -17,7 +17,7 @@ from reefd.api import access
 from reefd.api.errors import SCENARIO_HEADER, ApiError, json_response, shown
 from reefd.api.turns import RELEASE_HEADER
 from reefd.commit.chain import Release, ReleaseChain, UnknownRelease, WrongScenario
-from reefd.commit.reconcile import read_harness
+from reefd.commit.materialize import read_harness
 from reefd.harness import Harness
 from reefd.harness.installer import ADAPTERS, installer
 from reefd.loop import CHAIN, REGISTRY

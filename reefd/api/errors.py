@@ -39,15 +39,12 @@ SCENARIO_HEADER = "x-reef-scenario"
 
 log = logging.getLogger("reefd.api")
 
-_OPENAI_TYPES = {400: "invalid_request_error", 401: "invalid_request_error",
-                 403: "permission_error", 404: "invalid_request_error",
-                 405: "invalid_request_error", 409: "invalid_request_error",
+_OPENAI_TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 403: "permission_error",
+                 404: "invalid_request_error", 405: "invalid_request_error", 409: "invalid_request_error",
                  413: "invalid_request_error", 429: "rate_limit_error"}
-_ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error",
-                    403: "permission_error", 404: "not_found_error",
-                    405: "invalid_request_error", 409: "invalid_request_error",
-                    413: "request_too_large", 429: "rate_limit_error",
-                    503: "overloaded_error", 529: "overloaded_error"}
+_ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+                    404: "not_found_error", 405: "invalid_request_error", 409: "invalid_request_error",
+                    413: "request_too_large", 429: "rate_limit_error", 503: "overloaded_error", 529: "overloaded_error"}
 
 
 class ApiError(Exception):
@@ -143,11 +140,9 @@ def anthropic_body(err: ApiError) -> dict[str, Any]:
     return {"type": "error", "error": {"type": etype, "message": err.message}}
 
 
-def json_response(body: Any, *, status: int = 200,
-                  headers: dict[str, str] | None = None) -> web.Response:
+def json_response(body: Any, *, status: int = 200, headers: dict[str, str] | None = None) -> web.Response:
     """A JSON answer serialized by orjson (UTF-8, no ASCII escaping), off the hot path's budget."""
-    return web.Response(body=orjson.dumps(body), status=status, headers=headers,
-                        content_type="application/json")
+    return web.Response(body=orjson.dumps(body), status=status, headers=headers, content_type="application/json")
 
 
 def render(request: web.Request, err: ApiError) -> web.Response:
@@ -157,8 +152,7 @@ def render(request: web.Request, err: ApiError) -> web.Response:
 
 @web.middleware
 async def error_middleware(request: web.Request,
-                           handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
-                           ) -> web.StreamResponse:
+                           handler: Callable[[web.Request], Awaitable[web.StreamResponse]]) -> web.StreamResponse:
     try:
         return await handler(request)
     except ApiError as err:
@@ -252,8 +246,7 @@ async def read_json(request: web.Request) -> dict[str, Any]:
 def _slow_json(raw: bytes) -> Any:
     _check_raw_depth(raw)
     try:
-        body = json.loads(raw, parse_constant=_Unrepresentable, parse_float=_float,
-                          parse_int=_int)
+        body = json.loads(raw, parse_constant=_Unrepresentable, parse_float=_float, parse_int=_int)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise ApiError(400, f"the request body is not valid JSON: {exc}") from exc
     except RecursionError:
@@ -264,8 +257,7 @@ def _slow_json(raw: bytes) -> Any:
         if isinstance(text, _Surrogate):
             raise ApiError(400, f"{path or 'the body'}: a lone UTF-16 surrogate ({text}) is not a character; "
                                 "send valid Unicode", param=path or None)
-        raise ApiError(400, f"{path}: {text} is not a finite number within 64 bits",
-                       param=path or None)
+        raise ApiError(400, f"{path}: {text} is not a finite number within 64 bits", param=path or None)
     return body
 
 

@@ -103,11 +103,9 @@ def to_chat_request(body: dict[str, Any], cfg: ScenarioConfig) -> ChatRequest:
     stop = body.get("stop")
     return ChatRequest(
         messages=messages,
-        max_tokens=body.get("max_completion_tokens") or body.get("max_tokens")
-        or cfg.serve.default_max_tokens,
-        tools=body.get("tools") or [], tool_choice=body.get("tool_choice"),
-        temperature=body.get("temperature"), top_p=body.get("top_p"), seed=body.get("seed"),
-        stop=[stop] if isinstance(stop, str) else list(stop or []),
+        max_tokens=body.get("max_completion_tokens") or body.get("max_tokens") or cfg.serve.default_max_tokens,
+        tools=body.get("tools") or [], tool_choice=body.get("tool_choice"), temperature=body.get("temperature"),
+        top_p=body.get("top_p"), seed=body.get("seed"), stop=[stop] if isinstance(stop, str) else list(stop or []),
         ignore_eos=bool(body.get("ignore_eos")))
 
 
@@ -128,10 +126,9 @@ class OpenAIWire:
         message: dict[str, Any] = {"role": "assistant", "content": c.text, "refusal": None}
         if c.tool_calls:
             message["tool_calls"] = c.tool_calls
-        return {"id": self.id, "object": "chat.completion", "created": self.created,
-                "model": self.model, "system_fingerprint": None,
-                "choices": [{"index": 0, "message": message, "logprobs": None,
-                             "finish_reason": c.finish_reason}],
+        return {"id": self.id, "object": "chat.completion", "created": self.created, "model": self.model,
+                "system_fingerprint": None,
+                "choices": [{"index": 0, "message": message, "logprobs": None, "finish_reason": c.finish_reason}],
                 "usage": self._usage(c)}
 
     def _chunk(self, choices: list[dict[str, Any]], usage: Any = None) -> bytes:
@@ -147,18 +144,14 @@ class OpenAIWire:
                              "logprobs": None, "finish_reason": None}])
 
     def stream_delta(self, text: str) -> bytes:
-        return self._chunk([{"index": 0, "delta": {"content": text}, "logprobs": None,
-                             "finish_reason": None}])
+        return self._chunk([{"index": 0, "delta": {"content": text}, "logprobs": None, "finish_reason": None}])
 
     def stream_tail(self, c: Completion) -> bytes:
         out = b""
         for i, call in enumerate(c.tool_calls):
-            delta = {"tool_calls": [{"index": i, "id": call["id"], "type": "function",
-                                     "function": call["function"]}]}
-            out += self._chunk([{"index": 0, "delta": delta, "logprobs": None,
-                                 "finish_reason": None}])
-        out += self._chunk([{"index": 0, "delta": {}, "logprobs": None,
-                             "finish_reason": c.finish_reason}])
+            delta = {"tool_calls": [{"index": i, "id": call["id"], "type": "function", "function": call["function"]}]}
+            out += self._chunk([{"index": 0, "delta": delta, "logprobs": None, "finish_reason": None}])
+        out += self._chunk([{"index": 0, "delta": {}, "logprobs": None, "finish_reason": c.finish_reason}])
         if self.include_usage:
             out += self._chunk([], usage=self._usage(c))
         return out
@@ -177,8 +170,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     stream = bool(body.get("stream"))
     include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
     return await serve_turn(request, scenario, request.app[RECORDS],
-                            lambda receipt: OpenAIWire(receipt, scenario.name, include_usage),
-                            body, chat, stream)
+                            lambda receipt: OpenAIWire(receipt, scenario.name, include_usage), body, chat, stream)
 
 
 async def list_models(request: web.Request) -> web.Response:
@@ -186,8 +178,7 @@ async def list_models(request: web.Request) -> web.Response:
     created = int(request.app[STARTED_AT])
     if "anthropic-version" in request.headers:
         data = [{"type": "model", "id": n, "display_name": n,
-                 "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(created))}
-                for n in names]
+                 "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(created))} for n in names]
         return json_response({"data": data, "has_more": False,
                                   "first_id": names[0] if names else None,
                                   "last_id": names[-1] if names else None})

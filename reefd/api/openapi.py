@@ -92,8 +92,7 @@ def _op(op_id: str, summary: str, tag: str, ok: dict[str | int, dict[str, Any]],
     return op
 
 
-def _param(name: str, where: str, schema: dict[str, Any], description: str, required: bool = False
-           ) -> dict[str, Any]:
+def _param(name: str, where: str, schema: dict[str, Any], description: str, required: bool = False) -> dict[str, Any]:
     return {"name": name, "in": where, "required": required or where == "path", "description": description,
             "schema": schema}
 

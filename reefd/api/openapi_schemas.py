@@ -43,9 +43,8 @@ _TRIAL_PROGRESS = _obj("mode release stable_release share started_at max_age_s c
                        decision={"enum": ["promote", "rollback", None]}, reason=STR, age_s=_NUM,
                        loaded={"type": "boolean"}, deciding={"type": "boolean"}, diff=_NUM,
                        interval={"type": "array", "items": _NUM}, test=OBJ)
-_RELEASE = _obj("id scenario parent kind seq created_at commit meta status", id=STR, scenario=STR,
-                parent=_OPT_STR, kind=STR, seq=_INT, created_at=STR, commit=STR, meta=OBJ,
-                status={"enum": ["released", "rejected"]})
+_RELEASE = _obj("id scenario parent kind seq created_at commit meta status", id=STR, scenario=STR, parent=_OPT_STR,
+                kind=STR, seq=_INT, created_at=STR, commit=STR, meta=OBJ, status={"enum": ["released", "rejected"]})
 _OPT_INT = {"type": ["integer", "null"]}
 # a weight job's batch in releases behind its base (reefd/grow/staleness.py): min, max, mean over the samples whose
 # release is in the chain, those that are not, and those past max_staleness (`limit`) dropped or kept to be weighted

@@ -19,7 +19,7 @@ from typing import Any
 
 from aiohttp import web
 
-from reefd import loop
+from reefd import engines, loop
 from reefd.api import access
 from reefd.api.errors import ApiError, json_response, read_json, shown, shown_text
 from reefd.commit import chain as releases
@@ -47,8 +47,7 @@ def _release_id(value: Any, field: str) -> str | None:
     if value is None:
         return None
     if not isinstance(value, str) or not value:
-        raise ApiError(400, f"{field}: must be a release id such as r3-1a2b3c4", param=field,
-                       code="invalid_request")
+        raise ApiError(400, f"{field}: must be a release id such as r3-1a2b3c4", param=field, code="invalid_request")
     return value.removeprefix("release/")
 
 
@@ -61,8 +60,7 @@ def _flag(value: Any, field: str) -> bool:
 async def _plan(request: web.Request, scenario: Scenario, cand: Candidate) -> releases.Plan:
     """What committing `cand` would do now: refused (pinned, no release yet, a stale expected head, an unknown
     target) before any work is done, such as receiving an upload."""
-    return await asyncio.to_thread(releases.plan, request.app[CHAIN], scenario.name, cand,
-                                   pin=scenario.cfg.release.pin)
+    return await asyncio.to_thread(releases.plan, request.app[CHAIN], scenario.name, cand, pin=scenario.cfg.release.pin)
 
 
 async def _written(request: web.Request, scenario: Scenario, rel: Release, **extra: Any) -> dict[str, Any]:
@@ -87,9 +85,8 @@ async def history(request: web.Request) -> web.Response:
     everything = request.query.get("all", "") in ("1", "true", "yes")
     found = await asyncio.to_thread(chain.history, scenario.name, include_rejected=everything)
     head = next((r.id for r in found if r.status == "released"), None)
-    return json_response({"object": "list", "scenario": scenario.name, "serving": scenario.release,
-                          "head": head, "declared": scenario.cfg.release.pin,
-                          "data": [release_json(r) for r in found]})
+    return json_response({"object": "list", "scenario": scenario.name, "serving": scenario.release, "head": head,
+                          "declared": scenario.cfg.release.pin, "data": [release_json(r) for r in found]})
 
 
 async def show(request: web.Request) -> web.Response:
@@ -204,8 +201,7 @@ async def _copy_release(request: web.Request, kind: str, target_field: str, summ
     assert plan.head is not None and plan.target is not None
     trial = canary.active(scenario.cfg.release, plan.head)
     if kind == "rollback" and to is None and trial is not None:  # a plain rollback of a trial: to its stable release
-        plan = releases.Plan(plan.head, await asyncio.to_thread(request.app[CHAIN].target, scenario.name,
-                                                                trial.stable))
+        plan = releases.Plan(plan.head, await asyncio.to_thread(request.app[CHAIN].target, scenario.name, trial.stable))
     assert plan.head is not None and plan.target is not None
     if dry_run:
         return json_response({"dry_run": True, "release": None, "from": plan.head.id, "to": plan.target.id,
@@ -242,7 +238,7 @@ async def publish(request: web.Request) -> web.Response:
                      exact=expected is not None)
     plan = await _plan(request, scenario, cand)  # refused (pinned, a stale expected head) before the upload
     code = "invalid_weights" if kind == "weights" else "invalid_adapter"
-    if scenario.cfg.model.engine == "upstream":
+    if engines.kind_config(scenario.cfg.model.engine).remote:
         what = "full weights" if kind == "weights" else "LoRA adapters"
         raise ApiError(400, f"scenario {scenario.name!r} is served by an upstream provider, which cannot "
                        f"serve {what}", code=code)

@@ -144,10 +144,8 @@ def to_chat_request(body: dict[str, Any], cfg: ScenarioConfig,
     messages += [*(prior or []), *input_messages(body["input"])]
     if not messages:
         raise ApiError(400, "input: the conversation is empty", param="input")
-    return ChatRequest(messages=messages,
-                       max_tokens=body.get("max_output_tokens") or cfg.serve.default_max_tokens,
-                       tools=_tools(body.get("tools") or []),
-                       tool_choice=_tool_choice(body.get("tool_choice")),
+    return ChatRequest(messages=messages, max_tokens=body.get("max_output_tokens") or cfg.serve.default_max_tokens,
+                       tools=_tools(body.get("tools") or []), tool_choice=_tool_choice(body.get("tool_choice")),
                        temperature=body.get("temperature"), top_p=body.get("top_p"),
                        ignore_eos=body.get("ignore_eos") is True)  # SGLang's and vLLM's extension
 
@@ -193,29 +191,24 @@ class ResponsesWire:
     def _envelope(self, status: str, output: list[dict[str, Any]], usage: Any = None,
                   error: Any = None) -> dict[str, Any]:
         b = self.body
-        return {"id": self.id, "object": "response", "created_at": self.created, "status": status,
-                "error": error, "incomplete_details": {"reason": "max_output_tokens"}
-                if status == "incomplete" else None,
-                "instructions": b.get("instructions"), "max_output_tokens": self.chat.max_tokens,
-                "model": self.model, "output": output,
-                "parallel_tool_calls": b.get("parallel_tool_calls") is not False,
-                "previous_response_id": b.get("previous_response_id"),
-                "store": b.get("store") is not False, "temperature": self.chat.temperature,
-                "text": {"format": {"type": "text"}}, "tool_choice": b.get("tool_choice") or "auto",
-                "tools": b.get("tools") or [], "top_p": self.chat.top_p, "usage": usage,
-                "metadata": b.get("metadata") or {}}
+        return {"id": self.id, "object": "response", "created_at": self.created, "status": status, "error": error,
+                "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
+                "instructions": b.get("instructions"), "max_output_tokens": self.chat.max_tokens, "model": self.model,
+                "output": output, "parallel_tool_calls": b.get("parallel_tool_calls") is not False,
+                "previous_response_id": b.get("previous_response_id"), "store": b.get("store") is not False,
+                "temperature": self.chat.temperature, "text": {"format": {"type": "text"}},
+                "tool_choice": b.get("tool_choice") or "auto", "tools": b.get("tools") or [], "top_p": self.chat.top_p,
+                "usage": usage, "metadata": b.get("metadata") or {}}
 
     def _message(self, text: str, status: str) -> dict[str, Any]:
         content = [{"type": "output_text", "text": text, "annotations": []}] if status != "in_progress" else []
-        return {"type": "message", "id": self.msg_id, "status": status, "role": "assistant",
-                "content": content}
+        return {"type": "message", "id": self.msg_id, "status": status, "role": "assistant", "content": content}
 
     @staticmethod
     def _call(call: dict[str, Any], status: str = "completed") -> dict[str, Any]:
         fn = call["function"]
-        return {"type": "function_call", "id": "fc_" + call["id"].removeprefix("call_"),
-                "call_id": call["id"], "name": fn["name"],
-                "arguments": fn["arguments"] if status == "completed" else "", "status": status}
+        return {"type": "function_call", "id": "fc_" + call["id"].removeprefix("call_"), "call_id": call["id"],
+                "name": fn["name"], "arguments": fn["arguments"] if status == "completed" else "", "status": status}
 
     def _output(self, c: Completion) -> list[dict[str, Any]]:
         status = "incomplete" if c.finish_reason == "length" else "completed"
@@ -251,9 +244,8 @@ class ResponsesWire:
             out += self._event("response.output_item.added",
                                {"output_index": 0, "item": self._message("", "in_progress")})
             out += self._part("response.content_part.added", "")
-        return out + self._event("response.output_text.delta", {
-            "item_id": self.msg_id, "output_index": 0, "content_index": 0, "delta": text,
-            "logprobs": []})
+        return out + self._event("response.output_text.delta",
+            {"item_id": self.msg_id, "output_index": 0, "content_index": 0, "delta": text, "logprobs": []})
 
     def stream_tail(self, c: Completion) -> bytes:
         self._final = c
@@ -263,9 +255,8 @@ class ResponsesWire:
         output = self._output(c)
         if self._text_open:
             text = c.text or ""
-            out += self._event("response.output_text.done", {
-                "item_id": self.msg_id, "output_index": 0, "content_index": 0, "text": text,
-                "logprobs": []})
+            out += self._event("response.output_text.done",
+                {"item_id": self.msg_id, "output_index": 0, "content_index": 0, "text": text, "logprobs": []})
             out += self._part("response.content_part.done", text)
             out += self._event("response.output_item.done", {"output_index": 0, "item": output[0]})
         for index, item in enumerate(output):
@@ -304,8 +295,7 @@ async def create(request: web.Request) -> web.StreamResponse:
     _BODY.check(body)
     store = request.app[RECORDS]
     chat = to_chat_request(body, scenario.cfg, await asyncio.to_thread(_prior, store, scenario, body))
-    return await serve_turn(request, scenario, store,
-                            lambda receipt: ResponsesWire(receipt, scenario.name, body, chat),
+    return await serve_turn(request, scenario, store, lambda receipt: ResponsesWire(receipt, scenario.name, body, chat),
                             body, chat, bool(body.get("stream")))
 
 

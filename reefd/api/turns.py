@@ -85,16 +85,14 @@ def session_of(request: web.Request, body: dict[str, Any]) -> str | None:
     for name in SESSION_HEADERS:
         if request.headers.get(name):
             return request.headers[name]
-    user = (body.get("metadata") or {}).get("user_id") if isinstance(body.get("metadata"),
-                                                                      dict) else None
+    user = (body.get("metadata") or {}).get("user_id") if isinstance(body.get("metadata"), dict) else None
     return user if isinstance(user, str) and user else None
 
 
 def new_record(request: web.Request, scenario: Scenario, binding: Binding, receipt: str, api: str,
                body: dict[str, Any], chat: ChatRequest, stream: bool, placement: Placement) -> dict[str, Any]:
     prefix = "x-reef-tag-"
-    tags = {k[len(prefix):].lower(): v for k, v in request.headers.items()
-            if k.lower().startswith(prefix)}
+    tags = {k[len(prefix):].lower(): v for k, v in request.headers.items() if k.lower().startswith(prefix)}
     return {**served_by(scenario, binding, receipt), "api": api, "requested_model": body.get("model"),
             "created_at": time.time(), **placement.fields(),
             "tags": tags, "stream": stream, "request": body, **asked(chat)}
@@ -134,17 +132,12 @@ def finish_record(record: dict[str, Any], c: Completion, answer: dict[str, Any],
     if isinstance(record.get("conversation"), dict):  # what a continuation's prefix holds at the reply's slot
         record["conversation"]["reply"] = chain(record["conversation"]["request"], assistant)
     record.update({
-        "response": answer, "messages": [*record["messages"], assistant],
-        "finish_reason": c.finish_reason, "stop_sequence": c.stop_sequence,
-        "raw_text": c.raw_text, "prompt_token_ids": c.prompt_token_ids,
-        "completion_token_ids": c.completion_token_ids,
-        "completion_logprobs": c.completion_logprobs,
-        **top_k_fields(c),
+        "response": answer, "messages": [*record["messages"], assistant], "finish_reason": c.finish_reason,
+        "stop_sequence": c.stop_sequence, "raw_text": c.raw_text, "prompt_token_ids": c.prompt_token_ids,
+        "completion_token_ids": c.completion_token_ids, "completion_logprobs": c.completion_logprobs, **top_k_fields(c),
         "usage": {"prompt_tokens": c.prompt_tokens, "completion_tokens": c.completion_tokens},
-        **({"engine_weights": c.weight_version} if c.weights_reported else {}),
-        "latency_s": round(now - started, 6),
-        "ttft_s": round(ttft - started, 6) if ttft is not None else None,
-        "finished_at": time.time()})
+        **({"engine_weights": c.weight_version} if c.weights_reported else {}), "latency_s": round(now - started, 6),
+        "ttft_s": round(ttft - started, 6) if ttft is not None else None, "finished_at": time.time()})
 
 
 class Served:
@@ -169,15 +162,13 @@ class Served:
         if self.metrics is not None:
             self.metrics.turn(record["scenario"], record["api"], record)
         scenario = record["scenario"]
-        self.conversations.served(scenario, record["id"], placement, record["messages"][-1],
-                                  release=record["release"])
+        self.conversations.served(scenario, record["id"], placement, record["messages"][-1], release=record["release"])
         if linked and placement.previous is not None:
             self.conversations.linked(scenario, placement.previous)
 
 
-async def serve_turn(request: web.Request, scenario: Scenario, store: RecordStore,
-                     wire_for: Callable[[str], Wire], body: dict[str, Any],
-                     chat: ChatRequest, stream: bool) -> web.StreamResponse:
+async def serve_turn(request: web.Request, scenario: Scenario, store: RecordStore, wire_for: Callable[[str], Wire],
+                     body: dict[str, Any], chat: ChatRequest, stream: bool) -> web.StreamResponse:
     """Serve one turn: place it in its session, wait for a turn at the engine, and answer with the release that
     serves it (the scenario's, or its canary's for the sessions on the canary's side: see Registry.serving)."""
     receipt = new_receipt()
@@ -231,7 +222,7 @@ async def _serve_bound(request: web.Request, scenario: Scenario, binding: Bindin
     headers = {RECEIPT_HEADER: record["id"], RELEASE_HEADER: binding.release}
     started = time.monotonic()
     # an engine that swaps weights answers on the binding's weights only (a swap may be rolling across replicas)
-    on_weights = {"weights": binding.weights_version} if hasattr(scenario.engine, "swap_weights") else {}
+    on_weights = {"weights": binding.weights_version} if scenario.weight_swap is not None else {}
     events = scenario.engine.generate(chat, stream=stream, timeout_s=scenario.cfg.serve.request_timeout_s,
                                       adapter=binding.adapter, **on_weights)
     if stream:
@@ -253,9 +244,8 @@ async def _serve_bound(request: web.Request, scenario: Scenario, binding: Bindin
     return json_response(answer, headers=headers), record
 
 
-async def _shadow(app: web.Application, scenario: Scenario, trial: Trial, chat: ChatRequest,
-                  served: dict[str, Any], wire_for: Callable[[str], Wire],
-                  hold: Callable[[], None]) -> None:
+async def _shadow(app: web.Application, scenario: Scenario, trial: Trial, chat: ChatRequest, served: dict[str, Any],
+                  wire_for: Callable[[str], Wire], hold: Callable[[], None]) -> None:
     """A copy of a served turn, answered by the release on shadow trial: recorded as a shadow record (never
     returned, never trained on), and both answers scored by the scenario's scorer for the trial."""
     trials = app[loop.TRIALS]
@@ -271,7 +261,7 @@ async def _shadow(app: web.Application, scenario: Scenario, trial: Trial, chat: 
             "requested_model": served.get("requested_model"), "created_at": time.time(),
             "session": served.get("session"), "turn": None, "turn_kind": "shadow", "previous": None,
             "tags": served.get("tags") or {}, "stream": False, "request": served.get("request"), **asked(chat)}
-        on_weights = {"weights": binding.weights_version} if hasattr(scenario.engine, "swap_weights") else {}
+        on_weights = {"weights": binding.weights_version} if scenario.weight_swap is not None else {}
         started = time.monotonic()
         events = scenario.engine.generate(chat, stream=False, timeout_s=scenario.cfg.serve.request_timeout_s,
                                           adapter=binding.adapter, **on_weights)
@@ -348,11 +338,9 @@ async def _last(events: AsyncIterator[Any]) -> Completion:
     raise ApiError(502, "the engine ended without a completion")
 
 
-async def _stream(request: web.Request, turn: Served, wire: Wire,
-                  record: dict[str, Any], headers: dict[str, str], first: Any,
-                  events: AsyncIterator[Any], started: float) -> web.StreamResponse:
-    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
-                                       "Cache-Control": "no-cache", **headers})
+async def _stream(request: web.Request, turn: Served, wire: Wire, record: dict[str, Any], headers: dict[str, str],
+                  first: Any, events: AsyncIterator[Any], started: float) -> web.StreamResponse:
+    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache", **headers})
     await resp.prepare(request)
     ttft: float | None = None
     delivered: list[str] = []

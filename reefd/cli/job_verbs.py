@@ -110,8 +110,7 @@ def cmd_jobs(client: Client, args: argparse.Namespace) -> int:
         note("No jobs.")
         return 0
     now = time.time()
-    table = Table(["JOB", "SCENARIO", "STATE", "STAGE", "TRIGGER", "RECORDS", "STALENESS", "RELEASE", "AGE",
-                   "MESSAGE"])
+    table = Table(["JOB", "SCENARIO", "STATE", "STAGE", "TRIGGER", "RECORDS", "STALENESS", "RELEASE", "AGE", "MESSAGE"])
     table.emit([[j["id"], j["scenario"], j["state"], cell(j.get("stage")), j["reason"], str(len(j["receipts"])),
                  staleness_cell(j.get("staleness")), cell(j.get("release")), age(now - j["created_at"]),
                  cell(j.get("error") or (j.get("verdict") or {}).get("reason"))] for j in page["data"]])

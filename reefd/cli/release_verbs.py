@@ -90,8 +90,7 @@ def cmd_show(client: Client, args: argparse.Namespace) -> int:
         return 0
     print_json({k: v for k, v in rel.items() if k != "files"})
     table = Table(["FILE", "SIZE", "SHA256", "LFS"])
-    table.emit([[f["path"], str(f["size"]), f["sha256"][:12], "yes" if f["lfs"] else "-"]
-                for f in rel["files"]])
+    table.emit([[f["path"], str(f["size"]), f["sha256"][:12], "yes" if f["lfs"] else "-"] for f in rel["files"]])
     return 0
 
 
@@ -124,8 +123,7 @@ def cmd_explain(client: Client, args: argparse.Namespace) -> int:
             print("  Params:")
             for key in sorted(params, key=lambda k: (k not in ("recipe", "recipe_params"), k)):  # the recipe first
                 print(f"    {printable(str(key))}: {_value(params[key])}")
-        for label, value in (("Metrics", rel.get("metrics")), ("Gate", rel.get("gate")),
-                             ("Canary", rel.get("canary"))):
+        for label, value in (("Metrics", rel.get("metrics")), ("Gate", rel.get("gate")), ("Canary", rel.get("canary"))):
             if value is not None:
                 print(f"  {label + ':':<9}{_value(value)}")
         _block("Proposer's answer", rel.get("proposal"))

@@ -76,12 +76,10 @@ def read_safetensors_header(path: Path) -> dict[str, TensorInfo]:
     if expected > buffer_len:
         raise InvalidAdapter(
             path,
-            f"file is truncated or half-written: it is {size} bytes, its header describes {8 + header_len + expected}",
-        )
+            f"file is truncated or half-written: it is {size} bytes, its header describes {8 + header_len + expected}")
     if expected < buffer_len:
         raise InvalidAdapter(
-            path, f"file has {buffer_len - expected} trailing bytes after the tensors its header describes"
-        )
+            path, f"file has {buffer_len - expected} trailing bytes after the tensors its header describes")
     return tensors
 
 
@@ -94,8 +92,7 @@ def _read_header_json(f: BinaryIO, path: Path, size: int) -> tuple[dict[str, Any
         raise InvalidAdapter(path, f"header length {header_len} is absurd (over {MAX_HEADER_BYTES}): not safetensors")
     if 8 + header_len > size:
         raise InvalidAdapter(
-            path, f"file is truncated or not safetensors: header length {header_len} exceeds the file's {size} bytes"
-        )
+            path, f"file is truncated or not safetensors: header length {header_len} exceeds the file's {size} bytes")
     raw = f.read(header_len)
     try:
         header = json.loads(raw.decode("utf-8"), object_pairs_hook=_no_duplicates)
@@ -244,8 +241,7 @@ def check_adapter(adapter_dir: Path, model_dir: Path) -> list[str]:
     if not weights.is_file():
         if (adapter_dir / "adapter_model.bin").is_file():
             raise InvalidAdapter(
-                adapter_dir / "adapter_model.bin", f"only safetensors adapters are accepted ({ADAPTER_WEIGHTS})"
-            )
+                adapter_dir / "adapter_model.bin", f"only safetensors adapters are accepted ({ADAPTER_WEIGHTS})")
         raise InvalidAdapter(weights, "missing")
     tensors = read_safetensors_header(weights)
     _check_tensors(weights, tensors, base, targeted, rank_of)
@@ -319,14 +315,12 @@ def _targeted_modules(path: Path, targets: Any, base: _Base) -> frozenset[str]:
         other = sorted(m for m in matched if m not in base.linears)
         if other:
             raise InvalidAdapter(
-                path, f"target module {target!r} matches {other[0]!r}, not a Linear layer of {base.label}"
-            )
+                path, f"target module {target!r} matches {other[0]!r}, not a Linear layer of {base.label}")
     return frozenset(m for matched in groups.values() for m in matched)
 
 
 def _check_tensors(
-    path: Path, tensors: dict[str, TensorInfo], base: _Base, targeted: frozenset[str], ranks: dict[str, int]
-) -> None:
+    path: Path, tensors: dict[str, TensorInfo], base: _Base, targeted: frozenset[str], ranks: dict[str, int]) -> None:
     if not tensors:
         raise InvalidAdapter(path, "holds no tensors")
     halves: dict[str, set[str]] = {}
@@ -341,8 +335,7 @@ def _check_tensors(
             raise InvalidAdapter(path, f"tensor {key!r}: {module!r} is not in target_modules (PEFT would ignore it)")
         if info.dtype not in ADAPTER_DTYPES:
             raise InvalidAdapter(
-                path, f"tensor {key!r} is {info.dtype}; LoRA weights must be one of {sorted(ADAPTER_DTYPES)}"
-            )
+                path, f"tensor {key!r} is {info.dtype}; LoRA weights must be one of {sorted(ADAPTER_DTYPES)}")
         out_features, in_features = base.linears[module]
         r = _rank(module, ranks)
         want = (r, in_features) if half == "A" else (out_features, r)

@@ -1,9 +1,6 @@
 """The append-only release chain: a bare git repo (pygit2) with Git LFS objects and a CAS head per scenario, and
-`commit`, the one function through which every release is written (the commit policy).
-
-Knows git, release.json and the commit policy (pin, expected head, discard or rebase, rejection); knows nothing
-about HTTP, engines, gates or training. Blocking: callers on an event loop run it in a thread.
-"""
+`plan`, a candidate checked against its pin and head; written only by `commit` (policy.py). Knows git and
+release.json; nothing about HTTP, engines, gates or training. Blocking: callers on an event loop run it in a thread."""
 
 from __future__ import annotations
 
@@ -25,7 +22,6 @@ from reefd.commit.trees import GITATTRIBUTES, METADATA, Trees
 
 ARTIFACT_FOLDER = {"base": "weights", "adapter": "adapter", "weights": "weights", "harness": "harness"}
 COPIES = ("rollback", "promote")
-REBASE_ATTEMPTS = 5  # on_conflict: rebase follows a moving head this many times at most, for every caller
 FAULT_ENV = "REEF_RELEASE_FAULT"  # after_lfs | after_commit | before_ref: os._exit(137) there (crash tests)
 _NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 _ID_RE = re.compile(r"r(0|[1-9][0-9]{0,8})-([0-9a-f]{7})")
@@ -228,32 +224,17 @@ class ReleaseChain:
 
     def _release(self, commit: pygit2.Commit) -> Release:
         data = json.loads(self._blob(commit.tree, "release.json"))
-        return Release(
-            id=f"r{data['seq']}-{str(commit.id)[:7]}",
-            scenario=data["scenario"],
-            parent=data["parent"],
-            kind=data["kind"],
-            meta=data["meta"],
-            commit=str(commit.id),
-            created_at=data["created_at"],
-            seq=data["seq"],
-        )
+        return Release(id=f"r{data['seq']}-{str(commit.id)[:7]}", scenario=data["scenario"], parent=data["parent"],
+                       kind=data["kind"], meta=data["meta"], commit=str(commit.id), created_at=data["created_at"],
+                       seq=data["seq"])
 
     def _blob(self, tree: pygit2.Tree, name: str) -> bytes:
         return self.repo[tree[name].id].peel(pygit2.Blob).data
 
     # ---- writing -------------------------------------------------------------------------------------------------
     @_locked
-    def publish(
-        self,
-        scenario: str,
-        *,
-        expected_head: str | None,
-        kind: str,
-        artifact_dir: Path | None,
-        meta: dict[str, Any],
-        folder: str | None = None,
-    ) -> Release:
+    def publish(self, scenario: str, *, expected_head: str | None, kind: str, artifact_dir: Path | None,
+                meta: dict[str, Any], folder: str | None = None) -> Release:
         """Append a release; the head moves only if it still is `expected_head` (a release id, None = no head yet).
         `artifact_dir` goes into the tree as the kind's folder (or `folder`: a base release may carry `harness`)."""
         if kind not in ARTIFACT_FOLDER:
@@ -342,26 +323,14 @@ class ReleaseChain:
         tree = self.repo[rel.commit].peel(pygit2.Commit).tree
         return {str(e.name): (e.id, e.filemode) for e in tree if e.name not in METADATA}
 
-    def _append(
-        self,
-        scenario: str,
-        parent: Release | None,
-        kind: str,
-        entries: dict[str, tuple[pygit2.Oid, int]],
-        meta: dict[str, Any],
-    ) -> Release:
+    def _append(self, scenario: str, parent: Release | None, kind: str, entries: dict[str, tuple[pygit2.Oid, int]],
+                meta: dict[str, Any]) -> Release:
         oid = self._commit(scenario, parent, kind, entries, meta)
         self._move_head(scenario, parent, oid)
         return self._release(self.repo[oid].peel(pygit2.Commit))
 
-    def _commit(
-        self,
-        scenario: str,
-        parent: Release | None,
-        kind: str,
-        entries: dict[str, tuple[pygit2.Oid, int]],
-        meta: dict[str, Any],
-    ) -> pygit2.Oid:
+    def _commit(self, scenario: str, parent: Release | None, kind: str, entries: dict[str, tuple[pygit2.Oid, int]],
+                meta: dict[str, Any]) -> pygit2.Oid:
         seq = 0 if parent is None else parent.seq + 1
         created_at = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
         doc = {"scenario": scenario, "seq": seq, "parent": parent.id if parent else None, "kind": kind,
@@ -456,7 +425,7 @@ def trained_on(meta: dict[str, Any]) -> dict[str, Any] | None:
     return None
 
 
-# ---- the commit policy ---------------------------------------------------------------------------------------------
+# ---- candidates ----------------------------------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
@@ -501,70 +470,3 @@ def plan(chain: ReleaseChain, scenario: str, cand: Candidate, *, pin: str | None
         target = chain.target(scenario, cand.target or chain.rollback_target(head),
                               include_rejected=cand.kind == "promote")
     return Plan(head, target)
-
-
-Trial = Callable[[Release | None, Candidate], dict[str, Any]]
-"""What a release policy adds to a candidate's meta, given the head it is appended on (canary.py: a trial)."""
-
-
-def commit(chain: ReleaseChain, scenario: str, cand: Candidate, *, pin: str | None, on_conflict: str,
-           keep_refused: bool = False, trial: Trial | None = None) -> Release:
-    """Append `cand` to the scenario's chain: the whole commit policy, for every caller (the publish, rollback and
-    promote routes, Grow jobs, the reconciler's base release and pin).
-
-    - A verdict goes into release.json as meta["gate"]; a failed one is kept as a rejected candidate, never served.
-    - `plan`: the pin, the head, a copy's target.
-    - The head moves by compare-and-swap on the head the candidate was built on. If another writer moved it
-      meanwhile and `on_conflict` is "rebase" (and the candidate is not `exact`), the candidate is appended on the
-      new head instead (meta: rebased_from, built_on), at most REBASE_ATTEMPTS times; else it is refused.
-    - A refusal (Pinned, or HeadConflict) raises; with `keep_refused` the candidate is kept as rejected instead,
-      with meta["refused"] saying why, and returned (status "rejected").
-    - `trial` adds to the meta of what is appended, given the head it is appended on (a canary's start).
-    """
-    meta = {**cand.meta, "gate": cand.verdict} if cand.verdict is not None else dict(cand.meta)
-    built_on = cand.built_on
-    if cand.verdict is not None and cand.verdict.get("verdict") != "pass":
-        return _keep(chain, scenario, cand, built_on, meta)
-    try:
-        head = plan(chain, scenario, cand, pin=pin).head
-        if not cand.exact:
-            built_on = built_on or (head.id if head is not None else None)
-        for attempt in range(1, REBASE_ATTEMPTS + 1):
-            try:
-                extra = trial(chain.get(built_on) if built_on else None, cand) if trial is not None else {}
-                return _append(chain, scenario, cand, built_on, {**meta, **extra})
-            except HeadConflict as exc:
-                if cand.exact or on_conflict != "rebase" or exc.actual is None or attempt == REBASE_ATTEMPTS:
-                    raise
-                meta = {**meta, "rebased_from": meta.get("rebased_from", built_on)}
-                built_on = exc.actual
-        raise AssertionError("unreachable")
-    except (Pinned, HeadConflict, BaseMismatch) as exc:
-        if not keep_refused or cand.kind in COPIES:
-            raise
-        why = (f"the scenario is pinned to {exc.pin}" if isinstance(exc, Pinned)
-               else str(exc) if isinstance(exc, BaseMismatch)
-               else f"the head moved to {exc.actual} while the candidate was built")
-        return _keep(chain, scenario, cand, cand.built_on, {**meta, "refused": why})
-
-
-def _append(chain: ReleaseChain, scenario: str, cand: Candidate, built_on: str | None,
-            meta: dict[str, Any]) -> Release:
-    if cand.kind == "rollback":
-        return chain.rollback(scenario, cand.target, expected_head=built_on, meta=meta)
-    if cand.kind == "promote":
-        assert cand.target is not None
-        return chain.promote(scenario, cand.target, expected_head=built_on, meta=meta)
-    if cand.artifact is not None and cand.kind != "base":
-        meta = {**meta, "built_on": built_on}
-    return chain.publish(scenario, expected_head=built_on, kind=cand.kind, artifact_dir=cand.artifact, meta=meta,
-                         folder=cand.folder)
-
-
-def _keep(chain: ReleaseChain, scenario: str, cand: Candidate, built_on: str | None, meta: dict[str, Any]) -> Release:
-    """A candidate that is not released, kept for the record on the head it was built on (or the head now)."""
-    if built_on is None and (head := chain.head(scenario)) is not None:
-        built_on = head.id
-    if cand.artifact is not None:
-        meta = {"built_on": built_on, **meta}
-    return chain.reject(scenario, built_on=built_on, kind=cand.kind, artifact_dir=cand.artifact, meta=meta)

@@ -25,7 +25,7 @@ def sha256_file(path: Path) -> str:
 def model_identity(cfg: ModelConfig, model_dir: Path | None) -> dict[str, Any]:
     """The model's identity: for a local folder, the sha256 of its weights and tokenizer."""
     ident: dict[str, Any] = {"model": cfg.name, "engine": cfg.engine}
-    if cfg.engine == "upstream" or model_dir is None:
+    if model_dir is None:  # a provider's model (or a remote one): where it is, not its bytes
         ident.update({"url": cfg.url, "upstream_model": cfg.upstream_model})
         return ident
     weights = sorted(p for pattern in WEIGHT_PATTERNS for p in model_dir.glob(pattern))

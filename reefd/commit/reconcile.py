@@ -12,23 +12,20 @@ writer, so nothing else moves a head. For each scenario it:
    adapter is unloaded once the requests that started on it have finished.
 
 Requests capture a scenario's `Binding` when they start, so each answers and is recorded with the
-release that served it. Knows the chain and the engine contract; nothing about wire formats.
+release that served it. It decides what to bind; materialize.py writes, loads and unloads. Knows the chain and
+the engine contract; nothing about wire formats.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import functools
 import logging
-import shutil
-import tempfile
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from reefd.commit import chain as releases
+from reefd.commit import policy
 from reefd.commit import trials as canary
 from reefd.commit.chain import (
     Candidate,
@@ -40,24 +37,13 @@ from reefd.commit.chain import (
     WrongScenario,
 )
 from reefd.commit.identity import model_identity
-from reefd.engines import Engine, EngineError, EngineUnavailable
-from reefd.harness import Harness, HarnessError
+from reefd.commit.materialize import Materializer
+from reefd.engines import EngineError, EngineUnavailable, WeightSwap, kind_config
+from reefd.harness import HarnessError
 from reefd.ops.background import Background
 from reefd.serve.scenarios import Binding, Registry, Scenario, Trial
 
 log = logging.getLogger("reefd.commit.reconcile")
-
-
-def read_harness(chain: ReleaseChain, release_id: str) -> Harness | None:
-    """A release's harness, parsed from its `harness/` tree (None when it has none)."""
-    if "harness" not in chain.artifacts(release_id):
-        return None
-    with tempfile.TemporaryDirectory(dir=chain.path / "lfs" / "tmp") as tmp:
-        folder = chain.materialize(release_id, Path(tmp) / "h", "harness")
-        try:
-            return Harness.from_dir(folder)
-        except HarnessError as exc:
-            raise ReleaseError(f"{release_id}: its harness does not parse: {exc}") from None
 
 
 class Reconciler:
@@ -66,9 +52,7 @@ class Reconciler:
     def __init__(self, registry: Registry, chain: ReleaseChain, state_dir: Path, scenarios_dir: Path):
         self.registry = registry
         self.chain = chain
-        self.serving_dir = state_dir / "serving"
-        self.weights_dir = state_dir / "weights"
-        self.scenarios_dir = scenarios_dir
+        self.files = Materializer(registry, chain, state_dir, scenarios_dir)  # what binding needs, on the engine
         self._locks: dict[str, asyncio.Lock] = {}
         self._background = Background(log)  # swaps kicked off, adapters being retired
         self._retries: dict[str, asyncio.TimerHandle] = {}  # scenario -> its next try after a failure
@@ -160,7 +144,7 @@ class Reconciler:
         return rel, None
 
     async def _commit(self, scenario: Scenario, cand: Candidate, on_conflict: str = "discard") -> Release:
-        return await asyncio.to_thread(releases.commit, self.chain, scenario.name, cand, pin=scenario.cfg.release.pin,
+        return await asyncio.to_thread(policy.commit, self.chain, scenario.name, cand, pin=scenario.cfg.release.pin,
                                        on_conflict=on_conflict)
 
     async def _same_artifacts(self, a: str, b: str) -> bool:
@@ -170,15 +154,15 @@ class Reconciler:
     async def _record_base(self, scenario: Scenario) -> Release:
         """A scenario's first start: its base release records the model's identity."""
         deadline = time.monotonic() + scenario.cfg.model.startup_timeout_s
-        while (model_dir := scenario.engine.model_folder()) is None and scenario.cfg.model.engine != "upstream":
+        remote = kind_config(scenario.cfg.model.engine).remote  # a provider's model has no folder to wait for
+        while (model_dir := scenario.engine.model_folder()) is None and not remote:
             if scenario.engine.describe()["state"] == "failed" or time.monotonic() > deadline:
                 raise EngineUnavailable(f"engine for model {scenario.cfg.model.name!r} did not start; "
                                         "no base release recorded")
             await asyncio.sleep(0.25)  # a built-in model is still being prepared
         ident = await asyncio.to_thread(model_identity, scenario.cfg.model, model_dir)
         meta: dict[str, Any] = {"source": "import", "identity": ident}
-        async with self._scratch() as tmp:
-            harness = await self._base_harness(scenario, tmp)
+        async with self.files.base_harness(scenario.cfg.harness.dir) as harness:
             if harness is not None:
                 meta["summary"] = f"base harness from {scenario.cfg.harness.dir}"
             try:
@@ -191,27 +175,8 @@ class Reconciler:
                 assert again is not None
                 return again
 
-    @contextlib.asynccontextmanager
-    async def _scratch(self) -> AsyncIterator[Path]:
-        """A temporary folder beside the chain's LFS objects, made and removed off the event loop."""
-        tmp = Path(await asyncio.to_thread(tempfile.mkdtemp, dir=self.chain.path / "lfs" / "tmp"))
-        try:
-            yield tmp
-        finally:
-            await asyncio.to_thread(shutil.rmtree, tmp, True)
-
-    async def _base_harness(self, scenario: Scenario, tmp: Path) -> Path | None:
-        """The scenario's harness folder, read and rendered canonically into `tmp` (None: it has none)."""
-        if not scenario.cfg.harness.dir:
-            return None
-        source = self.scenarios_dir / scenario.cfg.harness.dir
-        harness = await asyncio.to_thread(Harness.from_dir, source)
-        await asyncio.to_thread(harness.render, tmp / "harness")
-        return tmp / "harness"
-
     async def _import_harness(self, scenario: Scenario, head: Release) -> Release:
-        async with self._scratch() as tmp:
-            folder = await self._base_harness(scenario, tmp)
+        async with self.files.base_harness(scenario.cfg.harness.dir) as folder:
             rel = await self._commit(scenario, Candidate(
                 "harness", {"source": "import", "summary": f"harness imported from {scenario.cfg.harness.dir}"},
                 artifact=folder, built_on=head.id, exact=True))
@@ -249,7 +214,7 @@ class Reconciler:
         for gone in (before, old.binding if old is not None else None):
             if gone is not None and gone.adapter is not None and \
                     gone.adapter not in self.registry.adapters(scenario.engine):
-                self._background.spawn(self._retire(scenario.engine, gone, scenario.cfg.serve.request_timeout_s),
+                self._background.spawn(self.files.retire(scenario.engine, gone, scenario.cfg.serve.request_timeout_s),
                             f"retire-{gone.adapter}")
         for listener in list(self._listeners):
             try:
@@ -267,11 +232,8 @@ class Reconciler:
         assert current is not None
         if old is not None and old.binding.release == rel.id:
             return old.binding
-        artifacts = await asyncio.to_thread(self.chain.artifacts, rel.id)
-        tree = artifacts.get("adapter")
-        if tree is not None:
-            self._check_base(rel, current.weights)
-        harness, harness_tree = await self._harness(scenario, rel, artifacts.get("harness"), current)
+        found = await self.files.artifacts(rel, current)
+        tree, harness, harness_tree = found.adapter, found.harness, found.harness_tree
         adapter = None
         if tree is not None:
             reuse = [b for b in (current, old.binding if old else None)
@@ -279,11 +241,7 @@ class Reconciler:
             if reuse:
                 adapter = reuse[0].adapter
             else:
-                adapter = rel.id
-                if rel.id not in scenario.engine.adapters:
-                    await self._wait_ready(scenario)
-                    folder = await asyncio.to_thread(self._materialize, scenario.name, rel.id)
-                    await scenario.engine.load_adapter(rel.id, folder)
+                adapter = await self.files.load(scenario, rel.id)
         return Binding(rel.id, adapter, tree, harness, harness_tree, current.weights, current.weights_version)
 
     async def _serve_one(self, scenario: Scenario, rel: Release, trial: Trial | None = None, *,
@@ -291,15 +249,12 @@ class Reconciler:
         current = scenario.binding
         if current is not None and current.release == rel.id:
             return
-        artifacts = await asyncio.to_thread(self.chain.artifacts, rel.id)
-        tree, weights = artifacts.get("adapter"), artifacts.get("weights")
-        if tree is not None:
-            self._check_base(rel, weights)
+        found = await self.files.artifacts(rel, current)
+        tree, weights, harness, harness_tree = found.adapter, found.weights, found.harness, found.harness_tree
         engine = scenario.engine
-        harness, harness_tree = await self._harness(scenario, rel, artifacts.get("harness"), current)
-        served = getattr(getattr(engine, "weights", None), "version", None)  # what the engine really has
+        served = engine.weights.version if isinstance(engine, WeightSwap) else None  # what the engine really has
         if weights != (current.weights if current is not None else None) or (current is None and served is not None):
-            await self._swap_weights(scenario, rel, weights, tree, harness, harness_tree)
+            await self.files.swap_weights(scenario, rel, found)
             return
         on = {"weights": weights, "weights_version": current.weights_version if current is not None else None}
         if tree is None:
@@ -311,120 +266,12 @@ class Reconciler:
             # the adapter of the release that was on trial (its promotion): already loaded
             binding = Binding(rel.id, trial.binding.adapter, tree, harness, harness_tree, **on)
         else:
-            binding = Binding(rel.id, rel.id, tree, harness, harness_tree, **on)
-            if rel.id not in engine.adapters:
-                await self._wait_ready(scenario)
-                folder = await asyncio.to_thread(self._materialize, scenario.name, rel.id)
-                await engine.load_adapter(rel.id, folder)
+            binding = Binding(rel.id, await self.files.load(scenario, rel.id), tree, harness, harness_tree, **on)
         scenario.binding = binding  # new requests take it from here; running ones keep theirs
-        log.info("%s: serving %s%s", scenario.name, rel.id,
-                 f" (was {current.release})" if current else "")
+        log.info("%s: serving %s%s", scenario.name, rel.id, f" (was {current.release})" if current else "")
         if retire and current is not None and current.adapter is not None and current.adapter != binding.adapter:
-            self._background.spawn(self._retire(engine, current, scenario.cfg.serve.request_timeout_s),
+            self._background.spawn(self.files.retire(engine, current, scenario.cfg.serve.request_timeout_s),
                         f"retire-{current.adapter}")
-
-    def _check_base(self, rel: Release, weights: str | None) -> None:
-        """An adapter serves only on the weights it was trained on (its release says which)."""
-        claim = releases.trained_on(rel.meta)
-        if claim is not None and claim.get("tree") != weights:
-            made_on = claim.get("release") or "the base model"
-            raise ReleaseError(f"{rel.id}: its adapter was trained on the weights of {made_on}, not on the "
-                               "weights this release carries; it is not served")
-
-    async def _swap_weights(self, scenario: Scenario, rel: Release, weights: str | None, tree: str | None,
-                            harness: Harness | None, harness_tree: str | None) -> None:
-        """Serve a release whose weights differ from what serves: the engine swaps them (holding new requests on
-        one process, rolling across replicas) and moves the binding at the moment the new weights serve."""
-        engine = scenario.engine
-        swap = getattr(engine, "swap_weights", None)
-        if swap is None:
-            raise EngineError(f"{rel.id} carries full weights, which a {engine.kind} engine cannot load")
-        sharing = [name for name in self.registry.sharing(engine) if name != scenario.name]
-        if sharing:
-            raise EngineError(f"{rel.id} carries full weights, but scenario(s) {', '.join(sharing)} share this "
-                              f"model's engine; give {scenario.name} a model of its own (another model.name) to "
-                              "serve weights releases")
-        await self._wait_ready(scenario)
-        path = await asyncio.to_thread(self._weights_folder, rel.id, weights) if weights is not None else None
-        adapter = (rel.id, await asyncio.to_thread(self._materialize, scenario.name, rel.id)) if tree else None
-        binding = Binding(rel.id, rel.id if tree else None, tree, harness, harness_tree, weights, rel.id)
-        timeout = scenario.cfg.serve.request_timeout_s
-
-        async def drained(version: str | None) -> None:
-            await self.registry.drained(engine, version, timeout)
-
-        report = await swap(path, rel.id, adapter, functools.partial(setattr, scenario, "binding", binding),
-                            drained)
-        log.info("%s: serving %s on its weights (%s)", scenario.name, rel.id, report)
-        await asyncio.to_thread(self._prune_weights)
-        for folder in self.serving_dir.glob(f"{scenario.name}/*"):  # adapters of the old weights: unloaded
-            if folder.name != rel.id:
-                await asyncio.to_thread(shutil.rmtree, folder, True)
-
-    def _weights_folder(self, release_id: str, tree: str) -> Path:
-        """A release's weights folder under STATE/weights/<tree id>, written once (atomically), shared by every
-        release that carries the same weights."""
-        return self._write_once(self.weights_dir / tree, release_id, "weights")
-
-    def _prune_weights(self) -> None:
-        """Drop the weights folders no scenario serves (a rollback writes them again from the chain)."""
-        keep = {s.binding.weights for s in self.registry.scenarios.values() if s.binding is not None}
-        for engine in self.registry.engines.values():
-            path = getattr(getattr(engine, "weights", None), "path", None)
-            if path is not None:
-                keep.add(Path(path).name)
-        for folder in self.weights_dir.glob("*"):
-            if folder.name not in keep and not folder.name.startswith("."):
-                shutil.rmtree(folder, ignore_errors=True)
-
-    async def _harness(self, scenario: Scenario, rel: Release, tree: str | None,
-                       current: Binding | None) -> tuple[Harness | None, str | None]:
-        """The release's harness, parsed from the chain (or the current one, when the tree is the same)."""
-        if tree is None:
-            return None, None
-        if current is not None and current.harness_tree == tree:
-            return current.harness, tree
-        return await asyncio.to_thread(read_harness, self.chain, rel.id), tree
-
-    async def _wait_ready(self, scenario: Scenario) -> None:
-        deadline = time.monotonic() + scenario.cfg.model.startup_timeout_s
-        while not scenario.engine.ready:
-            if scenario.engine.describe()["state"] == "failed" or time.monotonic() > deadline:
-                raise EngineUnavailable(f"engine for model {scenario.cfg.model.name!r} is "
-                                        f"{scenario.engine.describe()['state']}")
-            await asyncio.sleep(0.1)
-
-    def _materialize(self, scenario: str, release_id: str) -> Path:
-        """The release's adapter folder under STATE/serving/<scenario>/<release>, written once (atomically)."""
-        return self._write_once(self.serving_dir / scenario / release_id, release_id, "adapter")
-
-    def _write_once(self, dest: Path, release_id: str, folder: str) -> Path:
-        """`dest`, holding the release's `folder` from the chain: written beside it, then renamed into place."""
-        if dest.is_dir():
-            return dest
-        tmp = dest.with_name(f".{dest.name}.tmp")
-        shutil.rmtree(tmp, ignore_errors=True)
-        self.chain.materialize(release_id, tmp, folder=folder)
-        tmp.rename(dest)
-        return dest
-
-    async def _retire(self, engine: Engine, old: Binding, drain_s: float) -> None:
-        """Unload an adapter no scenario serves any more, once the requests that started on it are done."""
-        name = old.adapter
-        assert name is not None
-        deadline = time.monotonic() + drain_s
-        while self.registry.in_flight(engine, name) and time.monotonic() < deadline:
-            await asyncio.sleep(0.05)
-        if name in self.registry.adapters(engine) or name not in engine.adapters:
-            return  # served again meanwhile (or on trial), or already gone
-        try:
-            await engine.unload_adapter(name)
-        except (EngineError, EngineUnavailable) as exc:
-            log.warning("unloading adapter %s failed: %s", name, exc)
-            return
-        for folder in self.serving_dir.glob(f"*/{name}"):
-            await asyncio.to_thread(shutil.rmtree, folder, True)
-        log.info("unloaded adapter %s", name)
 
     # ------------------------------------------------------------ reporting
 

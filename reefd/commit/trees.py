@@ -144,8 +144,7 @@ class Trees:
         return {"added": added, "removed": removed, "changed": changed, "text": text}
 
     def _digests(self, tree: pygit2.Tree) -> dict[str, str]:
-        return {p: oid or hashlib.sha256(data).hexdigest()
-                for p, data, oid, _ in self.walk(tree) if p not in METADATA}
+        return {p: oid or hashlib.sha256(data).hexdigest() for p, data, oid, _ in self.walk(tree) if p not in METADATA}
 
     def _texts(self, tree: pygit2.Tree, limit: int = 1 << 20) -> dict[str, str]:
         """Path -> content of the tree's small UTF-8 text files (not LFS)."""

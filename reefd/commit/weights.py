@@ -29,14 +29,12 @@ SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 # Keys that fix the tensors' shapes or how the engine wires them: a release must match the base on each.
 SHAPE_KEYS = (
-    "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
-    "vocab_size", "head_dim", "tie_word_embeddings", "max_position_embeddings",
-)  # fmt: skip
+    "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "vocab_size",
+    "head_dim", "tie_word_embeddings", "max_position_embeddings")  # fmt: skip
 # The files a tokenizer is loaded from; the engine keeps the base's tokenizer, so a release must carry it unchanged.
 TOKENIZER_FILES = (
-    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model", "vocab.json",
-    "merges.txt", "added_tokens.json", "chat_template.jinja",
-)  # fmt: skip
+    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model", "vocab.json", "merges.txt",
+    "added_tokens.json", "chat_template.jinja")  # fmt: skip
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth")  # torch pickles: loading one runs code, so they are never accepted
 _LISTED = 5  # tensor names quoted in a message about missing or extra tensors
 OBJECTIVE_FOLDER = "objective"  # a trained candidate's objective state (reefd.train), beside the weights
@@ -112,10 +110,8 @@ def check_weights(folder: Path, model_dir: Path) -> list[str]:
     with _as_invalid_weights():
         _check_entries(folder)
         _check_config(
-            folder / "config.json",
-            _read_json_object(folder / "config.json"),
-            _read_json_object(model_dir / "config.json"),
-        )
+            folder / "config.json", _read_json_object(folder / "config.json"),
+            _read_json_object(model_dir / "config.json"))
         _check_tokenizer(folder, model_dir)
         files, tensors = _read_weights(folder)
         base: dict[str, TensorInfo] = {}

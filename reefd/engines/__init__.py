@@ -1,103 +1,23 @@
-"""Engines: the data plane behind a scenario. `model.engine` names one (reefd/plugins.py keeps the names), and
-`ModelConfig` is its configuration, the `model:` group of a scenario.
-
-An engine turns a ChatRequest into text deltas and a final Completion. Knows nothing about
-provider wire formats or records.
-"""
+"""Engines, the data plane behind a scenario: an Engine turns a ChatRequest into text deltas and a Completion;
+`model.engine` names its kind, whose `Config` (kind_configs.py) holds its keys, and optional abilities are the
+Protocols below. Knows nothing about provider wire formats or records."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Mapping
-from dataclasses import dataclass, field
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 import aiohttp
 
-from reefd import plugins
+from reefd import plugins, schema
+from reefd.engines.kind_configs import EngineConfig, ModelConfig, Problems
 from reefd.serve.chat import ChatRequest, Completion
 
-MODEL_SOURCES = ["tiny", "smollm2"]
 ANY_WEIGHTS = "*"
 """`generate(weights=...)` default: whatever weights serve new requests now. A binding passes its own version
 instead (a release id; None: the weights the engine was launched with), so an answer never comes from others."""
-TOOL_PARSERS = ["hermes"]
-
-
-@dataclass
-class ModelConfig:
-    """Which model answers a scenario, and which engine runs it."""
-
-    name: str = field(default="", metadata={"description": "Display name of the model."})
-    engine: str = field(
-        default="worker",
-        metadata=plugins.name_schema(plugins.ENGINES, "worker: the embedded engine process; sglang: a real SGLang "
-                                     "server (launched, or attached by url); upstream: an OpenAI-compatible "
-                                     "provider; or pkg.mod:Class, an Engine of your own."),
-    )
-    source: str | None = field(
-        default=None,
-        metadata={"enum": [*MODEL_SOURCES, None],
-                  "description": "A built-in model that reefd prepares into STATE/models/<source>."},
-    )
-    path: str | None = field(
-        default=None, metadata={"description": "An HF model folder (overrides source)."}
-    )
-    url: str | None = field(
-        default=None,
-        metadata={"description": "sglang: attach to this server instead of launching one. "
-                  "upstream: the provider's base URL, e.g. https://api.openai.com/v1."},
-    )
-    api_key_env: str | None = field(
-        default=None, metadata={"description": "upstream: environment variable holding the key."}
-    )
-    upstream_model: str | None = field(
-        default=None, metadata={"description": "upstream: the model name sent to the provider."}
-    )
-    tool_parser: str = field(
-        default="hermes",
-        metadata={"enum": TOOL_PARSERS, "description": "How tool calls appear in model output."},
-    )
-    max_batch: int = field(
-        default=8, metadata={"minimum": 1, "description": "Engine batch size (worker)."}
-    )
-    max_new_tokens: int | None = field(
-        default=None, metadata={"minimum": 1,
-                                "description": "Caps generation whatever max_tokens a client asks "
-                                               "for; the answer then ends with a length stop."}
-    )
-    context_length: int | None = field(
-        default=None, metadata={"minimum": 1,
-                                "description": "Prompt plus answer, in tokens (default: the model "
-                                               "folder's max_position_embeddings)."}
-    )
-    launch_args: list[str] = field(
-        default_factory=list,
-        metadata={"description": "Extra command-line arguments for a launched engine."},
-    )
-    startup_timeout_s: float = field(
-        default=600.0, metadata={"exclusiveMinimum": 0, "description": "Engine start deadline."}
-    )
-    replicas: int = field(
-        default=1, metadata={"minimum": 1, "description": "worker/sglang: engine processes reefd launches. More "
-                                                         "than one puts sglang-router in front of them."})
-    workers: list[str] = field(
-        default_factory=list,
-        metadata={"description": "worker/sglang: URLs of engines already running (other machines), served behind "
-                                 "the same router as the launched replicas."})
-    router_args: list[str] = field(
-        default_factory=list, metadata={"description": "Extra command-line arguments for sglang-router."})
-    max_queue: int | None = field(
-        default=None,
-        metadata={"minimum": 0, "description": "Requests that may wait for a turn beyond the ones generating "
-                  "(max_batch per replica); past that a request gets 429 at once. Default: 4 x the engine's batch "
-                  "for worker and sglang, no limit for other engines (set it to give them one, of max_batch turns)."})
-    max_queue_wait_s: float = field(
-        default=60.0,
-        metadata={"exclusiveMinimum": 0, "description": "The longest a request waits for its turn; then it gets "
-                  "503 with Retry-After."})
-
-
 
 
 @dataclass
@@ -156,10 +76,8 @@ class Engine(Protocol):
     `generate` may first yield a Prompt, then yields str text deltas (tool-call markup already held back) and ends with
     exactly one Completion; it raises EngineUnavailable before yielding anything when the
     engine is not ready. `start` returns promptly (start-up continues in the background);
-    `stop` ends anything the engine launched. `describe` is for status pages.
-
-    Engines that serve full-weight releases also have `swap_weights` and `admit` (see SGLangEngine), and take
-    `weights=` in `generate`; the reconciler refuses weights releases on engines without them.
+    `stop` ends anything the engine launched. `describe` is for status pages. Optional abilities: WeightSwap,
+    Admits, Replicated; what a kind's config declares: EngineConfig's class attributes.
     """
 
     kind: str
@@ -194,6 +112,50 @@ class Engine(Protocol):
         ...
 
 
+@dataclass(frozen=True)
+class Weights:
+    """The weights an engine serves to new requests."""
+
+    version: str | None = None  # the release id they were swapped in as (None: the weights it launched with)
+    path: Path | None = None  # their folder (None: the model folder it launched with)
+
+
+Drained = Callable[[str | None], Awaitable[None]]
+"""drained(version): returns once no request taken on that weight version is in flight (reefd's own count)."""
+
+
+@runtime_checkable
+class WeightSwap(Protocol):
+    """An engine that serves full-weight releases: `weights` is what new requests get, and `generate` takes
+    `weights=` (a version; ANY_WEIGHTS: whatever serves), answering only from those. The reconciler refuses
+    weights releases on other engines.
+
+    `swap_weights(path, version, adapter, switch, drained)` serves the weights at `path` (None: the launch
+    model's) as `version`, with `adapter` (name, folder) as their only adapter; it calls `switch()` the moment
+    new requests get them and `drained(old version)` to wait out the old ones. A failure leaves the old weights
+    serving and raises. Returns what the swap measured."""
+
+    weights: Weights
+
+    async def swap_weights(self, path: Path | None, version: str, adapter: tuple[str, Path] | None,
+                           switch: Callable[[], None], drained: Drained) -> dict[str, Any]: ...
+
+
+@runtime_checkable
+class Admits(Protocol):
+    """An engine that may hold new requests for a while (loading new weights): `admit` returns when one may
+    start."""
+
+    async def admit(self) -> None: ...
+
+
+@runtime_checkable
+class Replicated(Protocol):
+    """An engine that may run several replicas: `replica_status` describes each (None: it runs one process)."""
+
+    async def replica_status(self) -> list[dict[str, Any]] | None: ...
+
+
 def engine_class(name: str) -> Any:
     """The engine class `model.engine` names (PluginError when it cannot be found or is not an Engine)."""
     cls = plugins.resolve(plugins.ENGINES, name, "engine")
@@ -203,12 +165,53 @@ def engine_class(name: str) -> Any:
     return cls
 
 
-BATCHED_ENGINES = ("worker", "sglang")
+@runtime_checkable
+class Configured(Protocol):
+    """An engine class that declares its kind's config (the shipped kinds do): `Config`, an EngineConfig with the
+    kind's own keys, rules and facts. An engine of your own without one gets EngineConfig."""
+
+    Config: type[EngineConfig]
+
+
+def kind_config(name: str) -> type[EngineConfig]:
+    """The config class of the engine kind `model.engine` names."""
+    cls = engine_class(name)
+    return cls.Config if isinstance(cls, Configured) else EngineConfig
+
+
+def check(model: dict[str, Any]) -> Problems:
+    """The problems of a composed `model:` mapping: its engine's name, its kind's rules, keys of other kinds."""
+    try:
+        kind = kind_config(model["engine"])
+    except plugins.PluginError as exc:
+        return [("model.engine", str(exc))]
+    keys = {f.name for f in fields(kind)}
+    errs = kind(**{k: v for k, v in model.items() if k in keys}).problems()
+    if (model["replicas"] > 1 or model["workers"]) and "replicas" not in keys:
+        errs.append(("model.replicas" if model["replicas"] > 1 else "model.workers",
+                     f"replicas run behind sglang-router: engine worker or sglang, not {model['engine']!r}"))
+    return errs
+
+
+def json_schema() -> dict[str, Any]:
+    """The `model:` mapping's JSON Schema for editors: every key, then the keys each shipped kind reads (the
+    others' keys are still allowed: a model group may set them)."""
+    out = schema.dataclass_schema(ModelConfig)
+    kinds = {name: schema.dataclass_schema(kind_config(name)) for name in plugins.ENGINES}
+    out["allOf"] = [{"if": {"properties": {"engine": {"const": name}}, "required": ["engine"]},
+                     "then": {"description": sub["description"], "properties": sub["properties"]}}
+                    for name, sub in kinds.items()]
+    return out
+
+
+def seeded_sampling(cfg: ModelConfig) -> bool:
+    """The engine `cfg` names samples each request by its seed, so a re-run reproduces an answer."""
+    return kind_config(cfg.engine).seeded_sampling
 
 
 def turn_limits(cfg: ModelConfig) -> tuple[int, int] | None:
     """(requests generating at once, requests waiting) for the engine `cfg` describes; None: no admission limit."""
-    if cfg.engine in BATCHED_ENGINES:
+    if kind_config(cfg.engine).batched:
         turns = cfg.max_batch * (cfg.replicas + len(cfg.workers))
         return turns, 4 * turns if cfg.max_queue is None else cfg.max_queue
     if cfg.max_queue is not None:

@@ -50,9 +50,8 @@ class Replica:
     def describe(self) -> dict[str, Any]:
         sup = self.supervisor
         return {"replica": self.index, "url": self.url, "state": self.state, "in_router": self.worker_id is not None,
-                "weights": self.weights,
-                "attached": self.attached, "pid": sup.pid if sup else None, "restarts": sup.restarts if sup else 0,
-                "last_error": sup.last_error if sup else None}
+                "weights": self.weights, "attached": self.attached, "pid": sup.pid if sup else None,
+                "restarts": sup.restarts if sup else 0, "last_error": sup.last_error if sup else None}
 
 
 class Replicas:

@@ -10,18 +10,18 @@ import json
 import os
 from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import aiohttp
 import orjson
 
-from reefd.engines import EngineError, EngineUnavailable, ModelConfig, retry_after, sse
+from reefd.engines import EngineConfig, EngineError, EngineUnavailable, ModelConfig, retry_after, sse
+from reefd.engines.kind_configs import UpstreamConfig
 from reefd.serve.chat import ChatRequest, Completion
 
 
 def upstream_body(req: ChatRequest, model: str, stream: bool) -> dict[str, Any]:
-    body: dict[str, Any] = {"model": model, "messages": req.messages,
-                            "max_tokens": req.max_tokens, "stream": stream}
+    body: dict[str, Any] = {"model": model, "messages": req.messages, "max_tokens": req.max_tokens, "stream": stream}
     if stream:
         body["stream_options"] = {"include_usage": True}
     if req.tools:
@@ -50,6 +50,7 @@ def _merge_tool_deltas(calls: dict[int, dict[str, Any]], deltas: list[dict[str, 
 
 class UpstreamEngine:
     kind = "upstream"
+    Config: ClassVar[type[EngineConfig]] = UpstreamConfig
 
     def __init__(self, cfg: ModelConfig, state_dir: Path, session: aiohttp.ClientSession):
         assert cfg.url
@@ -70,8 +71,7 @@ class UpstreamEngine:
         return None
 
     async def load_adapter(self, name: str, path: Path) -> None:
-        raise EngineError("an upstream provider cannot serve LoRA adapters; use engine: worker or sglang",
-                          status=400)
+        raise EngineError("an upstream provider cannot serve LoRA adapters; use engine: worker or sglang", status=400)
 
     async def unload_adapter(self, name: str) -> None:
         raise EngineError(f"no adapter named {name!r} is loaded", status=400)
@@ -99,8 +99,7 @@ class UpstreamEngine:
         timeout = aiohttp.ClientTimeout(total=timeout_s)
         answered = False
         try:
-            async with self.session.post(self.url, json=body, headers=self._headers(),
-                                         timeout=timeout) as r:
+            async with self.session.post(self.url, json=body, headers=self._headers(), timeout=timeout) as r:
                 answered = True
                 if r.status >= 400:
                     await self._raise(r)
@@ -125,8 +124,7 @@ class UpstreamEngine:
         except (ValueError, KeyError, TypeError):
             message = text[:500]
         if r.status in (429, 503):
-            raise EngineUnavailable(f"upstream: {message}",
-                                    retry_after=retry_after(r.headers.get("Retry-After")))
+            raise EngineUnavailable(f"upstream: {message}", retry_after=retry_after(r.headers.get("Retry-After")))
         # the client's own request was refused: pass the status on; a refusal of reefd's
         # credentials or a provider failure is a bad gateway, not the client's fault
         status = r.status if r.status in (400, 404, 413, 422) else 502
@@ -136,11 +134,9 @@ class UpstreamEngine:
         choice = (data.get("choices") or [{}])[0]
         msg = choice.get("message") or {}
         usage = data.get("usage") or {}
-        return Completion(text=msg.get("content"), finish_reason=choice.get("finish_reason")
-                          or "stop", tool_calls=msg.get("tool_calls") or [],
-                          prompt_tokens=int(usage.get("prompt_tokens", 0)),
-                          completion_tokens=int(usage.get("completion_tokens", 0)),
-                          raw_text=msg.get("content") or "")
+        return Completion(text=msg.get("content"), finish_reason=choice.get("finish_reason") or "stop",
+                          tool_calls=msg.get("tool_calls") or [], prompt_tokens=int(usage.get("prompt_tokens", 0)),
+                          completion_tokens=int(usage.get("completion_tokens", 0)), raw_text=msg.get("content") or "")
 
     async def _stream(self, r: aiohttp.ClientResponse) -> AsyncIterator[str | Completion]:
         text, finish = "", "stop"
@@ -160,8 +156,6 @@ class UpstreamEngine:
                     yield delta["content"]
                 _merge_tool_deltas(calls, delta.get("tool_calls") or [])
                 finish = choice.get("finish_reason") or finish
-        yield Completion(text=text or None, finish_reason=finish,
-                         tool_calls=[calls[i] for i in sorted(calls)],
+        yield Completion(text=text or None, finish_reason=finish, tool_calls=[calls[i] for i in sorted(calls)],
                          prompt_tokens=int(usage.get("prompt_tokens", 0)),
-                         completion_tokens=int(usage.get("completion_tokens", 0)),
-                         raw_text=text)
+                         completion_tokens=int(usage.get("completion_tokens", 0)), raw_text=text)

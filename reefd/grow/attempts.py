@@ -1,16 +1,6 @@
 """Grids of scored attempts, for search recipes (TTT-Discover): the step a client works on, its coordinates, the
-archive of states the steps grow, and the job each full grid becomes.
-
-A search recipe offers a `grid` (groups x rollouts), an archive (new_archive/load_archive), the messages of an
-attempt at a state (`messages`), one group's figures (`summarize`), `puct_c` and `sampling`. Per scenario this
-module keeps one JSON file, STATE/attempts/NAME.json, replaced atomically: the open step's plan, the step being
-trained, and the archive with its per-step curve.
-
-A step's life: `plan` opens it (G parents chosen by PUCT, pinned to the serving release) → the client's reports
-claim its coordinates (`report`: the first report at a coordinate keeps it, in the same LMDB transaction as the
-report) → the last coordinate closes it: its attempts join the archive and the scheduler gets a job (a grid whose
-attempts came from two releases is discarded instead; one whose groups all scored alike is dropped) → the job's
-release serves, and the next `plan` starts from it. Knows nothing about HTTP or tokens.
+archive of states the steps grow (one JSON file per scenario, STATE/attempts/NAME.json), and the job each full grid
+becomes. Knows nothing about HTTP or tokens.
 """
 
 from __future__ import annotations
@@ -23,7 +13,7 @@ import math
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 from reefd.grow.job_store import Job, JobStore
 from reefd.grow.recipes import engine_tokens
@@ -45,8 +35,9 @@ class AttemptError(Exception):
         self.status, self.message, self.param, self.code = status, message, param, code
 
 
+@runtime_checkable
 class Search(Protocol):
-    """What a search recipe offers this module (recipes/ttt_discover/recipe.py is one)."""
+    """What a search recipe declares: a grid of attempts, and what this module asks of it (e.g. ttt-discover)."""
 
     grid: Any  # .groups, .rollouts, .size
     puct_c: float
@@ -62,12 +53,6 @@ class Search(Protocol):
     def summarize(self, rewards: list[float]) -> dict[str, Any]: ...
 
 
-def search_of(scenario: Scenario) -> Search | None:
-    """The scenario's recipe when it is a search recipe (it has a grid), else None."""
-    recipe = scenario.recipe
-    return recipe if recipe is not None and getattr(recipe, "grid", None) is not None else None  # type: ignore
-
-
 def claim(step: int, group: int, rollout: int) -> str:
     return f"grid/{step:08d}/{group}/{rollout}"
 
@@ -76,7 +61,11 @@ Submit = Callable[[str, str], Awaitable[Job]]
 
 
 class Attempts:
-    """The search state of every scenario whose recipe has a grid."""
+    """The search state of every scenario whose recipe has a grid. A step's life: `plan` opens it (G parents chosen
+    by PUCT, pinned to the serving release) → reports claim its coordinates (`report`: the first at a coordinate
+    keeps it, in the report's LMDB transaction) → the last one closes it: its attempts join the archive and the
+    scheduler gets a job (a grid from two releases is discarded; one whose groups all scored alike is dropped) →
+    the job's release serves, and the next `plan` starts from it."""
 
     def __init__(self, root: Path, registry: Registry, store: RecordStore, jobs: JobStore, submit: Submit) -> None:
         self.root, self.registry, self.store, self.jobs, self.submit = root, registry, store, jobs, submit
@@ -91,8 +80,8 @@ class Attempts:
 
     def _search(self, name: str) -> tuple[Scenario, Search]:
         scenario = self.registry.scenarios.get(name)
-        search = search_of(scenario) if scenario is not None else None
-        if scenario is None or search is None:
+        search = scenario.recipe if scenario is not None else None
+        if scenario is None or not isinstance(search, Search):
             raise AttemptError(404, f"scenario {name!r} has no search recipe (one with a grid of attempts, such as "
                                     "ttt-discover)", param="name", code="not_a_search")
         return scenario, search
@@ -115,16 +104,13 @@ class Attempts:
             self._docs[name] = doc
         return doc
 
-    def _archive(self, doc: dict[str, Any], search: Search) -> Any:
-        return search.load_archive(doc["archive"])
-
     def _save(self, name: str) -> None:
         write_json(self.root / f"{name}.json", self._docs[name])
 
     async def start(self) -> None:
         """After a restart: a grid that was being trained gets its job again (the jobs of a stopped reefd fail)."""
         for name, scenario in self.registry.scenarios.items():
-            if search_of(scenario) is not None and (self.root / f"{name}.json").is_file():
+            if isinstance(scenario.recipe, Search) and (self.root / f"{name}.json").is_file():
                 async with self._lock(name):
                     scenario, search = self._search(name)
                     doc = await asyncio.to_thread(self._doc, name, search)
@@ -159,7 +145,7 @@ class Attempts:
                              "step": pending["step"], "job": pending.get("job"),
                              "job_state": job.state if job else None, "error": pending.get("error"),
                              "retry_after_s": 2 if job is not None and job.state in ("queued", "running") else 10}
-            archive = self._archive(doc, search)
+            archive = search.load_archive(doc["archive"])
             chosen = archive.select(search.grid.groups, search.puct_c)
             step = int(doc["step"])
             doc["open"] = {
@@ -178,7 +164,7 @@ class Attempts:
     # ------------------------------------------------------------ reports
 
     def handles(self, scenario: Scenario) -> bool:
-        return search_of(scenario) is not None
+        return isinstance(scenario.recipe, Search)
 
     async def report(self, name: str, body: dict[str, Any]) -> tuple[dict[str, Any], bool]:
         """Store a client's report on an attempt: its coordinate checked against the open step and claimed with
@@ -191,7 +177,7 @@ class Attempts:
             if known:
                 # a resend: the store answers it (the same report, or a conflict) without a claim
                 return await self.store.put_report(name, body)
-            step, group, rollout = self._check(doc, body)
+            step, group, rollout = coordinates(doc, body)
             receipt = body["references"][0]
             record = await asyncio.to_thread(self.store.get_record, str(receipt))
             if record is not None and engine_tokens(record) is None:
@@ -212,51 +198,6 @@ class Attempts:
                 await self._maybe_close(name, search, doc)
             return stored
 
-    def _check(self, doc: dict[str, Any], body: dict[str, Any]) -> tuple[int, int, int]:
-        meta = body.get("metadata")
-        if not isinstance(meta, dict):
-            raise AttemptError(400, "metadata: required on an attempt's report: {step, group, rollout}",
-                               param="metadata")
-        values = []
-        for key in COORDINATES:
-            v = meta.get(key)
-            if v is None:
-                raise AttemptError(400, f"metadata.{key}: required (an attempt's report carries step, group and "
-                                        "rollout)", param=f"metadata.{key}")
-            if not isinstance(v, int) or isinstance(v, bool) or v < 0:
-                raise AttemptError(400, f"metadata.{key}: {v!r} is not a non-negative integer",
-                                   param=f"metadata.{key}")
-            values.append(v)
-        step, group, rollout = values
-        score = body.get("score")
-        if score is None:
-            raise AttemptError(400, "score: required (an attempt's report is its score)", param="score")
-        if not isinstance(score, int | float) or isinstance(score, bool) or not math.isfinite(score):
-            raise AttemptError(400, f"score: {score!r} is not a finite number", param="score")
-        if len(body.get("references") or []) != 1:
-            raise AttemptError(400, "references: an attempt's report references exactly one receipt (the attempt)",
-                               param="references")
-        if "state" in meta and not isinstance(meta["state"], str):
-            raise AttemptError(400, "metadata.state: the attempt's resulting state must be a string",
-                               param="metadata.state")
-        plan = doc["open"]
-        current = plan["step"] if plan is not None else int(doc["step"])
-        if step > current:
-            raise AttemptError(400, f"metadata.step: {step} is ahead of the current step {current}",
-                               param="metadata.step", code="step_ahead")
-        if plan is None or step < current:
-            raise AttemptError(409, f"metadata.step: step {step} is closed"
-                                    + ("" if plan is not None else
-                                       " and no step is open (POST /reef/scenarios/NAME/attempts/next opens one)"),
-                               param="metadata.step", code="step_closed")
-        if group >= plan["groups"]:
-            raise AttemptError(400, f"metadata.group: {group} is outside the step's {plan['groups']} groups "
-                                    f"(0..{plan['groups'] - 1})", param="metadata.group")
-        if rollout >= plan["rollouts"]:
-            raise AttemptError(400, f"metadata.rollout: {rollout} is outside the step's {plan['rollouts']} "
-                                    f"rollouts (0..{plan['rollouts'] - 1})", param="metadata.rollout")
-        return step, group, rollout
-
     # ------------------------------------------------------------ closing a step
 
     async def _maybe_close(self, name: str, search: Search, doc: dict[str, Any]) -> bool:
@@ -271,13 +212,13 @@ class Attempts:
 
     async def _close(self, name: str, search: Search, doc: dict[str, Any], claims: dict[str, str]) -> None:
         plan = doc["open"]
-        attempts = await asyncio.to_thread(self._attempts, name, claims)
+        attempts = await asyncio.to_thread(_attempts, self.store, name, claims)
         releases = sorted({str(a["record"].get("release")) for a in attempts})
         if releases != [plan["release"]]:
             await self._discard(name, doc, search, "its attempts came from releases " + ", ".join(releases)
                                 + f" (the step was planned on {plan['release']})", attempts)
             return
-        archive = self._archive(doc, search)
+        archive = search.load_archive(doc["archive"])
         groups: dict[int, list[dict[str, Any]]] = {}
         for a in attempts:
             groups.setdefault(a["group"], []).append(a)
@@ -295,8 +236,7 @@ class Attempts:
         best = archive.best()
         entry = {"step": plan["step"], "release": plan["release"], "attempts": len(attempts),
                  "mean": math.fsum(scores) / len(scores), "max": max(scores), "best_so_far": best.score,
-                 "best_state": best.id, "added": added,
-                 "betas": [f.get("beta") for f in figures],
+                 "best_state": best.id, "added": added, "betas": [f.get("beta") for f in figures],
                  "dropped": [f["group"] for f in figures if "dropped" in f], "closed_at": time.time()}
         receipts = [a["receipt"] for a in attempts]
         doc["open"], doc["step"] = None, plan["step"] + 1
@@ -322,34 +262,17 @@ class Attempts:
         log.info("%s: step %d closed (mean %.4g, best so far %s): %s", name, plan["step"], entry["mean"],
                  best.score, job.id)
 
-    def _attempts(self, name: str, claims: dict[str, str]) -> list[dict[str, Any]]:
-        """Each claimed coordinate's attempt: its report's score and state and its record (blocking reads)."""
-        out = []
-        for key, report_id in claims.items():
-            _, _, group, rollout = key.split("/")
-            report = self.store.get_report(name, report_id) or {}
-            receipt = (report.get("references") or [""])[0]
-            record = self.store.get_record(receipt) or {}
-            meta = report.get("metadata") or {}
-            state = meta.get("state")
-            if not isinstance(state, str):
-                reply = (record.get("messages") or [{}])[-1]
-                state = reply.get("content") if isinstance(reply.get("content"), str) else ""
-            out.append({"group": int(group), "rollout": int(rollout), "score": float(report.get("score") or 0.0),
-                        "state": state, "receipt": receipt, "record": {"release": record.get("release")}})
-        return out
-
     async def _discard(self, name: str, doc: dict[str, Any], search: Search, reason: str,
                        attempts: list[dict[str, Any]] | None = None) -> None:
         """The open step is dropped with its attempts (consumed, never trained on); the curve shows why."""
         plan = doc["open"]
         if attempts is None:
             claims = await asyncio.to_thread(self.store.claimed, name, f"grid/{plan['step']:08d}/")
-            attempts = await asyncio.to_thread(self._attempts, name, claims)
+            attempts = await asyncio.to_thread(_attempts, self.store, name, claims)
         receipts = [a["receipt"] for a in attempts if a["receipt"]]
         if receipts:
             await self.store.mark_consumed(name, receipts, f"discarded step {plan['step']}")
-        archive = self._archive(doc, search)
+        archive = search.load_archive(doc["archive"])
         archive.curve.append({"step": plan["step"], "release": plan["release"], "attempts": len(receipts),
                               "state": "discarded", "reason": reason, "closed_at": time.time()})
         doc["archive"], doc["open"], doc["step"] = archive.as_json(), None, plan["step"] + 1
@@ -363,25 +286,19 @@ class Attempts:
         if pending is None:
             return
         job = self.jobs.jobs.get(pending.get("job") or "")
-        if job is not None and job.state in ("published", "rejected"):
-            archive = self._archive(doc, search)
-            for entry in archive.curve:
-                if entry["step"] == pending["step"] and entry.get("state") == "training":
-                    entry.update(state="trained" if job.state == "published" else "rejected", job=job.id,
-                                 produced=job.release)
-            doc["archive"], doc["pending"] = archive.as_json(), None
-            await asyncio.to_thread(self._save, name)
-            return
         if job is not None and job.state in ("queued", "running"):
             return
-        if job is not None and job.state == "skipped":  # the recipe found no batch: this grid cannot be trained
-            archive = self._archive(doc, search)
+        if job is not None and job.state in ("published", "rejected", "skipped"):  # skipped: no batch in the grid
+            archive = search.load_archive(doc["archive"])
             for entry in archive.curve:
                 if entry["step"] == pending["step"] and entry.get("state") == "training":
-                    entry.update(state="skipped", job=job.id, reason=job.error)
+                    entry.update({"state": "skipped", "job": job.id, "reason": job.error} if job.state == "skipped"
+                                 else {"state": "trained" if job.state == "published" else "rejected",
+                                       "job": job.id, "produced": job.release})
             doc["archive"], doc["pending"] = archive.as_json(), None
             await asyncio.to_thread(self._save, name)
-            log.warning("%s: step %d not trained: %s", name, pending["step"], job.error)
+            if job.state == "skipped":
+                log.warning("%s: step %d not trained: %s", name, pending["step"], job.error)
             return
         if job is not None and time.time() - (job.finished_at or 0.0) < retry_after:
             pending["error"] = job.error
@@ -400,7 +317,7 @@ class Attempts:
             scenario, search = self._search(name)
             doc = self._doc(name, search)
             await self._refresh(name, scenario, search)
-            archive = self._archive(doc, search)
+            archive = search.load_archive(doc["archive"])
             ranked = archive.puct(search.puct_c)
             states = sorted(archive.scored(), key=lambda n: -(n.score or 0.0))[:top]
             return {"object": "reef.archive", "scenario": name, "step": doc["step"],
@@ -421,6 +338,69 @@ class Attempts:
         return {"step": doc["step"], "open": doc["open"] is not None, "training": doc["pending"] is not None,
                 "best": max(scored) if scored else None, "closed": len(curve),
                 "discarded": sum(1 for e in curve if e.get("state") == "discarded")}
+
+
+def _attempts(store: RecordStore, name: str, claims: dict[str, str]) -> list[dict[str, Any]]:
+    """Each claimed coordinate's attempt: its report's score and state and its record (blocking reads)."""
+    out = []
+    for key, report_id in claims.items():
+        _, _, group, rollout = key.split("/")
+        report = store.get_report(name, report_id) or {}
+        receipt = (report.get("references") or [""])[0]
+        record = store.get_record(receipt) or {}
+        meta = report.get("metadata") or {}
+        state = meta.get("state")
+        if not isinstance(state, str):
+            reply = (record.get("messages") or [{}])[-1]
+            state = reply.get("content") if isinstance(reply.get("content"), str) else ""
+        out.append({"group": int(group), "rollout": int(rollout), "score": float(report.get("score") or 0.0),
+                    "state": state, "receipt": receipt, "record": {"release": record.get("release")}})
+    return out
+
+
+def coordinates(doc: dict[str, Any], body: dict[str, Any]) -> tuple[int, int, int]:
+    """An attempt's report checked against the open step: its (step, group, rollout)."""
+    meta = body.get("metadata")
+    if not isinstance(meta, dict):
+        raise AttemptError(400, "metadata: required on an attempt's report: {step, group, rollout}", param="metadata")
+    values = []
+    for key in COORDINATES:
+        v = meta.get(key)
+        if v is None:
+            raise AttemptError(400, f"metadata.{key}: required (an attempt's report carries step, group and "
+                                    "rollout)", param=f"metadata.{key}")
+        if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+            raise AttemptError(400, f"metadata.{key}: {v!r} is not a non-negative integer", param=f"metadata.{key}")
+        values.append(v)
+    step, group, rollout = values
+    score = body.get("score")
+    if score is None:
+        raise AttemptError(400, "score: required (an attempt's report is its score)", param="score")
+    if not isinstance(score, int | float) or isinstance(score, bool) or not math.isfinite(score):
+        raise AttemptError(400, f"score: {score!r} is not a finite number", param="score")
+    if len(body.get("references") or []) != 1:
+        raise AttemptError(400, "references: an attempt's report references exactly one receipt (the attempt)",
+                           param="references")
+    if "state" in meta and not isinstance(meta["state"], str):
+        raise AttemptError(400, "metadata.state: the attempt's resulting state must be a string",
+                           param="metadata.state")
+    plan = doc["open"]
+    current = plan["step"] if plan is not None else int(doc["step"])
+    if step > current:
+        raise AttemptError(400, f"metadata.step: {step} is ahead of the current step {current}",
+                           param="metadata.step", code="step_ahead")
+    if plan is None or step < current:
+        raise AttemptError(409, f"metadata.step: step {step} is closed"
+                                + ("" if plan is not None else
+                                   " and no step is open (POST /reef/scenarios/NAME/attempts/next opens one)"),
+                           param="metadata.step", code="step_closed")
+    if group >= plan["groups"]:
+        raise AttemptError(400, f"metadata.group: {group} is outside the step's {plan['groups']} groups "
+                                f"(0..{plan['groups'] - 1})", param="metadata.group")
+    if rollout >= plan["rollouts"]:
+        raise AttemptError(400, f"metadata.rollout: {rollout} is outside the step's {plan['rollouts']} "
+                                f"rollouts (0..{plan['rollouts'] - 1})", param="metadata.rollout")
+    return step, group, rollout
 
 
 def _finite(x: float) -> float | None:

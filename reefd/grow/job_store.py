@@ -1,8 +1,6 @@
-"""Grow jobs as records: a job's state, stage, progress and outcome, one JSON file each under STATE/jobs/.
-
-A file is written atomically at every transition, so a restart finds it; a job that was queued or running when
-reefd stopped is marked failed with that reason (`JobStore.recover`). Knows nothing about running a job
-(reefd/grow/runner.py) or when jobs run (reefd/grow/schedule.py).
+"""Grow jobs as records: a job's state, stage, progress and outcome, one JSON file each under STATE/jobs/, written
+atomically at every transition; a job queued or running when reefd stopped is marked failed (`recover`). Knows
+nothing about running a job (reefd/grow/runner.py) or when jobs run (reefd/grow/schedule.py).
 """
 
 from __future__ import annotations

@@ -1,19 +1,6 @@
-"""The judge: a process reward model that scores a served turn from its next state, off the request path.
-
-When turn n of a session gets its next state (the user's next message, or a tool's result), a scenario whose
-recipe has a `judge` asks it two things, each by m sampled votes:
-- the verdict: did the reply serve the user? The last `\\boxed{1}`, `\\boxed{-1}` or `\\boxed{0}` of each vote
-  counts; the plurality wins, and a tie or no valid vote gives 0. A call that fails or times out is an invalid
-  vote; garbage is an invalid vote, never an exception.
-- hindsight: does the next state reveal what would have made the reply better? A vote that answers `\\boxed{1}`
-  gives a 1-3 sentence hint between [HINT_START] and [HINT_END]. Hints longer than 10 characters are kept,
-  deduplicated, shortest first, at most `max_hints`.
-
-The judgment is stored as a report on turn n with `source: judge` (votes, verdict, hints in its metadata), so
-records, recipes and release lineage see it like any report. The judge is the scenario's own engine (its base
-model, without adapter: the judge does not drift with the policy), another `model:` config (an upstream provider
-in real deployments), or a Python function `pkg.mod:fn` (tests and scripted demos). A judge engine that is down
-delays judging (the turn is retried later); serving never waits for a judge.
+"""The judge: a process reward model that scores a served turn from its next state, off the request path: m sampled
+votes on a verdict (and on hindsight hints), stored as a `source: judge` report on the turn. Serving never waits
+for it; a judge that is down delays judging. Knows the recipes' JudgeSettings; nothing about training.
 """
 
 from __future__ import annotations
@@ -31,6 +18,7 @@ from typing import Any
 
 from reefd import plugins
 from reefd.engines import Engine, EngineError, EngineUnavailable, ModelConfig, build_engine
+from reefd.grow.recipes import Judged
 from reefd.observe.conversations import text_of
 from reefd.observe.records import RecordStore, StorageError, UnknownReceipt
 from reefd.serve.chat import ChatRequest, Completion
@@ -162,9 +150,8 @@ class Judges:
         self._closed = False
 
     @staticmethod
-    def settings(scenario: Scenario) -> JudgeSettings | None:
-        judge = getattr(scenario.recipe, "judge", None)
-        return judge if isinstance(judge, JudgeSettings) else None
+    def settings(scenario: Scenario | None) -> JudgeSettings | None:
+        return scenario.recipe.judge if scenario is not None and isinstance(scenario.recipe, Judged) else None
 
     def status(self, scenario: str) -> dict[str, Any]:
         stats = self.stats.get(scenario, Counter())
@@ -175,8 +162,7 @@ class Judges:
 
     def linked(self, scenario: str, receipt: str) -> None:
         """A turn got its next state: judge it (if the scenario's recipe has a judge)."""
-        s = self.registry.scenarios.get(scenario)
-        settings = self.settings(s) if s is not None else None
+        settings = self.settings(self.registry.scenarios.get(scenario))
         if settings is None or self._closed:
             return
         queued = self._queued.setdefault(scenario, set())
@@ -225,8 +211,7 @@ class Judges:
                 self._queued.get(scenario, set()).discard(receipt)
             except Unreachable as exc:
                 self.stats.setdefault(scenario, Counter())["unreachable"] += 1
-                s = self.registry.scenarios.get(scenario)
-                settings = self.settings(s) if s is not None else None
+                settings = self.settings(self.registry.scenarios.get(scenario))
                 delay = settings.retry_s if settings is not None else 30.0
                 log.warning("%s: judge unreachable for %s (%s); again in %.0f s", scenario, receipt, exc, delay)
                 self._later(delay, queue, receipt)
@@ -259,7 +244,7 @@ class Judges:
     async def judge(self, scenario_name: str, receipt: str) -> dict[str, Any] | None:
         """Judge one linked turn and store the judgment; returns the report (None: nothing to judge)."""
         scenario = self.registry.scenarios.get(scenario_name)
-        settings = self.settings(scenario) if scenario is not None else None
+        settings = self.settings(scenario)
         if scenario is None or settings is None:
             return None
         record = await asyncio.to_thread(self.store.get_record, receipt)

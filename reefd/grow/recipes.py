@@ -1,9 +1,6 @@
-"""The recipe contract and its registry: how a scenario's records and reports become a candidate release.
-
-A recipe is a class named in the scenario's `recipe:` group, by a shipped name (`record`, `sao`, `grpo`,
-`skillclaw`; see reefd/plugins.py) or by dotted path (`pkg.mod:Class`). reefd runs it inside the daemon (so it
-must not import torch at module level); a weight recipe's loss runs in the trainer process, as the objective its
-WeightJob names (reefd/train/objective.py). Knows nothing about engines, the chain or HTTP.
+"""The recipe contract and its registry: how a scenario's records and reports become a candidate release. A recipe is
+a shipped name (reefd/plugins.py) or a dotted path `pkg.mod:Class`, run inside the daemon (no torch at module level;
+its loss runs in the trainer, as the objective its WeightJob names). Knows nothing about engines, the chain or HTTP.
 """
 
 from __future__ import annotations
@@ -13,11 +10,13 @@ import hashlib
 import math
 from collections.abc import Callable, Generator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, ClassVar, Protocol
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol, runtime_checkable
 
 from reefd import plugins, schema
 
 if TYPE_CHECKING:
+    from reefd.grow.judge import JudgeSettings
+    from reefd.grow.staleness import Policy
     from reefd.harness import Harness
 
 PRODUCES = ("weights", "harness", "nothing")
@@ -52,6 +51,7 @@ class Sample:
 class WeightJob:
     """A candidate to train: the trainer spec's recipe-owned part (reefd/train/spec.py has the rest)."""
 
+    kind: ClassVar[str] = "weights"  # its job kind (reefd/grow/job_kinds)
     objective: str  # pkg.mod:Class of the recipe's trainer-side Objective (recipes.sao.objective:SAOObjective)
     samples: list[Sample]
     lora: dict[str, Any]
@@ -70,6 +70,7 @@ class HarnessJob:
     `edit`, which turns it into harness mutations (see reefd/harness) or raises RecipeError for a malformed or
     unsafe answer (the candidate is then skipped with that reason, and nothing is published)."""
 
+    kind: ClassVar[str] = "harness"
     messages: list[dict[str, Any]]
     samples: list[Sample]
     edit: Callable[[str, Harness], list[dict[str, Any]]]
@@ -124,6 +125,7 @@ class HarnessSearch:
     The runner keeps `Found.archive` as one JSON file per scenario (STATE/archives/NAME.json, replaced
     atomically), and gates and commits `Found.proposed` as any harness candidate."""
 
+    kind: ClassVar[str] = "search"
     run: Callable[[SearchContext], Search]
     samples: list[Sample]
     reflector: Any = None  # None: the scenario's engine and release; a `model:` config; or pkg.mod:fn(messages)
@@ -133,9 +135,8 @@ class Recipe(Protocol):
     """A way of growing a scenario. `Config` is a dataclass (`recipe.params` is validated into it) and reefd builds
     a recipe as `Class(config)`; `produces` says what its candidates are: "weights" (a WeightJob, trained by the
     scenario's trainer backend), "harness" (a HarnessJob, proposed by a model, or a HarnessSearch, rounds of
-    answers) or "nothing" (no jobs run). A recipe whose jobs need no records sets `needs_records = False`: a
-    manual or timed job then runs with no samples. A weight recipe that limits how old its samples may be sets
-    `staleness` (a reefd.grow.staleness.Policy, from its params' max_staleness and stale).
+    answers) or "nothing" (no jobs run). What else it asks of reefd, it declares: Unbatched, Ages, CapturesTopK,
+    Judged (below), and a grid of attempts (reefd/grow/attempts.py's Search).
 
     Guarantees reefd gives a recipe: `sample` sees each record with all its reports (oldest first) and is never
     shown a record already consumed by a published or rejected candidate; `candidate` gets the samples in
@@ -158,6 +159,26 @@ class Recipe(Protocol):
 
     def candidate(self, samples: list[Sample], harness: Harness | None = None
                   ) -> WeightJob | HarnessJob | HarnessSearch: ...
+
+
+@runtime_checkable
+class Unbatched(Protocol):
+    needs_records: bool  # False: a manual or timed job runs with no samples (GEPA's search reads its own tasks)
+
+
+@runtime_checkable
+class Ages(Protocol):
+    staleness: Policy  # how old a weight recipe's samples may be (from its params' max_staleness and stale)
+
+
+@runtime_checkable
+class CapturesTopK(Protocol):
+    capture_top_k: int  # serving records the engine's top-K token ids at every generated token
+
+
+@runtime_checkable
+class Judged(Protocol):
+    judge: JudgeSettings  # reefd's judge (reefd/grow/judge.py) judges each turn from its next state, as a report
 
 
 @dataclass
@@ -205,9 +226,8 @@ def scored_rollout(record: dict[str, Any], reports: list[dict[str, Any]]) -> Sam
     if not scores or not math.isfinite(float(scores[-1]["score"])):
         return None
     group = hashlib.sha256(b"".join(int(t).to_bytes(4, "little") for t in prompt)).hexdigest()[:16]
-    return Sample(receipt=record["id"], prompt_ids=list(prompt), completion_ids=list(ids),
-                  logprobs=list(logprobs), reward=float(scores[-1]["score"]), group=group,
-                  reports=[r["report_id"] for r in scores])
+    return Sample(receipt=record["id"], prompt_ids=list(prompt), completion_ids=list(ids), logprobs=list(logprobs),
+                  reward=float(scores[-1]["score"]), group=group, reports=[r["report_id"] for r in scores])
 
 
 def check_model_or_function(value: Any, where: str, what: str) -> None:

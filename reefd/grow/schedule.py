@@ -1,11 +1,6 @@
-"""When Grow jobs run: triggers (record count, interval, cron, `reefctl train`), one job per scenario at
-most, a deployment-wide bound on concurrent jobs, and a fair queue.
-
-Interval and cron triggers are APScheduler 3.x jobs on the daemon's event loop. The count trigger is
-checked after records and reports become durable (`check`, which reefd/loop.py subscribes to the record
-store), debounced. A trigger for a scenario that already has a queued or running job joins that job
-instead of starting another. Waiting scenarios are served in the order they asked (first come, first
-served), so a busy scenario cannot starve another. Running a job is the runner's (reefd/grow/runner.py).
+"""When Grow jobs run: triggers (record count, debounced after durable records; interval and cron, APScheduler jobs
+on the daemon's loop; `reefctl train`), one job per scenario (a trigger joins the queued or running one), at most
+max_jobs at once, first come first served. Running a job is the runner's (reefd/grow/runner.py).
 """
 
 from __future__ import annotations

@@ -1,8 +1,6 @@
-"""Staleness: how many releases a scenario's chain head is ahead of the release that produced a sample, and what
-a weight recipe's `max_staleness` does with the samples past it (drop them, or keep them to be importance-weighted).
-
-Counted along the chain by seq, so a rollback or a promote is a release like any other; a release that is not in
-the chain is infinitely stale. Knows release ids and seqs; nothing about records, jobs or training.
+"""Staleness: how many releases a scenario's chain head is ahead of the release that produced a sample (by seq; a
+release not in the chain is infinitely stale), and what `max_staleness` does with the samples past it (drop or
+weight). Knows release ids and seqs; nothing about records, jobs or training.
 """
 
 from __future__ import annotations

@@ -108,8 +108,7 @@ def installer(adapter: str, scenario: str, base_url: str, harness: dict[str, Any
     return "\n".join([
         _head("installer_head.sh", scenario=scenario, release=release, title=agent.title, adapter=adapter),
         consts + f"RELEASE={_q(release)}\n", _paths(agent), _sh("common.sh"), _sh("installer.sh"),
-        "stage_files() {\n" + "".join(unpack) + "}\n",
-        "notes() {\n" + "".join(n + "\n" for n in notes) + "  :\n}\n",
+        "stage_files() {\n" + "".join(unpack) + "}\n", "notes() {\n" + "".join(n + "\n" for n in notes) + "  :\n}\n",
         'main "$@"\n'])
 
 

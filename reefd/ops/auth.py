@@ -114,8 +114,7 @@ def auth_middleware(keyring: Keyring, scopes: Mapping[Callable[..., object], str
 
     @web.middleware
     async def check(request: web.Request,
-                    handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
-                    ) -> web.StreamResponse:
+                    handler: Callable[[web.Request], Awaitable[web.StreamResponse]]) -> web.StreamResponse:
         given = presented_token(request)
         grant = keyring.grant(given)
         if request.path in OPEN_PATHS:

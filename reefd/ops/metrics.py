@@ -57,6 +57,15 @@ class Metrics:
         self.swap = prom.Histogram("reef_swap_duration_seconds", "Hot-swapping the serving engine to a release.",
                                    ["scenario"], buckets=DURATION_BUCKETS, registry=r)
         r.register(_Live(self))
+        self._children: dict[tuple[int, tuple[str, ...]], Any] = {}  # labels() per turn costs more than a lookup
+
+    def child(self, metric: Any, *labels: str) -> Any:
+        """`metric.labels(*labels)`, looked up once (label values are bounded: served scenarios or `other`)."""
+        key = (id(metric), labels)
+        found = self._children.get(key)
+        if found is None:
+            found = self._children[key] = metric.labels(*labels)
+        return found
 
     def scenario(self, name: str | None) -> str:
         return name if name is not None and name in self._served() else OTHER
@@ -64,12 +73,12 @@ class Metrics:
     def turn(self, scenario: str, api: str, record: dict[str, Any]) -> None:
         """A served turn, from its record: latency, time to first token, tokens."""
         if record.get("latency_s") is not None:
-            self.latency.labels(scenario, api).observe(record["latency_s"])
+            self.child(self.latency, scenario, api).observe(record["latency_s"])
         if record.get("ttft_s") is not None:
-            self.ttft.labels(scenario, api).observe(record["ttft_s"])
+            self.child(self.ttft, scenario, api).observe(record["ttft_s"])
         usage = record.get("usage") or {}
-        self.prompt_tokens.labels(scenario).inc(usage.get("prompt_tokens") or 0)
-        self.generation_tokens.labels(scenario).inc(usage.get("completion_tokens") or 0)
+        self.child(self.prompt_tokens, scenario).inc(usage.get("prompt_tokens") or 0)
+        self.child(self.generation_tokens, scenario).inc(usage.get("completion_tokens") or 0)
 
     def timed(self, histogram: Any, scenario: str) -> _Timer:
         return _Timer(histogram.labels(scenario))

@@ -113,5 +113,4 @@ class Admission:
 
     def describe(self) -> dict[str, Any]:
         return {"running": self.running, "waiting": len(self._waiting), "limit": self.limit,
-                "max_queue": self.max_queue, "max_queue_wait_s": self.max_wait_s,
-                "refused": dict(self.refused)}
+                "max_queue": self.max_queue, "max_queue_wait_s": self.max_wait_s, "refused": dict(self.refused)}

@@ -97,8 +97,7 @@ def _special(value: Any) -> str | None:
 
 def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None,
             separators: tuple[str, str] | None = None, sort_keys: bool = False) -> str:
-    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent,
-                      separators=separators, sort_keys=sort_keys)
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
 
 def _raise(message: str) -> None:
@@ -122,8 +121,7 @@ class ChatTemplate:
         if not source:
             raise ValueError(f"{model_dir}: the model has no chat template")
         self.source: str = source
-        self.specials = {k: _special(cfg.get(k)) for k in
-                         ("bos_token", "eos_token", "pad_token", "unk_token")}
+        self.specials = {k: _special(cfg.get(k)) for k in ("bos_token", "eos_token", "pad_token", "unk_token")}
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
                                             extensions=["jinja2.ext.loopcontrols"])
         env.filters["tojson"] = _tojson
@@ -216,28 +214,23 @@ HERMES_TOOLS_PROMPT = (
     '{{"name": <function-name>, "arguments": <args-json-object>}}\n</tool_call>')
 
 
-def fold_tools(messages: list[dict[str, Any]], tools: list[dict[str, Any]]
-               ) -> list[dict[str, Any]]:
+def fold_tools(messages: list[dict[str, Any]], tools: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Tools, tool calls and tool results as plain text, for templates that know no tools."""
     out: list[dict[str, Any]] = []
     for m in messages:
         if m["role"] == "tool":
-            out.append({"role": "user",
-                        "content": f"<tool_response>\n{m.get('content') or ''}\n</tool_response>"})
+            out.append({"role": "user", "content": f"<tool_response>\n{m.get('content') or ''}\n</tool_response>"})
         elif m.get("tool_calls"):
             calls = _template_message(m)["tool_calls"]
             text = "\n".join(
-                "<tool_call>\n" + json.dumps({"name": c["function"]["name"],
-                                              "arguments": c["function"]["arguments"]},
-                                             ensure_ascii=False) + "\n</tool_call>"
-                for c in calls)
+                "<tool_call>\n" + json.dumps({"name": c["function"]["name"], "arguments": c["function"]["arguments"]},
+                                             ensure_ascii=False) + "\n</tool_call>" for c in calls)
             head = m.get("content") or ""
             out.append({"role": m["role"], "content": f"{head}\n{text}" if head else text})
         else:
             out.append({**m, "content": m.get("content") or ""})
     if tools:
-        block = HERMES_TOOLS_PROMPT.format(
-            tools="\n".join(json.dumps(t, ensure_ascii=False) for t in tools))
+        block = HERMES_TOOLS_PROMPT.format(tools="\n".join(json.dumps(t, ensure_ascii=False) for t in tools))
         if out and out[0]["role"] == "system":
             out[0] = {**out[0], "content": f"{out[0]['content']}\n\n{block}"}
         else:
@@ -269,8 +262,7 @@ def _template_message(msg: dict[str, Any]) -> dict[str, Any]:
 # ---------------------------------------------------------------- tool calls (Hermes convention)
 
 TOOL_OPEN, TOOL_CLOSE = "<tool_call>", "</tool_call>"
-_TOOL_BLOCK = re.compile(re.escape(TOOL_OPEN) + r"(.*?)(?:" + re.escape(TOOL_CLOSE) + r"|$)",
-                         re.DOTALL)
+_TOOL_BLOCK = re.compile(re.escape(TOOL_OPEN) + r"(.*?)(?:" + re.escape(TOOL_CLOSE) + r"|$)", re.DOTALL)
 
 
 def new_tool_call_id() -> str:
@@ -298,7 +290,6 @@ def parse_tool_calls(text: str) -> tuple[str | None, list[dict[str, Any]]]:
             if not isinstance(args, dict):  # arguments are an object in every tool API
                 return text, []
             calls.append({"id": new_tool_call_id(), "type": "function",
-                          "function": {"name": item["name"],
-                                       "arguments": json.dumps(args, ensure_ascii=False)}})
+                          "function": {"name": item["name"], "arguments": json.dumps(args, ensure_ascii=False)}})
     content = text[:start].strip()
     return (content or None), calls

@@ -15,14 +15,14 @@ import logging
 import time
 from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import aiohttp
 
 from reefd.commit import trials as canary
 from reefd.config import ScenarioConfig
-from reefd.engines import Engine, ModelConfig, build_engine, turn_limits
+from reefd.engines import Admits, Engine, ModelConfig, WeightSwap, build_engine, turn_limits
 from reefd.grow import recipes
 from reefd.grow.recipes import Recipe
 from reefd.harness import Harness
@@ -93,11 +93,15 @@ class Scenario:
     error: str | None = None  # why the reconciler could not make it serve what is declared
     recipe: Recipe | None = None  # its recipe, for what it asks of serving (top-K capture) and judging
     trial: Trial | None = None  # a release on trial beside `binding` (canary or shadow)
+    # what the engine and the recipe declare, read once here rather than on every request:
+    admits: Admits | None = field(init=False)  # the engine holds new requests while it swaps weights
+    weight_swap: WeightSwap | None = field(init=False)  # the engine serves full-weight releases
+    capture_top_k: int = field(init=False)  # top-K logprobs the recipe wants for every token (0: none)
 
-    @property
-    def capture_top_k(self) -> int:
-        """The top-K logprobs the recipe wants recorded for every generated token (0: none)."""
-        return int(getattr(self.recipe, "capture_top_k", 0) or 0)
+    def __post_init__(self) -> None:
+        self.admits = self.engine if isinstance(self.engine, Admits) else None
+        self.weight_swap = self.engine if isinstance(self.engine, WeightSwap) else None
+        self.capture_top_k = self.recipe.capture_top_k if isinstance(self.recipe, recipes.CapturesTopK) else 0
 
     @property
     def name(self) -> str:
@@ -209,9 +213,8 @@ class Registry:
         """Take the scenario's current binding (or its canary's) for one request and count the request in flight on
         it, so neither a reload nor a release swap takes its engine, adapter or weights away mid-answer. While an
         engine loads new weights the request waits here first (`admit`). NotServing before a release is bound."""
-        admit = getattr(scenario.engine, "admit", None)
-        if admit is not None:
-            await admit()
+        if scenario.admits is not None:
+            await scenario.admits.admit()
         binding = scenario.binding
         if binding is None:  # the chain has not named this scenario's release yet
             raise NotServing(scenario.name, scenario.error)
@@ -316,9 +319,8 @@ class Registry:
                 if scenario.engine.ready:  # bind its release on the new engine before the route moves
                     await bind(scenario)
                 if not scenario.engine.ready or (scenario.binding is None and old.binding is not None):
-                    log.error("reload: scenario %s keeps its previous model; the new one is %s%s",
-                              name, scenario.engine.describe()["state"],
-                              f" ({scenario.error})" if scenario.error else "")
+                    log.error("reload: scenario %s keeps its previous model; the new one is %s%s", name,
+                              scenario.engine.describe()["state"], f" ({scenario.error})" if scenario.error else "")
                     scenarios[name] = old
             for name, scenario in scenarios.items():  # swaps made while this reload waited still hold
                 old = self.scenarios.get(name)

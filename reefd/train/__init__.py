@@ -1,9 +1,6 @@
-"""Trainer jobs: `python -m reefd.train --spec FILE` turns scored rollouts into a PEFT LoRA candidate.
-
-This package is the trainer process and its job contract. `spec` (the job's JSON contract) is torch-free, so
-reefd imports it; where a job runs is the daemon's concern (reefd/grow/backends). The trainer process's
-`training`, `batch` and `objective` import torch. The losses live with their recipes, as the objective a spec names
-(`recipes.sao.objective:SAOObjective`).
+"""Trainer jobs: `python -m reefd.train --spec FILE` turns scored rollouts into a candidate. The trainer process and
+its job contract: `spec` is torch-free (reefd imports it), `training`, `batch` and `objective` import torch; losses
+live with their recipes. Where a job runs is the daemon's concern (reefd/grow/backends).
 """
 
 from __future__ import annotations

@@ -1,7 +1,6 @@
-"""One micro-batch of rollouts as tensors, completion-aligned: column t of a [B, T] tensor is completion token t.
-
-Imports torch; runs only in the trainer process. Knows nothing about models, losses or files; `stale_weights` is
-the importance weight an objective may apply to samples kept past the recipe's max_staleness.
+"""One micro-batch of rollouts as tensors, completion-aligned: column t of a [B, T] tensor is completion token t
+(`stale_weights`: what an objective may apply to samples kept past max_staleness). Imports torch: trainer process
+only. Knows nothing about models, losses or files.
 """
 
 from __future__ import annotations
@@ -78,6 +77,5 @@ def collate(samples: list[Rollout], index: list[int], pad_id: int) -> Batch:
                 top[i, : len(s.top_ids)] = torch.tensor(s.top_ids)
     return Batch(list(index), input_ids, attention, positions, completion, rollout, tokens, valid,
                  lengths=torch.tensor([len(s.completion_ids) for s in rows]),
-                 rewards=torch.tensor([s.reward for s in rows], dtype=torch.float32),
-                 n_tokens=sum(len(r) for r in ids), top_ids=top,
-                 stale=torch.tensor([s.stale for s in rows], dtype=torch.bool))
+                 rewards=torch.tensor([s.reward for s in rows], dtype=torch.float32), n_tokens=sum(len(r) for r in ids),
+                 top_ids=top, stale=torch.tensor([s.stale for s in rows], dtype=torch.bool))

@@ -1,10 +1,6 @@
-"""The trainer-side plug point: a weight recipe's training objective, loaded by name in the trainer process.
-
-A recipe's job spec names its objective (`"objective": "pkg.mod:Class"`, such as
-`recipes.sao.objective:SAOObjective`) and gives it `settings`. The generic loop (loop.py) owns the model and
-its adapter, batching, the optimizer, progress lines and the candidate folder; it asks the objective for the
-loss of each micro-batch. The trainer imports no recipe: the objective is found by its path here. Imports
-torch: trainer process only.
+"""The trainer-side plug point: a weight recipe's training objective, found by the path its job spec names
+(`"objective": "pkg.mod:Class"`, with its `settings`) and asked for each micro-batch's loss; the generic loop
+(training.py) owns the rest. Imports torch: trainer process only. Knows no recipe beyond that path.
 """
 
 from __future__ import annotations

@@ -1,9 +1,6 @@
-"""The trainer job spec: load a JSON file, validate every field, and return typed dataclasses.
-
-Torch-free (reefd may import it to check a spec before it starts a job). A bad spec raises
-`SpecError` with the path of the offending field, e.g. `samples[3].logprobs: 12 values for 13
-completion tokens`. It knows nothing about models or losses: the objective that a spec names checks its
-own `settings` (reefd/train/objective.py); defaults for the other blocks live here.
+"""The trainer job spec: load a JSON file, validate every field (SpecError names its path, e.g. `samples[3].logprobs: 12
+values for 13 completion tokens`), return typed dataclasses. Torch-free; knows nothing about models or losses (the
+objective a spec names checks its own `settings`).
 """
 
 from __future__ import annotations
@@ -16,8 +13,9 @@ from pathlib import Path
 from typing import Any
 
 TOP_KEYS = {"job", "objective", "settings", "base_model", "init_adapter", "output_dir", "samples", "lora", "optim",
-            "seed", "target"}
+            "seed", "target", "fault"}
 TARGETS = ("lora", "full")
+FAULTS = ("crash", "nan", "hang", "hold", "pause")  # tests only: how the trainer fails on purpose
 SAMPLE_KEYS = {"receipt", "prompt_ids", "completion_ids", "logprobs", "reward", "group", "reports", "top_ids", "extra",
                "release", "staleness", "stale"}
 
@@ -67,6 +65,15 @@ class OptimSpec:
 
 
 @dataclass(frozen=True)
+class Fault:
+    """Tests only: crash (exit 137 after step 1), nan (a non-finite loss), hang (never trains), hold (waits before
+    training while the file `hold` exists), pause (waits after each step while it exists)."""
+
+    kind: str
+    hold: Path = Path("/nonexistent")
+
+
+@dataclass(frozen=True)
 class TrainSpec:
     job: str
     objective: str  # pkg.mod:Class of the recipe's Objective (reefd/train/objective.py)
@@ -79,6 +86,7 @@ class TrainSpec:
     optim: OptimSpec
     seed: int = 0
     target: str = "lora"  # lora: a PEFT adapter; full: every parameter, written as a full HF model folder
+    fault: Fault | None = None  # tests only: the trainer fails on purpose
 
     @property
     def steps(self) -> int:
@@ -118,18 +126,22 @@ def parse_spec(raw: Any) -> TrainSpec:
     if not isinstance(settings, dict):
         raise SpecError(f"settings: expected a JSON object, got {type(settings).__name__}")
     return TrainSpec(
-        job=_str(obj["job"], "job"),
-        objective=objective,
-        settings=dict(settings),
-        base_model=_model_dir(obj["base_model"]),
-        init_adapter=_adapter_dir(obj.get("init_adapter")),
-        output_dir=_output_dir(obj["output_dir"]),
-        samples=samples,
-        lora=block(LoraSpec, obj.get("lora"), "lora"),
-        optim=block(OptimSpec, obj.get("optim"), "optim"),
-        seed=seed,
-        target=target,
-    )
+        job=_str(obj["job"], "job"), objective=objective, settings=dict(settings),
+        base_model=_model_dir(obj["base_model"]), init_adapter=_adapter_dir(obj.get("init_adapter")),
+        output_dir=_output_dir(obj["output_dir"]), samples=samples, lora=block(LoraSpec, obj.get("lora"), "lora"),
+        optim=block(OptimSpec, obj.get("optim"), "optim"), seed=seed, target=target,
+        fault=parse_fault(obj.get("fault"), "fault"))
+
+
+def parse_fault(raw: Any, where: str) -> Fault | None:
+    """A spec's (or a scenario's `recipe.fault`) fault: {kind: one of FAULTS, hold: a file path}, or None."""
+    if raw is None:
+        return None
+    obj = _object(raw, where, {"kind", "hold"})
+    if obj.get("kind") not in FAULTS:
+        raise SpecError(f"{where}.kind: {obj.get('kind')!r} is not one of {', '.join(FAULTS)}")
+    hold = obj.get("hold")
+    return Fault(obj["kind"], Fault.hold if hold is None else Path(_str(hold, f"{where}.hold")))
 
 
 def _sample(raw: Any, where: str) -> Rollout:
@@ -162,18 +174,11 @@ def _sample(raw: Any, where: str) -> Rollout:
     if not isinstance(stale, bool):
         raise SpecError(f"{where}.stale: {stale!r} is not true/false")
     return Rollout(
-        prompt_ids=prompt,
-        completion_ids=completion,
-        logprobs=[None if lp is None else float(lp) for lp in logprobs],
-        reward=float(reward),
-        group=None if group is None else _str(group, f"{where}.group"),
+        prompt_ids=prompt, completion_ids=completion, logprobs=[None if lp is None else float(lp) for lp in logprobs],
+        reward=float(reward), group=None if group is None else _str(group, f"{where}.group"),
         receipt=None if receipt is None else _str(receipt, f"{where}.receipt"),
-        top_ids=_top_ids(obj.get("top_ids"), len(completion), f"{where}.top_ids"),
-        extra=extra,
-        release=None if release is None else _str(release, f"{where}.release"),
-        staleness=staleness,
-        stale=stale,
-    )
+        top_ids=_top_ids(obj.get("top_ids"), len(completion), f"{where}.top_ids"), extra=extra,
+        release=None if release is None else _str(release, f"{where}.release"), staleness=staleness, stale=stale)
 
 
 def _top_ids(raw: Any, tokens: int, where: str) -> list[list[int]] | None:

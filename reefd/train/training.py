@@ -1,10 +1,6 @@
-"""The generic training loop: base model + PEFT LoRA on CPU float32, per-token log-probs of each completion,
-the objective's loss (reefd/train/objective.py), AdamW with grad-norm clipping, then the adapter and the
-objective's own files.
-
-Imports torch; runs only in the trainer process. Knows no recipe and no loss: the spec names its objective.
-Reports through an `emit` callback and raises; it knows nothing about JSON lines, exit codes or where the
-candidate folder finally lands.
+"""The generic training loop (trainer process only; imports torch): base model + PEFT LoRA on CPU float32, per-token
+log-probs of each completion, the objective's loss, AdamW with grad-norm clipping, then the adapter and the
+objective's own files. Knows no recipe or loss (the spec names its objective), nor JSON lines or exit codes.
 """
 
 from __future__ import annotations
@@ -51,8 +47,7 @@ class Policy:
         hf_logging.disable_progress_bar()
         self.base_model = spec.base_model
         base: Any = AutoModelForCausalLM.from_pretrained(
-            spec.base_model, local_files_only=True, dtype="auto", attn_implementation="sdpa"
-        )
+            spec.base_model, local_files_only=True, dtype="auto", attn_implementation="sdpa")
         self.dtype = getattr(base.config, "dtype", None) or getattr(base.config, "torch_dtype", None)
         base = base.float()
         with warnings.catch_warnings():
@@ -210,7 +205,7 @@ def _continue(spec: TrainSpec, optimizers: dict[str, torch.optim.Optimizer]) -> 
     return "continued"
 
 
-def train(spec: TrainSpec, emit: Emit, fault: str | None = None) -> Trained:
+def train(spec: TrainSpec, emit: Emit) -> Trained:
     """Run every step of the job; emits start and progress, raises NonFinite/SpecError/others."""
     torch.manual_seed(spec.seed)
     objective_cls, settings = resolve(spec)
@@ -232,7 +227,9 @@ def train(spec: TrainSpec, emit: Emit, fault: str | None = None) -> Trained:
     origin = _continue(spec, optimizers)
     emit({"event": "start", "samples": len(spec.samples), "steps": spec.steps,
           "trainable_params": sum(p.numel() for p in policy.params)})
-    _fault_before_training(fault)
+    fault, hold = (spec.fault.kind, spec.fault.hold) if spec.fault else (None, Path())
+    while fault == "hang" or (fault == "hold" and hold.exists()):  # tests: hang never trains; hold waits
+        time.sleep(0.05)
     gen = torch.Generator().manual_seed(spec.seed)
     totals, step, started = _Totals(), 0, time.perf_counter()
     stopped = False
@@ -243,8 +240,7 @@ def train(spec: TrainSpec, emit: Emit, fault: str | None = None) -> Trained:
                 step += 1
                 batch = collate(spec.samples, order[lo : lo + spec.optim.micro_batch], policy.pad_id)
                 t0 = time.perf_counter()
-                line, grad_norm = _step(spec, policy, objective, opt, batch, step,
-                                        poison=fault == "nan" and step == 1)
+                line, grad_norm = _step(spec, policy, objective, opt, batch, step, poison=fault == "nan" and step == 1)
                 with uninterrupted():  # SIGTERM stops a step before this point (nothing changed) or after it
                     opt.step()
                     line["tokens_per_s"] = round(batch.n_tokens / (time.perf_counter() - t0), 2)
@@ -252,7 +248,8 @@ def train(spec: TrainSpec, emit: Emit, fault: str | None = None) -> Trained:
                     emit({"event": "progress", "step": step, "steps": spec.steps, **line})
                 if fault == "crash":
                     os._exit(137)
-                _fault_after_step(fault)
+                while fault == "pause" and hold.exists():  # tests: waits after each step while `hold` exists
+                    time.sleep(0.05)
     except Terminated:
         if not totals.losses:  # nothing trained: nothing to keep
             raise
@@ -263,29 +260,12 @@ def train(spec: TrainSpec, emit: Emit, fault: str | None = None) -> Trained:
     return Trained(policy, objective, metrics, {name: o.state_dict() for name, o in optimizers.items()})
 
 
-def _fault_before_training(fault: str | None) -> None:
-    """REEF_TRAIN_FAULT=hang never returns; hold waits while the file REEF_TRAIN_HOLD names exists (tests)."""
-    if fault == "hang":
-        while True:
-            time.sleep(3600)
-    hold = Path(os.environ.get("REEF_TRAIN_HOLD") or "/nonexistent") if fault == "hold" else None
-    while hold is not None and hold.exists():
-        time.sleep(0.05)
-
-
-def _fault_after_step(fault: str | None) -> None:
-    """REEF_TRAIN_FAULT=pause waits after each step while the file REEF_TRAIN_HOLD names exists (tests)."""
-    hold = Path(os.environ.get("REEF_TRAIN_HOLD") or "/nonexistent") if fault == "pause" else None
-    while hold is not None and hold.exists():
-        time.sleep(0.05)
-
-
 def _step(spec: TrainSpec, policy: Policy, objective: Objective, opt: torch.optim.Optimizer, batch: Batch,
           step: int, poison: bool = False) -> tuple[dict[str, Any], float]:
     """A micro-batch's loss and gradient, clipped (the caller steps the optimizer); returns the progress line's
     fields and the gradient's norm."""
     loss, stats = objective.loss(batch, policy.forward(batch))
-    if poison:  # REEF_TRAIN_FAULT=nan
+    if poison:  # fault nan
         loss = loss + float("nan")
     value = float(loss.detach())
     if not math.isfinite(value):
@@ -318,11 +298,6 @@ class _Totals:
         return {
             "loss": sum(self.losses) / len(self.losses),
             "mean_reward": sum(s.reward for s in spec.samples) / len(spec.samples),
-            "grad_norm": sum(self.grad_norms) / len(self.grad_norms),
-            "null_logprobs": self.null_logprobs,
-            "samples": len(spec.samples),
-            "steps": len(self.losses),
-            "tokens": self.tokens,
-            "seconds": round(seconds, 3),
-            "tokens_per_s": round(self.tokens / seconds, 2) if seconds > 0 else None,
-        }
+            "grad_norm": sum(self.grad_norms) / len(self.grad_norms), "null_logprobs": self.null_logprobs,
+            "samples": len(spec.samples), "steps": len(self.losses), "tokens": self.tokens,
+            "seconds": round(seconds, 3), "tokens_per_s": round(self.tokens / seconds, 2) if seconds > 0 else None}

@@ -21,18 +21,15 @@ log = logging.getLogger("reefd.worker")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(
-        prog="python -m reefd.worker",
-        description="Reef's embedded engine worker (a subset of SGLang's HTTP contract, with dynamic batching).",
-    )
+    p = argparse.ArgumentParser(prog="python -m reefd.worker", description="Reef's embedded engine worker (a subset "
+                                "of SGLang's HTTP contract, with dynamic batching).")
     p.add_argument("--model", required=True, type=Path, help="an HF model folder (see reefd.worker.prepare)")
     p.add_argument("--port", required=True, type=int, help="TCP port (0 picks a free one, logged on stderr)")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: loopback only)")
     p.add_argument("--max-batch", type=int, default=8, help="most requests generated together")
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (default: all cores)")
-    p.add_argument(
-        "--context-length", type=int, default=None, help="longest prompt + completion (default: the model's own)"
-    )
+    p.add_argument("--context-length", type=int, default=None,
+                   help="longest prompt + completion (default: the model's own)")
     p.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
     p.add_argument("--served-model-name", default=None, help="model name in OpenAI answers (default: folder name)")
     p.add_argument("--drain-timeout", type=float, default=2.0, help="seconds in-flight requests get on SIGTERM")
@@ -65,29 +62,16 @@ async def serve(args: argparse.Namespace) -> int:
     engine = await asyncio.to_thread(Model, args.model, args.device, args.context_length)
     batcher = Batcher(engine, args.max_batch, threads=threads)
     batcher.start()
-    state = WorkerState(
-        batcher=batcher,
-        tokenizer=AutoTokenizer.from_pretrained(args.model, local_files_only=True),
-        model_path=str(args.model),
-        served_model_name=args.served_model_name or args.model.resolve().name,
-        version=_version(),
-        incremental=args.incremental_streaming_output,
-    )
+    state = WorkerState(batcher=batcher, tokenizer=AutoTokenizer.from_pretrained(args.model, local_files_only=True),
+                        model_path=str(args.model), version=_version(), incremental=args.incremental_streaming_output,
+                        served_model_name=args.served_model_name or args.model.resolve().name)
     runner = web.AppRunner(build_app(state), handler_cancellation=True, access_log=None, shutdown_timeout=5.0)
     await runner.setup()
     site = web.TCPSite(runner, args.host, args.port)
     await site.start()
     port = runner.addresses[0][1] if runner.addresses else args.port
-    log.info(
-        "listening on http://%s:%d (model %s, context %d, max batch %d, %d threads, ready in %.1f s)",
-        args.host,
-        port,
-        args.model,
-        engine.context_length,
-        args.max_batch,
-        threads,
-        time.monotonic() - start,
-    )
+    log.info("listening on http://%s:%d (model %s, context %d, max batch %d, %d threads, ready in %.1f s)", args.host,
+             port, args.model, engine.context_length, args.max_batch, threads, time.monotonic() - start)
 
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -123,9 +107,8 @@ def _quiet_http2_probe(record: logging.LogRecord) -> bool:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # local folders only: never reach for a model hub
-    logging.basicConfig(
-        stream=sys.stderr, level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
+    logging.basicConfig(stream=sys.stderr, level=args.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("aiohttp.server").addFilter(_quiet_http2_probe)
     if not (args.model / "config.json").is_file():
         log.error("no model folder at %s (make one: python -m reefd.worker.prepare tiny --out DIR)", args.model)

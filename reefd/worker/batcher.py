@@ -24,11 +24,10 @@ from reefd.worker.detok import TextTracker
 from reefd.worker.generation import Control, Generation, Row, Stats, TopLogprobs, Update
 from reefd.worker.model import Model
 from reefd.worker.params import BadRequest, GenerateRequest
-from reefd.worker.sampling import draw_uniforms, sample, top_logprobs
+from reefd.worker.sampling import draw_uniforms, prompt_logprobs, sample, top_logprobs
 
 log = logging.getLogger("reefd.worker")
 SHARED_PREFILL_MAX = 1024  # longer prompts are prefilled alone (see Batcher._admit)
-LOGPROB_CHUNK = 4096  # prompt positions whose log-softmax is computed at once
 
 
 class Batcher:
@@ -61,10 +60,9 @@ class Batcher:
         if not prompt:
             raise BadRequest("the prompt is empty")
         if len(prompt) >= self.engine.context_length:  # as SGLang: no room left for one new token
-            raise BadRequest(
-                f"the prompt has {len(prompt)} tokens but the model's context length is "
-                f"{self.engine.context_length} tokens: a prompt must leave room for at least one new token"
-            )
+            raise BadRequest(f"the prompt has {len(prompt)} tokens but the model's context length is "
+                             f"{self.engine.context_length} tokens: a prompt must leave room for at least one new "
+                             "token")
         bad = [t for t in prompt if not 0 <= t < self.engine.vocab_size]
         if bad:
             raise BadRequest(f"token id {bad[0]} is outside the vocabulary (size {self.engine.vocab_size})")
@@ -74,16 +72,14 @@ class Batcher:
                 raise RuntimeError("the worker is shutting down")
             adapter = req.lora_path
             if adapter is not None and (adapter not in self.engine.adapters or adapter in self.unloading):
-                raise BadRequest(
-                    f"no LoRA adapter named {adapter!r} is loaded (loaded: {sorted(self.engine.adapters)})"
-                )
+                raise BadRequest(f"no LoRA adapter named {adapter!r} is loaded "
+                                 f"(loaded: {sorted(self.engine.adapters)})")
             self._waiting.append(job)
             self._cond.notify()
         return job
 
-    def control(
-        self, fn: Callable[[], Any], ready: Callable[[], bool] | None = None, exclusive: bool = False
-    ) -> asyncio.Future[Any]:
+    def control(self, fn: Callable[[], Any], ready: Callable[[], bool] | None = None,
+                exclusive: bool = False) -> asyncio.Future[Any]:
         """Run `fn` on the batcher thread between two steps, once `ready()` holds (call on the loop)."""
         future: concurrent.futures.Future[Any] = concurrent.futures.Future()
         with self._cond:
@@ -192,13 +188,8 @@ class Batcher:
         """max_new_tokens past the context length is capped there (finish reason `length`)."""
         sp = job.req.sampling
         seed = sp.seed if sp.seed is not None else self._seeds.getrandbits(63)
-        return Row(
-            job=job,
-            sampling=sp,
-            max_new=min(sp.max_new_tokens, self.engine.context_length - len(job.prompt)),
-            generator=torch.Generator().manual_seed(seed),
-            tracker=TextTracker(self.engine.decode, sp.stop),
-        )
+        return Row(job=job, sampling=sp, max_new=min(sp.max_new_tokens, self.engine.context_length - len(job.prompt)),
+                   generator=torch.Generator().manual_seed(seed), tracker=TextTracker(self.engine.decode, sp.stop))
 
     def _admit(self, jobs: list[Generation]) -> None:
         """Prefill new jobs, sample their first token, merge them into the running batch.
@@ -221,8 +212,10 @@ class Batcher:
         keep = len(rows[0].job.prompt) - first + 1 if first is not None else 1
         pre = self.engine.prefill([r.job.prompt for r in rows], keep=keep, adapters=_adapters(rows))
         self.stats.prefills += 1
-        if first is not None:
-            rows[0].input_logprobs = self._input_logprobs(rows[0], first, pre.all_logits)
+        if first is not None:  # [[logprob, token, None], ...] from logprob_start_len (position 0: None)
+            prompt = rows[0].job.prompt
+            head: list[list[Any]] = [[None, prompt[0], None]] if rows[0].job.req.logprob_start_len == 0 else []
+            rows[0].input_logprobs = head + prompt_logprobs(prompt, first, pre.all_logits)
         uniforms = draw_uniforms([r.generator for r in rows])
         tokens, logprobs = sample(pre.last_logits, [r.sampling for r in rows], uniforms)
         tops = top_logprobs(pre.last_logits, [_top_n(r) if r.max_new > 0 else 0 for r in rows])
@@ -241,30 +234,11 @@ class Batcher:
         self.rows += rows
         self._cache, self._mask, self._positions, self._next = self.engine.cache_from(kv), mask, positions, tokens
 
-    @staticmethod
-    def _input_logprobs(row: Row, first: int, logits: torch.Tensor | None) -> list[list[Any]]:
-        """[[logprob, token, None], ...] for the prompt from logprob_start_len (position 0: None).
-
-        `logits` are the prefill's last columns, from the one that predicts token `first` on.
-        """
-        prompt = row.job.prompt
-        out: list[list[Any]] = [[None, prompt[0], None]] if row.job.req.logprob_start_len == 0 else []
-        if logits is None or first >= len(prompt):
-            return out
-        for start in range(first, len(prompt), LOGPROB_CHUNK):  # bounded memory for long prompts
-            tokens = prompt[start : start + LOGPROB_CHUNK]
-            chunk = logits[0, start - first : start - first + len(tokens)].float()
-            targets = torch.tensor(tokens, device=chunk.device)[:, None]
-            values = chunk.gather(1, targets)[:, 0] - chunk.logsumexp(dim=-1)
-            out += [[value, token, None] for value, token in zip(values.tolist(), tokens, strict=True)]
-        return out
-
     def _decode(self) -> None:
         """One decode step for every running row."""
         mask = torch.cat([self._mask, self._mask.new_ones((self._mask.shape[0], 1))], dim=1)
-        logits, self._cache = self.engine.decode_step(
-            self._cache, mask, self._next, self._positions, adapters=_adapters(self.rows)
-        )
+        logits, self._cache = self.engine.decode_step(self._cache, mask, self._next, self._positions,
+                                                      adapters=_adapters(self.rows))
         self._mask, self._positions = mask, self._positions + 1
         self.stats.decode_steps += 1
         self.stats.decode_rows += len(self.rows)

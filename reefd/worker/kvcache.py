@@ -98,13 +98,9 @@ def _left_pad(t: torch.Tensor, length: int) -> torch.Tensor:
 def merge(a: KV, mask_a: torch.Tensor, b: KV, mask_b: torch.Tensor) -> tuple[KV, torch.Tensor]:
     """Stack two batches row-wise, left-padding the shorter one (pad slots are masked out)."""
     length = max(mask_a.shape[1], mask_b.shape[1])
-    kv = [
-        (
-            torch.cat([_left_pad(ka, length), _left_pad(kb, length)]),
-            torch.cat([_left_pad(va, length), _left_pad(vb, length)]),
-        )
-        for (ka, va), (kb, vb) in zip(a, b, strict=True)
-    ]
+    kv = [(torch.cat([_left_pad(ka, length), _left_pad(kb, length)]),
+           torch.cat([_left_pad(va, length), _left_pad(vb, length)]))
+          for (ka, va), (kb, vb) in zip(a, b, strict=True)]
 
     def pad_mask(m: torch.Tensor) -> torch.Tensor:
         return torch.cat([m.new_zeros((m.shape[0], length - m.shape[1])), m], dim=1)

@@ -68,23 +68,13 @@ class Model:
         self._cache_arg = "cache" if "cache" in forward_params else "past_key_values"
         pad = self.tokenizer.pad_token_id
         self.pad_id = int(pad if pad is not None else min(self.eos_ids, default=0))
-        log.info(
-            "loaded %s on %s (vocab %d, context %d, attention %s, eos %s)",
-            self.path,
-            self.device,
-            self.vocab_size,
-            self.context_length,
-            self.config._attn_implementation,
-            sorted(self.eos_ids),
-        )
+        log.info("loaded %s on %s (vocab %d, context %d, attention %s, eos %s)", self.path, self.device,
+                 self.vocab_size, self.context_length, self.config._attn_implementation, sorted(self.eos_ids))
 
     def _eos_ids(self) -> set[int]:
         ids: set[int] = set()
-        for source in (
-            self.tokenizer.eos_token_id,
-            getattr(self.model.generation_config, "eos_token_id", None),
-            getattr(self.config, "eos_token_id", None),
-        ):
+        for source in (self.tokenizer.eos_token_id, getattr(self.model.generation_config, "eos_token_id", None),
+                       getattr(self.config, "eos_token_id", None)):
             if isinstance(source, int):
                 ids.add(source)
             elif isinstance(source, (list, tuple)):
@@ -96,9 +86,6 @@ class Model:
 
     def decode(self, ids: Sequence[int]) -> str:
         return str(self.tokenizer.decode(list(ids), skip_special_tokens=True))
-
-    def token_text(self, token_id: int) -> str:
-        return str(self.tokenizer.decode([token_id], skip_special_tokens=False))
 
     def _forward(self, adapters: Sequence[str | None] | None, **kwargs: Any) -> Any:
         """One model call; `adapters` names each row's LoRA adapter (None: the base model).
@@ -128,9 +115,8 @@ class Model:
             return self._peft(**kwargs)
         return self._peft(**kwargs, adapter_names=names)
 
-    def prefill(
-        self, prompts: Sequence[Sequence[int]], keep: int = 1, adapters: Sequence[str | None] | None = None
-    ) -> Prefill:
+    def prefill(self, prompts: Sequence[Sequence[int]], keep: int = 1,
+                adapters: Sequence[str | None] | None = None) -> Prefill:
         """Run left-padded prompts through the model (position ids = cumsum(mask) - 1).
 
         `keep` > 1 also returns the logits of the last `keep` columns (for prompt logprobs).
@@ -146,46 +132,19 @@ class Model:
         ids, mask = ids.to(self.device), mask.to(self.device)
         positions = (mask.cumsum(dim=1) - 1).clamp(min=0)
         padded = any(len(p) < width for p in prompts)
-        out = self._forward(
-            adapters,
-            input_ids=ids,
-            attention_mask=mask if padded else None,
-            position_ids=positions,
-            use_cache=True,
-            logits_to_keep=max(1, keep),
-            **self._cache_kwarg(self._new_cache()),
-        )
+        out = self._forward(adapters, input_ids=ids, attention_mask=mask if padded else None, position_ids=positions,
+                            use_cache=True, logits_to_keep=max(1, keep), **self._cache_kwarg(self._new_cache()))
         logits = out.logits
         return Prefill(kvcache.tensors(self._out_cache(out)), mask, logits[:, -1], logits if keep > 1 else None)
 
-    def decode_step(
-        self,
-        cache: DynamicCache,
-        mask: torch.Tensor,
-        tokens: torch.Tensor,
-        positions: torch.Tensor,
-        adapters: Sequence[str | None] | None = None,
-    ) -> tuple[torch.Tensor, DynamicCache]:
+    def decode_step(self, cache: DynamicCache, mask: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor,
+                    adapters: Sequence[str | None] | None = None) -> tuple[torch.Tensor, DynamicCache]:
         """Feed one token per row; `mask` already includes the new column."""
-        out = self._forward(
-            adapters,
-            input_ids=tokens[:, None],
-            attention_mask=mask,
-            position_ids=positions[:, None],
-            use_cache=True,
-            **self._cache_kwarg(cache),
-        )
+        out = self._forward(adapters, input_ids=tokens[:, None], attention_mask=mask, position_ids=positions[:, None],
+                            use_cache=True, **self._cache_kwarg(cache))
         return out.logits[:, -1], self._out_cache(out)
 
     # ---- LoRA adapters and weight reload (batcher thread, between steps) ----------------
-    def _linears(self) -> dict[str, torch.nn.Linear]:
-        """The base model's Linear layers by their plain name (PEFT's wrappers looked through)."""
-        out: dict[str, torch.nn.Linear] = {}
-        for name, module in self.model.named_modules():
-            if type(module) is torch.nn.Linear and ".lora_" not in name:
-                out[name.replace(".base_layer", "")] = module
-        return out
-
     def check_adapter(self, path: Path) -> list[str]:
         """Refuse (BadRequest) a folder that is not a LoRA adapter this base model can take.
 
@@ -259,13 +218,9 @@ class Model:
             config = AutoConfig.from_pretrained(path, local_files_only=True)
         except (OSError, ValueError) as exc:
             raise BadRequest(f"cannot read a model config at {path}: {exc}") from None
-        if config.model_type != self.config.model_type or getattr(config, "architectures", None) != getattr(
-            self.config, "architectures", None
-        ):
-            raise BadRequest(
-                f"{path} holds a {config.model_type} {getattr(config, 'architectures', None)}, the worker serves a "
-                f"{self.config.model_type} {getattr(self.config, 'architectures', None)}"
-            )
+        theirs, ours = ((c.model_type, getattr(c, "architectures", None)) for c in (config, self.config))
+        if theirs != ours:
+            raise BadRequest(f"{path} holds a {theirs[0]} {theirs[1]}, the worker serves a {ours[0]} {ours[1]}")
         try:
             model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True)
         except (OSError, ValueError, RuntimeError) as exc:

@@ -42,23 +42,13 @@ def _request(state: WorkerState, body: Any) -> tuple[GenerateRequest, dict[str, 
     tools = body.get("tools") if body.get("tool_choice") != "none" else None
     if tools is not None and (not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools)):
         raise BadRequest("tools must be a list of tool objects")
-    sampling = parse_sampling(
-        {
-            "max_new_tokens": max_tokens if max_tokens is not None else state.batcher.engine.context_length,
-            "temperature": body.get("temperature"),
-            "top_p": body.get("top_p"),
-            "top_k": body.get("top_k"),
-            "min_p": body.get("min_p"),
-            "stop": body.get("stop"),
-            "stop_token_ids": body.get("stop_token_ids"),
-            "ignore_eos": body.get("ignore_eos") or False,
-            "sampling_seed": body.get("seed"),
-        }
-    )
+    sampling = parse_sampling({
+        "max_new_tokens": max_tokens if max_tokens is not None else state.batcher.engine.context_length,
+        **{key: body.get(key) for key in ("temperature", "top_p", "top_k", "min_p", "stop", "stop_token_ids")},
+        "ignore_eos": body.get("ignore_eos") or False, "sampling_seed": body.get("seed")})
     try:
-        prompt = state.tokenizer.apply_chat_template(
-            messages, tools=tools or None, add_generation_prompt=True, tokenize=False
-        )
+        prompt = state.tokenizer.apply_chat_template(messages, tools=tools or None, add_generation_prompt=True,
+                                                     tokenize=False)
     except Exception as exc:  # template errors are the caller's message shapes
         raise BadRequest(f"cannot render the chat template: {exc}") from None
     ids = list(state.tokenizer.encode(prompt, add_special_tokens=False))
@@ -66,14 +56,8 @@ def _request(state: WorkerState, body: Any) -> tuple[GenerateRequest, dict[str, 
     stream_options = body.get("stream_options") or {}
     if not isinstance(stream_options, dict):
         raise BadRequest("stream_options must be an object")
-    req = GenerateRequest(
-        lora_path=_adapter(state, body),
-        input_ids=ids,
-        text=None,
-        sampling=sampling,
-        return_logprob=bool(logprobs),
-        stream=bool(body.get("stream", False)),
-    )
+    req = GenerateRequest(lora_path=_adapter(state, body), input_ids=ids, text=None, sampling=sampling,
+                          return_logprob=bool(logprobs), stream=bool(body.get("stream", False)))
     options = {"tools": bool(tools), "include_usage": bool(stream_options.get("include_usage"))}
     return req, options
 
@@ -135,22 +119,10 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     reason = _FINISH.get(str(finish and finish.get("type")), "stop")
     if calls:
         message["tool_calls"], reason = calls, "tool_calls"
-    choice = {
-        "index": 0,
-        "message": message,
-        "finish_reason": reason,
-        "logprobs": _logprobs(state, ids, values) if req.return_logprob else None,
-    }
-    return web.json_response(
-        {
-            "id": f"chatcmpl-{req.rid}",
-            "object": "chat.completion",
-            "created": int(time.time()),
-            "model": state.served_model_name,
-            "choices": [choice],
-            "usage": _usage(job, len(ids)),
-        }
-    )
+    choice = {"index": 0, "message": message, "finish_reason": reason,
+              "logprobs": _logprobs(state, ids, values) if req.return_logprob else None}
+    return web.json_response({"id": f"chatcmpl-{req.rid}", "object": "chat.completion", "created": int(time.time()),
+                              "model": state.served_model_name, "choices": [choice], "usage": _usage(job, len(ids))})
 
 
 def _streamable(text: str, final: bool, tools: bool) -> str:
@@ -166,12 +138,8 @@ async def _stream(request: web.Request, state: WorkerState, job: Generation,
                   options: dict[str, Any]) -> web.StreamResponse:
     """SSE chunks: a role delta, content deltas, (tool calls), a finish chunk, optional usage."""
     response = await open_sse(request)
-    base = {
-        "id": f"chatcmpl-{job.req.rid}",
-        "object": "chat.completion.chunk",
-        "created": int(time.time()),
-        "model": state.served_model_name,
-    }
+    base = {"id": f"chatcmpl-{job.req.rid}", "object": "chat.completion.chunk", "created": int(time.time()),
+            "model": state.served_model_name}
 
     async def chunk(delta: dict[str, Any], reason: str | None = None, logprobs: Any = None) -> None:
         choice = {"index": 0, "delta": delta, "finish_reason": reason, "logprobs": logprobs}

@@ -59,27 +59,11 @@ class GenerateRequest:
 
 # SGLang sampling keys we accept only at their neutral value (anything else is refused, not ignored).
 _NEUTRAL = {
-    "frequency_penalty": 0.0,
-    "presence_penalty": 0.0,
-    "repetition_penalty": 1.0,
-    "min_new_tokens": 0,
-    "n": 1,
-    "skip_special_tokens": True,
-    "spaces_between_special_tokens": True,
-    "no_stop_trim": False,
-}
+    "frequency_penalty": 0.0, "presence_penalty": 0.0, "repetition_penalty": 1.0, "min_new_tokens": 0, "n": 1,
+    "skip_special_tokens": True, "spaces_between_special_tokens": True, "no_stop_trim": False}
 _SAMPLING_KEYS = {
-    "max_new_tokens",
-    "temperature",
-    "top_p",
-    "top_k",
-    "min_p",
-    "stop",
-    "stop_token_ids",
-    "ignore_eos",
-    "sampling_seed",
-    "seed",
-}
+    "max_new_tokens", "temperature", "top_p", "top_k", "min_p", "stop", "stop_token_ids", "ignore_eos", "sampling_seed",
+    "seed"}
 
 
 def _number(d: dict[str, Any], key: str, default: float, lo: float, hi: float) -> float:
@@ -141,15 +125,11 @@ def parse_sampling(d: Any, default_max_new_tokens: int = 128) -> SamplingParams:
         raise BadRequest("sampling_params.ignore_eos must be a boolean")
     return SamplingParams(
         max_new_tokens=int(_integer(d, "max_new_tokens", default_max_new_tokens, 0) or 0),
-        temperature=_number(d, "temperature", 1.0, 0.0, 100.0),
-        top_p=_number(d, "top_p", 1.0, 1e-9, 1.0),
-        top_k=-1 if top_k in (None, 0) else int(top_k),
-        min_p=_number(d, "min_p", 0.0, 0.0, 1.0),
+        temperature=_number(d, "temperature", 1.0, 0.0, 100.0), top_p=_number(d, "top_p", 1.0, 1e-9, 1.0),
+        top_k=-1 if top_k in (None, 0) else int(top_k), min_p=_number(d, "min_p", 0.0, 0.0, 1.0),
         stop=_stop_strings(d.get("stop")),
         stop_token_ids=tuple(_token_ids(d.get("stop_token_ids") or [], "sampling_params.stop_token_ids")),
-        ignore_eos=ignore_eos,
-        seed=None if seed is None else int(seed) % (2**63),
-    )
+        ignore_eos=ignore_eos, seed=None if seed is None else int(seed) % (2**63))
 
 
 def parse_generate(body: Any) -> GenerateRequest:
@@ -186,15 +166,9 @@ def parse_generate(body: Any) -> GenerateRequest:
     if lora_path is not None and not isinstance(lora_path, str):
         raise BadRequest("lora_path must be the name of a loaded adapter (batched lists are not supported)")
     req = GenerateRequest(
-        lora_path=lora_path or None,
-        input_ids=input_ids,
-        text=text,
-        sampling=parse_sampling(body.get("sampling_params")),
-        return_logprob=return_logprob,
-        logprob_start_len=start,
-        top_logprobs_num=top_n if return_logprob else 0,
-        stream=stream,
-    )
+        lora_path=lora_path or None, input_ids=input_ids, text=text,
+        sampling=parse_sampling(body.get("sampling_params")), return_logprob=return_logprob, logprob_start_len=start,
+        top_logprobs_num=top_n if return_logprob else 0, stream=stream)
     if rid:
         req.rid = rid
     return req

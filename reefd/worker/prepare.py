@@ -124,12 +124,8 @@ def train_tiny_tokenizer() -> Tokenizer:
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=TINY_VOCAB,
-        special_tokens=SPECIAL_TOKENS,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
+    trainer = trainers.BpeTrainer(vocab_size=TINY_VOCAB, special_tokens=SPECIAL_TOKENS,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
     tok.train_from_iterator(corpus(), trainer=trainer)
     return tok
 
@@ -137,12 +133,7 @@ def train_tiny_tokenizer() -> Tokenizer:
 def build_tiny(out: Path) -> None:
     """Write the tiny random Llama and its tokenizer into `out` (deterministic bytes)."""
     import torch
-    from transformers import (
-        GenerationConfig,
-        LlamaConfig,
-        LlamaForCausalLM,
-        PreTrainedTokenizerFast,
-    )
+    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
@@ -150,26 +141,15 @@ def build_tiny(out: Path) -> None:
     if tok.get_vocab_size() != TINY_VOCAB:
         raise RuntimeError(f"the tiny tokenizer has {tok.get_vocab_size()} tokens, expected {TINY_VOCAB}")
     ids = {t: tok.token_to_id(t) for t in SPECIAL_TOKENS}
-    config = LlamaConfig(
-        vocab_size=TINY_VOCAB,
-        **TINY_CONFIG,
-        bos_token_id=ids["<|endoftext|>"],
-        eos_token_id=ids["<|im_end|>"],
-        pad_token_id=ids["<|endoftext|>"],
-    )
+    config = LlamaConfig(vocab_size=TINY_VOCAB, **TINY_CONFIG, bos_token_id=ids["<|endoftext|>"],
+                         eos_token_id=ids["<|im_end|>"], pad_token_id=ids["<|endoftext|>"])
     torch.manual_seed(0)
     model = LlamaForCausalLM(config)
-    model.generation_config = GenerationConfig(
-        bos_token_id=config.bos_token_id, eos_token_id=config.eos_token_id, pad_token_id=config.pad_token_id
-    )
+    model.generation_config = GenerationConfig(bos_token_id=config.bos_token_id, eos_token_id=config.eos_token_id,
+                                               pad_token_id=config.pad_token_id)
     model.save_pretrained(out, safe_serialization=True)
-    hf_tok = PreTrainedTokenizerFast(
-        tokenizer_object=tok,
-        eos_token="<|im_end|>",
-        pad_token="<|endoftext|>",
-        bos_token="<|endoftext|>",
-        model_max_length=config.max_position_embeddings,
-    )
+    hf_tok = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
+                                     bos_token="<|endoftext|>", model_max_length=config.max_position_embeddings)
     hf_tok.save_pretrained(out)
     write_chat_template(out, TEMPLATE_PATH.read_text())
 

@@ -14,6 +14,8 @@ import torch
 
 from reefd.worker.params import SamplingParams
 
+LOGPROB_CHUNK = 4096  # prompt positions whose log-softmax is computed at once
+
 
 def _filter(scaled: torch.Tensor, rows: Sequence[SamplingParams]) -> torch.Tensor:
     """Set the logits that top-k / top-p / min-p remove to -inf (one sort for the batch)."""
@@ -77,6 +79,21 @@ def top_logprobs(logits: torch.Tensor, ks: Sequence[int]) -> list[list[list[Any]
     values, ids = logprobs.topk(k, dim=-1)  # sorted, largest first
     for i, row_values, row_ids in zip(wanted, values.tolist(), ids.tolist(), strict=True):
         out[i] = [[v, t, None] for v, t in zip(row_values[: ks[i]], row_ids[: ks[i]], strict=True)]
+    return out
+
+
+def prompt_logprobs(prompt: list[int], first: int, logits: torch.Tensor | None) -> list[list[Any]]:
+    """[[logprob, token, None], ...] for prompt[first:], in chunks (bounded memory for long prompts). `logits` are a
+    prefill's last columns, from the one that predicts token `first` on (None: nothing to score)."""
+    out: list[list[Any]] = []
+    if logits is None:
+        return out
+    for start in range(first, len(prompt), LOGPROB_CHUNK):
+        tokens = prompt[start : start + LOGPROB_CHUNK]
+        chunk = logits[0, start - first : start - first + len(tokens)].float()
+        targets = torch.tensor(tokens, device=chunk.device)[:, None]
+        values = chunk.gather(1, targets)[:, 0] - chunk.logsumexp(dim=-1)
+        out += [[value, token, None] for value, token in zip(values.tolist(), tokens, strict=True)]
     return out
 
 

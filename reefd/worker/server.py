@@ -67,14 +67,9 @@ class Result:
         """The answer so far, or with `new` (the update just added) only what it brought."""
         req = self.job.req
         meta: dict[str, Any] = {
-            "id": req.rid,
-            "finish_reason": self.finish,
-            "prompt_tokens": len(self.job.prompt),
-            "completion_tokens": len(self.ids),
-            "cached_tokens": 0,
-            "e2e_latency": round(time.monotonic() - self.job.created, 6),
-            "weight_version": self.weight_version,
-        }
+            "id": req.rid, "finish_reason": self.finish, "prompt_tokens": len(self.job.prompt),
+            "completion_tokens": len(self.ids), "cached_tokens": 0,
+            "e2e_latency": round(time.monotonic() - self.job.created, 6), "weight_version": self.weight_version}
         ids, logprobs, tops = (self.ids, self.logprobs, self.top_logprobs) if new is None else (
             new.new_ids, new.new_logprobs, new.new_top_logprobs)
         if req.return_logprob:
@@ -126,11 +121,8 @@ async def health_generate(request: web.Request) -> web.Response:
     """200 only after the model really produced one token."""
     state = request.app[STATE]
     engine = state.batcher.engine
-    req = GenerateRequest(
-        input_ids=[engine.pad_id],
-        text=None,
-        sampling=SamplingParams(max_new_tokens=1, temperature=0.0, ignore_eos=True),
-    )
+    req = GenerateRequest(input_ids=[engine.pad_id], text=None,
+                          sampling=SamplingParams(max_new_tokens=1, temperature=0.0, ignore_eos=True))
     try:
         job = state.batcher.submit(req, [engine.pad_id])
         async with asyncio.timeout(60), aclosing(updates(job)) as stream:
@@ -146,32 +138,18 @@ def server_info_body(state: WorkerState) -> dict[str, Any]:
     batcher = state.batcher
     engine = batcher.engine
     return {
-        "model_path": state.model_path,
-        "tokenizer_path": state.model_path,
-        "served_model_name": state.served_model_name,
-        "max_batch": batcher.max_batch,
-        "max_running_requests": batcher.max_batch,
-        "context_length": engine.context_length,
-        "device": str(engine.device),
-        "dtype": "float32",
-        "version": state.version,
-        "engine": "reefd.worker",
-        "uptime_s": round(time.time() - state.started, 3),
-        "running_requests": len(batcher.rows),
-        "waiting_requests": batcher.busy - len(batcher.rows),
-        "stats": batcher.stats.as_dict(),
-        "loaded_adapters": dict(engine.adapters),
-        "lora_paths": dict(engine.adapters),
+        "model_path": state.model_path, "tokenizer_path": state.model_path,
+        "served_model_name": state.served_model_name, "max_batch": batcher.max_batch,
+        "max_running_requests": batcher.max_batch, "context_length": engine.context_length,
+        "device": str(engine.device), "dtype": "float32", "version": state.version, "engine": "reefd.worker",
+        "uptime_s": round(time.time() - state.started, 3), "running_requests": len(batcher.rows),
+        "waiting_requests": batcher.busy - len(batcher.rows), "stats": batcher.stats.as_dict(),
+        "loaded_adapters": dict(engine.adapters), "lora_paths": dict(engine.adapters),
         "weight_version": engine.weight_version,
         # SGLang ServerArgs a trainer reads before it pushes weights (slime's external engines): one process,
         # one device, no memory saver, no prefill/decode split
-        "tp_size": 1,
-        "pp_size": 1,
-        "dp_size": 1,
-        "ep_size": 1,
-        "enable_memory_saver": False,
-        "disaggregation_mode": "null",
-        "is_paused": not state.running.is_set(),
+        "tp_size": 1, "pp_size": 1, "dp_size": 1, "ep_size": 1, "enable_memory_saver": False,
+        "disaggregation_mode": "null", "is_paused": not state.running.is_set(),
         "incremental_streaming_output": state.incremental,
     }
 
@@ -182,15 +160,11 @@ async def server_info(request: web.Request) -> web.Response:
 
 async def model_info(request: web.Request) -> web.Response:
     state = request.app[STATE]
-    return web.json_response(
-        {
-            "model_path": state.model_path,
-            "tokenizer_path": state.model_path,
-            "is_generation": True,
-            "served_model_name": state.served_model_name,
-            "context_length": state.batcher.engine.context_length,  # not in SGLang's; see /server_info
-        }
-    )
+    return web.json_response({
+        "model_path": state.model_path, "tokenizer_path": state.model_path, "is_generation": True,
+        "served_model_name": state.served_model_name,
+        "context_length": state.batcher.engine.context_length,  # not in SGLang's; see /server_info
+    })
 
 
 def _name(body: Any, key: str) -> str:
@@ -204,11 +178,7 @@ def _name(body: Any, key: str) -> str:
 
 def _lora_answer(state: WorkerState, error: str | None) -> web.Response:
     """SGLang's LoRAUpdateOutput: {success, error_message, loaded_adapters}."""
-    body = {
-        "success": error is None,
-        "error_message": error,
-        "loaded_adapters": dict(state.batcher.engine.adapters),
-    }
+    body = {"success": error is None, "error_message": error, "loaded_adapters": dict(state.batcher.engine.adapters)}
     return web.json_response(body, status=200 if error is None else 400)
 
 
@@ -236,9 +206,8 @@ async def unload_lora_adapter(request: web.Request) -> web.Response:
             raise BadRequest(f"no adapter named {name!r} is loaded")
         batcher.unloading.add(name)
         try:
-            await batcher.control(
-                lambda: batcher.engine.unload_adapter(name), ready=lambda: not batcher.uses_adapter(name)
-            )
+            await batcher.control(lambda: batcher.engine.unload_adapter(name),
+                                  ready=lambda: not batcher.uses_adapter(name))
         finally:
             batcher.unloading.discard(name)
     except BadRequest as exc:
@@ -268,15 +237,13 @@ async def update_weights_from_disk(request: web.Request) -> web.Response:
         weights = await asyncio.to_thread(engine.read_weights, path)
         if body.get("abort_all_requests") is True:
             batcher.abort_running("aborted for a weight update")
-        await batcher.control(
-            lambda: engine.apply_weights(weights, path, version), ready=lambda: not batcher.rows, exclusive=True
-        )
+        await batcher.control(lambda: engine.apply_weights(weights, path, version), ready=lambda: not batcher.rows,
+                              exclusive=True)
     except BadRequest as exc:
         return web.json_response({"success": False, "message": str(exc), "num_paused_requests": 0}, status=400)
     state.model_path = str(path)
-    return web.json_response(
-        {"success": True, "message": "Succeeded to update model weights.", "num_paused_requests": 0}
-    )
+    return web.json_response({"success": True, "message": "Succeeded to update model weights.",
+                              "num_paused_requests": 0})
 
 
 def _weights_answer(error: str | None, status: int = 400) -> web.Response:

@@ -47,8 +47,7 @@ STATE = web.AppKey("reefd_worker_state", WorkerState)
 
 def error_response(status: int, message: str, kind: str = "invalid_request_error") -> web.Response:
     return web.json_response(
-        {"error": {"message": message, "type": kind, "param": None, "code": status}}, status=status
-    )
+        {"error": {"message": message, "type": kind, "param": None, "code": status}}, status=status)
 
 
 @web.middleware
@@ -80,13 +79,8 @@ async def read_json(request: web.Request) -> Any:
 def merge(a: Update, b: Update) -> Update:
     """Two consecutive updates of one job as one."""
     return Update(
-        a.new_ids + b.new_ids,
-        a.new_logprobs + b.new_logprobs,
-        a.new_text + b.new_text,
-        b.finish,
-        a.input_logprobs if a.input_logprobs is not None else b.input_logprobs,
-        a.new_top_logprobs + b.new_top_logprobs,
-    )
+        a.new_ids + b.new_ids, a.new_logprobs + b.new_logprobs, a.new_text + b.new_text, b.finish,
+        a.input_logprobs if a.input_logprobs is not None else b.input_logprobs, a.new_top_logprobs + b.new_top_logprobs)
 
 
 async def updates(job: Generation) -> AsyncGenerator[Update, None]:
@@ -105,9 +99,8 @@ async def updates(job: Generation) -> AsyncGenerator[Update, None]:
 
 
 async def open_sse(request: web.Request, headers: dict[str, str] | None = None) -> web.StreamResponse:
-    response = web.StreamResponse(
-        headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache", **(headers or {})}
-    )
+    response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
+        **(headers or {})})
     await response.prepare(request)
     return response
 

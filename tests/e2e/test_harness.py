@@ -1,15 +1,17 @@
 """The harness through the real daemon: its base release, GET /reef/harness, injection into both APIs' system
 prompts (seen in the records), the installer under a temporary HOME, and SkillClaw steps that publish, are
-rejected by the gate, or are refused for a garbage proposal."""
+rejected by the gate, or are refused for a garbage proposal. One reefd serves the module, each test on a
+scenario of its own (with its own harness folder and tasks)."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import subprocess
 import time
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +20,7 @@ import openai
 import pexpect
 import pytest
 
-from tests.conftest import Daemon, make_scenarios, sdk
+from tests.conftest import Daemon, sdk, shared_daemon
 from tests.e2e.test_reefctl import reefctl
 from tests.fake_upstream import build
 from tests.served import aiohttp_in_thread
@@ -39,13 +41,13 @@ recipe:
     max_tokens: 48
 {proposer}
 gate:
-  tasks: tasks.jsonl
+  tasks: {tasks}
   min_tasks: 2
   max_tokens: 4
   scorer: tests.e2e.test_harness:length_parity
   min_win_margin: {margin}
 harness:
-  dir: harness
+  dir: {harness}
 serve:
   default_max_tokens: 8
 """
@@ -76,22 +78,36 @@ def proposer(tmp_path: Path) -> Iterator[tuple[str, Path]]:
         yield f"{url}/v1", script
 
 
-def start(tmp_path: Path, proposer_url: str | None = None, margin: int = -100, gate: str = "paired") -> Daemon:
-    proposer = "" if proposer_url is None else (
-        f"    proposer:\n      engine: upstream\n      url: {proposer_url}\n      api_key_env: UP_KEY\n"
-        "      upstream_model: proposer\n")
-    scen = make_scenarios(tmp_path / "scenarios", names=(),
-                          extra={"coder": SCENARIO.format(gate=gate, proposer=proposer, margin=margin)})
-    harness_dir(scen / "harness")
-    (scen / "tasks.jsonl").write_text("".join(json.dumps({"prompt": f"task {i}", "answer": ""}) + "\n"
-                                              for i in range(4)))
-    d = Daemon(scenarios=scen, state=tmp_path / "state", log_path=tmp_path / "reefd.log", env={"UP_KEY": "up-key"})
-    d.start()
-    return d
+@pytest.fixture(scope="module")
+def harnessd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
+    yield from shared_daemon(tmp_path_factory.mktemp("harness"), env={"UP_KEY": "up-key"})
 
 
-def get(d: Daemon, path: str) -> tuple[int, Any, dict[str, str]]:
-    req = urllib.request.Request(d.url + path, headers={**d.headers(), "x-reef-scenario": "coder"})
+_FOLDERS = itertools.count(1)
+
+
+@pytest.fixture
+def coder(harnessd: Daemon, own_scenario: Callable[..., str]) -> Callable[..., str]:
+    """`coder(proposer_url=None, margin=-100, gate="paired")`: a SkillClaw scenario of the test's own on the
+    module's reefd, with a harness folder and tasks file of its own; its name."""
+
+    def add(proposer_url: str | None = None, margin: int = -100, gate: str = "paired") -> str:
+        proposer = "" if proposer_url is None else (
+            f"    proposer:\n      engine: upstream\n      url: {proposer_url}\n      api_key_env: UP_KEY\n"
+            "      upstream_model: proposer\n")
+        n = next(_FOLDERS)
+        harness, tasks = f"harness-{n}", f"tasks-{n}.jsonl"
+        harness_dir(harnessd.scenarios / harness)
+        return own_scenario(harnessd, SCENARIO.format(gate=gate, proposer=proposer, margin=margin, tasks=tasks,
+                                                      harness=harness), prefix="coder",
+                            files={tasks: "".join(json.dumps({"prompt": f"task {i}", "answer": ""}) + "\n"
+                                                  for i in range(4))})
+
+    return add
+
+
+def get(d: Daemon, path: str, name: str) -> tuple[int, Any, dict[str, str]]:
+    req = urllib.request.Request(d.url + path, headers={**d.headers(), "x-reef-scenario": name})
     try:
         with urllib.request.urlopen(req, timeout=30) as r:
             body = r.read()
@@ -101,195 +117,180 @@ def get(d: Daemon, path: str) -> tuple[int, Any, dict[str, str]]:
         return e.code, json.loads(e.read()), dict(e.headers)
 
 
-def scored_turns(d: Daemon, n: int) -> list[str]:
+def scored_turns(d: Daemon, n: int, name: str) -> list[str]:
     c = sdk(openai.OpenAI(base_url=d.url + "/v1", api_key=d.token, max_retries=0,
-                          default_headers={"x-reef-scenario": "coder"}))
+                          default_headers={"x-reef-scenario": name}))
     receipts = []
     for i in range(n):
         raw = c.chat.completions.with_raw_response.create(
-            model="coder", messages=[{"role": "user", "content": f"help me commit {i}"}], max_tokens=4)
+            model=name, messages=[{"role": "user", "content": f"help me commit {i}"}], max_tokens=4)
         receipt = raw.headers["x-reef-agent-record-id"]
         code, body, _ = d.post("/reef/report", {"score": 0.0, "feedback": "tell me how to write commit messages",
-                                                "references": [receipt]}, headers={"x-reef-scenario": "coder"})
+                                                "references": [receipt]}, headers={"x-reef-scenario": name})
         assert code == 200, body
         receipts.append(receipt)
     return receipts
 
 
-def test_base_release_files_and_injection_into_both_apis(tmp_path: Path) -> None:
-    d = start(tmp_path)
-    try:
-        code, body, headers = get(d, "/reef/harness")
-        assert code == 200 and body["release"].startswith("r0-") and headers["x-reef-release-id"] == body["release"]
-        files = {f["path"]: f for f in body["files"]}
-        assert sorted(files) == ["rules/style.md", "skills/git-hygiene/SKILL.md"]
-        assert files["skills/git-hygiene/SKILL.md"]["content"] == SKILL
-        code, listing, _ = get(d, "/reef/harness/releases")
-        assert [r["id"] for r in listing["data"]] == [body["release"]] and listing["current"] == body["release"]
+def test_base_release_files_and_injection_into_both_apis(harnessd: Daemon, coder: Callable[..., str]) -> None:
+    d, name = harnessd, coder()
+    code, body, headers = get(d, "/reef/harness", name)
+    assert code == 200 and body["release"].startswith("r0-") and headers["x-reef-release-id"] == body["release"]
+    files = {f["path"]: f for f in body["files"]}
+    assert sorted(files) == ["rules/style.md", "skills/git-hygiene/SKILL.md"]
+    assert files["skills/git-hygiene/SKILL.md"]["content"] == SKILL
+    code, listing, _ = get(d, "/reef/harness/releases", name)
+    assert [r["id"] for r in listing["data"]] == [body["release"]] and listing["current"] == body["release"]
 
-        o = sdk(openai.OpenAI(base_url=d.url + "/v1", api_key=d.token, max_retries=0,
-                              default_headers={"x-reef-scenario": "coder"}))
-        raw = o.chat.completions.with_raw_response.create(
-            model="coder", max_tokens=4, messages=[{"role": "system", "content": "You are the client's agent."},
-                                                   {"role": "user", "content": "hi"}])
-        record = json.loads(d.get(f"/reef/records/{raw.headers['x-reef-agent-record-id']}")[1])
-        system = record["messages"][0]
-        assert system["role"] == "system" and system["content"].startswith("You are the client's agent.")
-        assert RULE in system["content"] and "git-hygiene" in system["content"]
-        assert "Commit small, focused changes with clear messages." in system["content"]
-        assert record["harness"] == body["release"]
-        assert record["request"]["messages"][0]["content"] == "You are the client's agent."  # as sent, untouched
+    o = sdk(openai.OpenAI(base_url=d.url + "/v1", api_key=d.token, max_retries=0,
+                          default_headers={"x-reef-scenario": name}))
+    raw = o.chat.completions.with_raw_response.create(
+        model=name, max_tokens=4, messages=[{"role": "system", "content": "You are the client's agent."},
+                                             {"role": "user", "content": "hi"}])
+    record = json.loads(d.get(f"/reef/records/{raw.headers['x-reef-agent-record-id']}")[1])
+    system = record["messages"][0]
+    assert system["role"] == "system" and system["content"].startswith("You are the client's agent.")
+    assert RULE in system["content"] and "git-hygiene" in system["content"]
+    assert "Commit small, focused changes with clear messages." in system["content"]
+    assert record["harness"] == body["release"]
+    assert record["request"]["messages"][0]["content"] == "You are the client's agent."  # as sent, untouched
 
-        a = sdk(anthropic.Anthropic(base_url=d.url, api_key=d.token, max_retries=0,
-                                    default_headers={"x-reef-scenario": "coder"}))
-        raw_a = a.messages.with_raw_response.create(model="coder", max_tokens=4,
-                                                    messages=[{"role": "user", "content": "hi"}])
-        record = json.loads(d.get(f"/reef/records/{raw_a.headers['x-reef-agent-record-id']}")[1])
-        assert record["messages"][0]["role"] == "system" and RULE in record["messages"][0]["content"]
-    finally:
-        d.stop()
+    a = sdk(anthropic.Anthropic(base_url=d.url, api_key=d.token, max_retries=0,
+                                default_headers={"x-reef-scenario": name}))
+    raw_a = a.messages.with_raw_response.create(model=name, max_tokens=4,
+                                                messages=[{"role": "user", "content": "hi"}])
+    record = json.loads(d.get(f"/reef/records/{raw_a.headers['x-reef-agent-record-id']}")[1])
+    assert record["messages"][0]["role"] == "system" and RULE in record["messages"][0]["content"]
 
 
-def test_installer_round_trip_under_a_temporary_home(tmp_path: Path) -> None:
-    d = start(tmp_path)
-    try:
-        code, script, headers = get(d, "/reef/harness/install?adapter=claude")
-        assert code == 200 and headers["Content-Type"].startswith("text/x-shellscript")
-        assert d.token.encode() not in script
-        home = tmp_path / "home"
-        (home / ".claude").mkdir(parents=True)
-        (home / ".claude" / "CLAUDE.md").write_text("# My own notes\n")
-        env = {"HOME": str(home), "PATH": os.environ["PATH"], "REEF_TOKEN": d.token}
-        out = subprocess.run(["sh"], input=script, env=env, capture_output=True, timeout=60)
-        assert out.returncode == 0, out.stderr.decode()
-        claude_md = (home / ".claude" / "CLAUDE.md").read_text()
-        assert claude_md.startswith("# My own notes\n") and RULE in claude_md
-        assert (home / ".claude" / "skills" / "git-hygiene" / "SKILL.md").read_text() == SKILL
-        assert (home / ".local" / "bin" / "reef-coder").is_file()
-        again = subprocess.run(["sh"], input=script, env=env, capture_output=True, timeout=60)
-        assert again.returncode == 0 and (home / ".claude" / "CLAUDE.md").read_text() == claude_md  # idempotent
-        code, error, _ = get(d, "/reef/harness/install?adapter=vim")
-        assert code == 400 and "claude" in error["error"]["message"] and "codex" in error["error"]["message"]
-    finally:
-        d.stop()
+def test_installer_round_trip_under_a_temporary_home(harnessd: Daemon, coder: Callable[..., str],
+                                                     tmp_path: Path) -> None:
+    d, name = harnessd, coder()
+    code, script, headers = get(d, "/reef/harness/install?adapter=claude", name)
+    assert code == 200 and headers["Content-Type"].startswith("text/x-shellscript")
+    assert d.token.encode() not in script
+    home = tmp_path / "home"
+    (home / ".claude").mkdir(parents=True)
+    (home / ".claude" / "CLAUDE.md").write_text("# My own notes\n")
+    env = {"HOME": str(home), "PATH": os.environ["PATH"], "REEF_TOKEN": d.token}
+    out = subprocess.run(["sh"], input=script, env=env, capture_output=True, timeout=60)
+    assert out.returncode == 0, out.stderr.decode()
+    claude_md = (home / ".claude" / "CLAUDE.md").read_text()
+    assert claude_md.startswith("# My own notes\n") and RULE in claude_md
+    assert (home / ".claude" / "skills" / "git-hygiene" / "SKILL.md").read_text() == SKILL
+    assert (home / ".local" / "bin" / f"reef-{name}").is_file()
+    again = subprocess.run(["sh"], input=script, env=env, capture_output=True, timeout=60)
+    assert again.returncode == 0 and (home / ".claude" / "CLAUDE.md").read_text() == claude_md  # idempotent
+    code, error, _ = get(d, "/reef/harness/install?adapter=vim", name)
+    assert code == 400 and "claude" in error["error"]["message"] and "codex" in error["error"]["message"]
 
 
-def test_skillclaw_publishes_a_harness_release_that_serves_next(tmp_path: Path, proposer: tuple[str, Path]) -> None:
-    d = start(tmp_path, proposer[0])
-    try:
-        base = get(d, "/reef/harness")[1]["release"]
-        home = tmp_path / "home"
-        home.mkdir()
-        stubs = tmp_path / "stubs"
-        stubs.mkdir()
-        (stubs / "claude").write_text("#!/bin/sh\necho STUB STARTED\n")
-        (stubs / "claude").chmod(0o755)
-        env = {"HOME": str(home), "PATH": f"{stubs}:{os.environ['PATH']}", "REEF_TOKEN": d.token}
-        installed = subprocess.run(["sh"], input=get(d, "/reef/harness/install?adapter=claude")[1], env=env,
-                                   capture_output=True, timeout=60)
-        assert installed.returncode == 0, installed.stderr.decode()
-        receipts = scored_turns(d, 2)
-        out = reefctl(d, "train", "coder", "--follow")
-        assert out.returncode == 0, out.stdout + out.stderr
-        job = jobs_of(d)[0]
-        assert job["state"] == "published", job
-        rel = json.loads(d.get(f"/reef/releases/{job['release']}")[1])
-        assert rel["kind"] == "harness" and rel["meta"]["receipts"] == receipts
-        assert rel["meta"]["summary"] == "create skill commit-messages"
-        assert rel["meta"]["gate"]["kind"] == "paired"
-        body = get(d, "/reef/harness")[1]
-        assert body["release"] == job["release"] and body["parent"] == base
-        assert "skills/commit-messages/SKILL.md" in {f["path"] for f in body["files"]}
-        diff = reefctl(d, "diff", base, job["release"])
-        assert "+Start with a verb; say why the change is needed." in diff.stdout, diff.stdout
-        # explained from the release itself: the job's parameters, the proposer's answer and the harness diff
-        explained = json.loads(reefctl(d, "explain", job["release"], "-o", "json").stdout)["releases"][0]
-        assert explained["params"]["recipe"] == "skillclaw" and explained["params"]["max_tokens"] == 48
-        assert explained["params"]["recipe_params"]["batch_size"] == 2
-        assert json.loads(explained["proposal"]) == PROPOSAL and explained["mutations"][0]["op"] == "create"
-        assert "+++ b/harness/skills/commit-messages/SKILL.md" in explained["harness_diff"]
-        shown = reefctl(d, "explain", job["release"]).stdout
-        assert "  Proposer's answer:\n    {\"summary\": \"users want commit advice\"" in shown, shown
-        assert "  Mutation: create skill commit-messages\n" in shown
-        assert f"  Harness diff (reefctl diff {base} {job['release']}):\n" in shown
-        assert "    +Start with a verb; say why the change is needed.\n" in shown
-        o = sdk(openai.OpenAI(base_url=d.url + "/v1", api_key=d.token, max_retries=0,
-                              default_headers={"x-reef-scenario": "coder"}))
-        raw = o.chat.completions.with_raw_response.create(model="coder", max_tokens=4,
-                                                          messages=[{"role": "user", "content": "hi"}])
-        assert raw.headers["x-reef-release-id"] == job["release"]
-        record = json.loads(d.get(f"/reef/records/{raw.headers['x-reef-agent-record-id']}")[1])
-        assert "commit-messages" in record["messages"][0]["content"]
-        # the installed agent's next session offers the new harness (a real terminal, through pexpect)
-        child = pexpect.spawn(str(home / ".local" / "bin" / "reef-coder"), env=env, encoding="utf-8", timeout=30)
-        child.expect_exact(f"A newer harness is available: {job['release']} (create skill commit-messages)")
-        child.expect_exact("1) Update with reef-coder update")
-        child.sendline("1")
-        child.expect_exact("STUB STARTED")
-        child.expect(pexpect.EOF)
-        child.close()
-        assert child.exitstatus == 0
-        skill = home / ".claude" / "skills" / "commit-messages" / "SKILL.md"
-        assert "Start with a verb; say why the change is needed." in skill.read_text()
-        assert f"release={job['release']}" in (home / ".claude" / "CLAUDE.md").read_text()
-        rolled = reefctl(d, "rollback", "coder")  # harness releases roll back like any other
-        assert rolled.returncode == 0 and "skills/commit-messages/SKILL.md" not in {
-            f["path"] for f in get(d, "/reef/harness")[1]["files"]}
-    finally:
-        d.stop()
+def test_skillclaw_publishes_a_harness_release_that_serves_next(harnessd: Daemon, coder: Callable[..., str],
+                                                                tmp_path: Path, proposer: tuple[str, Path]) -> None:
+    d, name = harnessd, coder(proposer[0])
+    base = get(d, "/reef/harness", name)[1]["release"]
+    home = tmp_path / "home"
+    home.mkdir()
+    stubs = tmp_path / "stubs"
+    stubs.mkdir()
+    (stubs / "claude").write_text("#!/bin/sh\necho STUB STARTED\n")
+    (stubs / "claude").chmod(0o755)
+    env = {"HOME": str(home), "PATH": f"{stubs}:{os.environ['PATH']}", "REEF_TOKEN": d.token}
+    installed = subprocess.run(["sh"], input=get(d, "/reef/harness/install?adapter=claude", name)[1], env=env,
+                               capture_output=True, timeout=60)
+    assert installed.returncode == 0, installed.stderr.decode()
+    receipts = scored_turns(d, 2, name)
+    out = reefctl(d, "train", name, "--follow")
+    assert out.returncode == 0, out.stdout + out.stderr
+    job = jobs_of(d, name)[0]
+    assert job["state"] == "published", job
+    rel = json.loads(d.get(f"/reef/releases/{job['release']}")[1])
+    assert rel["kind"] == "harness" and rel["meta"]["receipts"] == receipts
+    assert rel["meta"]["summary"] == "create skill commit-messages"
+    assert rel["meta"]["gate"]["kind"] == "paired"
+    body = get(d, "/reef/harness", name)[1]
+    assert body["release"] == job["release"] and body["parent"] == base
+    assert "skills/commit-messages/SKILL.md" in {f["path"] for f in body["files"]}
+    diff = reefctl(d, "diff", base, job["release"])
+    assert "+Start with a verb; say why the change is needed." in diff.stdout, diff.stdout
+    # explained from the release itself: the job's parameters, the proposer's answer and the harness diff
+    explained = json.loads(reefctl(d, "explain", job["release"], "-o", "json").stdout)["releases"][0]
+    assert explained["params"]["recipe"] == "skillclaw" and explained["params"]["max_tokens"] == 48
+    assert explained["params"]["recipe_params"]["batch_size"] == 2
+    assert json.loads(explained["proposal"]) == PROPOSAL and explained["mutations"][0]["op"] == "create"
+    assert "+++ b/harness/skills/commit-messages/SKILL.md" in explained["harness_diff"]
+    shown = reefctl(d, "explain", job["release"]).stdout
+    assert "  Proposer's answer:\n    {\"summary\": \"users want commit advice\"" in shown, shown
+    assert "  Mutation: create skill commit-messages\n" in shown
+    assert f"  Harness diff (reefctl diff {base} {job['release']}):\n" in shown
+    assert "    +Start with a verb; say why the change is needed.\n" in shown
+    o = sdk(openai.OpenAI(base_url=d.url + "/v1", api_key=d.token, max_retries=0,
+                          default_headers={"x-reef-scenario": name}))
+    raw = o.chat.completions.with_raw_response.create(model=name, max_tokens=4,
+                                                      messages=[{"role": "user", "content": "hi"}])
+    assert raw.headers["x-reef-release-id"] == job["release"]
+    record = json.loads(d.get(f"/reef/records/{raw.headers['x-reef-agent-record-id']}")[1])
+    assert "commit-messages" in record["messages"][0]["content"]
+    # the installed agent's next session offers the new harness (a real terminal, through pexpect)
+    child = pexpect.spawn(str(home / ".local" / "bin" / f"reef-{name}"), env=env, encoding="utf-8", timeout=30)
+    child.expect_exact(f"A newer harness is available: {job['release']} (create skill commit-messages)")
+    child.expect_exact(f"1) Update with reef-{name} update")
+    child.sendline("1")
+    child.expect_exact("STUB STARTED")
+    child.expect(pexpect.EOF)
+    child.close()
+    assert child.exitstatus == 0
+    skill = home / ".claude" / "skills" / "commit-messages" / "SKILL.md"
+    assert "Start with a verb; say why the change is needed." in skill.read_text()
+    assert f"release={job['release']}" in (home / ".claude" / "CLAUDE.md").read_text()
+    rolled = reefctl(d, "rollback", name)  # harness releases roll back like any other
+    assert rolled.returncode == 0 and "skills/commit-messages/SKILL.md" not in {
+        f["path"] for f in get(d, "/reef/harness", name)[1]["files"]}
 
 
-def test_skillclaw_candidate_rejected_by_the_paired_gate(tmp_path: Path, proposer: tuple[str, Path]) -> None:
-    d = start(tmp_path, proposer[0], margin=100)
-    try:
-        base = get(d, "/reef/harness")[1]["release"]
-        scored_turns(d, 2)
-        assert reefctl(d, "train", "coder", "--follow").returncode == 0
-        job = jobs_of(d)[0]
-        assert job["state"] == "rejected" and job["verdict"]["verdict"] == "fail", job
-        assert "(needs > +100)" in job["verdict"]["reason"]
-        assert get(d, "/reef/harness")[1]["release"] == base
-    finally:
-        d.stop()
+def test_skillclaw_candidate_rejected_by_the_paired_gate(harnessd: Daemon, coder: Callable[..., str],
+                                                         proposer: tuple[str, Path]) -> None:
+    d, name = harnessd, coder(proposer[0], margin=100)
+    base = get(d, "/reef/harness", name)[1]["release"]
+    scored_turns(d, 2, name)
+    assert reefctl(d, "train", name, "--follow").returncode == 0
+    job = jobs_of(d, name)[0]
+    assert job["state"] == "rejected" and job["verdict"]["verdict"] == "fail", job
+    assert "(needs > +100)" in job["verdict"]["reason"]
+    assert get(d, "/reef/harness", name)[1]["release"] == base
 
 
 @pytest.mark.parametrize("answer", ["not json at all", json.dumps({"summary": "x", "decisions": [
     {"skill": "../../etc", "action": "create_skill", "description": "d", "body": "b", "reason": "r"}]})])
-def test_a_garbage_or_unsafe_proposal_publishes_nothing(tmp_path: Path, proposer: tuple[str, Path],
-                                                        answer: str) -> None:
+def test_a_garbage_or_unsafe_proposal_publishes_nothing(harnessd: Daemon, coder: Callable[..., str],
+                                                        proposer: tuple[str, Path], answer: str) -> None:
     proposer[1].write_text(answer)
-    d = start(tmp_path, proposer[0])
-    try:
-        before = json.loads(d.get("/reef/scenarios/coder/releases?all=1")[1])["data"]
-        scored_turns(d, 2)
-        assert reefctl(d, "train", "coder", "--follow").returncode == 0
-        job = jobs_of(d)[0]
-        assert job["state"] == "skipped" and job["error"].startswith("proposal refused: "), job
-        assert json.loads(d.get("/reef/scenarios/coder/releases?all=1")[1])["data"] == before
-    finally:
-        d.stop()
+    d, name = harnessd, coder(proposer[0])
+    before = json.loads(d.get(f"/reef/scenarios/{name}/releases?all=1")[1])["data"]
+    scored_turns(d, 2, name)
+    assert reefctl(d, "train", name, "--follow").returncode == 0
+    job = jobs_of(d, name)[0]
+    assert job["state"] == "skipped" and job["error"].startswith("proposal refused: "), job
+    assert json.loads(d.get(f"/reef/scenarios/{name}/releases?all=1")[1])["data"] == before
 
 
-def test_the_tiny_model_as_proposer_end_to_end(tmp_path: Path) -> None:
+def test_the_tiny_model_as_proposer_end_to_end(harnessd: Daemon, coder: Callable[..., str]) -> None:
     """The same run with the scenario's own worker engine proposing: the tiny model writes nonsense, so the
     proposal is refused and nothing is published, but every stage runs for real."""
-    d = start(tmp_path)
-    try:
-        before = json.loads(d.get("/reef/scenarios/coder/releases?all=1")[1])["data"]
-        scored_turns(d, 2)
-        assert reefctl(d, "train", "coder", "--follow").returncode == 0
-        job = jobs_of(d)[0]
-        assert job["state"] == "skipped" and job["error"].startswith("proposal refused: "), job
-        assert job["metrics"]["proposer_answer"]  # the tiny model did answer
-        assert json.loads(d.get("/reef/scenarios/coder/releases?all=1")[1])["data"] == before
-    finally:
-        d.stop()
+    d, name = harnessd, coder()
+    before = json.loads(d.get(f"/reef/scenarios/{name}/releases?all=1")[1])["data"]
+    scored_turns(d, 2, name)
+    assert reefctl(d, "train", name, "--follow").returncode == 0
+    job = jobs_of(d, name)[0]
+    assert job["state"] == "skipped" and job["error"].startswith("proposal refused: "), job
+    assert job["metrics"]["proposer_answer"]  # the tiny model did answer
+    assert json.loads(d.get(f"/reef/scenarios/{name}/releases?all=1")[1])["data"] == before
 
 
-def jobs_of(d: Daemon) -> list[dict[str, Any]]:
+def jobs_of(d: Daemon, name: str) -> list[dict[str, Any]]:
     deadline = time.monotonic() + 30
     while True:
-        found = list(json.loads(d.get("/reef/jobs?scenario=coder")[1])["data"])
+        found = list(json.loads(d.get(f"/reef/jobs?scenario={name}")[1])["data"])
         if found or time.monotonic() > deadline:
             return found
         time.sleep(0.1)

@@ -28,19 +28,24 @@ LEARN = """defaults:
   - release: follow
   - _self_
 recipe:
-  backend: ray
-  ray_address: {address}
+  backend: {{kind: ray, address: "{address}"}}
   job_timeout_s: 300
   params: {{batch_size: 4}}
-serve:
+{fault}serve:
   default_max_tokens: 8
 """
+
+
+def fault(kind: str, hold: Path) -> str:
+    """The trainer's test fault, as the scenario declares it (it travels with the job's spec)."""
+    return f"  fault: {{kind: {kind}, hold: {hold}}}\n"
 
 
 def test_a_grow_job_runs_as_a_ray_job(ray_head: tuple[str, Path], tmp_path: Path) -> None:
     url, token = ray_head
     scen = make_scenarios(tmp_path / "scenarios", names=(), extra={
-        "learn": LEARN.format(address=url), "unreachable": LEARN.format(address="http://127.0.0.1:9")})
+        "learn": LEARN.format(address=url, fault=""), "unreachable": LEARN.format(address="http://127.0.0.1:9",
+                                                                                   fault="")})
     d = Daemon(scenarios=scen, state=tmp_path / "state", log_path=tmp_path / "reefd.log",
                env={"RAY_AUTH_TOKEN_PATH": str(token)})
     d.start()
@@ -89,10 +94,11 @@ def test_a_restart_mid_job_follows_the_ray_job_instead_of_training_twice(ray_hea
                                                                           tmp_path: Path) -> None:
     url, token = ray_head
     hold = tmp_path / "hold"
-    hold.write_text("")  # the trainer waits while this file exists (REEF_TRAIN_FAULT=hold travels with the job)
-    scen = make_scenarios(tmp_path / "scenarios", names=(), extra={"learn": LEARN.format(address=url)})
+    hold.write_text("")  # the trainer waits while this file exists (the fault travels with the job's spec)
+    scen = make_scenarios(tmp_path / "scenarios", names=(), extra={
+        "learn": LEARN.format(address=url, fault=fault("hold", hold))})
     d = Daemon(scenarios=scen, state=tmp_path / "state", log_path=tmp_path / "reefd.log",
-               env={"RAY_AUTH_TOKEN_PATH": str(token), "REEF_TRAIN_FAULT": "hold", "REEF_TRAIN_HOLD": str(hold)})
+               env={"RAY_AUTH_TOKEN_PATH": str(token)})
     d.start()
     try:
         c = client(d)
@@ -128,7 +134,7 @@ def test_a_restart_mid_job_follows_the_ray_job_instead_of_training_twice(ray_hea
 
 def test_a_wrong_token_fails_the_job_with_a_clear_message(ray_head: tuple[str, Path], tmp_path: Path,
                                                           monkeypatch: pytest.MonkeyPatch) -> None:
-    from reefd.grow.backends.ray_jobs import RayJobs
+    from reefd.grow.backends.ray_jobs import RayConfig, RayJobs
 
     url, _ = ray_head
     monkeypatch.delenv("RAY_AUTH_TOKEN_PATH", raising=False)
@@ -138,7 +144,7 @@ def test_a_wrong_token_fails_the_job_with_a_clear_message(ray_head: tuple[str, P
     events: list[dict[str, object]] = []
 
     async def go() -> int:
-        backend = RayJobs(tmp_path, 1, url)
+        backend = RayJobs(tmp_path, 1, RayConfig(address=url))
         try:
             return await backend.run(spec, events.append, 60)
         finally:
@@ -162,10 +168,11 @@ def test_cancel_stops_the_ray_job_and_its_trainer_saves_first(ray_head: tuple[st
     url, token = ray_head
     hold = tmp_path / "hold"  # the trainer waits after each step while this exists
     hold.write_text("")
-    learn = LEARN.format(address=url).replace("{batch_size: 4}", "{batch_size: 4, micro_batch: 2}")
+    learn = LEARN.format(address=url, fault=fault("pause", hold)).replace("{batch_size: 4}",
+                                                                          "{batch_size: 4, micro_batch: 2}")
     scen = make_scenarios(tmp_path / "scenarios", names=(), extra={"learn": learn})
     d = Daemon(scenarios=scen, state=tmp_path / "state", log_path=tmp_path / "reefd.log",
-               env={"RAY_AUTH_TOKEN_PATH": str(token), "REEF_TRAIN_FAULT": "pause", "REEF_TRAIN_HOLD": str(hold)})
+               env={"RAY_AUTH_TOKEN_PATH": str(token)})
     d.start()
     try:
         c = client(d)
@@ -192,12 +199,12 @@ def test_cancel_stops_the_ray_job_and_its_trainer_saves_first(ray_head: tuple[st
 
 
 def run_backend(url: str, spec: Path, timeout_s: float, **kw: object) -> tuple[int, list[dict[str, object]]]:
-    from reefd.grow.backends.ray_jobs import RayJobs
+    from reefd.grow.backends.ray_jobs import RayConfig, RayJobs
 
     events: list[dict[str, object]] = []
 
     async def go() -> int:
-        backend = RayJobs(spec.parent, 1, url, **kw)  # type: ignore[arg-type]
+        backend = RayJobs(spec.parent, 1, RayConfig(address=url, **kw))  # type: ignore[arg-type]
         try:
             return await backend.run(spec, events.append, timeout_s)
         finally:

@@ -32,17 +32,17 @@ LEARN = """defaults:
 model:
   replicas: 2
 recipe:
-  backend: slime
-  ray_address: {address}
-  job_timeout_s: 300
-  params: {{batch_size: 4, epochs: 2, micro_batch: 2, lr: 0.05}}
-  slime:
+  backend:
+    kind: slime
+    address: {address}
     model: tiny
     path: {standin}
     python: {python}
     megatron_path: ""
     actor_num_gpus_per_node: 1
     push: {push}
+  job_timeout_s: 300
+  params: {{batch_size: 4, epochs: 2, micro_batch: 2, lr: 0.05}}
 serve:
   default_max_tokens: 8
 {extra}"""

@@ -7,8 +7,7 @@ reach here); pointing `model.url` at a real provider is the only change for prod
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
-from pathlib import Path
+from collections.abc import Callable, Iterator
 
 import anthropic
 import openai
@@ -87,17 +86,12 @@ def test_anthropic_client_over_openai_upstream_gets_tool_use(proxy: Daemon) -> N
     assert block.type == "tool_use" and block.name == "search" and block.input == {"q": 1}
 
 
-def test_upstream_auth_failure_is_passed_on(upstream: tuple[str, web.Application],
-                                            tmp_path: Path) -> None:
+def test_upstream_auth_failure_is_passed_on(proxy: Daemon, upstream: tuple[str, web.Application],
+                                            own_scenario: Callable[..., str]) -> None:
     yaml = (f"defaults:\n  - model: upstream\n  - _self_\nmodel:\n  url: {upstream[0]}\n"
-            "  api_key_env: NO_SUCH_KEY\n")
-    d = Daemon(scenarios=make_scenarios(tmp_path / "s", names=(), extra={"up": yaml}),
-               state=tmp_path / "state", log_path=tmp_path / "reefd.log")
-    d.start()
-    try:
-        status, body, _ = d.post("/v1/chat/completions", {
-            "model": "up", "messages": [{"role": "user", "content": "x"}]},
-            headers={"x-reef-scenario": "up"})
-        assert status == 502 and "bad upstream key" in body["error"]["message"]
-    finally:
-        d.stop()
+            "  api_key_env: NO_SUCH_KEY\n")  # a variable reefd does not have
+    name = own_scenario(proxy, yaml, prefix="nokey")
+    status, body, _ = proxy.post("/v1/chat/completions", {
+        "model": name, "messages": [{"role": "user", "content": "x"}]},
+        headers={"x-reef-scenario": name})
+    assert status == 502 and "bad upstream key" in body["error"]["message"]

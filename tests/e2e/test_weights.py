@@ -3,7 +3,7 @@ sglang-router, on the tiny model: `reefctl publish --weights` under load fails n
 requests are held while the weights load, with two the swap rolls one replica at a time and holds nothing; every
 answer's release names the weights that really produced it (the engine's own weight_version, in its record);
 adapters ride on the weights they were trained on; and a weights release comes back byte-exact from a plain
-`git clone` + `git lfs pull`."""
+`git clone` + `git lfs pull`. One reefd for the module, a scenario (on an engine of its own) per test."""
 
 from __future__ import annotations
 
@@ -13,14 +13,14 @@ import shutil
 import tarfile
 import threading
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import openai
 import pytest
 
-from tests.conftest import Daemon, make_scenarios, sdk
-from tests.e2e.test_grow import stop
+from tests.conftest import Daemon, sdk, shared_daemon
 from tests.e2e.test_reefctl import reefctl
 from tests.loras import make_lora, make_weights
 from tests.test_releases import git
@@ -28,11 +28,19 @@ from tests.test_releases import git
 pytestmark = pytest.mark.filterwarnings("ignore:.*is_gradient_checkpointing.*:FutureWarning")
 
 
+@pytest.fixture(scope="module")
+def weightsd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
+    yield from shared_daemon(tmp_path_factory.mktemp("weights"))
+
+
 def scenario(replicas: int) -> str:
+    """A scenario on an engine of its own (a model config no other scenario has: one engine serves one set of
+    weights)."""
     return f"""defaults:
   - model: tiny
   - _self_
 model:
+  name: weights-{replicas}
   replicas: {replicas}
 serve:
   temperature: 0.0
@@ -95,12 +103,13 @@ class Load:
                 self.failures.append(f"{type(exc).__name__}: {exc}")
 
 
-def publish_under_load(d: Daemon, *args: str, clients: int, answers: int) -> tuple[dict[str, Any], Load]:
-    """`reefctl publish w ARGS -o json` while `clients` ask without pause, with `answers` answers before and
+def publish_under_load(d: Daemon, name: str, *args: str, clients: int, answers: int
+                       ) -> tuple[dict[str, Any], Load]:
+    """`reefctl publish NAME ARGS -o json` while `clients` ask without pause, with `answers` answers before and
     after it: reefd's answer and the load."""
-    with Load(d, "w", clients=clients) as load:
+    with Load(d, name, clients=clients) as load:
         load.wait(answers)
-        out = reefctl(d, "publish", "w", *args, "-o", "json")
+        out = reefctl(d, "publish", name, *args, "-o", "json")
         assert out.returncode == 0, out.stderr
         load.wait(answers)
     return dict(json.loads(out.stdout)), load
@@ -112,7 +121,7 @@ def record(d: Daemon, receipt: str) -> dict[str, Any]:
     return dict(json.loads(body))
 
 
-def engine(d: Daemon, name: str = "w") -> dict[str, Any]:
+def engine(d: Daemon, name: str) -> dict[str, Any]:
     found = [s for s in json.loads(d.get("/reef/status")[1])["scenarios"] if s["name"] == name]
     return dict(found[0]["engine"])
 
@@ -144,82 +153,78 @@ model:
 """
 
 
-def test_weights_release_on_one_engine(tmp_path: Path) -> None:
-    scen = make_scenarios(tmp_path / "scenarios", names=(), extra={"w": scenario(1), "pair": PAIR, "pair2": PAIR})
-    d = Daemon(scenarios=scen, state=tmp_path / "state", log_path=tmp_path / "reefd.log")
-    d.start()
-    try:
-        base_text, base = greedy(d, "w")
-        tiny = d.state / "models" / "tiny"
-        weights = make_weights(tiny, tmp_path / "weights", seed=1, scale=0.5)
+def test_weights_release_on_one_engine(weightsd: Daemon, own_scenario: Callable[..., str], tmp_path: Path) -> None:
+    d = weightsd
+    name = own_scenario(d, scenario(1), prefix="w", files={"pair.yaml": PAIR, "pair2.yaml": PAIR})
+    base_text, base = greedy(d, name)
+    tiny = d.state / "models" / "tiny"
+    weights = make_weights(tiny, tmp_path / "weights", seed=1, scale=0.5)
 
-        # a folder that is not the base's architecture is refused, and nothing is published
-        bad = tmp_path / "bad"
-        shutil.copytree(weights, bad)
-        config = json.loads((bad / "config.json").read_text())
-        (bad / "config.json").write_text(json.dumps({**config, "num_hidden_layers": 7}))
-        out = reefctl(d, "publish", "w", "--weights", str(bad))
-        assert out.returncode == 1 and "num_hidden_layers is 7" in out.stderr, out.stderr
-        code, body, _ = d.post("/reef/scenarios/w/releases?kind=weights", tar_of(bad),
-                               headers={"content-type": "application/x-tar"})
-        assert code == 400 and body["error"]["code"] == "invalid_weights", body
-        assert [r["id"] for r in json.loads(d.get("/reef/scenarios/w/releases")[1])["data"]] == [base]
+    # a folder that is not the base's architecture is refused, and nothing is published
+    bad = tmp_path / "bad"
+    shutil.copytree(weights, bad)
+    config = json.loads((bad / "config.json").read_text())
+    (bad / "config.json").write_text(json.dumps({**config, "num_hidden_layers": 7}))
+    out = reefctl(d, "publish", name, "--weights", str(bad))
+    assert out.returncode == 1 and "num_hidden_layers is 7" in out.stderr, out.stderr
+    code, body, _ = d.post(f"/reef/scenarios/{name}/releases?kind=weights", tar_of(bad),
+                           headers={"content-type": "application/x-tar"})
+    assert code == 400 and body["error"]["code"] == "invalid_weights", body
+    assert [r["id"] for r in json.loads(d.get(f"/reef/scenarios/{name}/releases")[1])["data"]] == [base]
 
-        # scenarios that share one engine cannot take full weights: the others would answer from them too
-        code, body, _ = d.post("/reef/scenarios/pair/releases?kind=weights", tar_of(weights),
-                               headers={"content-type": "application/x-tar"})
-        assert code == 409 and body["error"]["code"] == "engine_shared" and "pair2" in body["error"]["message"]
+    # scenarios that share one engine cannot take full weights: the others would answer from them too
+    code, body, _ = d.post("/reef/scenarios/pair/releases?kind=weights", tar_of(weights),
+                           headers={"content-type": "application/x-tar"})
+    assert code == 409 and body["error"]["code"] == "engine_shared" and "pair2" in body["error"]["message"]
 
-        answer, load = publish_under_load(d, "--weights", str(weights), "--summary", "noisy", clients=3, answers=6)
-        w = answer["release"]["id"]
-        assert answer["serving"] == w and answer["release"]["kind"] == "weights"
-        assert load.failures == []
-        assert {r["release"] for r in load.results} == {base, w}
-        check_weights_of_answers(d, load.results, {base: None, w: w})
-        swap = engine(d)["last_swap"]
-        assert swap["replicas"] == 1 and swap["version"] == w and swap["held_s"] > 0
-        text, served = greedy(d, "w")
-        assert served == w and text != base_text
+    answer, load = publish_under_load(d, name, "--weights", str(weights), "--summary", "noisy", clients=3, answers=6)
+    w = answer["release"]["id"]
+    assert answer["serving"] == w and answer["release"]["kind"] == "weights"
+    assert load.failures == []
+    assert {r["release"] for r in load.results} == {base, w}
+    check_weights_of_answers(d, load.results, {base: None, w: w})
+    swap = engine(d, name)["last_swap"]
+    assert swap["replicas"] == 1 and swap["version"] == w and swap["held_s"] > 0
+    text, served = greedy(d, name)
+    assert served == w and text != base_text
 
-        # an adapter on top names the weights it was trained on and serves on them
-        lora = make_lora(weights, tmp_path / "lora", seed=3, scale=2.0)
-        out = reefctl(d, "publish", "w", "--adapter", str(lora), "-o", "json")
-        assert out.returncode == 0, out.stderr
-        on_w = json.loads(out.stdout)["release"]
-        assert on_w["meta"]["weights"]["release"] == w
-        shown = json.loads(d.get(f"/reef/releases/{on_w['id']}")[1])
-        assert {f["path"].split("/")[0] for f in shown["files"]} >= {"weights", "adapter"}
-        adapted, served = greedy(d, "w")
-        assert served == on_w["id"] and adapted != text
-        assert record(d, load_one(d))["engine_weights"] == w
+    # an adapter on top names the weights it was trained on and serves on them
+    lora = make_lora(weights, tmp_path / "lora", seed=3, scale=2.0)
+    out = reefctl(d, "publish", name, "--adapter", str(lora), "-o", "json")
+    assert out.returncode == 0, out.stderr
+    on_w = json.loads(out.stdout)["release"]
+    assert on_w["meta"]["weights"]["release"] == w
+    shown = json.loads(d.get(f"/reef/releases/{on_w['id']}")[1])
+    assert {f["path"].split("/")[0] for f in shown["files"]} >= {"weights", "adapter"}
+    adapted, served = greedy(d, name)
+    assert served == on_w["id"] and adapted != text
+    assert record(d, load_one(d, name))["engine_weights"] == w
 
-        # rollback to the base: the launch weights serve again, as that rollback release
-        out = reefctl(d, "rollback", "w", "--to", base, "-o", "json")
-        assert out.returncode == 0, out.stderr
-        back = json.loads(out.stdout)["release"]["id"]
-        again, served = greedy(d, "w")
-        assert served == back and again == base_text
-        assert record(d, load_one(d))["engine_weights"] == back
+    # rollback to the base: the launch weights serve again, as that rollback release
+    out = reefctl(d, "rollback", name, "--to", base, "-o", "json")
+    assert out.returncode == 0, out.stderr
+    back = json.loads(out.stdout)["release"]["id"]
+    again, served = greedy(d, name)
+    assert served == back and again == base_text
+    assert record(d, load_one(d, name))["engine_weights"] == back
 
-        # promote the weights release again: its tree is already in the chain
-        out = reefctl(d, "promote", "w", w, "-o", "json")
-        assert out.returncode == 0, out.stderr
-        assert greedy(d, "w")[0] == text
+    # promote the weights release again: its tree is already in the chain
+    out = reefctl(d, "promote", name, w, "-o", "json")
+    assert out.returncode == 0, out.stderr
+    assert greedy(d, name)[0] == text
 
-        # a plain git clone + git lfs pull restores the weights byte for byte
-        work = tmp_path / "work"
-        git(tmp_path, "lfs", "install", "--skip-repo")
-        git(tmp_path, "clone", "-q", (d.state / "releases.git").as_uri(), str(work))
-        git(tmp_path, "fetch", "-q", "origin", "refs/reef/*:refs/reef/*", cwd=work)
-        commit = json.loads(d.get(f"/reef/releases/{w}")[1])["commit"]
-        git(tmp_path, "checkout", "-q", commit, cwd=work, extra={"GIT_LFS_SKIP_SMUDGE": "1"})
-        git(tmp_path, "lfs", "pull", cwd=work)
-        for f in weights.iterdir():
-            assert (work / "weights" / f.name).read_bytes() == f.read_bytes(), f.name
-        assert "weights/model.safetensors" in git(tmp_path, "lfs", "ls-files", cwd=work)
-        assert "Git LFS fsck OK" in git(tmp_path, "lfs", "fsck", cwd=work)
-    finally:
-        stop(d)
+    # a plain git clone + git lfs pull restores the weights byte for byte
+    work = tmp_path / "work"
+    git(tmp_path, "lfs", "install", "--skip-repo")
+    git(tmp_path, "clone", "-q", (d.state / "releases.git").as_uri(), str(work))
+    git(tmp_path, "fetch", "-q", "origin", "refs/reef/*:refs/reef/*", cwd=work)
+    commit = json.loads(d.get(f"/reef/releases/{w}")[1])["commit"]
+    git(tmp_path, "checkout", "-q", commit, cwd=work, extra={"GIT_LFS_SKIP_SMUDGE": "1"})
+    git(tmp_path, "lfs", "pull", cwd=work)
+    for f in weights.iterdir():
+        assert (work / "weights" / f.name).read_bytes() == f.read_bytes(), f.name
+    assert "weights/model.safetensors" in git(tmp_path, "lfs", "ls-files", cwd=work)
+    assert "Git LFS fsck OK" in git(tmp_path, "lfs", "fsck", cwd=work)
 
 
 def tar_of(folder: Path) -> bytes:
@@ -230,51 +235,47 @@ def tar_of(folder: Path) -> bytes:
     return buf.getvalue()
 
 
-def load_one(d: Daemon) -> str:
-    code, body, headers = d.post("/v1/chat/completions", {"model": "w", "messages": [{"role": "user", "content": "x"}],
-                                                         "max_tokens": 2}, headers={"x-reef-scenario": "w"})
+def load_one(d: Daemon, name: str) -> str:
+    code, body, headers = d.post("/v1/chat/completions", {"model": name, "messages": [{"role": "user", "content": "x"}],
+                                                         "max_tokens": 2}, headers={"x-reef-scenario": name})
     assert code == 200, body
     return str(headers["x-reef-agent-record-id"])
 
 
-def test_weights_roll_across_two_replicas(tmp_path: Path) -> None:
-    scen = make_scenarios(tmp_path / "scenarios", names=(), extra={"w": scenario(2)})
-    d = Daemon(scenarios=scen, state=tmp_path / "state", log_path=tmp_path / "reefd.log")
-    d.start()
-    try:
-        deadline = time.monotonic() + 120
-        while not all(r["in_router"] for r in engine(d)["replicas"]) and time.monotonic() < deadline:
-            time.sleep(0.2)
-        base_text, base = greedy(d, "w")
-        weights = make_weights(d.state / "models" / "tiny", tmp_path / "weights", seed=1, scale=0.5)
-        answer, load = publish_under_load(d, "--weights", str(weights), clients=4, answers=8)
-        w = answer["release"]["id"]
-        assert load.failures == []
-        assert {r["release"] for r in load.results} == {base, w}
-        check_weights_of_answers(d, load.results, {base: None, w: w})
-        status = engine(d)
-        swap = status["last_swap"]
-        assert swap["replicas"] == 2 and swap["held_s"] == 0.0, swap
-        assert [r["weights"] for r in status["replicas"]] == [w, w]
-        text = reefctl(d, "status").stdout
-        assert text.count(f"weights {w}") == 2 and f"last weights swap: {w} on 2 process(es)" in text, text
-        assert all(r["in_router"] and r["state"] == "ready" for r in status["replicas"])
-        text, served = greedy(d, "w")
-        assert served == w and text != base_text
-        # both replicas answer with the new weights (sessions pin each to one replica)
-        for session in ("a", "b", "c", "d"):
-            code, body, headers = d.post("/v1/chat/completions", {
-                "model": "w", "messages": [{"role": "user", "content": "tell me a story"}], "max_tokens": 12,
-                "temperature": 0}, headers={"x-reef-scenario": "w", "x-reef-session": session})
-            assert code == 200 and body["choices"][0]["message"]["content"] == text
-            assert record(d, headers["x-reef-agent-record-id"])["engine_weights"] == w
-        # an adapter release on those weights reaches both replicas under load, failing nothing
-        lora = make_lora(weights, tmp_path / "lora", seed=3, scale=2.0)
-        answer, load = publish_under_load(d, "--adapter", str(lora), clients=4, answers=8)
-        on_w = answer["release"]["id"]
-        assert load.failures == []
-        assert {r["release"] for r in load.results} == {w, on_w}
-        check_weights_of_answers(d, load.results, {w: w, on_w: w})
-        assert all(r["adapters"] == [on_w] for r in engine(d)["replicas"])
-    finally:
-        stop(d)
+def test_weights_roll_across_two_replicas(weightsd: Daemon, own_scenario: Callable[..., str], tmp_path: Path) -> None:
+    d = weightsd
+    name = own_scenario(d, scenario(2), prefix="w")
+    deadline = time.monotonic() + 120
+    while not all(r["in_router"] for r in engine(d, name)["replicas"]) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    base_text, base = greedy(d, name)
+    weights = make_weights(d.state / "models" / "tiny", tmp_path / "weights", seed=1, scale=0.5)
+    answer, load = publish_under_load(d, name, "--weights", str(weights), clients=4, answers=8)
+    w = answer["release"]["id"]
+    assert load.failures == []
+    assert {r["release"] for r in load.results} == {base, w}
+    check_weights_of_answers(d, load.results, {base: None, w: w})
+    status = engine(d, name)
+    swap = status["last_swap"]
+    assert swap["replicas"] == 2 and swap["held_s"] == 0.0, swap
+    assert [r["weights"] for r in status["replicas"]] == [w, w]
+    text = reefctl(d, "status").stdout
+    assert text.count(f"weights {w}") == 2 and f"last weights swap: {w} on 2 process(es)" in text, text
+    assert all(r["in_router"] and r["state"] == "ready" for r in status["replicas"])
+    text, served = greedy(d, name)
+    assert served == w and text != base_text
+    # both replicas answer with the new weights (sessions pin each to one replica)
+    for session in ("a", "b", "c", "d"):
+        code, body, headers = d.post("/v1/chat/completions", {
+            "model": name, "messages": [{"role": "user", "content": "tell me a story"}], "max_tokens": 12,
+            "temperature": 0}, headers={"x-reef-scenario": name, "x-reef-session": session})
+        assert code == 200 and body["choices"][0]["message"]["content"] == text
+        assert record(d, headers["x-reef-agent-record-id"])["engine_weights"] == w
+    # an adapter release on those weights reaches both replicas under load, failing nothing
+    lora = make_lora(weights, tmp_path / "lora", seed=3, scale=2.0)
+    answer, load = publish_under_load(d, name, "--adapter", str(lora), clients=4, answers=8)
+    on_w = answer["release"]["id"]
+    assert load.failures == []
+    assert {r["release"] for r in load.results} == {w, on_w}
+    check_weights_of_answers(d, load.results, {w: w, on_w: w})
+    assert all(r["adapters"] == [on_w] for r in engine(d, name)["replicas"])

@@ -4,7 +4,7 @@ and how compactly a record keeps it."""
 from __future__ import annotations
 
 from reefd.api.turns import top_k_fields
-from reefd.engines.sglang import top_k_rows
+from reefd.engines.generation import top_k_rows
 from reefd.observe.recordcodec import pack, unpack
 from reefd.serve.chat import Completion
 

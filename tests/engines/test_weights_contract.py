@@ -21,7 +21,8 @@ from aiohttp import web
 
 from reefd.engines import EngineError, EngineUnavailable, ModelConfig
 from reefd.engines.replicas import Replica
-from reefd.engines.sglang import SGLangClient, SGLangEngine
+from reefd.engines.sglang import SGLangEngine
+from reefd.engines.sglang_client import SGLangClient
 from reefd.serve.chat import ChatRequest, Completion
 
 pytestmark = pytest.mark.contract

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -39,9 +38,8 @@ class Job:
 
 def run_job(spec: dict[str, Any], tmp: Path, fault: str | None = None) -> Job:
     path = tmp / f"spec-{len(list(tmp.glob('spec-*')))}.json"
-    path.write_text(json.dumps(spec))
-    env = {**os.environ, "REEF_TRAIN_FAULT": fault or ""}
-    proc = subprocess.run([sys.executable, "-m", "reefd.train", "--spec", str(path)], cwd=ROOT, env=env,
+    path.write_text(json.dumps({**spec, **({"fault": {"kind": fault}} if fault else {})}))
+    proc = subprocess.run([sys.executable, "-m", "reefd.train", "--spec", str(path)], cwd=ROOT,
                           capture_output=True, text=True, timeout=120)
     events = [json.loads(line) for line in proc.stdout.splitlines()]  # every stdout line is JSON
     return Job(proc.returncode, events, proc.stderr)
@@ -189,6 +187,8 @@ def test_same_spec_same_adapter(trained: tuple[Job, Path], tiny_model: Path, bas
      "samples[0].reward: None is not a finite number"),
     ({"samples": [{"prompt_ids": [1], "completion_ids": [99999], "logprobs": [-1.0], "reward": 1}]},
      "token id 99999 is outside the model's vocabulary (4096)"),
+    ({"fault": {"kind": "boom"}}, "fault.kind: 'boom' is not one of crash, nan, hang, hold, pause"),
+    ({"fault": {"kind": "hold", "hold": ""}}, "fault.hold: expected a non-empty string"),
 ])  # fmt: skip
 def test_bad_spec(change: dict[str, Any], reason: str, tiny_model: Path, tmp_path: Path) -> None:
     out = tmp_path / "out"
@@ -224,9 +224,10 @@ def test_faults_leave_nothing(fault: str, status: int, reason: str | None, tiny_
 
 
 def test_sigterm_stops_a_hanging_job(tiny_model: Path, base: Any, tmp_path: Path) -> None:
-    (tmp_path / "spec.json").write_text(json.dumps(make_spec(tiny_model, tmp_path / "out", toy_samples(base, 2))))
+    (tmp_path / "spec.json").write_text(json.dumps({**make_spec(tiny_model, tmp_path / "out", toy_samples(base, 2)),
+                                                    "fault": {"kind": "hang"}}))
     proc = subprocess.Popen([sys.executable, "-m", "reefd.train", "--spec", str(tmp_path / "spec.json")], cwd=ROOT,
-                            env={**os.environ, "REEF_TRAIN_FAULT": "hang"}, stdout=subprocess.PIPE, text=True)
+                            stdout=subprocess.PIPE, text=True)
     assert proc.stdout is not None
     assert json.loads(proc.stdout.readline())["event"] == "start"
     proc.send_signal(signal.SIGTERM)
@@ -242,10 +243,10 @@ def test_sigterm_mid_job_saves_the_steps_done(tiny_model: Path, base: Any, tmp_p
     hold = tmp_path / "hold"  # the trainer waits after each step while this exists
     hold.touch()
     out = tmp_path / "out"
-    (tmp_path / "spec.json").write_text(json.dumps(make_spec(tiny_model, out, toy_samples(base), seed=3)))
-    env = {**os.environ, "REEF_TRAIN_FAULT": "pause", "REEF_TRAIN_HOLD": str(hold)}
+    (tmp_path / "spec.json").write_text(json.dumps({**make_spec(tiny_model, out, toy_samples(base), seed=3),
+                                                    "fault": {"kind": "pause", "hold": str(hold)}}))
     proc = subprocess.Popen([sys.executable, "-m", "reefd.train", "--spec", str(tmp_path / "spec.json")], cwd=ROOT,
-                            env=env, stdout=subprocess.PIPE, text=True)
+                            stdout=subprocess.PIPE, text=True)
     assert proc.stdout is not None
     assert json.loads(proc.stdout.readline())["event"] == "start"
     first = json.loads(proc.stdout.readline())
@@ -373,8 +374,7 @@ def test_a_prewarmed_trainer_has_its_imports_before_the_first_job(tiny_model: Pa
     assert (tmp_path / "out" / "adapter_model.safetensors").is_file()
 
 
-def test_a_hint_while_a_job_trains_starts_no_second_trainer(tiny_model: Path, base: Any, tmp_path: Path,
-                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_hint_while_a_job_trains_starts_no_second_trainer(tiny_model: Path, base: Any, tmp_path: Path) -> None:
     """A reload (prewarm) while the only trainer runs a job starts nothing: after the job, that process, which
     carries the job's optimizer state, is the one kept warm."""
     import asyncio
@@ -383,8 +383,6 @@ def test_a_hint_while_a_job_trains_starts_no_second_trainer(tiny_model: Path, ba
 
     hold = tmp_path / "hold"
     hold.touch()
-    monkeypatch.setenv("REEF_TRAIN_FAULT", "hold")
-    monkeypatch.setenv("REEF_TRAIN_HOLD", str(hold))
 
     async def main() -> tuple[int, list[int], list[int]]:
         trainers = LocalTrainers(tmp_path, 1)
@@ -398,7 +396,8 @@ def test_a_hint_while_a_job_trains_starts_no_second_trainer(tiny_model: Path, ba
 
         trainers._spawn = counting  # type: ignore[method-assign]
         path = tmp_path / "spec.json"
-        path.write_text(json.dumps(make_spec(tiny_model, tmp_path / "out", toy_samples(base))))
+        path.write_text(json.dumps({**make_spec(tiny_model, tmp_path / "out", toy_samples(base)),
+                                    "fault": {"kind": "hold", "hold": str(hold)}}))
         events: list[dict[str, Any]] = []
         job = asyncio.create_task(trainers.run(path, events.append, 120))
         while not any(e.get("event") == "start" for e in events):

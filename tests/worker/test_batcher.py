@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 import torch
 
-from reefd.worker import batcher
+from reefd.worker import sampling
 from reefd.worker.batcher import SHARED_PREFILL_MAX, Batcher
 from reefd.worker.generation import Generation
 from reefd.worker.params import GenerateRequest, SamplingParams, parse_sampling
@@ -142,7 +142,7 @@ def test_prompt_logprobs_without_generation(engine: Any) -> None:
 
 @pytest.mark.parametrize("start", [0, 1, 4, 9, 50])
 def test_prompt_logprobs_are_computed_in_chunks(engine: Any, monkeypatch: pytest.MonkeyPatch, start: int) -> None:
-    monkeypatch.setattr(batcher, "LOGPROB_CHUNK", 2)
+    monkeypatch.setattr(sampling, "LOGPROB_CHUNK", 2)
     prompt = PROMPTS[1]
     req = GenerateRequest(
         input_ids=prompt,

@@ -20,7 +20,8 @@ import torch
 from safetensors.torch import load_file
 
 from reefd.engines import EngineError, ModelConfig
-from reefd.engines.sglang import SGLangClient, SGLangEngine
+from reefd.engines.sglang import SGLangEngine
+from reefd.engines.sglang_client import SGLangClient
 from reefd.serve.chat import ChatRequest, Completion
 from tests.conftest import free_port
 from tests.loras import make_weights

@@ -36,9 +36,8 @@ class Always:
     def check(self) -> str | None:
         return None
 
-    async def evaluate(self, generate: Generate, *, current: str | None, candidate: str | None,
-                       concurrency: int = 4, context: dict[str, Any] | None = None,
-                       known_current: KnownScores | None = None) -> Verdict:
+    async def evaluate(self, generate: Generate, *, current: str | None, candidate: str | None, concurrency: int = 4,
+                       context: dict[str, Any] | None = None, known_current: KnownScores | None = None) -> Verdict:
         if concurrency < 1:
             raise ValueError(f"concurrency must be at least 1, not {concurrency}")
         return Verdict(True, "always", None, None, 0, 0.0, None, "gate kind is always", [])
@@ -93,9 +92,8 @@ class TaskGate:
                     f"{self.cfg.min_tasks}: the gate would always fail")
         return None
 
-    async def evaluate(self, generate: Generate, *, current: str | None, candidate: str | None,
-                       concurrency: int = 4, context: dict[str, Any] | None = None,
-                       known_current: KnownScores | None = None) -> Verdict:
+    async def evaluate(self, generate: Generate, *, current: str | None, candidate: str | None, concurrency: int = 4,
+                       context: dict[str, Any] | None = None, known_current: KnownScores | None = None) -> Verdict:
         """Judge `candidate` (an adapter name, None for the base model) against `current`. `context` goes into
         the fingerprint; `known_current(fingerprint)` may give the current side's per-task means, which then
         stand in for generating them (only for a kind that asks the current side)."""

@@ -1,11 +1,6 @@
-"""Where weight jobs run (`recipe.backend`): the TrainerBackend plug point, and `local`, which keeps
-`python -m reefd.train --serve` processes warm between jobs.
-
-A trainer process imports torch, transformers and peft once (seconds of CPU) and then runs job after
-job, one spec path per line on its stdin; each job's JSON-lines events end with
-`{"event": "exit", "status": N}`. A process that dies (a crash, a kill on timeout) is simply
-replaced by the next job. Idle processes are kept (at most max_jobs) and stopped with reefd.
-Knows the trainer's stdin/stdout protocol; nothing about recipes or the chain. Torch-free: the daemon's side.
+"""`recipe.backend: local`: `python -m reefd.train --serve` processes on this machine, kept warm between jobs (at most
+max_jobs idle), one spec path per stdin line, each job's events ending with `{"event": "exit", "status": N}`.
+Knows the trainer's stdin/stdout protocol; nothing about recipes or the chain. Torch-free.
 """
 
 from __future__ import annotations
@@ -15,94 +10,30 @@ import contextlib
 import json
 import logging
 import sys
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
 
-from reefd import plugins
 from reefd.engines.supervisor import die_with_parent
+from reefd.grow.backends import Event, TrainerTimeout
 
 log = logging.getLogger("reefd.train")
 
-Event = dict[str, Any]
-CLUSTER_BACKENDS = ("ray", "slime")  # built with the scenario's cluster settings (recipe.ray_*, recipe.slime)
 
-
-class TrainerTimeout(Exception):
-    pass
-
-
-class TrainerBackend(Protocol):
-    """Where weight jobs run (`recipe.backend`: local, or pkg.mod:Class). reefd builds one per backend name as
-    `Class(work_dir, max_jobs)`: a folder of its own under STATE/jobs, and how many jobs may run at once.
-
-    Guarantees a backend gives reefd: `run` gets a spec file in the reefd.train format (reefd/train/spec.py),
-    relays the trainer's JSON events to `on_event` as they come, and returns the exit status
-    `python -m reefd.train --spec` would give (0 means the candidate is in the spec's output_dir, complete);
-    TrainerTimeout past `timeout_s`, with the job stopped. `close` stops what the backend started. A `ray` or
-    `slime` backend submits the same spec as a cluster job and relays its event lines, with no change to recipes
-    or the runner.
-
-    A backend whose jobs outlive reefd sets `detachable = True` and has `async stop(spec)`, which stops that job
-    wherever it runs (a cancel); the others stop their jobs when the task running `run` is cancelled."""
-
-    async def run(self, spec: Path, on_event: Callable[[Event], None], timeout_s: float) -> int: ...
-
-    async def close(self) -> None: ...
-
-    def prewarm(self) -> None:
-        """A hint that weight jobs are coming (a scenario trains weights): get ready now if that helps."""
-
-
-class Backends:
-    """The trainer backends in use, one per name, each built on first use."""
-
-    def __init__(self, work_dir: Path, max_jobs: int) -> None:
-        self.work_dir, self.max_jobs = work_dir, max_jobs
-        self._built: dict[str, TrainerBackend] = {}
-
-    def of(self, recipe: Any) -> TrainerBackend:
-        """The backend a scenario's `recipe` config names (a cluster backend: one per cluster and settings)."""
-        cluster = None
-        if recipe.backend in CLUSTER_BACKENDS:
-            cluster = {"address": recipe.ray_address, "resources": recipe.ray_resources,
-                       **({"slime": recipe.slime} if recipe.backend == "slime" else {})}
-        return self.get(recipe.backend, cluster)
-
-    def get(self, name: str, cluster: dict[str, Any] | None = None) -> TrainerBackend:
-        """PluginError when `name` names no importable TrainerBackend (a scenario's load checks it first).
-        `cluster`: a cluster backend's settings (`Class(work_dir, max_jobs, **cluster)`)."""
-        key = name if cluster is None else f"{name}@{json.dumps(cluster, sort_keys=True, default=str)}"
-        if key not in self._built:
-            cls = plugins.resolve(plugins.BACKENDS, name, "trainer backend")
-            missing = plugins.missing(TrainerBackend, cls)
-            if missing:
-                raise plugins.PluginError(f"trainer backend {name!r} is not a TrainerBackend (no {missing[0]})")
-            folder = self.work_dir if name in plugins.BACKENDS else self.work_dir / "backends" / name
-            self._built[key] = cls(folder, self.max_jobs, **(cluster or {}))
-        return self._built[key]
-
-    def prewarm(self, names: Iterable[str]) -> None:
-        """Get these backends ready ahead of their first job (a name that cannot be loaded is logged)."""
-        for name in sorted(set(names) - set(CLUSTER_BACKENDS)):  # a cluster starts each job's process itself
-            try:
-                self.get(name).prewarm()
-            except plugins.PluginError as exc:
-                log.warning("cannot prepare trainer backend %s: %s", name, exc)
-
-    async def close(self) -> None:
-        await asyncio.gather(*(b.close() for b in self._built.values()), return_exceptions=True)
+@dataclass
+class LocalConfig:
+    """local: no settings (how many jobs run at once is reefd's --max-jobs)."""
 
 
 class LocalTrainers:
-    """`local`: trainer subprocesses of this machine; their stderr goes to WORK_DIR/trainer.log.
+    """Trainer subprocesses, their stderr in WORK_DIR/trainer.log. A job is stopped (its timeout, a cancel, reefd
+    stopping) as Ray stops one: SIGTERM, SIGKILL STOP_GRACE_S later; the trainer saves the steps it finished."""
 
-    A job is stopped (its timeout, a cancel, reefd stopping) as a Ray cluster stops one: SIGTERM, and SIGKILL
-    STOP_GRACE_S later; the trainer saves the steps it finished meanwhile."""
-
+    Config = LocalConfig
+    detachable = full_weights = pushes = False
     STOP_GRACE_S = 3.0  # Ray's RAY_JOB_STOP_WAIT_TIME_S default
 
-    def __init__(self, work_dir: Path, max_jobs: int = 1) -> None:
+    def __init__(self, work_dir: Path, max_jobs: int = 1, cfg: LocalConfig | None = None) -> None:
         self.log_path = work_dir / "trainer.log"
         self.keep = max_jobs
         self._idle: list[asyncio.subprocess.Process] = []
@@ -183,8 +114,7 @@ class LocalTrainers:
             with contextlib.suppress(TimeoutError):  # what it says meanwhile, until it exits
                 async with asyncio.timeout(self.STOP_GRACE_S):
                     await _relay(proc, on_event)
-            raise TrainerTimeout(f"the trainer ran past the job timeout ({timeout_s:.0f} s); it was stopped"
-                                 ) from None
+            raise TrainerTimeout(f"the trainer ran past the job timeout ({timeout_s:.0f} s); it was stopped") from None
         except (BrokenPipeError, ConnectionResetError):
             status = await proc.wait()
         finally:

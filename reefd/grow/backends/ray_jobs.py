@@ -1,21 +1,6 @@
-"""`recipe.backend: ray`: weight jobs as Ray jobs, through the Ray Jobs REST API of a cluster's dashboard
-(`POST /api/jobs/`, `GET /api/jobs/{id}` and `/logs`, `POST /api/jobs/{id}/stop`, `PUT /api/packages/...`).
-reefd never imports ray.
-
-The job runs `python -m reefd.train --spec spec.json` on the cluster, as the local backend does, and its
-JSON-line events come back through the job's logs, polled. The submission id is the Reef job id (`reef-<job>`),
-so a job submitted again (a reefd restart mid-job) attaches to the one that exists instead of training twice.
-The spec, with the batch in it, travels as the job's `runtime_env.working_dir`: a zip uploaded to the cluster's
-own package store (`gcs://_ray_pkg_<sha1>.zip`, as Ray's job SDK does it). The base model, the adapter it
-continues from and the output folder are paths the spec names: a head on the same machine, or a filesystem
-the cluster shares with reefd (the same paths, and the same virtual environment at the same path).
-
-Stopping (a cancel, the job timeout) is Ray's `stop_job`: SIGTERM, SIGKILL 3 s later; the trainer saves the steps
-it finished. A job that fails shows the cluster's message and the last lines of its log.
-
-Address: the scenario's `recipe.ray_address`, else REEF_RAY_ADDRESS (the dashboard, http://host:8265). Token
-(Ray's `RAY_AUTH_MODE=token`): RAY_AUTH_TOKEN, else the file RAY_AUTH_TOKEN_PATH names, else the systemd
-credential `ray-token` ($CREDENTIALS_DIRECTORY/ray-token). Torch-free, ray-free: the daemon's side.
+"""`recipe.backend: ray`: weight jobs as Ray jobs through a cluster's Jobs REST API (docs/engines.md), each running
+`python -m reefd.train --spec` with its spec as the job's working_dir and relaying its event lines from the job's
+logs. Knows the Jobs API and the trainer's events; never imports ray or torch.
 """
 
 from __future__ import annotations
@@ -23,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
+import importlib.util
 import io
 import json
 import logging
@@ -32,17 +18,44 @@ import sys
 import time
 import zipfile
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import aiohttp
 
-from reefd.grow.backends.local import Event, TrainerTimeout
+from reefd.grow.backends import Event, TrainerTimeout
 
 log = logging.getLogger("reefd.train")
 ROOT = Path(__file__).resolve().parents[3]
 TERMINAL = ("SUCCEEDED", "FAILED", "STOPPED")
 ADDRESS_ENV = "REEF_RAY_ADDRESS"
+RESOURCES = ("num_cpus", "num_gpus", "memory", "resources")  # Ray's entrypoint_* fields
+
+
+@dataclass
+class RayConfig:
+    """ray: the cluster, and what each job's process needs on it."""
+
+    kind: ClassVar[str] = "ray"
+    address: str | None = field(default=None, metadata={
+        "description": f"The cluster's dashboard (Ray Jobs API), e.g. http://127.0.0.1:8265; default: {ADDRESS_ENV}."})
+    resources: dict[str, Any] = field(default_factory=dict, metadata={
+        "description": "Ray's entrypoint resources: num_cpus, num_gpus, memory (bytes), resources ({name: amount})."})
+
+    def __post_init__(self) -> None:
+        if importlib.util.find_spec("ray") is None:
+            raise ValueError(f"recipe.backend: {self.kind} needs Ray, which is not installed: pip install 'reefd[ray]'")
+        self.address = (self.address or os.environ.get(ADDRESS_ENV) or "").rstrip("/")
+        if not self.address:
+            raise ValueError(f"recipe.backend.address: backend {self.kind} needs a cluster address (or {ADDRESS_ENV})")
+        for key, value in self.resources.items():
+            if key not in RESOURCES:
+                raise ValueError(f"recipe.backend.resources.{key}: not one of {', '.join(RESOURCES)}")
+            ok = isinstance(value, dict) if key == "resources" else isinstance(value, int | float) and value >= 0
+            if not ok or isinstance(value, bool):
+                raise ValueError(f"recipe.backend.resources.{key}: {value!r} is not " + (
+                    "a map of resource names to amounts" if key == "resources" else "a number >= 0"))
 
 
 class RayUnavailable(Exception):
@@ -62,20 +75,20 @@ def ray_token() -> str | None:
 
 
 class RayJobs:
-    """Weight jobs on a Ray cluster (`Class(work_dir, max_jobs, address)`)."""
+    """Weight jobs on a Ray cluster (`Class(work_dir, max_jobs, RayConfig)`)."""
 
+    Config: type[RayConfig] = RayConfig
     detachable = True  # a job outlives reefd: after a restart, `run` with the same spec follows it
+    full_weights = pushes = False
     POLL_S = 0.5
     START_TIMEOUT_S = 300.0  # a job that never leaves PENDING (no resources, a dead cluster) fails after this
     STOP_WAIT_S = 10.0  # after `stop`: Ray's 3 s to SIGKILL, and the poll that sees the job end
     UNREACHABLE_S = 60.0  # a running job's cluster may fail to answer this long (a dashboard restart) before it fails
     SLOW_POLL_S = 2.0  # past the first minute, the job's state and log are read this often
 
-    def __init__(self, work_dir: Path, max_jobs: int = 1, address: str | None = None,
-                 resources: dict[str, Any] | None = None) -> None:
+    def __init__(self, work_dir: Path, max_jobs: int, cfg: RayConfig) -> None:
         self.work_dir, self.max_jobs = work_dir, max_jobs
-        self.address = (address or os.environ.get(ADDRESS_ENV) or "").rstrip("/")
-        self.resources = dict(resources or {})  # the entrypoint's: num_cpus, num_gpus, memory, resources
+        self.address, self.resources = str(cfg.address), dict(cfg.resources)
         self._session: aiohttp.ClientSession | None = None
 
     def prewarm(self) -> None:
@@ -95,8 +108,6 @@ class RayJobs:
 
     async def _call(self, method: str, path: str, body: dict[str, Any] | None = None,
                     data: bytes | None = None) -> tuple[int, Any]:
-        if not self.address:
-            raise RayUnavailable(f"no Ray cluster address: set recipe.ray_address or {ADDRESS_ENV}")
         try:
             async with self._http().request(method, f"{self.address}{path}", json=body, data=data) as r:
                 raw = await r.read()
@@ -161,7 +172,7 @@ class RayJobs:
             return
         working_dir = await self._upload(spec)
         entrypoint = self.entrypoint(spec)
-        # the trainer's own switches (REEF_TRAIN_*: faults for tests, holds) travel with the job
+        # the trainer's own switches (REEF_TRAIN_*) travel with the job
         env = {k: v for k, v in os.environ.items() if k.startswith("REEF_TRAIN_")}
         # the objective a spec names imports as it would for reefd (from a checkout, or reefd's PYTHONPATH)
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
@@ -177,7 +188,7 @@ class RayJobs:
 
     def package(self, spec: Path) -> bytes:
         """The job's working_dir, zipped: the spec (with its batch) at its root."""
-        return _zip_one(spec)
+        return zip_files({spec.name: spec.read_bytes()})
 
     def entrypoint(self, spec: Path) -> str:
         """The job's command, run in its working_dir."""
@@ -196,8 +207,7 @@ class RayJobs:
                                      f"({status}): {_tail(answer)}")
         return f"gcs://{name}"
 
-    async def _follow(self, submission: str, on_event: Callable[[Event], None], started: float,
-                      deadline: float) -> int:
+    async def _follow(self, submission: str, on_event: Callable[[Event], None], started: float, deadline: float) -> int:
         seen = 0
         lines: list[str] = []
         stopped_at: float | None = None  # when reefd stopped it (the timeout)
@@ -258,8 +268,7 @@ class RayJobs:
             await asyncio.sleep(self.POLL_S if now - started < 60 or stopped_at else self.SLOW_POLL_S)
 
     @staticmethod
-    def _exit_status(submission: str, info: dict[str, Any], lines: list[str],
-                     on_event: Callable[[Event], None]) -> int:
+    def _exit_status(submission: str, info: dict[str, Any], lines: list[str], on_event: Callable[[Event], None]) -> int:
         """0 when the job succeeded; else its exit code (1 without one), after an error event with the cluster's
         message and the last lines of the job's log (which end with the trainer's own error, or its traceback)."""
         if info.get("status") == "SUCCEEDED":
@@ -276,11 +285,14 @@ class RayJobs:
 LOG_TAIL_LINES = 8
 
 
-def _zip_one(path: Path) -> bytes:
-    """A zip holding `path` at its root (a working_dir package)."""
+def zip_files(files: dict[str, bytes]) -> bytes:
+    """A working_dir package holding these files at its root: the same files make the same package."""
     buf = io.BytesIO()
     with zipfile.ZipFile(buf, "w", zipfile.ZIP_DEFLATED) as z:
-        z.write(path, path.name)
+        for name, data in files.items():
+            info = zipfile.ZipInfo(name, date_time=(1980, 1, 1, 0, 0, 0))
+            info.external_attr = 0o644 << 16
+            z.writestr(info, data, zipfile.ZIP_DEFLATED)
     return buf.getvalue()
 
 

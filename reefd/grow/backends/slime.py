@@ -1,49 +1,28 @@
-"""`recipe.backend: slime`: weight jobs trained by slime (THUDM/slime: Megatron-LM training, on Ray), submitted to
-the scenario's Ray cluster as a Ray job through the same Jobs REST API as `backend: ray`. reefd imports neither
-ray nor torch; slime runs on the cluster, from its own install (its Docker image, `slimerl/slime`).
-
-What a job sends, as its `runtime_env.working_dir` package:
-- `batch.jsonl`: the batch, one sample per line in slime's `Sample.to_dict()` form: `tokens` (prompt then
-  completion ids, as the engine produced them), `response_length`, `loss_mask` (one per completion token),
-  `reward`, `status`, `rollout_log_probs`, and the record's receipt in `metadata`. Samples of one group are
-  adjacent, as slime's group normalisation expects.
-- `reef_slime.py` (reefd/train/slime_batch.py): it turns the batch into the file slime's
-  `--load-debug-rollout-data` reads (`torch.save({"rollout_id", "samples"})`), and after training moves slime's last
-  `--save-hf` checkpoint to the job's output folder.
-
-slime's arguments (`slime_args`) come from the scenario: the model (`--hf-checkpoint`, `--ref-load`, and
-`scripts/models/<model>.sh`'s Megatron shape arguments), the batch and rollout sizes, the advantage estimator the
-recipe's objective maps to (SAO → ppo, its critic baseline; GRPO → grpo), the optimizer, `--save`/`--save-hf`,
-`--use-tis --tis-clip STALE_CLIP` when the batch holds samples kept past max_staleness (`stale: weight`), and
-`recipe.slime.args` (any slime or Megatron argument; they win, over MODEL_ARGS too).
-
-Gated: `--load-debug-rollout-data` puts slime in train-only mode, so it starts no SGLang engine and pushes no
-weights. The HF checkpoint it saves comes back to reefd as a full-weights candidate. The gate judges it on an
-engine of its own, and once published reefd rolls it across the scenario's replicas with SGLang's
-`update_weights_from_disk`, the same endpoint slime's disk weight transport uses. The output folder is a path
-the cluster shares with reefd, as for `backend: ray`.
+"""`recipe.backend: slime`: weight jobs trained by slime (Megatron-LM on Ray) as Ray jobs: the batch as slime's
+rollout dump, slime's train.py arguments from the scenario, its last HF checkpoint as a full-weights candidate
+(docs/engines.md). Knows slime's arguments and formats; imports neither ray nor torch.
 """
 
 from __future__ import annotations
 
 import asyncio
-import io
+import contextlib
+import ipaddress
 import json
 import shlex
-import zipfile
+import urllib.parse
 from collections.abc import Callable
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
-from reefd.grow.backends.local import Event
-from reefd.grow.backends.ray_jobs import RayJobs
+from reefd.grow.backends import Event
+from reefd.grow.backends.ray_jobs import RayConfig, RayJobs, zip_files
 
 HELPER = Path(__file__).resolve().parents[2] / "train" / "slime_batch.py"
 ROLLOUT_FILE = "rollout.pt"
-# The recipe objective -> slime's --advantage-estimator (slime/utils/arguments.py: grpo, gspo, cispo,
-# reinforce_plus_plus, reinforce_plus_plus_baseline, ppo). SAO's advantage is reward - V(critic): slime's ppo
-# trains a critic beside the actor.
+# The recipe objective -> slime's --advantage-estimator (slime/utils/arguments.py). SAO's advantage is
+# reward - V(critic): slime's ppo trains a critic beside the actor.
 ESTIMATORS = {"recipes.sao.objective:SAOObjective": "ppo", "recipes.sao.objective:GRPOObjective": "grpo"}
 
 
@@ -52,11 +31,13 @@ class SlimeError(ValueError):
 
 
 @dataclass
-class SlimeSettings:
-    """`recipe.slime`: where slime is on the cluster, and how it runs there."""
+class SlimeConfig(RayConfig):
+    """slime: the Ray cluster (as for ray), where slime is on its nodes, and how it runs there."""
 
-    model: str = field(metadata={"description": "The Megatron model-shape arguments: slime's scripts/models/"
-                                                "<model>.sh (e.g. qwen3-4B), which defines MODEL_ARGS."})
+    kind: ClassVar[str] = "slime"
+    model: str = field(default="", metadata={"description": "The Megatron model-shape arguments: slime's "
+                                                            "scripts/models/<model>.sh (e.g. qwen3-4B), which defines "
+                                                            "MODEL_ARGS."})
     path: str = field(default="/root/slime", metadata={"description": "slime's checkout on the cluster's nodes "
                                                                       "(its Docker image has it at /root/slime)."})
     python: str = field(default="python3", metadata={"description": "The cluster's Python that has slime."})
@@ -67,31 +48,25 @@ class SlimeSettings:
     actor_num_gpus_per_node: int = field(default=8, metadata={"minimum": 1})
     push: bool = field(default=False,
                        metadata={"description": "slime pushes the weights of every step to an engine reefd launches "
-                                                "for the job (outside the router), where the gate then judges them."})
+                                                "for the job (outside the router), where the gate then judges them; "
+                                                "slime then runs on reefd's machine (a Ray head on localhost)."})
     args: dict[str, Any] = field(default_factory=dict,
                                  metadata={"description": "More slime or Megatron arguments, without their "
                                                           "dashes ({tensor-model-parallel-size: 2}); true is a "
                                                           "bare flag, null drops one reefd would pass."})
 
-    @classmethod
-    def parse(cls, raw: dict[str, Any]) -> SlimeSettings:
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(raw) - known)
-        if unknown:
-            raise SlimeError(f"recipe.slime.{unknown[0]}: unknown setting (known: {', '.join(sorted(known))})")
-        if not raw.get("model"):
-            raise SlimeError("recipe.slime.model: name slime's model script (scripts/models/<model>.sh), "
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not self.model:
+            raise SlimeError("recipe.backend.model: name slime's model script (scripts/models/<model>.sh), "
                              "e.g. qwen3-4B")
-        settings = cls(**raw)
-        for name in ("actor_num_nodes", "actor_num_gpus_per_node"):
-            value = getattr(settings, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise SlimeError(f"recipe.slime.{name}: {value!r} is not a whole number >= 1")
-        if not isinstance(settings.args, dict):
-            raise SlimeError("recipe.slime.args: a map of argument names to values")
-        if not isinstance(settings.push, bool):
-            raise SlimeError(f"recipe.slime.push: {settings.push!r} is not true or false")
-        return settings
+        address = str(self.address)
+        host = urllib.parse.urlsplit(address if "//" in address else f"//{address}").hostname or ""
+        with contextlib.suppress(ValueError):  # a name, not an IP address
+            host = "localhost" if ipaddress.ip_address(host).is_loopback else host
+        if self.push and host.lower() != "localhost":
+            raise SlimeError("recipe.backend.push: the engine reefd launches for slime to push to listens on "
+                             f"127.0.0.1, so slime must run on reefd's machine (a Ray head on localhost, not {host})")
 
 
 def rollout_sizes(samples: list[dict[str, Any]]) -> tuple[int, int]:
@@ -135,13 +110,16 @@ def batch_lines(doc: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def slime_args(doc: dict[str, Any], settings: SlimeSettings, work: Path) -> list[str]:
+def slime_args(doc: dict[str, Any], settings: SlimeConfig, work: Path) -> list[str]:
     """slime's train.py arguments for the spec `doc` (a reefd.train spec), without MODEL_ARGS."""
+    if doc.get("init_adapter"):
+        raise SlimeError("slime trains full weights, and the serving release has a LoRA adapter: publish its "
+                         "merged weights (reefctl publish --weights) before training with slime")
     objective = doc["objective"]
     estimator = settings.args.get("advantage-estimator") or ESTIMATORS.get(objective)
     if estimator is None:
         raise SlimeError(f"slime has no advantage estimator for the objective {objective}; set "
-                         "recipe.slime.args.advantage-estimator (grpo, gspo, cispo, reinforce_plus_plus, "
+                         "recipe.backend.args.advantage-estimator (grpo, gspo, cispo, reinforce_plus_plus, "
                          "reinforce_plus_plus_baseline or ppo)")
     samples, optim, settings_ = doc["samples"], doc["optim"], doc.get("settings") or {}
     n = len(samples)
@@ -177,7 +155,7 @@ def slime_args(doc: dict[str, Any], settings: SlimeSettings, work: Path) -> list
     if settings.push:  # the same batch through slime's forge loader: its engines stay, and weights are pushed
         engines = doc.get("engines") or []
         if not engines:
-            raise SlimeError("recipe.slime.push: reefd gave the job no engine to push to")
+            raise SlimeError("recipe.backend.push: reefd gave the job no engine to push to")
         args.pop("load-debug-rollout-data")
         args.update({"rollout-function-path": "slime.rollout.forge_load.generate_rollout",
                      "load-forge-rollout-data": str(work / "slime" / ROLLOUT_FILE),
@@ -192,7 +170,7 @@ def slime_args(doc: dict[str, Any], settings: SlimeSettings, work: Path) -> list
     args.update(settings.args)
     for kept in ("num-rollout", "save-hf", "save", "save-interval"):  # reefd reads the checkpoint back by them
         if args.get(kept) in (None, False):
-            raise SlimeError(f"recipe.slime.args: --{kept} cannot be dropped: reefd finds slime's checkpoint by it")
+            raise SlimeError(f"recipe.backend.args: --{kept} cannot be dropped: reefd finds slime's checkpoint by it")
     argv: list[str] = []
     for key, value in args.items():
         if value is None or value is False:
@@ -204,15 +182,15 @@ def slime_args(doc: dict[str, Any], settings: SlimeSettings, work: Path) -> list
 
 
 class SlimeJobs(RayJobs):
-    """Weight jobs as slime runs on a Ray cluster (`Class(work_dir, max_jobs, address, resources, slime)`)."""
+    """Weight jobs as slime runs on a Ray cluster (`Class(work_dir, max_jobs, SlimeConfig)`)."""
 
+    Config = SlimeConfig
     full_weights = True  # a job's candidate is a full HF model folder, whatever the recipe's target
 
-    def __init__(self, work_dir: Path, max_jobs: int = 1, address: str | None = None,
-                 resources: dict[str, Any] | None = None, slime: dict[str, Any] | None = None) -> None:
-        super().__init__(work_dir, max_jobs, address, resources)
-        self.settings = SlimeSettings.parse(dict(slime or {}))
-        self.pushes = self.settings.push  # the runner launches an engine for the job, named in the spec's `engines`
+    def __init__(self, work_dir: Path, max_jobs: int, cfg: SlimeConfig) -> None:
+        super().__init__(work_dir, max_jobs, cfg)
+        self.settings = cfg
+        self.pushes = cfg.push  # the runner launches an engine for the job, named in the spec's `engines`
         # the engine slime pushes to lives with reefd: a job that outlives reefd would push to nothing
         self.detachable = not self.pushes
 
@@ -224,30 +202,17 @@ class SlimeJobs(RayJobs):
     async def run(self, spec: Path, on_event: Callable[[Event], None], timeout_s: float) -> int:
         try:  # what cannot be a slime run fails here, with the reason, before anything reaches the cluster
             doc = json.loads(await asyncio.to_thread(Path(spec).read_text))
-            self._check(doc)
             slime_args(doc, self.settings, Path(spec).parent)
         except SlimeError as exc:
             on_event({"event": "error", "reason": str(exc)})
             return 2
         return await super().run(spec, on_event, timeout_s)
 
-    @staticmethod
-    def _check(doc: dict[str, Any]) -> None:
-        if doc.get("init_adapter"):
-            raise SlimeError("slime trains full weights, and the serving release has a LoRA adapter: publish its "
-                             "merged weights (reefctl publish --weights) before training with slime")
-
     def package(self, spec: Path) -> bytes:
         """The working_dir: the spec (the job's record of what it trained), batch.jsonl and reef_slime.py."""
         doc = json.loads(Path(spec).read_text())
-        buf = io.BytesIO()
-        with zipfile.ZipFile(buf, "w", zipfile.ZIP_DEFLATED) as z:
-            for name, data in (("spec.json", Path(spec).read_bytes()), ("batch.jsonl", batch_lines(doc).encode()),
-                               ("reef_slime.py", HELPER.read_bytes())):
-                info = zipfile.ZipInfo(name, date_time=(1980, 1, 1, 0, 0, 0))  # the same job, the same package
-                info.external_attr = 0o644 << 16
-                z.writestr(info, data, zipfile.ZIP_DEFLATED)
-        return buf.getvalue()
+        return zip_files({"spec.json": Path(spec).read_bytes(), "batch.jsonl": batch_lines(doc).encode(),
+                          "reef_slime.py": HELPER.read_bytes()})
 
     def entrypoint(self, spec: Path) -> str:
         """bash: the rollout file, slime's train.py with the model's MODEL_ARGS, then the checkpoint moved to the

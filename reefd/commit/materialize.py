@@ -1,0 +1,172 @@
+"""A release's artifacts from the chain into a scenario's engine: adapter folders (STATE/serving/<scenario>/<release>)
+and weights folders (STATE/weights/<tree id>) written once, then loaded, swapped in, and unloaded once unused;
+harnesses parsed. Does what the reconciler decides; knows nothing about pins, heads or trials."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import logging
+import shutil
+import tempfile
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from reefd.commit import chain as releases
+from reefd.commit.chain import Release, ReleaseChain, ReleaseError
+from reefd.engines import Engine, EngineError, EngineUnavailable, WeightSwap
+from reefd.harness import Harness, HarnessError
+from reefd.serve.scenarios import Binding, Registry, Scenario
+
+log = logging.getLogger("reefd.commit.reconcile")
+
+
+def read_harness(chain: ReleaseChain, release_id: str) -> Harness | None:
+    """A release's harness, parsed from its `harness/` tree (None when it has none)."""
+    if "harness" not in chain.artifacts(release_id):
+        return None
+    with tempfile.TemporaryDirectory(dir=chain.path / "lfs" / "tmp") as tmp:
+        folder = chain.materialize(release_id, Path(tmp) / "h", "harness")
+        try:
+            return Harness.from_dir(folder)
+        except HarnessError as exc:
+            raise ReleaseError(f"{release_id}: its harness does not parse: {exc}") from None
+
+
+@dataclass(frozen=True)
+class Artifacts:
+    """A release's artifact trees (None: it has none), and its harness parsed."""
+
+    adapter: str | None
+    weights: str | None
+    harness: Harness | None
+    harness_tree: str | None
+
+
+class Materializer:
+    """Each folder is written once (beside its place, then renamed) and shared by whatever serves it; the event
+    loop is never blocked."""
+
+    def __init__(self, registry: Registry, chain: ReleaseChain, state_dir: Path, scenarios_dir: Path):
+        self.registry = registry
+        self.chain = chain
+        self.serving_dir = state_dir / "serving"
+        self.weights_dir = state_dir / "weights"
+        self.scenarios_dir = scenarios_dir
+
+    @contextlib.asynccontextmanager
+    async def base_harness(self, harness_dir: str | None) -> AsyncIterator[Path | None]:
+        """A scenario's harness folder, read and rendered canonically into a temporary folder beside the chain's LFS
+        objects (None: it has none)."""
+        tmp = Path(await asyncio.to_thread(tempfile.mkdtemp, dir=self.chain.path / "lfs" / "tmp"))
+        try:
+            harness = await asyncio.to_thread(Harness.from_dir, self.scenarios_dir / harness_dir) \
+                if harness_dir else None
+            if harness is not None:
+                await asyncio.to_thread(harness.render, tmp / "harness")
+            yield tmp / "harness" if harness is not None else None
+        finally:
+            await asyncio.to_thread(shutil.rmtree, tmp, True)
+
+    async def artifacts(self, rel: Release, current: Binding | None) -> Artifacts:
+        """The release's artifacts, its adapter checked against its weights (an adapter serves only on the weights
+        it was trained on), and its harness (the current binding's, when the tree is the same)."""
+        found = await asyncio.to_thread(self.chain.artifacts, rel.id)
+        tree, weights, harness_tree = found.get("adapter"), found.get("weights"), found.get("harness")
+        claim = releases.trained_on(rel.meta) if tree is not None else None
+        if claim is not None and claim.get("tree") != weights:
+            made_on = claim.get("release") or "the base model"
+            raise ReleaseError(f"{rel.id}: its adapter was trained on the weights of {made_on}, not on the "
+                               "weights this release carries; it is not served")
+        harness = None if harness_tree is None else current.harness if current is not None and \
+            current.harness_tree == harness_tree else await asyncio.to_thread(read_harness, self.chain, rel.id)
+        return Artifacts(tree, weights, harness, harness_tree)
+
+    async def load(self, scenario: Scenario, release_id: str) -> str:
+        """The release's adapter, loaded on the scenario's engine under its release id (once)."""
+        if release_id not in scenario.engine.adapters:
+            await self._wait_ready(scenario)
+            await scenario.engine.load_adapter(release_id, await self.adapter(scenario.name, release_id))
+        return release_id
+
+    async def swap_weights(self, scenario: Scenario, rel: Release, found: Artifacts) -> None:
+        """Serve a release whose weights differ from what serves: the engine swaps them (holding new requests on
+        one process, rolling across replicas) and moves the binding at the moment the new weights serve."""
+        engine = scenario.engine
+        if not isinstance(engine, WeightSwap):
+            raise EngineError(f"{rel.id} carries full weights, which a {engine.kind} engine cannot load")
+        sharing = [name for name in self.registry.sharing(engine) if name != scenario.name]
+        if sharing:
+            raise EngineError(f"{rel.id} carries full weights, but scenario(s) {', '.join(sharing)} share this "
+                              f"model's engine; give {scenario.name} a model of its own (another model.name) to "
+                              "serve weights releases")
+        await self._wait_ready(scenario)
+        weights, tree = found.weights, found.adapter
+        path = None if weights is None else \
+            await asyncio.to_thread(self._write_once, self.weights_dir / weights, rel.id, "weights")  # shared
+        adapter = (rel.id, await self.adapter(scenario.name, rel.id)) if tree else None
+        binding = Binding(rel.id, rel.id if tree else None, tree, found.harness, found.harness_tree, weights, rel.id)
+        timeout = scenario.cfg.serve.request_timeout_s
+
+        async def drained(version: str | None) -> None:
+            await self.registry.drained(engine, version, timeout)
+
+        report = await engine.swap_weights(path, rel.id, adapter,
+                                           functools.partial(setattr, scenario, "binding", binding), drained)
+        log.info("%s: serving %s on its weights (%s)", scenario.name, rel.id, report)
+        keep = {s.binding.weights for s in self.registry.scenarios.values() if s.binding is not None}
+        keep |= {e.weights.path.name for e in self.registry.engines.values()
+                 if isinstance(e, WeightSwap) and e.weights.path is not None}
+        for folder in await asyncio.to_thread(lambda: list(self.weights_dir.glob("*"))):
+            if folder.name not in keep and not folder.name.startswith("."):  # weights nothing serves: dropped
+                await asyncio.to_thread(shutil.rmtree, folder, True)  # (a rollback writes them again)
+        await self.drop_adapters(f"{scenario.name}/*", keep=rel.id)  # adapters of the old weights: unloaded
+
+    async def retire(self, engine: Engine, old: Binding, drain_s: float) -> None:
+        """Unload an adapter no scenario serves any more, once the requests that started on it are done."""
+        name = old.adapter
+        assert name is not None
+        deadline = time.monotonic() + drain_s
+        while self.registry.in_flight(engine, name) and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        if name in self.registry.adapters(engine) or name not in engine.adapters:
+            return  # served again meanwhile (or on trial), or already gone
+        try:
+            await engine.unload_adapter(name)
+        except (EngineError, EngineUnavailable) as exc:
+            log.warning("unloading adapter %s failed: %s", name, exc)
+            return
+        await self.drop_adapters(f"*/{name}")
+        log.info("unloaded adapter %s", name)
+
+    async def _wait_ready(self, scenario: Scenario) -> None:
+        deadline = time.monotonic() + scenario.cfg.model.startup_timeout_s
+        while not scenario.engine.ready:
+            if scenario.engine.describe()["state"] == "failed" or time.monotonic() > deadline:
+                raise EngineUnavailable(f"engine for model {scenario.cfg.model.name!r} is "
+                                        f"{scenario.engine.describe()['state']}")
+            await asyncio.sleep(0.1)
+
+    async def adapter(self, scenario: str, release_id: str) -> Path:
+        """The release's adapter folder under STATE/serving/<scenario>/<release>."""
+        return await asyncio.to_thread(self._write_once, self.serving_dir / scenario / release_id, release_id,
+                                       "adapter")
+
+    async def drop_adapters(self, pattern: str, keep: str | None = None) -> None:
+        """Remove the adapter folders matching `pattern` (<scenario>/<release> globs) but `keep`."""
+        for folder in await asyncio.to_thread(lambda: list(self.serving_dir.glob(pattern))):
+            if folder.name != keep:
+                await asyncio.to_thread(shutil.rmtree, folder, True)
+
+    def _write_once(self, dest: Path, release_id: str, folder: str) -> Path:
+        """`dest`, holding the release's `folder` from the chain: written beside it, then renamed into place."""
+        if dest.is_dir():
+            return dest
+        tmp = dest.with_name(f".{dest.name}.tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        self.chain.materialize(release_id, tmp, folder=folder)
+        tmp.rename(dest)
+        return dest

@@ -1,0 +1,104 @@
+"""The state the parts of an SGLang-speaking engine share (its config, processes, served weights and adapters, its
+admin lock) and the ways to reach its processes. Knows nothing about generating, swapping or launching."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+
+from reefd.engines import EngineUnavailable, ModelConfig, Weights
+from reefd.engines.replicas import Replicas
+from reefd.engines.sglang_client import SGLangClient
+from reefd.engines.supervisor import Supervisor
+from reefd.serve.chat import ChatTemplate
+
+
+class SGLangBase:
+    """What every part of SGLangEngine reads and writes: one process (`supervisor`, or an attached `client`) or
+    several behind sglang-router (`replicas`)."""
+
+    def __init__(self, cfg: ModelConfig, state_dir: Path, session: aiohttp.ClientSession):
+        self.kind = cfg.engine
+        self.cfg = cfg
+        self.state_dir = state_dir
+        self.session = session
+        self.template: ChatTemplate | None = None
+        self.context_length: int | None = cfg.context_length
+        self.model_dir: Path | None = Path(cfg.path) if cfg.path else None
+        self.supervisor: Supervisor | None = None
+        self.client: SGLangClient | None = None
+        self._state = "starting"
+        self._task: asyncio.Task[None] | None = None
+        self.adapters: dict[str, Path] = {}  # loaded LoRA adapters, put back after every restart
+        self.replicas: Replicas | None = None  # several replicas behind sglang-router (model.replicas, workers)
+        self._admin = asyncio.Lock()  # adapter and weight changes, and the replicas' repair pass, one at a time
+        self.repairs = 0
+        self.weights = Weights()  # what new requests get; a (re)started process is given them before it serves
+        self._admission = asyncio.Event()  # cleared while one engine process loads new weights: new requests wait
+        self._admission.set()
+        self.last_swap: dict[str, Any] | None = None  # the last weights swap: when, how long, how long requests held
+        self._group: tuple[str, list[str]] | None = None  # a trainer's weight update group: its name, its processes
+
+    @property
+    def ready(self) -> bool:
+        if self.replicas is not None:
+            return self.template is not None and self.replicas.ready
+        return self.template is not None and self.state == "ready"
+
+    @property
+    def state(self) -> str:
+        if self.replicas is not None:
+            return self.replicas.state
+        return self.supervisor.state if self.supervisor is not None else self._state
+
+    def _client(self) -> SGLangClient:
+        if not self.ready:
+            raise EngineUnavailable(f"engine for model {self.cfg.name!r} is {self.state}; "
+                                    "retry shortly", retry_after=2)
+        if self.replicas is not None:  # generation goes through the router
+            if self.client is None or self.client.base_url != self.replicas.router_url:
+                self.client = SGLangClient(self.session, self.replicas.router_url)
+            return self.client
+        if self.supervisor is not None and (self.client is None or self.client.base_url != self.supervisor.url):
+            self.client = SGLangClient(self.session, self.supervisor.url)
+        assert self.client is not None
+        return self.client
+
+    def _processes(self) -> list[SGLangClient]:
+        """Every process serving now: each replica directly (the router 404s admin calls), or the one process."""
+        if self.replicas is None:
+            return [self._client()]
+        return [SGLangClient(self.session, u) for u in self.replicas.urls()]
+
+    @contextlib.asynccontextmanager
+    async def _holding(self) -> AsyncIterator[Callable[[], float]]:
+        """New requests wait (`admit`) for the block; yields a function giving the seconds held so far."""
+        self._admission.clear()
+        started = time.monotonic()
+        try:
+            yield lambda: round(time.monotonic() - started, 3)
+        finally:
+            self._admission.set()
+
+    def _weights_path(self, weights: Weights) -> Path:
+        path = weights.path or self.model_dir
+        if path is None:
+            raise EngineUnavailable(f"engine for model {self.cfg.name!r} has no model folder yet")
+        return path
+
+    def _kill(self, url: str, why: str) -> None:
+        if self.replicas is not None:
+            for replica in self.replicas.replicas:
+                if replica.url == url and replica.supervisor is not None:
+                    replica.state = "restarting"
+                    replica.supervisor.kill(why)
+                elif replica.url == url:  # attached: its watcher gives it the weights again, then it rejoins
+                    replica.state = "unhealthy"
+        elif self.supervisor is not None:
+            self.supervisor.kill(why)
