@@ -34,15 +34,20 @@ lint: venv
 	$(BIN)/ruff check reefd recipes tests bench
 	$(BIN)/mypy
 
+# Test processes: one per core (auto). The suite mostly waits on the processes it starts (reefd, engine workers,
+# trainers), so two processes on two cores take about 40% off; a module stays in one (--dist loadfile), with the
+# daemon it shares. TEST_WORKERS=0 runs everything in this process.
+TEST_WORKERS ?= auto
+
 test: venv lint
-	@$(BIN)/python -m pytest -m "not slow" --durations=25; rc=$$?; \
+	@$(BIN)/python -m pytest -m "not slow" -n $(TEST_WORKERS) --dist loadfile --durations=25; rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "make: pytest collected no tests; that is a failure" >&2; exit 1; fi; \
 	exit $$rc
 
 # The fast tier, in about two minutes: lint, types, and every test that starts no reefd and no engine worker
 # (tests/conftest.py marks the others `e2e`, and fails a test that starts one unmarked). `make test` runs them all.
 check: venv lint
-	@$(BIN)/python -m pytest -m "not slow and not e2e" --durations=10; rc=$$?; \
+	@$(BIN)/python -m pytest -m "not slow and not e2e" -n $(TEST_WORKERS) --dist loadfile --durations=10; rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "make: pytest collected no tests; that is a failure" >&2; exit 1; fi; \
 	exit $$rc
 

@@ -135,5 +135,5 @@ def median(values: list[float]) -> float:
     return statistics.median(values)
 
 
-__all__ = ["ROOT", "Daemon", "cpu_busy_s", "load", "os", "pct", "peak_rss_mb", "process_cpu_s", "rss_mb", "scratch_dir",
-           "start_reefd", "start_upstream", "tree_cpu_s", "upstream_scenario"]
+__all__ = ["ROOT", "Daemon", "cpu_busy_s", "free_port", "load", "os", "pct", "peak_rss_mb", "process_cpu_s", "rss_mb",
+           "scratch_dir", "start_reefd", "start_upstream", "tree_cpu_s", "upstream_scenario"]

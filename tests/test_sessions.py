@@ -139,3 +139,23 @@ def test_open_turns_are_reopened_from_their_records() -> None:
     nxt = fresh.place("s", "r1", None, [user("hi"), said("Hello!"), user("thanks")], [])
     assert (nxt.session, nxt.turn, nxt.previous) == ("s-r0", 1, "r0")
     fresh.restore("s", {"id": "bad", "turn_kind": "main", "conversation": {"request": "x"}})  # ignored, no error
+
+
+def test_a_session_served_again_outlives_one_that_went_quiet() -> None:
+    """Expiry follows each session's newest turn: a session opened first but served again stays open while one
+    opened later and left quiet expires (expiry looks at the oldest turns only, not at every open session)."""
+    clock = Clock()
+    c = Conversations(lambda _: 60.0, clock)
+    serve(c, "r0", [user("first")], "One", header="A")
+    clock.now += 10
+    serve(c, "r1", [user("second")], "Two", header="B")
+    clock.now += 40
+    serve(c, "r2", [user("first again")], "Three", header="A")
+    clock.now += 15  # B was last seen 55 s ago, A's first turn 65 s ago but its newest 15 s ago
+    assert c.counts("s") == {**c.counts("s"), "open": 2, "expired": 0}
+    clock.now += 10  # B: 65 s
+    assert (c.counts("s")["open"], c.counts("s")["expired"]) == (1, 1)
+    nxt = c.place("s", "r3", "A", [user("first again"), said("Three"), user("and again")], [])
+    assert (nxt.turn, nxt.previous) == (2, "r2")
+    gone = c.place("s", "r4", "B", [user("second"), said("Two"), user("more")], [])
+    assert (gone.turn, gone.previous, gone.unlinked) == (0, None, True)

@@ -115,6 +115,7 @@ class Reconciler:
                 scenario.error = str(exc) or type(exc).__name__
                 expected = (EngineError, EngineUnavailable, ReleaseError, HarnessError, OSError)
                 log.error("%s: %s", scenario.name, exc, exc_info=not isinstance(exc, expected))
+            scenario.settled = True
             return scenario.binding
 
     async def _declared_head(self, scenario: Scenario) -> tuple[Release, str | None]:

@@ -23,6 +23,7 @@ import hashlib
 import json
 import logging
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -159,13 +160,38 @@ class Counts:
 
 
 class _Open:
-    """One scenario's open turns."""
+    """One scenario's open turns. Each map is kept oldest first (by `seen`), so expiring is a look at its head,
+    not a scan of every open session on every turn."""
 
     def __init__(self) -> None:
-        self.by_reply: dict[str, Turn] = {}
-        self.by_request: dict[str, Turn] = {}
-        self.last: dict[str, Turn] = {}  # session -> its newest main turn
+        self.by_reply: OrderedDict[str, Turn] = OrderedDict()
+        self.by_request: OrderedDict[str, Turn] = OrderedDict()  # a request's first main turn
+        self.last: OrderedDict[str, Turn] = OrderedDict()  # session -> its newest main turn
         self.counts = Counts()
+
+    def open(self, turn: Turn, kind: str) -> None:
+        self.by_reply[turn.reply] = turn
+        self.by_reply.move_to_end(turn.reply)
+        if kind == "main":
+            self.by_request.setdefault(turn.request, turn)
+            current = self.last.get(turn.session)
+            if current is None or current.index <= turn.index:
+                self.last[turn.session] = turn
+                self.last.move_to_end(turn.session)
+
+    def expire(self, cutoff: float) -> int:
+        """Forget the turns last seen before `cutoff`; returns how many sessions went."""
+        _drop_before(self.by_reply, cutoff)
+        _drop_before(self.by_request, cutoff)
+        return _drop_before(self.last, cutoff)
+
+
+def _drop_before(turns: OrderedDict[str, Turn], cutoff: float) -> int:
+    n = 0
+    while turns and next(iter(turns.values())).seen < cutoff:
+        turns.popitem(last=False)
+        n += 1
+    return n
 
 
 class Conversations:
@@ -200,7 +226,7 @@ class Conversations:
                         record.get("release"))
         except (KeyError, TypeError, ValueError):
             return
-        self._open_turn(self._scenario(scenario), turn, record["turn_kind"])
+        self._scenario(scenario).open(turn, record["turn_kind"])
 
     def _scenario(self, name: str) -> _Open:
         return self._open.setdefault(name, _Open())
@@ -277,26 +303,10 @@ class Conversations:
         turn = Turn(receipt, placement.session, placement.turn, placement.request,
                     chain(placement.request, reply), placement.length, placement.fingerprint,
                     self.clock() if at is None else at, placement.explicit, release)
-        self._open_turn(self._scenario(scenario), turn, placement.kind)
-
-    @staticmethod
-    def _open_turn(s: _Open, turn: Turn, kind: str) -> None:
-        s.by_reply[turn.reply] = turn
-        if kind == "main":
-            s.by_request.setdefault(turn.request, turn)
-            current = s.last.get(turn.session)
-            if current is None or current.index <= turn.index:
-                s.last[turn.session] = turn
+        self._scenario(scenario).open(turn, placement.kind)
 
     def expire(self, scenario: str) -> None:
         """Forget the sessions idle for longer than the scenario's session_ttl_s; count them."""
         s = self._scenario(scenario)
-        cutoff = self.clock() - self.ttl_s(scenario)
-        stale = [name for name, t in s.last.items() if t.seen < cutoff]
-        for name in stale:
-            del s.last[name]
-        s.counts.expired += len(stale)
-        if stale or len(s.by_reply) > 4 * max(1, len(s.last)) + 64:
-            s.by_reply = {k: t for k, t in s.by_reply.items() if t.seen >= cutoff}
-            s.by_request = {k: t for k, t in s.by_request.items() if t.seen >= cutoff}
+        s.counts.expired += s.expire(self.clock() - self.ttl_s(scenario))
 

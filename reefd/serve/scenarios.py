@@ -93,6 +93,7 @@ class Scenario:
     error: str | None = None  # why the reconciler could not make it serve what is declared
     recipe: Recipe | None = None  # its recipe, for what it asks of serving (top-K capture) and judging
     trial: Trial | None = None  # a release on trial beside `binding` (canary or shadow)
+    settled: bool = False  # the reconciler has tried once to serve what is declared (readiness waits for it)
     # what the engine and the recipe declare, read once here rather than on every request:
     admits: Admits | None = field(init=False)  # the engine holds new requests while it swaps weights
     weight_swap: WeightSwap | None = field(init=False)  # the engine serves full-weight releases
@@ -170,7 +171,8 @@ class Registry:
             same_engine = old is not None and old.engine is self.engines[key]
             scenarios[name] = Scenario(cfg, self.engines[key], old.binding if old and same_engine else None,
                                        old.error if old and same_engine else None, _recipe(cfg),
-                                       old.trial if old and same_engine else None)
+                                       old.trial if old and same_engine else None,
+                                       settled=bool(old and same_engine and old.settled))
         return scenarios, fresh
 
     async def start(self) -> None:
@@ -325,7 +327,8 @@ class Registry:
             for name, scenario in scenarios.items():  # swaps made while this reload waited still hold
                 old = self.scenarios.get(name)
                 if old is not None and old is not scenario and old.engine is scenario.engine:
-                    scenario.binding, scenario.error = old.binding, old.error
+                    scenario.binding, scenario.trial, scenario.error, scenario.settled = \
+                        old.binding, old.trial, old.error, old.settled
             self.scenarios = scenarios
             used = {id(s.engine) for s in scenarios.values()}
             drain = max((s.cfg.serve.request_timeout_s for s in scenarios.values()), default=600.0)
@@ -350,7 +353,9 @@ class Registry:
 
     @property
     def ready(self) -> bool:
-        return all(s.engine.ready and s.binding for s in self.scenarios.values())
+        """Every scenario's engine generates and serves what its chain declares: at start, not before its first
+        reconcile is done (a canary restored after a restart is in place before traffic comes)."""
+        return all(s.engine.ready and s.binding and s.settled for s in self.scenarios.values())
 
     def get(self, name: str) -> Scenario:
         """UnknownScenario when no scenario of that name is served."""

@@ -107,8 +107,14 @@ class Batcher:
 
     @property
     def busy(self) -> int:
-        """Requests waiting or running."""
-        return len(self._waiting) + len(self.rows)
+        """Requests waiting or running. A row whose end is decided counts no more: its client may already hold
+        the answer while the batcher drops the row (_reap)."""
+        return len(self._waiting) + self.running
+
+    @property
+    def running(self) -> int:
+        """Rows still generating (any thread; a snapshot)."""
+        return sum(1 for row in list(self.rows) if row.finish is None)
 
     def stop(self, timeout: float = 10.0) -> None:
         """Abort every request and end the batcher thread."""

@@ -15,7 +15,7 @@ from transformers import DynamicCache, PretrainedConfig
 try:  # transformers >= 4.56: a cache is a list of layer objects
     from transformers.cache_utils import DynamicLayer
 except ImportError:  # older: plain key/value lists, which grow by concatenation
-    DynamicLayer = None  # type: ignore[assignment,misc]
+    DynamicLayer = None
 
 KV = list[tuple[torch.Tensor, torch.Tensor]]  # per layer: (keys, values), each (batch, heads, seq, dim)
 
@@ -25,7 +25,7 @@ def tensors(cache: DynamicCache) -> KV:
     layers = getattr(cache, "layers", None)
     if layers is not None:  # transformers >= 4.56
         return [(layer.keys, layer.values) for layer in layers]
-    return list(zip(cache.key_cache, cache.value_cache, strict=True))  # type: ignore[attr-defined]
+    return list(zip(cache.key_cache, cache.value_cache, strict=True))
 
 
 SLACK = 256  # columns a new buffer holds beyond its contents
@@ -44,6 +44,8 @@ if DynamicLayer is not None:
         """
 
         _buffers: tuple[torch.Tensor, torch.Tensor] | None = None
+        keys: torch.Tensor | None
+        values: torch.Tensor | None
 
         def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
                    ) -> tuple[torch.Tensor, torch.Tensor]:

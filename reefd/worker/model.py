@@ -275,7 +275,7 @@ def _use_weight_major_linears(model: torch.nn.Module) -> None:
     """
     for module in model.modules():
         if type(module) is torch.nn.Linear:
-            module.forward = _weight_major_forward(module)  # type: ignore[method-assign]
+            module.forward = _weight_major_forward(module)
 
 
 def _weight_major_forward(linear: torch.nn.Linear) -> Any:

@@ -429,24 +429,27 @@ def test_pause_and_continue_generation_as_sglang(worker: Worker) -> None:
     while json.loads(worker.get("/server_info")[1])["running_requests"] == 0:
         time.sleep(0.01)
     assert worker.get("/flush_cache")[0] == 400  # SGLang flushes only an idle server
-    assert worker.post("/pause_generation", {}) == (200, {"message": "Generation paused successfully.",
-                                                         "status": "ok"})
-    running.join(60)
-    assert answers[0][0] == 503 and "aborted by pause_generation" in answers[0][1]["error"]["message"]
-    status, text = worker.get("/flush_cache")
-    assert status == 200 and text.startswith(b"Cache flushed.")
-    info = json.loads(worker.get("/server_info")[1])
-    assert info["is_paused"] is True and (info["tp_size"], info["pp_size"], info["enable_memory_saver"]) == \
-        (1, 1, False)
-    waiting: list[tuple[int, Any]] = []
-    held = threading.Thread(target=lambda: waiting.append(worker.post("/generate", {
-        "input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 2}})))
-    held.start()
-    time.sleep(0.5)
-    assert waiting == []  # held while paused
-    assert worker.post("/continue_generation", {}) == (200, {"message": "Generation continued successfully.",
-                                                            "status": "ok"})
-    held.join(60)
-    assert waiting[0][0] == 200 and waiting[0][1]["meta_info"]["completion_tokens"] == 2
-    assert worker.post("/pause_generation", {"mode": "later"})[0] == 400
-    assert json.loads(worker.get("/server_info")[1])["is_paused"] is False
+    try:
+        assert worker.post("/pause_generation", {}) == (200, {"message": "Generation paused successfully.",
+                                                             "status": "ok"})
+        running.join(60)
+        assert answers[0][0] == 503 and "aborted by pause_generation" in answers[0][1]["error"]["message"]
+        status, text = worker.get("/flush_cache")
+        assert status == 200 and text.startswith(b"Cache flushed.")
+        info = json.loads(worker.get("/server_info")[1])
+        assert info["is_paused"] is True and (info["tp_size"], info["pp_size"], info["enable_memory_saver"]) == \
+            (1, 1, False)
+        waiting: list[tuple[int, Any]] = []
+        held = threading.Thread(target=lambda: waiting.append(worker.post("/generate", {
+            "input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 2}})))
+        held.start()
+        time.sleep(0.5)
+        assert waiting == []  # held while paused
+        assert worker.post("/continue_generation", {}) == (200, {"message": "Generation continued successfully.",
+                                                                "status": "ok"})
+        held.join(60)
+        assert waiting[0][0] == 200 and waiting[0][1]["meta_info"]["completion_tokens"] == 2
+        assert worker.post("/pause_generation", {"mode": "later"})[0] == 400
+        assert json.loads(worker.get("/server_info")[1])["is_paused"] is False
+    finally:  # the worker is shared: never leave it paused for the next test
+        worker.post("/continue_generation", {})
