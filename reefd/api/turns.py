@@ -162,7 +162,9 @@ class Served:
         if self.metrics is not None:
             self.metrics.turn(record["scenario"], record["api"], record)
         scenario = record["scenario"]
-        self.conversations.served(scenario, record["id"], placement, record["messages"][-1], release=record["release"])
+        conversation = record.get("conversation")  # the reply's hash, from finish_record
+        reply = (conversation.get("reply") if isinstance(conversation, dict) else None) or record["messages"][-1]
+        self.conversations.served(scenario, record["id"], placement, reply, release=record["release"])
         if linked and placement.previous is not None:
             self.conversations.linked(scenario, placement.previous)
 
@@ -299,22 +301,39 @@ async def _unless_client_leaves(request: web.Request, work: Coroutine[Any, Any, 
     """`work`'s result; or None, with `work` cancelled, once the client has closed its connection.
 
     aiohttp keeps running a handler whose client left (cancelling any handler could cut a write in half), so a
-    long generation watches its own connection: its batch slot goes back as soon as nobody waits for it.
+    long generation watches its own connection: its batch slot goes back as soon as nobody waits for it. A timer
+    looks every DISCONNECT_POLL_S and cancels this task only while it awaits `work` (no task, no wait set per
+    turn: this runs on every non-streamed turn).
     """
-    task = asyncio.ensure_future(work)
-    try:
-        while True:
-            done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
-            if done:
-                return task.result()
-            transport = request.transport
-            if transport is None or transport.is_closing():
-                return None
-    finally:
-        if not task.done():
+    loop, task = asyncio.get_running_loop(), asyncio.current_task()
+    assert task is not None
+    left, handle = False, None
+
+    def look() -> None:
+        nonlocal handle, left
+        transport = request.transport
+        if transport is None or transport.is_closing():
+            left = True
             task.cancel()
-            with contextlib.suppress(asyncio.CancelledError, *FAILURES, ApiError):
-                await task
+        else:
+            handle = loop.call_later(DISCONNECT_POLL_S, look)
+
+    handle = loop.call_later(DISCONNECT_POLL_S, look)
+    try:
+        return await work
+    except asyncio.CancelledError:
+        if not left:  # reefd stopping, not the client leaving
+            raise
+        task.uncancel()
+        return None
+    except (*FAILURES, ApiError):
+        if left:  # what the cancelled engine request raised on its way out
+            task.uncancel()
+            return None
+        raise
+    finally:
+        if handle is not None:
+            handle.cancel()
 
 
 async def _first(events: AsyncIterator[Any]) -> Any:

@@ -229,7 +229,7 @@ class Conversations:
         self._scenario(scenario).open(turn, record["turn_kind"])
 
     def _scenario(self, name: str) -> _Open:
-        return self._open.setdefault(name, _Open())
+        return self._open.get(name) or self._open.setdefault(name, _Open())  # built only the first time
 
     def counts(self, scenario: str) -> dict[str, int]:
         s = self._scenario(scenario)
@@ -295,14 +295,15 @@ class Conversations:
         return replace(base, session=previous.session, turn=previous.index + 1, previous=previous.receipt,
                        next_state=state, sticky=previous.release)
 
-    def served(self, scenario: str, receipt: str, placement: Placement, reply: dict[str, Any],
+    def served(self, scenario: str, receipt: str, placement: Placement, reply: dict[str, Any] | str,
                at: float | None = None, release: str | None = None) -> None:
-        """A main or retry turn's record is durable: it is open for a continuation."""
+        """A main or retry turn's record is durable: it is open for a continuation. `reply`: the served reply, or
+        its hash `chain(placement.request, reply)` when the caller has it already (the record's)."""
         if placement.kind not in ("main", "retry") or placement.session is None or placement.turn is None:
             return
         turn = Turn(receipt, placement.session, placement.turn, placement.request,
-                    chain(placement.request, reply), placement.length, placement.fingerprint,
-                    self.clock() if at is None else at, placement.explicit, release)
+                    reply if isinstance(reply, str) else chain(placement.request, reply), placement.length,
+                    placement.fingerprint, self.clock() if at is None else at, placement.explicit, release)
         self._scenario(scenario).open(turn, placement.kind)
 
     def expire(self, scenario: str) -> None:
