@@ -93,9 +93,8 @@ class Batcher:
         """True while a running or waiting request uses adapter `name` (any thread; a snapshot)."""
         with self._cond:
             waiting = list(self._waiting)
-        return any(r.job.req.lora_path == name for r in list(self.rows)) or any(
-            j.req.lora_path == name and not j.cancelled for j in waiting
-        )
+        return any(r.job.req.lora_path == name for r in list(self.rows)) or \
+            any(j.req.lora_path == name and not j.cancelled for j in waiting)
 
     def abort_running(self, message: str) -> None:
         """Cancel every running and waiting request (call on the loop); they finish as `abort` with `message`."""
@@ -107,13 +106,12 @@ class Batcher:
 
     @property
     def busy(self) -> int:
-        """Requests waiting or running. A row whose end is decided counts no more: its client may already hold
-        the answer while the batcher drops the row (_reap)."""
+        """Requests waiting or running."""
         return len(self._waiting) + self.running
 
     @property
     def running(self) -> int:
-        """Rows still generating (any thread; a snapshot)."""
+        """Rows still generating (a snapshot; a finished row's client may hold its answer before _reap drops it)."""
         return sum(1 for row in list(self.rows) if row.finish is None)
 
     def stop(self, timeout: float = 10.0) -> None:
