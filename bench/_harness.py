@@ -28,16 +28,22 @@ def start_upstream() -> tuple[subprocess.Popen[bytes], str]:
     port = free_port()
     proc = subprocess.Popen([sys.executable, str(ROOT / "tests" / "fake_upstream.py"),
                              "--port", str(port)])
-    url = f"http://127.0.0.1:{port}/v1"
-    deadline = time.monotonic() + 30
+    wait_answering(f"http://127.0.0.1:{port}", "fake upstream")
+    return proc, f"http://127.0.0.1:{port}/v1"
+
+
+def wait_answering(url: str, what: str, timeout_s: float = 30.0) -> None:
+    """Until a server answers `url` + "/" (a 404 will do: it is up)."""
+    deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         try:
-            urllib.request.urlopen(url.replace("/v1", "/"), timeout=1)
+            urllib.request.urlopen(url + "/", timeout=1)
+            return
         except urllib.error.HTTPError:
-            return proc, url  # it answers (404 on /): it is up
+            return
         except OSError:
             time.sleep(0.1)
-    raise RuntimeError("fake upstream did not start")
+    raise RuntimeError(f"{what} did not start")
 
 
 def start_reefd(tmp: Path, extra: dict[str, str], names: tuple[str, ...] = (),
@@ -136,4 +142,4 @@ def median(values: list[float]) -> float:
 
 
 __all__ = ["ROOT", "Daemon", "cpu_busy_s", "free_port", "load", "os", "pct", "peak_rss_mb", "process_cpu_s", "rss_mb",
-           "scratch_dir", "start_reefd", "start_upstream", "tree_cpu_s", "upstream_scenario"]
+           "scratch_dir", "start_reefd", "start_upstream", "tree_cpu_s", "upstream_scenario", "wait_answering"]

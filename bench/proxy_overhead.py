@@ -19,9 +19,6 @@ import json
 import shutil
 import subprocess
 import sys
-import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 
 from _harness import (
@@ -34,6 +31,7 @@ from _harness import (
     start_reefd,
     start_upstream,
     upstream_scenario,
+    wait_answering,
 )
 
 BODY = {"model": "up", "messages": [{"role": "user", "content": "ping"}], "max_tokens": 8}
@@ -43,16 +41,8 @@ def start_bare(upstream: str, durable: Path | None) -> tuple[subprocess.Popen[by
     port = free_port()
     argv = [sys.executable, str(ROOT / "bench" / "bare_proxy.py"), "--port", str(port), "--upstream", upstream]
     proc = subprocess.Popen(argv + (["--durable", str(durable)] if durable is not None else []))
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        try:
-            urllib.request.urlopen(url + "/", timeout=1)
-        except urllib.error.HTTPError:
-            return proc, url + "/v1/chat/completions"  # it answers (404 on /): it is up
-        except OSError:
-            time.sleep(0.1)
-    raise RuntimeError("bench/bare_proxy.py did not start")
+    wait_answering(f"http://127.0.0.1:{port}", "bench/bare_proxy.py")
+    return proc, f"http://127.0.0.1:{port}/v1/chat/completions"
 
 
 def cpu_per_turn(pid: int, target: tuple[str, dict[str, str]], n: int, conc: int) -> tuple[float, list[float], float]:

@@ -23,7 +23,7 @@ def serve(c: Conversations, receipt: str, messages: list[dict[str, Any]], reply:
           tools: list[dict[str, Any]] | None = None, **kw: Any) -> Placement:
     """Place a request, then mark it served with `reply` (what the daemon does once the record is durable)."""
     p = c.place("s", receipt, header, messages, tools or [], **kw)
-    c.served("s", receipt, p, {"role": "assistant", "content": reply})
+    c.served("s", receipt, p, chain(p.request, {"role": "assistant", "content": reply}))
     return p
 
 
@@ -70,7 +70,7 @@ def test_only_a_strict_extension_continues() -> None:
     call = {"role": "assistant", "content": None, "tool_calls": [
         {"id": "a", "type": "function", "function": {"name": "ls", "arguments": '{"a": 1, "b": 2}'}}]}
     p = c.place("s", "r3", None, [user("list")], [])
-    c.served("s", "r3", p, call)
+    c.served("s", "r3", p, chain(p.request, call))
     resent = {"role": "assistant", "content": "",
               "tool_calls": [{"id": "z", "type": "function", "function": {"name": "ls", "arguments": '{"b":2,"a":1}'}}]}
     nxt = c.place("s", "r4", None, [user("list "), resent, {"role": "tool", "content": "x"}], [])

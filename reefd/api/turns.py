@@ -162,8 +162,7 @@ class Served:
         if self.metrics is not None:
             self.metrics.turn(record["scenario"], record["api"], record)
         scenario = record["scenario"]
-        conversation = record.get("conversation")  # the reply's hash, from finish_record
-        reply = (conversation.get("reply") if isinstance(conversation, dict) else None) or record["messages"][-1]
+        reply = record["conversation"]["reply"]  # new_record's placement fields, the hash from finish_record
         self.conversations.served(scenario, record["id"], placement, reply, release=record["release"])
         if linked and placement.previous is not None:
             self.conversations.linked(scenario, placement.previous)

@@ -295,14 +295,13 @@ class Conversations:
         return replace(base, session=previous.session, turn=previous.index + 1, previous=previous.receipt,
                        next_state=state, sticky=previous.release)
 
-    def served(self, scenario: str, receipt: str, placement: Placement, reply: dict[str, Any] | str,
+    def served(self, scenario: str, receipt: str, placement: Placement, reply: str,
                at: float | None = None, release: str | None = None) -> None:
-        """A main or retry turn's record is durable: it is open for a continuation. `reply`: the served reply, or
-        its hash `chain(placement.request, reply)` when the caller has it already (the record's)."""
+        """A main or retry turn's record is durable: it is open for a continuation. `reply`: the hash of its
+        request plus the served reply, `chain(placement.request, reply)` (the record's `conversation.reply`)."""
         if placement.kind not in ("main", "retry") or placement.session is None or placement.turn is None:
             return
-        turn = Turn(receipt, placement.session, placement.turn, placement.request,
-                    reply if isinstance(reply, str) else chain(placement.request, reply), placement.length,
+        turn = Turn(receipt, placement.session, placement.turn, placement.request, reply, placement.length,
                     placement.fingerprint, self.clock() if at is None else at, placement.explicit, release)
         self._scenario(scenario).open(turn, placement.kind)
 
