@@ -26,36 +26,18 @@ from reefd.ops.metrics import INSTALL_HINT
 __all__ = ["Settings", "build_app", "metrics_app"]
 
 
-@web.middleware
-async def trim_after_big_bodies(request: web.Request,
-                                handler: Callable[[web.Request], Awaitable[web.StreamResponse]]) -> web.StreamResponse:
-    """After a request with a big body (a long prompt, an upload), the memory it used goes back to the system."""
-    try:
-        return await handler(request)
-    finally:
-        if (request.content_length or 0) > malloc.BIG_BODY:
-            await asyncio.to_thread(malloc.trim)
-
-
-AGENT_APIS = (("/v1/chat/completions", "openai.chat_completions"), ("/v1/messages/count_tokens",
-              "anthropic.count_tokens"), ("/v1/messages", "anthropic.messages"), ("/v1/responses", "openai.responses"),
-              ("/reef/report", "reef.report"))
-
-
-def _agent_api(request: web.Request) -> str | None:
-    if request.method != "POST":
-        return None
-    return next((api for suffix, api in AGENT_APIS if request.path.endswith(suffix)), None)
+# The agent APIs, by handler, as reef_requests{api} names them.
+AGENT_APIS: dict[Callable[..., object], str] = {
+    openai.chat_completions: "openai.chat_completions", anthropic.count_tokens: "anthropic.count_tokens",
+    anthropic.messages: "anthropic.messages", responses.create: "openai.responses", reports.report: "reef.report"}
 
 
 @web.middleware
-async def count_requests(request: web.Request,
-                         handler: Callable[[web.Request], Awaitable[web.StreamResponse]]) -> web.StreamResponse:
-    """reef_requests{scenario, api, status}: every agent API request, with the status its caller got."""
-    api = _agent_api(request)
-    m = loop.of(request.app)
-    if api is None or m is None:
-        return await handler(request)
+async def edge(request: web.Request,
+               handler: Callable[[web.Request], Awaitable[web.StreamResponse]]) -> web.StreamResponse:
+    """Around every request: reef_requests{scenario, api, status} counts each agent API request with the status its
+    caller got; and after a request with a big body (a long prompt, an upload), the memory it used goes back to
+    the system."""
     status = 500
     try:
         response = await handler(request)
@@ -65,8 +47,11 @@ async def count_requests(request: web.Request,
         status = exc.status
         raise
     finally:
-        name = request.match_info.get("scenario") or request.headers.get(SCENARIO_HEADER)
-        m.child(m.requests, m.scenario(name), api, str(status)).inc()
+        api = AGENT_APIS.get(request.match_info.route.handler)
+        if api is not None and (m := loop.of(request.app)) is not None:
+            m.request(request.match_info.get("scenario") or request.headers.get(SCENARIO_HEADER), api, status)
+        if (request.content_length or 0) > malloc.BIG_BODY:
+            await asyncio.to_thread(malloc.trim)
 
 
 async def _scrape(main: web.Application) -> web.Response:
@@ -115,7 +100,7 @@ SCOPES: dict[Callable[..., object], str] = {
 def build_app(settings: Settings) -> web.Application:
     keyring = Keyring(settings.tokens, settings.tokens_file)
     keyring.reload()  # TokensFileError: reefd does not start on a tokens file it cannot use
-    app = web.Application(middlewares=[count_requests, trim_after_big_bodies, error_middleware,
+    app = web.Application(middlewares=[edge, error_middleware,
                                        auth_middleware(keyring, SCOPES)],
                           client_max_size=64 * 1024 * 1024)
     app[KEYRING] = keyring

@@ -203,8 +203,10 @@ def scrape_state(app: web.Application) -> metrics.State:
     scenarios = dict(registry.scenarios)
     lines = {name: line.describe() for name, s in scenarios.items()
              if (line := registry.admissions.get(id(s.engine))) is not None}
+    m = of(app)
     return metrics.State(scenarios, lines, {name: s.engine.describe() for name, s in scenarios.items()},
-                         app[RECORDS].counts, app[RECORDS].path, [copy.copy(j) for j in app[RUNNER].jobs.list()])
+                         app[RECORDS].counts, app[RECORDS].path, [copy.copy(j) for j in app[RUNNER].jobs.list()],
+                         m.turns.copy() if m is not None else None)
 
 
 def of(app: web.Application) -> metrics.Metrics | None:

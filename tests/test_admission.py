@@ -90,11 +90,11 @@ def test_a_client_that_leaves_the_line_gives_up_its_place_or_its_turn() -> None:
         done.set()
         await later
         # a turn granted in the same instant the client left goes to the next in line, never lost
-        await line._enter()  # x holds the only turn
+        await line.enter()  # x holds the only turn
         leaving = asyncio.create_task(hold(line, order, "y", asyncio.Event()))
         after = asyncio.create_task(hold(line, order, "z", (end := asyncio.Event())))
         await asyncio.sleep(0.01)
-        line._leave()  # x is done: its turn goes to y at once ...
+        line.leave()  # x is done: its turn goes to y at once ...
         leaving.cancel()  # ... and y leaves before it could use it
         await asyncio.sleep(0.01)
         assert order[-1] == "z" and line.running == 1

@@ -4,9 +4,11 @@ tests/e2e/test_openclaw.py."""
 
 from __future__ import annotations
 
+import hashlib
+import json
 from typing import Any
 
-from reefd.observe.conversations import Conversations, Placement, chain
+from reefd.observe.conversations import Conversations, Placement, chain, fingerprint, identity
 
 SYSTEM = {"role": "system", "content": "You are helpful."}
 
@@ -159,3 +161,23 @@ def test_a_session_served_again_outlives_one_that_went_quiet() -> None:
     assert (nxt.turn, nxt.previous) == (2, "r2")
     gone = c.place("s", "r4", "B", [user("second"), said("Two"), user("more")], [])
     assert (gone.turn, gone.previous, gone.unlinked) == (0, None, True)
+
+
+TRICKY = ["", "plain", "é and 😀", 'a "quote" \\ slash /', "line\nbreak\ttab", "\x00\x1f\x7f", "\u2028", "\ud800 lone",
+          "Zed", "zed"]
+
+
+def test_the_hashes_records_keep_are_those_of_the_canonical_json() -> None:
+    """Records keep a turn's hashes, and a restart reopens sessions from them: the written-out encodings on the
+    hot path must give the same bytes as the JSON encoders they stand for, for any text."""
+    canonical = json.JSONEncoder(sort_keys=True, ensure_ascii=False, separators=(",", ":"))
+    for role in ("user", "assistant", *TRICKY):
+        for text in TRICKY:
+            message = {"role": role, "content": text}
+            assert identity(message) == canonical.encode([role, text.strip(), []]).encode("utf-8", "surrogatepass")
+    system = [{"role": "system", "content": t} for t in TRICKY[:4]]
+    tools = [{"type": "function", "function": {"name": t}} for t in reversed(TRICKY)]
+    for messages, named in (([*system, user("hi")], tools), ([user("hi")], []), (system[:1], tools[:1])):
+        written = json.dumps([[t.strip() for t in (m["content"] for m in messages if m["role"] == "system")],
+                              sorted(t["function"]["name"] for t in named)])
+        assert fingerprint(messages, named) == hashlib.blake2b(written.encode(), digest_size=8).hexdigest()

@@ -22,10 +22,11 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import math
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 log = logging.getLogger("reefd.observe.conversations")
@@ -57,18 +58,26 @@ def identity(message: dict[str, Any]) -> bytes:
     """What makes two messages the same for continuation: role, text, and each tool call's name and arguments."""
     calls = [((c.get("function") or {}).get("name"), _arguments((c.get("function") or {}).get("arguments")))
              for c in message.get("tool_calls") or [] if isinstance(c, dict)]
-    return _CANONICAL.encode([message.get("role"), text_of(message.get("content")), calls]).encode(
-        "utf-8", "surrogatepass")
+    role, text = message.get("role"), text_of(message.get("content"))
+    if not calls and isinstance(role, str):  # most messages: the encoder's own bytes, without building one
+        canonical = f"[{_string(role)},{_string(text)},[]]"
+    else:
+        canonical = _CANONICAL.encode([role, text, calls])
+    return canonical.encode("utf-8", "surrogatepass")
 
 
-_CANONICAL = json.JSONEncoder(sort_keys=True, ensure_ascii=False, separators=(",", ":"))  # built once: per turn
+_CANONICAL = json.JSONEncoder(sort_keys=True, ensure_ascii=False, separators=(",", ":"))
+_string = json.encoder.encode_basestring  # a JSON string as _CANONICAL writes it (ensure_ascii=False)
+_ascii = json.encoder.encode_basestring_ascii  # ... and as json.dumps writes it
 
 
 def fingerprint(messages: list[dict[str, Any]], tools: list[dict[str, Any]]) -> str:
-    """The conversation's frame: its leading system text and its tools' names. Side calls differ in it."""
-    system = [text_of(m.get("content")) for m in _leading_system(messages)]
-    names = sorted(str((t.get("function") or t).get("name")) for t in tools if isinstance(t, dict))
-    return hashlib.blake2b(json.dumps([system, names]).encode(), digest_size=8).hexdigest()
+    """The conversation's frame: its leading system text and its tools' names. Side calls differ in it.
+    The hash is of `json.dumps([system, names])`, written out here (it runs on every turn)."""
+    system = ", ".join(_ascii(text_of(m.get("content"))) for m in _leading_system(messages))
+    names = ", ".join(map(_ascii, sorted(str((t.get("function") or t).get("name")) for t in tools
+                                          if isinstance(t, dict))))
+    return hashlib.blake2b(f"[[{system}], [{names}]]".encode(), digest_size=8).hexdigest()
 
 
 def _leading_system(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -168,8 +177,10 @@ class _Open:
         self.by_request: OrderedDict[str, Turn] = OrderedDict()  # a request's first main turn
         self.last: OrderedDict[str, Turn] = OrderedDict()  # session -> its newest main turn
         self.counts = Counts()
+        self.oldest = math.inf  # no open turn was seen before this: a cutoff at or below it expires nothing
 
     def open(self, turn: Turn, kind: str) -> None:
+        self.oldest = min(self.oldest, turn.seen)
         self.by_reply[turn.reply] = turn
         self.by_reply.move_to_end(turn.reply)
         if kind == "main":
@@ -181,9 +192,14 @@ class _Open:
 
     def expire(self, cutoff: float) -> int:
         """Forget the turns last seen before `cutoff`; returns how many sessions went."""
+        if cutoff <= self.oldest:  # every turn's check on a scenario with nothing to expire
+            return 0
         _drop_before(self.by_reply, cutoff)
         _drop_before(self.by_request, cutoff)
-        return _drop_before(self.last, cutoff)
+        gone = _drop_before(self.last, cutoff)
+        self.oldest = min((next(iter(turns.values())).seen for turns in (self.by_reply, self.by_request, self.last)
+                           if turns), default=math.inf)
+        return gone
 
 
 def _drop_before(turns: OrderedDict[str, Turn], cutoff: float) -> int:
@@ -192,6 +208,58 @@ def _drop_before(turns: OrderedDict[str, Turn], cutoff: float) -> int:
         turns.popitem(last=False)
         n += 1
     return n
+
+
+def _decide(s: _Open, receipt: str, header: str | None, convo: list[dict[str, Any]], hashes: list[str],
+            frame: str, side: bool) -> dict[str, Any]:
+    """Placement's session, turn, kind and links for a request (see Conversations.place); counts what it found."""
+    request = hashes[-1] if hashes else ""
+    mid = any(m.get("role") == "assistant" for m in convo)
+    if side:
+        s.counts.side += 1
+        known = s.last.get(header) if header is not None else None
+        return {"session": header or f"s-{receipt}", "turn": None, "kind": "side",
+                "sticky": known.release if known is not None else None}
+    if header is not None:
+        last = s.last.get(header)
+        if last is None:
+            s.counts.unlinked += mid
+            return {"session": header, "turn": 0, "kind": "main", "unlinked": mid}
+        if last.fingerprint != frame:
+            s.counts.side += 1
+            return {"session": header, "turn": None, "kind": "side", "sticky": last.release}
+        if request == last.request:
+            s.counts.retries += 1
+            return {"session": header, "turn": last.index, "kind": "retry", "retry_of": last.receipt,
+                    "sticky": last.release}
+        # the reply it extends may be a retry's (same slot): it then links to that exact receipt
+        target = s.by_reply.get(hashes[last.length]) if len(hashes) > last.length + 1 else None
+        if target is not None and target.session == header and target.index == last.index:
+            return _continued(target, convo[last.length + 1:])
+        return _continued(last, convo[-1:])  # no transcript resent: the new message follows
+    # no header: the longest open turn whose request plus reply this request extends
+    for i in range(len(hashes) - 2, -1, -1):
+        turn = s.by_reply.get(hashes[i])
+        if turn is None or turn.explicit:
+            continue
+        if turn.fingerprint != frame:
+            s.counts.side += 1
+            return {"session": turn.session, "turn": None, "kind": "side", "sticky": turn.release}
+        return _continued(turn, convo[i + 1:])
+    first = s.by_request.get(request)
+    if first is not None and not first.explicit and first.fingerprint == frame:
+        s.counts.retries += 1
+        return {"session": first.session, "turn": first.index, "kind": "retry", "retry_of": first.receipt,
+                "sticky": first.release}
+    s.counts.unlinked += mid
+    return {"session": f"s-{receipt}", "turn": 0, "kind": "main", "unlinked": mid}
+
+
+def _continued(previous: Turn, following: list[dict[str, Any]]) -> dict[str, Any]:
+    state = [{"role": m.get("role"), "content": text_of(m.get("content")),
+              **({"name": m["name"]} if isinstance(m.get("name"), str) else {})} for m in following]
+    return {"session": previous.session, "turn": previous.index + 1, "kind": "main", "previous": previous.receipt,
+            "next_state": state, "sticky": previous.release}
 
 
 class Conversations:
@@ -246,54 +314,8 @@ class Conversations:
         hashes = prefix_hashes(convo)
         frame = fingerprint(messages, tools)
         request = hashes[-1] if hashes else ""
-        base = Placement(None, None, "main", request=request, length=len(convo), fingerprint=frame,
-                         explicit=header is not None)
-        mid = any(m.get("role") == "assistant" for m in convo)
-        if side:
-            s.counts.side += 1
-            known = s.last.get(header) if header is not None else None
-            return replace(base, session=header or f"s-{receipt}", turn=None, kind="side",
-                           sticky=known.release if known is not None else None)
-        if header is not None:
-            last = s.last.get(header)
-            if last is None:
-                s.counts.unlinked += mid
-                return replace(base, session=header, turn=0, kind="main", unlinked=mid)
-            if last.fingerprint != frame:
-                s.counts.side += 1
-                return replace(base, session=header, turn=None, kind="side", sticky=last.release)
-            if request == last.request:
-                s.counts.retries += 1
-                return replace(base, session=header, turn=last.index, kind="retry", retry_of=last.receipt,
-                               sticky=last.release)
-            # the reply it extends may be a retry's (same slot): it then links to that exact receipt
-            target = s.by_reply.get(hashes[last.length]) if len(hashes) > last.length + 1 else None
-            if target is not None and target.session == header and target.index == last.index:
-                return self._continue(base, target, convo[last.length + 1:])
-            return self._continue(base, last, convo[-1:])  # no transcript resent: the new message follows
-        # no header: the longest open turn whose request plus reply this request extends
-        for i in range(len(hashes) - 2, -1, -1):
-            turn = s.by_reply.get(hashes[i])
-            if turn is None or turn.explicit:
-                continue
-            if turn.fingerprint != frame:
-                s.counts.side += 1
-                return replace(base, session=turn.session, turn=None, kind="side", sticky=turn.release)
-            return self._continue(base, turn, convo[i + 1:])
-        first = s.by_request.get(request)
-        if first is not None and not first.explicit and first.fingerprint == frame:
-            s.counts.retries += 1
-            return replace(base, session=first.session, turn=first.index, kind="retry", retry_of=first.receipt,
-                           sticky=first.release)
-        s.counts.unlinked += mid
-        return replace(base, session=f"s-{receipt}", turn=0, kind="main", unlinked=mid)
-
-    @staticmethod
-    def _continue(base: Placement, previous: Turn, following: list[dict[str, Any]]) -> Placement:
-        state = [{"role": m.get("role"), "content": text_of(m.get("content")),
-                  **({"name": m["name"]} if isinstance(m.get("name"), str) else {})} for m in following]
-        return replace(base, session=previous.session, turn=previous.index + 1, previous=previous.receipt,
-                       next_state=state, sticky=previous.release)
+        return Placement(request=request, length=len(convo), fingerprint=frame, explicit=header is not None,
+                         **_decide(s, receipt, header, convo, hashes, frame, side))
 
     def served(self, scenario: str, receipt: str, placement: Placement, reply: str,
                at: float | None = None, release: str | None = None) -> None:

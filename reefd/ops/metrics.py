@@ -11,6 +11,7 @@ Needs `prometheus_client` (`pip install 'reefd[metrics]'`); without it `/metrics
 
 from __future__ import annotations
 
+import bisect
 import os
 import threading
 import time
@@ -20,7 +21,7 @@ from typing import Any
 
 try:
     import prometheus_client as prom
-    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
     from prometheus_client.registry import Collector
 except ImportError:  # the `metrics` extra is not installed
     prom = None  # type: ignore[assignment]
@@ -42,43 +43,25 @@ class Metrics:
         self._snapshot: State | None = None  # what the scrape under way reads
         self._scraping = threading.Lock()
         r = self.registry
-        self.requests = prom.Counter("reef_requests", "Agent API requests answered, by final HTTP status.",
-                                     ["scenario", "api", "status"], registry=r)
-        self.ttft = prom.Histogram("reef_time_to_first_token_seconds", "Time to the first streamed token.",
-                                   ["scenario", "api"], buckets=LATENCY_BUCKETS, registry=r)
-        self.latency = prom.Histogram("reef_e2e_request_latency_seconds", "Time from request to recorded answer.",
-                                      ["scenario", "api"], buckets=LATENCY_BUCKETS, registry=r)
-        self.prompt_tokens = prom.Counter("reef_prompt_tokens", "Prompt tokens of served turns.", ["scenario"],
-                                          registry=r)
-        self.generation_tokens = prom.Counter("reef_generation_tokens", "Tokens generated for served turns.",
-                                              ["scenario"], registry=r)
+        self.turns = Turns()  # the per-turn figures, rendered by _Live from the scrape's copy
         self.publish = prom.Histogram("reef_publish_duration_seconds", "Writing a release to the chain.",
                                       ["scenario"], buckets=DURATION_BUCKETS, registry=r)
         self.swap = prom.Histogram("reef_swap_duration_seconds", "Hot-swapping the serving engine to a release.",
                                    ["scenario"], buckets=DURATION_BUCKETS, registry=r)
         r.register(_Live(self))
-        self._children: dict[tuple[int, tuple[str, ...]], Any] = {}  # labels() per turn costs more than a lookup
-
-    def child(self, metric: Any, *labels: str) -> Any:
-        """`metric.labels(*labels)`, looked up once (label values are bounded: served scenarios or `other`)."""
-        key = (id(metric), labels)
-        found = self._children.get(key)
-        if found is None:
-            found = self._children[key] = metric.labels(*labels)
-        return found
 
     def scenario(self, name: str | None) -> str:
         return name if name is not None and name in self._served() else OTHER
 
+    def request(self, scenario: str | None, api: str, status: int) -> None:
+        """An agent API request answered with `status` (`scenario`: the name it gave, if any)."""
+        key = (self.scenario(scenario), api, str(status))
+        requests = self.turns.requests
+        requests[key] = requests.get(key, 0) + 1
+
     def turn(self, scenario: str, api: str, record: dict[str, Any]) -> None:
         """A served turn, from its record: latency, time to first token, tokens."""
-        if record.get("latency_s") is not None:
-            self.child(self.latency, scenario, api).observe(record["latency_s"])
-        if record.get("ttft_s") is not None:
-            self.child(self.ttft, scenario, api).observe(record["ttft_s"])
-        usage = record.get("usage") or {}
-        self.child(self.prompt_tokens, scenario).inc(usage.get("prompt_tokens") or 0)
-        self.child(self.generation_tokens, scenario).inc(usage.get("completion_tokens") or 0)
+        self.turns.turn(scenario, api, record)
 
     def timed(self, histogram: Any, scenario: str) -> _Timer:
         return _Timer(histogram.labels(scenario))
@@ -92,6 +75,86 @@ class Metrics:
                 return prom.generate_latest(self.registry), prom.CONTENT_TYPE_LATEST
             finally:
                 self._snapshot = None
+
+
+class _Histogram:
+    """Bucket counts (not cumulative), their sum and count: a Prometheus histogram as plain numbers."""
+
+    __slots__ = ("buckets", "sum")
+
+    def __init__(self) -> None:
+        self.buckets = [0] * (len(LATENCY_BUCKETS) + 1)  # the last one: above every bound (+Inf)
+        self.sum = 0.0
+
+    def observe(self, value: float) -> None:
+        self.buckets[bisect.bisect_left(LATENCY_BUCKETS, value)] += 1
+        self.sum += value
+
+    def copy(self) -> _Histogram:
+        out = _Histogram()
+        out.buckets, out.sum = list(self.buckets), self.sum
+        return out
+
+    def exposed(self) -> tuple[list[tuple[str, float]], float]:
+        """HistogramMetricFamily's buckets (cumulative, by `le`) and sum."""
+        total = 0
+        out: list[tuple[str, float]] = []
+        for bound, n in zip([*map(float, LATENCY_BUCKETS), float("inf")], self.buckets, strict=True):
+            total += n
+            out.append((prom.utils.floatToGoString(bound), float(total)))
+        return out, self.sum
+
+
+class Turns:
+    """The figures every agent request adds, kept as plain numbers on the event loop: a turn costs a few dict
+    updates (no lock, no labels() lookup). A scrape renders a copy taken on the loop (`copy`)."""
+
+    def __init__(self) -> None:
+        self.requests: dict[tuple[str, str, str], int] = {}  # (scenario, api, status) -> requests
+        self.latency: dict[tuple[str, str], _Histogram] = {}  # (scenario, api)
+        self.ttft: dict[tuple[str, str], _Histogram] = {}
+        self.prompt_tokens: dict[str, int] = {}  # scenario -> tokens
+        self.generation_tokens: dict[str, int] = {}
+
+    def turn(self, scenario: str, api: str, record: dict[str, Any]) -> None:
+        key = (scenario, api)
+        if record.get("latency_s") is not None:
+            (self.latency.get(key) or self.latency.setdefault(key, _Histogram())).observe(record["latency_s"])
+        if record.get("ttft_s") is not None:
+            (self.ttft.get(key) or self.ttft.setdefault(key, _Histogram())).observe(record["ttft_s"])
+        usage = record.get("usage") or {}
+        self.prompt_tokens[scenario] = self.prompt_tokens.get(scenario, 0) + (usage.get("prompt_tokens") or 0)
+        self.generation_tokens[scenario] = self.generation_tokens.get(scenario, 0) + (
+            usage.get("completion_tokens") or 0)
+
+    def copy(self) -> Turns:
+        out = Turns()
+        out.requests, out.prompt_tokens, out.generation_tokens = (
+            dict(self.requests), dict(self.prompt_tokens), dict(self.generation_tokens))
+        out.latency = {k: h.copy() for k, h in self.latency.items()}
+        out.ttft = {k: h.copy() for k, h in self.ttft.items()}
+        return out
+
+    def families(self) -> Iterator[Any]:
+        requests = CounterMetricFamily("reef_requests", "Agent API requests answered, by final HTTP status.",
+                                       labels=["scenario", "api", "status"])
+        for labels, n in sorted(self.requests.items()):
+            requests.add_metric(list(labels), n)
+        yield requests
+        for name, doc, histograms in (
+                ("reef_time_to_first_token_seconds", "Time to the first streamed token.", self.ttft),
+                ("reef_e2e_request_latency_seconds", "Time from request to recorded answer.", self.latency)):
+            histogram = HistogramMetricFamily(name, doc, labels=["scenario", "api"])
+            for pair, h in sorted(histograms.items()):
+                histogram.add_metric(list(pair), *h.exposed())
+            yield histogram
+        for name, doc, counts in (("reef_prompt_tokens", "Prompt tokens of served turns.", self.prompt_tokens),
+                                  ("reef_generation_tokens", "Tokens generated for served turns.",
+                                   self.generation_tokens)):
+            tokens = CounterMetricFamily(name, doc, labels=["scenario"])
+            for scenario, n in sorted(counts.items()):
+                tokens.add_metric([scenario], n)
+            yield tokens
 
 
 class _Timer:
@@ -109,13 +172,15 @@ class State:
     """What a scrape reads, copied from reefd's registry, engines and jobs on the event loop (reefd/loop.py)."""
 
     def __init__(self, scenarios: dict[str, Any], lines: dict[str, dict[str, Any]], engines: dict[str, Any],
-                 counts: Callable[[], dict[str, dict[str, int]]], lmdb_path: str, jobs: list[Any]):
+                 counts: Callable[[], dict[str, dict[str, int]]], lmdb_path: str, jobs: list[Any],
+                 turns: Turns | None = None):
         self.scenarios = scenarios  # name -> Scenario
         self.lines = lines  # name -> its engine line's describe(), for scenarios with one
         self.engines = engines  # name -> its engine's describe()
         self.counts = counts
         self.lmdb_path = lmdb_path
         self.jobs = jobs
+        self.turns = turns or Turns()  # a copy of Metrics.turns
 
 
 class _Live(Collector):
@@ -177,4 +242,5 @@ class _Live(Collector):
         for name, scenario in sorted(state.scenarios.items()):
             if scenario.release is not None:
                 info.add_metric([name, scenario.release], 1)
+        yield from state.turns.families()
         yield from (running, waiting, refused, restarts, records, reports, size, jobs, steps, verdicts, info)

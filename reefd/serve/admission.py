@@ -58,13 +58,14 @@ class Admission:
     async def turn(self, left: Callable[[], bool] | None = None) -> AsyncIterator[None]:
         """Hold one of the engine's turns for the body of the block (Overloaded when there is none to wait for).
         `left()` says whether the client went away: checked while waiting, it gives the place up (Left)."""
-        await self._enter(left)
+        await self.enter(left)
         try:
             yield
         finally:
-            self._leave()
+            self.leave()
 
-    async def _enter(self, left: Callable[[], bool] | None = None) -> None:
+    async def enter(self, left: Callable[[], bool] | None = None) -> None:
+        """Take a turn (waiting for one in line); `leave` gives it back. `turn` is the block form."""
         if self.running < self.limit and not self._waiting:
             self.running += 1
             return
@@ -94,13 +95,13 @@ class Admission:
     def _forfeit(self, turn: asyncio.Future[None]) -> None:
         """Give up a place in the line; a turn granted meanwhile goes to the next in line."""
         if turn.done() and not turn.cancelled():
-            self._leave()
+            self.leave()
             return
         turn.cancel()
         with contextlib.suppress(ValueError):
             self._waiting.remove(turn)
 
-    def _leave(self) -> None:
+    def leave(self) -> None:
         self.running -= 1
         while self._waiting and self.running < self.limit:
             self._grant()

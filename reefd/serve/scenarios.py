@@ -139,6 +139,40 @@ Bind = Callable[[Scenario], Awaitable[object]]
 """Binds a scenario that is not installed yet to its declared release (the reconciler's `bind`)."""
 
 
+class Serving:
+    """One request's hold on its scenario's engine, as an `async with` block that gives the binding: a turn in the
+    engine's line, then (once the engine admits: a weight load makes requests wait) the release it serves with,
+    counted in flight so neither a reload nor a release swap takes its engine, adapter or weights away mid-answer.
+    A class, not a generator: it runs on every turn."""
+
+    __slots__ = ("held", "left", "line", "registry", "route", "scenario")
+
+    def __init__(self, registry: Registry, scenario: Scenario, line: Admission | None,
+                 left: Callable[[], bool] | None, route: Route | None) -> None:
+        self.registry, self.scenario, self.line, self.left, self.route = registry, scenario, line, left, route
+        self.held: tuple[tuple[int, str | None], str | None] | None = None
+
+    async def __aenter__(self) -> Binding:
+        if self.line is not None:
+            await self.line.enter(self.left)
+        try:
+            if self.scenario.admits is not None:
+                await self.scenario.admits.admit()
+            binding, use, weights = self.registry.take(self.scenario, self.route)
+        except BaseException:
+            if self.line is not None:
+                self.line.leave()
+            raise
+        self.held = (use, weights)
+        return binding
+
+    async def __aexit__(self, *exc: object) -> None:
+        if self.held is not None:
+            self.registry.give_back(*self.held)
+        if self.line is not None:
+            self.line.leave()
+
+
 class Registry:
     def __init__(self, configs: dict[str, ScenarioConfig], state_dir: Path, session: aiohttp.ClientSession):
         self.state_dir = state_dir
@@ -199,24 +233,16 @@ class Registry:
         else:
             line.resize(*limits, cfg.model.max_queue_wait_s)
 
-    @contextlib.asynccontextmanager
-    async def serving(self, scenario: Scenario, left: Callable[[], bool] | None = None,
-                      route: Route | None = None) -> AsyncIterator[Binding]:
+    def serving(self, scenario: Scenario, left: Callable[[], bool] | None = None,
+                route: Route | None = None) -> Serving:
         """Wait for a turn at the scenario's engine (Overloaded when its line is full or the wait runs out; Left
         when `left()` says the client went away meanwhile), then serve with that turn held: the release on
-        canary when `route` falls on its side, else the scenario's binding."""
-        line = self.admissions.get(id(scenario.engine))
-        async with line.turn(left) if line is not None else contextlib.nullcontext(), \
-                self._bound(scenario, route) as binding:
-            yield binding
+        canary when `route` falls on its side, else the scenario's binding (see Serving)."""
+        return Serving(self, scenario, self.admissions.get(id(scenario.engine)), left, route)
 
-    @contextlib.asynccontextmanager
-    async def _bound(self, scenario: Scenario, route: Route | None = None) -> AsyncIterator[Binding]:
-        """Take the scenario's current binding (or its canary's) for one request and count the request in flight on
-        it, so neither a reload nor a release swap takes its engine, adapter or weights away mid-answer. While an
-        engine loads new weights the request waits here first (`admit`). NotServing before a release is bound."""
-        if scenario.admits is not None:
-            await scenario.admits.admit()
+    def take(self, scenario: Scenario, route: Route | None) -> tuple[Binding, tuple[int, str | None], str | None]:
+        """The binding one request serves with (its canary's when `route` falls on the trial's side), counted in
+        flight on its engine, adapter and weights until `give_back`. NotServing before a release is bound."""
         binding = scenario.binding
         if binding is None:  # the chain has not named this scenario's release yet
             raise NotServing(scenario.name, scenario.error)
@@ -225,16 +251,15 @@ class Registry:
                 trial.takes(route.session, route.sticky):
             binding = trial.binding
         use = (id(scenario.engine), binding.adapter)
-        weights = (use[0], binding.weights_version)
         self._inflight[use[0]] += 1
         self._uses[use] += 1
-        self._weights[weights] += 1
-        try:
-            yield binding
-        finally:
-            self._inflight[use[0]] -= 1
-            self._uses[use] -= 1
-            self._weights[weights] -= 1
+        self._weights[(use[0], binding.weights_version)] += 1
+        return binding, use, binding.weights_version
+
+    def give_back(self, use: tuple[int, str | None], weights: str | None) -> None:
+        self._inflight[use[0]] -= 1
+        self._uses[use] -= 1
+        self._weights[(use[0], weights)] -= 1
 
     async def drained(self, engine: Engine, version: str | None, timeout_s: float) -> None:
         """Until no request taken on `engine` with weight version `version` is in flight (or `timeout_s`)."""
