@@ -206,7 +206,7 @@ def scrape_state(app: web.Application) -> metrics.State:
     m = of(app)
     return metrics.State(scenarios, lines, {name: s.engine.describe() for name, s in scenarios.items()},
                          app[RECORDS].counts, app[RECORDS].path, [copy.copy(j) for j in app[RUNNER].jobs.list()],
-                         m.turns.copy() if m is not None else None)
+                         copy.deepcopy(m.turns) if m is not None else None)
 
 
 def of(app: web.Application) -> metrics.Metrics | None:

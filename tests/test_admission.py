@@ -4,14 +4,25 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from collections.abc import AsyncIterator, Callable
 
 import pytest
 
 from reefd.serve.admission import Admission, Left, Overloaded
 
 
+@contextlib.asynccontextmanager
+async def turn(line: Admission, left: Callable[[], bool] | None = None) -> AsyncIterator[None]:
+    """A turn held for the body of the block (what reefd.serve.scenarios.Serving does around a request)."""
+    await line.enter(left)
+    try:
+        yield
+    finally:
+        line.leave()
+
+
 async def hold(line: Admission, order: list[str], name: str, release: asyncio.Event) -> None:
-    async with line.turn():
+    async with turn(line):
         order.append(name)
         await release.wait()
 
@@ -25,7 +36,7 @@ def test_turns_come_in_arrival_order_and_past_the_line_is_429() -> None:
         await asyncio.sleep(0.01)
         assert order == ["a", "b"] and (line.running, line.waiting) == (2, 2)
         with pytest.raises(Overloaded) as refused:
-            async with line.turn():
+            async with turn(line):
                 pass
         assert refused.value.status == 429 and refused.value.retry_after >= 1
         assert "max_queue" in str(refused.value)
@@ -51,7 +62,7 @@ def test_a_wait_past_max_queue_wait_is_503_and_frees_its_place() -> None:
         first = asyncio.create_task(hold(line, [], "a", busy))
         await asyncio.sleep(0.01)
         with pytest.raises(Overloaded) as late:
-            async with line.turn():
+            async with turn(line):
                 pass
         assert late.value.status == 503 and "max_queue_wait_s" in str(late.value)
         assert line.waiting == 0  # its place is free again: the next one may wait
@@ -135,7 +146,7 @@ def test_a_client_that_leaves_while_waiting_gives_its_place_to_the_next() -> Non
         await asyncio.sleep(0.01)
 
         async def leaver() -> None:
-            async with line.turn(left=lambda: gone):
+            async with turn(line, left=lambda: gone):
                 order.append("leaver")
 
         waiting = asyncio.create_task(leaver())

@@ -346,10 +346,8 @@ async def _first(events: AsyncIterator[Any]) -> Any:
 
 async def _whole(events: AsyncIterator[Any]) -> Completion:
     first = await _first(events)
-    return first if isinstance(first, Completion) else await _last(events)
-
-
-async def _last(events: AsyncIterator[Any]) -> Completion:
+    if isinstance(first, Completion):
+        return first
     async for event in events:
         if isinstance(event, Completion):
             return event

@@ -29,13 +29,17 @@ ADAPTER_WEIGHTS = "adapter_model.safetensors"
 _LORA_KEY = re.compile(r"base_model\.model\.(?P<module>.+)\.lora_(?P<half>[AB])\.weight")
 
 
-class InvalidAdapter(ValueError):
+class InvalidFile(ValueError):
     """A folder or file that cannot be used; str() is one line: `<file>: <what is wrong>`."""
 
     def __init__(self, path: Path | str, problem: str) -> None:
         self.path = Path(path)
         self.problem = " ".join(problem.split())
         super().__init__(f"{self.path}: {self.problem}")
+
+
+class InvalidAdapter(InvalidFile):
+    """An adapter folder or file that cannot be loaded."""
 
 
 @dataclass(frozen=True)

@@ -17,6 +17,7 @@ from typing import Any
 
 from reefd.commit.adapters import (
     InvalidAdapter,
+    InvalidFile,
     TensorInfo,
     _check_finite,
     _read_json_object,
@@ -40,13 +41,8 @@ _LISTED = 5  # tensor names quoted in a message about missing or extra tensors
 OBJECTIVE_FOLDER = "objective"  # a trained candidate's objective state (reefd.train), beside the weights
 
 
-class InvalidWeights(ValueError):
+class InvalidWeights(InvalidFile):
     """A weights folder or file that cannot replace the base model; str() is one line: `<file>: <what is wrong>`."""
-
-    def __init__(self, path: Path | str, problem: str) -> None:
-        self.path = Path(path)
-        self.problem = " ".join(problem.split())
-        super().__init__(f"{self.path}: {self.problem}")
 
 
 @contextmanager

@@ -12,10 +12,11 @@ Needs `prometheus_client` (`pip install 'reefd[metrics]'`); without it `/metrics
 from __future__ import annotations
 
 import bisect
+import itertools
 import os
 import threading
-import time
-from collections.abc import Callable, Collection, Iterator
+from collections import Counter
+from collections.abc import Callable, Collection, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -63,8 +64,9 @@ class Metrics:
         """A served turn, from its record: latency, time to first token, tokens."""
         self.turns.turn(scenario, api, record)
 
-    def timed(self, histogram: Any, scenario: str) -> _Timer:
-        return _Timer(histogram.labels(scenario))
+    def timed(self, histogram: Any, scenario: str) -> Any:
+        """A block whose duration `histogram` observes (prometheus_client's own timer)."""
+        return histogram.labels(scenario).time()
 
     def exposition(self, state: State) -> tuple[bytes, str]:
         """The text format a scraper reads, and its content type. `state` is a snapshot taken on the event loop;
@@ -77,95 +79,46 @@ class Metrics:
                 self._snapshot = None
 
 
-class _Histogram:
-    """Bucket counts (not cumulative), their sum and count: a Prometheus histogram as plain numbers."""
-
-    __slots__ = ("buckets", "sum")
-
-    def __init__(self) -> None:
-        self.buckets = [0] * (len(LATENCY_BUCKETS) + 1)  # the last one: above every bound (+Inf)
-        self.sum = 0.0
-
-    def observe(self, value: float) -> None:
-        self.buckets[bisect.bisect_left(LATENCY_BUCKETS, value)] += 1
-        self.sum += value
-
-    def copy(self) -> _Histogram:
-        out = _Histogram()
-        out.buckets, out.sum = list(self.buckets), self.sum
-        return out
-
-    def exposed(self) -> tuple[list[tuple[str, float]], float]:
-        """HistogramMetricFamily's buckets (cumulative, by `le`) and sum."""
-        total = 0
-        out: list[tuple[str, float]] = []
-        for bound, n in zip([*map(float, LATENCY_BUCKETS), float("inf")], self.buckets, strict=True):
-            total += n
-            out.append((prom.utils.floatToGoString(bound), float(total)))
-        return out, self.sum
+SECONDS = {"ttft_s": ("reef_time_to_first_token_seconds", "Time to the first streamed token."),
+           "latency_s": ("reef_e2e_request_latency_seconds", "Time from request to recorded answer.")}
+TOKENS = {"prompt_tokens": ("reef_prompt_tokens", "Prompt tokens of served turns."),
+          "completion_tokens": ("reef_generation_tokens", "Tokens generated for served turns.")}
 
 
 class Turns:
     """The figures every agent request adds, kept as plain numbers on the event loop: a turn costs a few dict
-    updates (no lock, no labels() lookup). A scrape renders a copy taken on the loop (`copy`)."""
+    updates (no lock, no labels() lookup). A scrape renders a copy taken on the loop (`copy.deepcopy`)."""
 
     def __init__(self) -> None:
         self.requests: dict[tuple[str, str, str], int] = {}  # (scenario, api, status) -> requests
-        self.latency: dict[tuple[str, str], _Histogram] = {}  # (scenario, api)
-        self.ttft: dict[tuple[str, str], _Histogram] = {}
-        self.prompt_tokens: dict[str, int] = {}  # scenario -> tokens
-        self.generation_tokens: dict[str, int] = {}
+        self.seconds: dict[tuple[str, str, str], list[float]] = {}  # (field, scenario, api) -> buckets, then sum
+        self.tokens: dict[tuple[str, str], int] = {}  # (usage field, scenario) -> tokens
 
     def turn(self, scenario: str, api: str, record: dict[str, Any]) -> None:
-        key = (scenario, api)
-        if record.get("latency_s") is not None:
-            (self.latency.get(key) or self.latency.setdefault(key, _Histogram())).observe(record["latency_s"])
-        if record.get("ttft_s") is not None:
-            (self.ttft.get(key) or self.ttft.setdefault(key, _Histogram())).observe(record["ttft_s"])
+        for field in SECONDS:
+            if (value := record.get(field)) is not None:
+                key = (field, scenario, api)
+                h = self.seconds.get(key) or self.seconds.setdefault(key, [0.0] * (len(LATENCY_BUCKETS) + 2))
+                h[bisect.bisect_left(LATENCY_BUCKETS, value)] += 1  # the bucket after the last bound: +Inf
+                h[-1] += value
         usage = record.get("usage") or {}
-        self.prompt_tokens[scenario] = self.prompt_tokens.get(scenario, 0) + (usage.get("prompt_tokens") or 0)
-        self.generation_tokens[scenario] = self.generation_tokens.get(scenario, 0) + (
-            usage.get("completion_tokens") or 0)
-
-    def copy(self) -> Turns:
-        out = Turns()
-        out.requests, out.prompt_tokens, out.generation_tokens = (
-            dict(self.requests), dict(self.prompt_tokens), dict(self.generation_tokens))
-        out.latency = {k: h.copy() for k, h in self.latency.items()}
-        out.ttft = {k: h.copy() for k, h in self.ttft.items()}
-        return out
+        for field in TOKENS:
+            self.tokens[(field, scenario)] = self.tokens.get((field, scenario), 0) + (usage.get(field) or 0)
 
     def families(self) -> Iterator[Any]:
-        requests = CounterMetricFamily("reef_requests", "Agent API requests answered, by final HTTP status.",
-                                       labels=["scenario", "api", "status"])
-        for labels, n in sorted(self.requests.items()):
-            requests.add_metric(list(labels), n)
-        yield requests
-        for name, doc, histograms in (
-                ("reef_time_to_first_token_seconds", "Time to the first streamed token.", self.ttft),
-                ("reef_e2e_request_latency_seconds", "Time from request to recorded answer.", self.latency)):
+        yield _family(CounterMetricFamily, "reef_requests", "Agent API requests answered, by final HTTP status.",
+                      ["scenario", "api", "status"], self.requests)
+        bounds = [prom.utils.floatToGoString(b) for b in [*LATENCY_BUCKETS, float("inf")]]
+        for field, (name, doc) in SECONDS.items():
             histogram = HistogramMetricFamily(name, doc, labels=["scenario", "api"])
-            for pair, h in sorted(histograms.items()):
-                histogram.add_metric(list(pair), *h.exposed())
+            for (of, scenario, api), h in sorted(self.seconds.items()):
+                if of == field:
+                    histogram.add_metric([scenario, api], list(zip(bounds, itertools.accumulate(h[:-1]),
+                                                                   strict=True)), h[-1])
             yield histogram
-        for name, doc, counts in (("reef_prompt_tokens", "Prompt tokens of served turns.", self.prompt_tokens),
-                                  ("reef_generation_tokens", "Tokens generated for served turns.",
-                                   self.generation_tokens)):
-            tokens = CounterMetricFamily(name, doc, labels=["scenario"])
-            for scenario, n in sorted(counts.items()):
-                tokens.add_metric([scenario], n)
-            yield tokens
-
-
-class _Timer:
-    def __init__(self, child: Any) -> None:
-        self.child = child
-
-    def __enter__(self) -> None:
-        self.start = time.monotonic()
-
-    def __exit__(self, *exc: object) -> None:
-        self.child.observe(time.monotonic() - self.start)
+        for field, (name, doc) in TOKENS.items():
+            yield _family(CounterMetricFamily, name, doc, ["scenario"],
+                          {(scenario,): n for (of, scenario), n in self.tokens.items() if of == field})
 
 
 class State:
@@ -193,54 +146,46 @@ class _Live(Collector):
         state = self.metrics._snapshot
         if state is None:  # the registry's own check at registration: nothing to read yet
             return
-        running = GaugeMetricFamily("reef_num_requests_running", "Requests holding a turn at the engine.",
-                                    labels=["scenario"])
-        waiting = GaugeMetricFamily("reef_num_requests_waiting", "Requests waiting for a turn at the engine.",
-                                    labels=["scenario"])
-        refused = CounterMetricFamily("reef_queue_refused", "Requests refused by the engine's line: queue_full "
-                                      "(429) or queue_timeout (503).", labels=["scenario", "reason"])
-        for name, line in sorted(state.lines.items()):
-            running.add_metric([name], line["running"])
-            waiting.add_metric([name], line["waiting"])
-            for reason in ("queue_full", "queue_timeout"):
-                refused.add_metric([name, reason], line["refused"].get(reason, 0))
-        restarts = CounterMetricFamily("reef_engine_restarts", "Times reefd restarted an engine process.",
-                                       labels=["scenario"])
-        for name, engine in sorted(state.engines.items()):
-            restarts.add_metric([name], engine.get("restarts") or 0)
-        records = CounterMetricFamily("reef_records", "Records stored.", labels=["scenario"])
-        reports = CounterMetricFamily("reef_reports", "Reports stored.", labels=["scenario"])
-        for name, c in sorted(state.counts().items()):
-            records.add_metric([name], c.get("records", 0))
-            reports.add_metric([name], c.get("reports", 0))
+        yield from state.turns.families()
+        lines, counts = state.lines.items(), state.counts().items()
+        yield _family(GaugeMetricFamily, "reef_num_requests_running", "Requests holding a turn at the engine.",
+                      ["scenario"], {(name,): line["running"] for name, line in lines})
+        yield _family(GaugeMetricFamily, "reef_num_requests_waiting", "Requests waiting for a turn at the engine.",
+                      ["scenario"], {(name,): line["waiting"] for name, line in lines})
+        yield _family(CounterMetricFamily, "reef_queue_refused", "Requests refused by the engine's line: queue_full "
+                      "(429) or queue_timeout (503).", ["scenario", "reason"],
+                      {(name, why): line["refused"].get(why, 0) for name, line in lines
+                       for why in ("queue_full", "queue_timeout")})
+        yield _family(CounterMetricFamily, "reef_engine_restarts", "Times reefd restarted an engine process.",
+                      ["scenario"], {(name,): e.get("restarts") or 0 for name, e in state.engines.items()})
+        yield _family(CounterMetricFamily, "reef_records", "Records stored.", ["scenario"],
+                      {(name,): c.get("records", 0) for name, c in counts})
+        yield _family(CounterMetricFamily, "reef_reports", "Reports stored.", ["scenario"],
+                      {(name,): c.get("reports", 0) for name, c in counts})
         size = GaugeMetricFamily("reef_lmdb_size_bytes", "Size of the record store's LMDB file.")
         data = Path(state.lmdb_path) / "data.mdb"
         size.add_metric([], os.path.getsize(data) if data.exists() else 0)
-        jobs = GaugeMetricFamily("reef_jobs", "Grow jobs on record, by state.", labels=["scenario", "state"])
-        steps = CounterMetricFamily("reef_train_steps", "Optimizer steps of the jobs on record.", labels=["scenario"])
-        verdicts = CounterMetricFamily("reef_gate_verdicts", "Gate verdicts of the jobs on record.",
-                                       labels=["scenario", "verdict"])
-        by_state: dict[tuple[str, str], int] = {}
-        by_steps: dict[str, int] = {}
-        by_verdict: dict[tuple[str, str], int] = {}
+        yield size
+        steps: Counter[tuple[str, ...]] = Counter()
         for job in state.jobs:
-            by_state[(job.scenario, job.state)] = by_state.get((job.scenario, job.state), 0) + 1
-            step = (job.progress or {}).get("step")
-            if isinstance(step, int):
-                by_steps[job.scenario] = by_steps.get(job.scenario, 0) + step
-            verdict = (job.verdict or {}).get("verdict")
-            if verdict in ("pass", "fail"):
-                by_verdict[(job.scenario, verdict)] = by_verdict.get((job.scenario, verdict), 0) + 1
-        for (scenario, job_state), n in sorted(by_state.items()):
-            jobs.add_metric([scenario, job_state], n)
-        for scenario, n in sorted(by_steps.items()):
-            steps.add_metric([scenario], n)
-        for (scenario, verdict), n in sorted(by_verdict.items()):
-            verdicts.add_metric([scenario, verdict], n)
-        info = GaugeMetricFamily("reef_release_info", "The release each scenario serves (value 1).",
-                                 labels=["scenario", "release"])
-        for name, scenario in sorted(state.scenarios.items()):
-            if scenario.release is not None:
-                info.add_metric([name, scenario.release], 1)
-        yield from state.turns.families()
-        yield from (running, waiting, refused, restarts, records, reports, size, jobs, steps, verdicts, info)
+            if isinstance(step := (job.progress or {}).get("step"), int):
+                steps[(job.scenario,)] += step
+        yield _family(GaugeMetricFamily, "reef_jobs", "Grow jobs on record, by state.", ["scenario", "state"],
+                      Counter((job.scenario, job.state) for job in state.jobs))
+        yield _family(CounterMetricFamily, "reef_train_steps", "Optimizer steps of the jobs on record.",
+                      ["scenario"], steps)
+        verdicts = Counter((job.scenario, v) for job in state.jobs
+                           if (v := (job.verdict or {}).get("verdict")) in ("pass", "fail"))
+        yield _family(CounterMetricFamily, "reef_gate_verdicts", "Gate verdicts of the jobs on record.",
+                      ["scenario", "verdict"], verdicts)
+        yield _family(GaugeMetricFamily, "reef_release_info", "The release each scenario serves (value 1).",
+                      ["scenario", "release"], {(name, s.release): 1 for name, s in state.scenarios.items()
+                                                if s.release is not None})
+
+
+def _family(kind: Any, name: str, doc: str, labels: list[str], values: Mapping[Any, float]) -> Any:
+    """A metric family of `kind` with one sample per label values, in their order."""
+    family = kind(name, doc, labels=labels)
+    for key, value in sorted(values.items()):
+        family.add_metric(list(key), value)
+    return family

@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections import Counter, deque
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from typing import Any
 
 LEFT_POLL_S = 0.25  # how often a waiting request checks that its client is still there
@@ -54,18 +54,9 @@ class Admission:
         while self._waiting and self.running < self.limit:
             self._grant()
 
-    @contextlib.asynccontextmanager
-    async def turn(self, left: Callable[[], bool] | None = None) -> AsyncIterator[None]:
-        """Hold one of the engine's turns for the body of the block (Overloaded when there is none to wait for).
-        `left()` says whether the client went away: checked while waiting, it gives the place up (Left)."""
-        await self.enter(left)
-        try:
-            yield
-        finally:
-            self.leave()
-
     async def enter(self, left: Callable[[], bool] | None = None) -> None:
-        """Take a turn (waiting for one in line); `leave` gives it back. `turn` is the block form."""
+        """Hold one of the engine's turns (Overloaded when there is none to wait for) until `leave`. `left()` says
+        whether the client went away: checked while waiting, it gives the place up (Left)."""
         if self.running < self.limit and not self._waiting:
             self.running += 1
             return

@@ -150,7 +150,7 @@ class Serving:
     def __init__(self, registry: Registry, scenario: Scenario, line: Admission | None,
                  left: Callable[[], bool] | None, route: Route | None) -> None:
         self.registry, self.scenario, self.line, self.left, self.route = registry, scenario, line, left, route
-        self.held: tuple[tuple[int, str | None], str | None] | None = None
+        self.held: tuple[int, str | None, str | None] | None = None  # engine (by id), adapter, weights
 
     async def __aenter__(self) -> Binding:
         if self.line is not None:
@@ -158,17 +158,24 @@ class Serving:
         try:
             if self.scenario.admits is not None:
                 await self.scenario.admits.admit()
-            binding, use, weights = self.registry.take(self.scenario, self.route)
+            binding = self.scenario.binding
+            if binding is None:  # the chain has not named this scenario's release yet
+                raise NotServing(self.scenario.name, self.scenario.error)
         except BaseException:
             if self.line is not None:
                 self.line.leave()
             raise
-        self.held = (use, weights)
+        trial, route = self.scenario.trial, self.route
+        if trial is not None and trial.mode == "canary" and route is not None and \
+                trial.takes(route.session, route.sticky):
+            binding = trial.binding
+        self.held = (id(self.scenario.engine), binding.adapter, binding.weights_version)
+        self.registry.count(*self.held, 1)
         return binding
 
     async def __aexit__(self, *exc: object) -> None:
         if self.held is not None:
-            self.registry.give_back(*self.held)
+            self.registry.count(*self.held, -1)
         if self.line is not None:
             self.line.leave()
 
@@ -240,26 +247,11 @@ class Registry:
         canary when `route` falls on its side, else the scenario's binding (see Serving)."""
         return Serving(self, scenario, self.admissions.get(id(scenario.engine)), left, route)
 
-    def take(self, scenario: Scenario, route: Route | None) -> tuple[Binding, tuple[int, str | None], str | None]:
-        """The binding one request serves with (its canary's when `route` falls on the trial's side), counted in
-        flight on its engine, adapter and weights until `give_back`. NotServing before a release is bound."""
-        binding = scenario.binding
-        if binding is None:  # the chain has not named this scenario's release yet
-            raise NotServing(scenario.name, scenario.error)
-        trial = scenario.trial
-        if trial is not None and trial.mode == "canary" and route is not None and \
-                trial.takes(route.session, route.sticky):
-            binding = trial.binding
-        use = (id(scenario.engine), binding.adapter)
-        self._inflight[use[0]] += 1
-        self._uses[use] += 1
-        self._weights[(use[0], binding.weights_version)] += 1
-        return binding, use, binding.weights_version
-
-    def give_back(self, use: tuple[int, str | None], weights: str | None) -> None:
-        self._inflight[use[0]] -= 1
-        self._uses[use] -= 1
-        self._weights[(use[0], weights)] -= 1
+    def count(self, engine: int, adapter: str | None, weights: str | None, n: int) -> None:
+        """`n` more requests in flight on `engine` (by id), with `adapter` and `weights` (see Serving)."""
+        self._inflight[engine] += n
+        self._uses[(engine, adapter)] += n
+        self._weights[(engine, weights)] += n
 
     async def drained(self, engine: Engine, version: str | None, timeout_s: float) -> None:
         """Until no request taken on `engine` with weight version `version` is in flight (or `timeout_s`)."""
