@@ -21,19 +21,13 @@ from aiohttp.http_exceptions import HttpProcessingError
 
 from reefd import __version__, config, loop
 from reefd.app import Settings, build_app, metrics_app
+from reefd.cli.client import state_dir  # reefctl's STATE: the same folder
 from reefd.ops import malloc, systemd
 from reefd.ops.auth import KEYRING, load_tokens
 from reefd.ops.tokens import TokensFileError, path_for
 from reefd.ops.tokens import read as read_tokens_file
 
 log = logging.getLogger("reefd")
-
-
-def default_state_dir() -> Path:
-    env = os.environ.get("STATE_DIRECTORY")
-    if env:
-        return Path(env.split(":")[0])
-    return Path.home() / ".local" / "state" / "reefd"
 
 
 def parse_listen(value: str) -> tuple[str, int]:
@@ -49,8 +43,7 @@ def parser() -> argparse.ArgumentParser:
                    help="serve (default), or schema: print the scenario JSON Schema")
     p.add_argument("--scenarios", type=Path, default=Path(os.environ.get("REEF_SCENARIOS", "scenarios")),
                    help="scenario folder (env REEF_SCENARIOS; default ./scenarios)")
-    p.add_argument("--state", type=Path,
-                   default=Path(os.environ["REEF_STATE"]) if os.environ.get("REEF_STATE") else default_state_dir(),
+    p.add_argument("--state", type=Path, default=state_dir(os.environ),
                    help="state folder (env REEF_STATE; default $STATE_DIRECTORY or ~/.local/state/reefd)")
     p.add_argument("--listen", type=parse_listen, default=os.environ.get("REEF_LISTEN", "127.0.0.1:8900"),
                    help="HOST:PORT to listen on (env REEF_LISTEN; default 127.0.0.1:8900)")

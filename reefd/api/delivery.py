@@ -40,11 +40,8 @@ def _scenario(request: web.Request) -> Scenario:
 
 
 def _files(harness: Harness) -> list[dict[str, Any]]:
-    out = []
-    for path, data in sorted(harness.files().items()):
-        out.append({"path": path, "sha256": hashlib.sha256(data).hexdigest(), "size": len(data),
-                    "content": data.decode("utf-8")})
-    return out
+    return [{"path": path, "sha256": hashlib.sha256(data).hexdigest(), "size": len(data),
+             "content": data.decode("utf-8")} for path, data in sorted(harness.files().items())]
 
 
 def harness_versions(chain: ReleaseChain, scenario: str) -> list[Release]:

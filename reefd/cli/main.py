@@ -10,9 +10,7 @@ import functools
 import os
 import sys
 import time
-import urllib.error
 import urllib.parse
-import urllib.request
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 

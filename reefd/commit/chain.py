@@ -174,11 +174,8 @@ class ReleaseChain:
     def rejected(self, scenario: str) -> list[Release]:
         """The candidates of `scenario` that were refused (by a gate or a moved head), oldest first."""
         prefix = rejected_prefix(scenario)
-        out = []
-        for name in self.repo.references:
-            if name.startswith(prefix):
-                commit = self.repo.references[name].peel(pygit2.Commit)
-                out.append(dataclasses.replace(self._release(commit), status="rejected"))
+        out = [dataclasses.replace(self._release(self.repo.references[name].peel(pygit2.Commit)), status="rejected")
+               for name in self.repo.references if name.startswith(prefix)]
         return sorted(out, key=lambda r: (r.seq, r.created_at))
 
     @_locked

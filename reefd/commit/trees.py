@@ -6,6 +6,7 @@ Knows git trees, blobs and the LFS pointer format; nothing about releases, scena
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 import hashlib
 import os
@@ -151,8 +152,6 @@ class Trees:
         out = {}
         for p, data, oid, _ in self.walk(tree):
             if oid is None and p not in METADATA and len(data) <= limit and b"\0" not in data:
-                try:
+                with contextlib.suppress(UnicodeDecodeError):
                     out[p] = data.decode("utf-8")
-                except UnicodeDecodeError:
-                    continue
         return out

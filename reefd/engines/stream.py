@@ -7,6 +7,7 @@ Knows nothing about engines or wire formats.
 from __future__ import annotations
 
 from reefd.serve.chat import TOOL_OPEN
+from reefd.worker.detok import held_back  # torch-free: the worker's own stop-string rule
 
 
 class StreamGuard:
@@ -27,12 +28,7 @@ class StreamGuard:
             self._closed = True
             self._held = ""
             return self._emit(text[:cut])
-        keep = 0
-        for marker in self._markers:
-            for n in range(min(len(marker) - 1, len(text)), keep, -1):
-                if marker.startswith(text[-n:]):
-                    keep = n
-                    break
+        keep = held_back(text, self._markers)
         self._held = text[len(text) - keep:] if keep else ""
         return self._emit(text[: len(text) - keep])
 

@@ -6,7 +6,6 @@ for it; a judge that is down delays judging. Knows the recipes' JudgeSettings; n
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import inspect
 import logging
 import re
@@ -197,9 +196,7 @@ class Judges:
         tasks = [t for ts in self._workers.values() for t in ts]
         for task in tasks:
             task.cancel()
-        for task in tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        await asyncio.gather(*tasks, return_exceptions=True)  # a worker ends only when cancelled
         for engine in self._engines.values():
             await engine.stop()
 

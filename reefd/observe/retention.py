@@ -12,13 +12,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Coroutine
 from typing import Any
 
 from reefd.commit.chain import ReleaseChain, ReleaseError
 from reefd.config import RetentionConfig
 from reefd.grow.job_store import JobStore
 from reefd.observe.records import RecordStore, StorageError
+from reefd.ops.background import Background
 from reefd.serve.scenarios import Registry
 
 log = logging.getLogger("reefd.observe.retention")
@@ -55,22 +55,15 @@ class Retention:
         self._locks: dict[str, asyncio.Lock] = {}
         self._queued: set[str] = set()
         self._pending: dict[str, asyncio.TimerHandle] = {}
-        self._tasks: set[asyncio.Task[Any]] = set()
+        self._background = Background(log)  # the periodic sweep, and sweeps soon after writes
 
     def start(self) -> None:
-        self._spawn(self._periodic())
+        self._background.spawn(self._periodic(), "retention")
 
     async def stop(self) -> None:
         for handle in self._pending.values():
             handle.cancel()
-        for task in self._tasks:
-            task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
-
-    def _spawn(self, coro: Coroutine[Any, Any, Any]) -> None:
-        task = asyncio.create_task(coro, name="retention")
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        await self._background.cancel()
 
     def policy(self, scenario: str) -> RetentionConfig | None:
         s = self.registry.scenarios.get(scenario)
@@ -91,7 +84,7 @@ class Retention:
         self._pending.pop(scenario, None)
         if scenario not in self._queued:  # at most one sweep waiting behind the running one
             self._queued.add(scenario)
-            self._spawn(self.run(scenario))
+            self._background.spawn(self.run(scenario), "retention")
 
     async def _periodic(self) -> None:
         while True:

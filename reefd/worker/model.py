@@ -231,10 +231,8 @@ class Model:
                       partial: bool = False) -> None:
         """Copy weights into the running model (batcher thread); all checked before any copy. `path` None: they
         came over a weight update group, and `partial`: only the parameters named change."""
-        params: dict[str, torch.nn.Parameter] = {}
-        for name, param in self.model.named_parameters():
-            if ".lora_" not in name:
-                params[name.replace(".base_layer", "")] = param
+        params = {name.replace(".base_layer", ""): param for name, param in self.model.named_parameters()
+                  if ".lora_" not in name}
         source = path or "the broadcast"
         if (set(weights) - set(params)) if partial else set(weights) != set(params):
             diff = sorted(set(weights) ^ set(params) if not partial else set(weights) - set(params))[:5]

@@ -96,21 +96,18 @@ async def generate(request: web.Request) -> web.StreamResponse:
     await state.admit()
     job = state.batcher.submit(req, prompt)
     result = Result(job)
-    if not req.stream:
-        async with aclosing(updates(job)) as stream:
-            async for update in stream:
-                result.weight_version = state.batcher.engine.weight_version
-                result.add(update)
-        if aborted(result):
-            return error_response(503, str(result.finish and result.finish.get("message")), "server_error")
-        return web.json_response(result.body())
-    response = await open_sse(request)
+    response = await open_sse(request) if req.stream else None
     async with aclosing(updates(job)) as stream:
         async for update in stream:
             result.weight_version = state.batcher.engine.weight_version
             result.add(update)
-            await send_sse(response, result.body(update if state.incremental else None))
-    return await close_sse(response)
+            if response is not None:
+                await send_sse(response, result.body(update if state.incremental else None))
+    if response is not None:
+        return await close_sse(response)
+    if aborted(result):
+        return error_response(503, str(result.finish and result.finish.get("message")), "server_error")
+    return web.json_response(result.body())
 
 
 async def health(request: web.Request) -> web.Response:
@@ -258,9 +255,7 @@ async def init_weights_update_group(request: web.Request) -> web.Response:
     group = request.app[WEIGHT_GROUP]
     try:
         body = await read_json(request)
-        if not isinstance(body, dict):
-            raise BadRequest("the request body must be a JSON object")
-        address = _name(body, "master_address")
+        address = _name(body, "master_address")  # BadRequest unless the body is an object
         numbers: list[int] = []
         for key in ("master_port", "rank_offset", "world_size"):
             value = body.get(key, 1 if key == "rank_offset" else None)
