@@ -23,6 +23,7 @@ from reefd import engines, plugins, schema
 from reefd.commit import gates
 from reefd.commit.chain import InvalidName, validate_name
 from reefd.engines import ModelConfig
+from reefd.engines.kind_configs import DAY_S, MAX_TOKENS
 from reefd.grow import backends, recipes
 from reefd.harness import Harness, HarnessError
 from reefd.train.spec import SpecError, parse_fault
@@ -35,9 +36,10 @@ class ServeConfig:
     """Per-scenario serving limits."""
 
     default_max_tokens: int = field(
-        default=512, metadata={"minimum": 1, "description": "Used when an OpenAI request sets no max_tokens."})
+        default=512, metadata={"minimum": 1, "maximum": MAX_TOKENS,
+                               "description": "Used when an OpenAI request sets no max_tokens."})
     request_timeout_s: float = field(
-        default=600.0, metadata={"exclusiveMinimum": 0, "description": "Engine call deadline."})
+        default=600.0, metadata={"exclusiveMinimum": 0, "maximum": DAY_S, "description": "Engine call deadline."})
     temperature: float | None = field(
         default=None, metadata={"minimum": 0, "maximum": 2,
                                 "description": "Used when a request sets no temperature "
@@ -47,7 +49,7 @@ class ServeConfig:
         default=None,
         metadata={"exclusiveMinimum": 0, "maximum": 1, "description": "Used when a request sets no top_p."})
     session_ttl_s: float = field(
-        default=900.0, metadata={"exclusiveMinimum": 0,
+        default=900.0, metadata={"exclusiveMinimum": 0, "maximum": 30 * DAY_S,
                                  "description": "An open session with no new turn for this long expires: its "
                                                 "last turn then never gets a next state."}
     )
@@ -72,7 +74,8 @@ class RecipeConfig:
         metadata={"description": "The recipe's own settings; each recipe validates them (see recipes/<name>/)."},
     )
     job_timeout_s: float = field(
-        default=3600.0, metadata={"exclusiveMinimum": 0, "description": "A training job running longer fails."})
+        default=3600.0, metadata={"exclusiveMinimum": 0, "maximum": 7 * DAY_S,
+                                  "description": "A training job running longer fails."})
     fault: dict[str, Any] | None = field(default=None, metadata={
         "description": "Tests only: the trainer fails on purpose, {kind: crash|nan|hang|hold|pause, hold: FILE}."})
 
@@ -82,9 +85,11 @@ class TriggerConfig:
     """When a scenario's recipe runs (besides `reefctl train`)."""
 
     every_n_records: int | None = field(
-        default=None, metadata={"minimum": 1, "description": "Run once this many eligible records are waiting."})
+        default=None, metadata={"minimum": 1, "maximum": 10_000_000,
+                                "description": "Run once this many eligible records are waiting."})
     interval_s: float | None = field(
-        default=None, metadata={"exclusiveMinimum": 0, "description": "Run every this many seconds."})
+        default=None, metadata={"exclusiveMinimum": 0, "maximum": 366 * DAY_S,
+                                "description": "Run every this many seconds."})
     cron: str | None = field(
         default=None, metadata={"description": "A crontab expression (minute hour day month weekday)."})
 
@@ -96,7 +101,8 @@ class RetentionConfig:
 
     max_age_days: float | None = field(
         default=None,
-        metadata={"exclusiveMinimum": 0, "description": "Delete records older than this many days (null: any age)."})
+        metadata={"exclusiveMinimum": 0, "maximum": 36_500,
+                  "description": "Delete records older than this many days (null: any age)."})
     max_records: int | None = field(
         default=None, metadata={"minimum": 1,
                                 "description": "Keep at most this many records, deleting the oldest first (null: "
@@ -138,7 +144,8 @@ class TrialConfig:
                                "description": "Share of sessions (chosen sticky by session) on trial; 0: off, a new "
                                               "release serves everyone at once."})
     min_reports: int = field(
-        default=50, metadata={"minimum": 2, "description": "Scores each side needs before the test may decide."})
+        default=50, metadata={"minimum": 2, "maximum": 1_000_000,
+                              "description": "Scores each side needs before the test may decide."})
     max_drop: float = field(
         default=0.05, metadata={"minimum": 0,
                                 "description": "How far below the previous release the new one may score and still "
@@ -148,7 +155,7 @@ class TrialConfig:
                                 "description": "Of the one-sided test, over all its looks: a decision is wrong with "
                                                "probability at most 1 - confidence."})
     max_age_s: float = field(
-        default=86400.0, metadata={"exclusiveMinimum": 0,
+        default=86400.0, metadata={"exclusiveMinimum": 0, "maximum": 366 * DAY_S,
                                    "description": "A trial undecided this long after it started is resolved by "
                                                   "on_timeout."})
     on_timeout: str = field(

@@ -8,6 +8,7 @@ Knows nothing about scenarios, Hydra or any plug point.
 from __future__ import annotations
 
 import dataclasses
+import math
 import types
 import typing
 from typing import Any
@@ -17,6 +18,17 @@ import jsonschema
 
 class SchemaError(ValueError):
     """Data that does not fit a config dataclass; str() is `path.to.key: message`, one line."""
+
+
+CEILING = 1e9  # the bound of a number field that states none: no setting means more (a count, a size, seconds)
+_NUMBERS = frozenset({int, float})
+
+
+def _is_number_field(tp: Any) -> bool:
+    """int or float, optional or not (bool is its own type here)."""
+    if typing.get_origin(tp) in (typing.Union, types.UnionType):
+        return any(a in _NUMBERS for a in typing.get_args(tp))
+    return tp in _NUMBERS
 
 
 def _type_schema(tp: Any) -> dict[str, Any]:
@@ -48,6 +60,8 @@ def dataclass_schema(cls: type) -> dict[str, Any]:
         if "enum" in meta:
             sub = {"enum": meta.pop("enum")}
         sub.update(meta)
+        if _is_number_field(hints[f.name]) and "maximum" not in sub and "exclusiveMaximum" not in sub:
+            sub["maximum"] = CEILING
         if f.default is not dataclasses.MISSING and not dataclasses.is_dataclass(f.default):
             sub["default"] = f.default
         props[f.name] = sub
@@ -62,6 +76,10 @@ def first_error(validator: jsonschema.protocols.Validator, data: Any) -> tuple[s
 
     For a value that fits none of `anyOf`'s branches, the message of an `enum` branch is given when there is
     one ("'x' is not one of [...]"): it lists the names a user meant to choose from."""
+    unbounded = _non_finite(data, [])
+    if unbounded is not None:  # JSON Schema's bounds let NaN through (every comparison with it is false)
+        path, value = unbounded
+        return ".".join(path), f"{value!r} is not a finite number"
     errors = sorted(validator.iter_errors(data), key=lambda e: (len(e.absolute_path), list(map(str, e.absolute_path))))
     if not errors:
         return None
@@ -70,6 +88,18 @@ def first_error(validator: jsonschema.protocols.Validator, data: Any) -> tuple[s
         err = next((e for e in err.context or () if e.validator == "enum"), err)
     message = err.message.replace("is a required property", "is required")
     return ".".join(str(p) for p in err.absolute_path), message
+
+
+def _non_finite(data: Any, path: list[str]) -> tuple[list[str], float] | None:
+    """The first NaN or infinity in `data` (YAML's .nan and .inf), anywhere, with its path."""
+    if isinstance(data, float) and not math.isfinite(data):
+        return path, data
+    items = data.items() if isinstance(data, dict) else enumerate(data) if isinstance(data, list) else ()
+    for key, value in items:
+        found = _non_finite(value, [*path, str(key)])
+        if found is not None:
+            return found
+    return None
 
 
 def parse(cls: type, data: Any, where: str) -> Any:

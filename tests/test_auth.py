@@ -88,6 +88,8 @@ def test_concurrent_creates_lose_no_token(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize(("text", "problem"), [
+    ("", "is empty"),  # what an interrupted write or `> tokens.json` leaves
+    ("  \n", "is empty"),
     ("{not json", "not JSON"),
     ('{"tokens": {}}', 'must be an object {"tokens": [...]}'),
     ('{"tokens": [{"name": "x", "sha256": "abc", "scopes": ["read"]}]}', "64 lowercase hex digits"),
@@ -115,6 +117,19 @@ def test_a_file_that_cannot_be_used_is_refused_with_its_problem_and_the_old_toke
 def test_no_file_means_no_scoped_tokens(tmp_path: Path) -> None:
     ring = Keyring(["r"], tmp_path / "absent.json")
     assert ring.reload() == 0 and ring.grant("r") is FULL
+
+
+def test_a_deleted_file_revokes_every_scoped_token_and_one_that_cannot_be_read_is_refused(tmp_path: Path) -> None:
+    path = tmp_path / "tokens.json"
+    token, _ = tokens.create(path, "good", frozenset({"read"}), None)
+    ring = Keyring(["r"], path)
+    assert ring.reload() == 1
+    path.write_bytes(b"\xff\xfe not text")
+    with pytest.raises(tokens.TokensFileError, match="cannot read it"):
+        ring.reload()
+    assert ring.grant(token) is not None
+    path.unlink()
+    assert ring.reload() == 0 and ring.grant(token) is None and ring.grant("r") is FULL
 
 
 def test_a_job_of_another_scenario_is_not_found_for_a_limited_token(tmp_path: Path) -> None:

@@ -100,6 +100,8 @@ def test_metrics_read_scores_or_metadata() -> None:
     assert canary.metric_of(report, "score") == 0.5
     assert canary.metric_of(report, "metadata.latency") == 3.0
     assert canary.metric_of(report, "metadata.ok") is None and canary.metric_of({"score": None}, "score") is None
+    huge = {"score": 1e308, "metadata": {"latency": -1e12}}  # outside a score's range: no score
+    assert canary.metric_of(huge, "score") is None and canary.metric_of(huge, "metadata.latency") is None
 
 
 def release(meta: dict[str, object], rid: str = "r1-aaaaaaa") -> Release:
@@ -209,6 +211,51 @@ def test_reports_and_judgments_count_for_their_side_and_a_restart_counts_them_ag
     assert (rebuilt["canary"], rebuilt["stable"]) == (live["canary"], live["stable"])
     assert decided and decided[0].kind == "promote" and decided[0].target == "r2-canary0"
     assert decided[0].meta["canary"]["canary"]["n"] == 3 and decided[0].meta["source"] == "canary"
+
+
+def test_a_report_spanning_both_sides_counts_once_for_its_earliest_record(tmp_path: Path) -> None:
+    """One report that references a stable record and then a canary record (and one in the other order) is one
+    observation each: for the side of the earliest record it references, live and in a restart's recount."""
+    from reefd.observe.receipts import new_receipt
+    from reefd.observe.records import RecordStore
+
+    cfg = ReleaseConfig(canary=CanaryConfig(share=0.5, min_reports=50))
+    meta = {"canary": {"mode": "canary", "stable": "r1-stable0", "started_at": time.time() - 1}}
+    head = Release("r2-canary0", "s", "r1-stable0", "adapter", meta, "c" * 40, "2026-12-02T00:00:00Z", 2)
+
+    async def counts(trials: canary.Trials) -> dict[str, object]:
+        for _ in range(200):
+            await asyncio.sleep(0.01)
+            found = trials.describe("s") or {}
+            if found.get("loaded") is not False and found.get("stable", {}).get("n") == 2:  # type: ignore[union-attr]
+                break
+        return dict(trials.describe("s") or {})
+
+    async def main() -> tuple[dict[str, object], dict[str, object]]:
+        store = RecordStore(tmp_path / "records")
+        await store.open()
+        try:
+            trials = canary.Trials(store, None, None)  # type: ignore[arg-type]
+            store.subscribe_reports(trials.reported)
+            trials.serving("s", cfg, head)
+            for first, second in (("r1-stable0", "r2-canary0"), ("r1-stable0", "r2-canary0")):
+                older, newer = new_receipt(), new_receipt()
+                await store.put_record({"id": older, "scenario": "s", "release": first})
+                await store.put_record({"id": newer, "scenario": "s", "release": second})
+                await store.put_report("s", {"references": [newer, older], "score": 1.0})  # listed newest first
+            live = await counts(trials)
+            again = canary.Trials(store, None, None)  # type: ignore[arg-type]
+            again.serving("s", cfg, head)
+            rebuilt = await counts(again)
+            await trials.close()
+            await again.close()
+            return live, rebuilt
+        finally:
+            await store.close()
+
+    live, rebuilt = asyncio.run(main())
+    assert live["stable"]["n"] == 2 and live["canary"]["n"] == 0, live  # type: ignore[index]
+    assert (rebuilt["canary"], rebuilt["stable"]) == (live["canary"], live["stable"])
 
 
 def test_a_trial_past_its_max_age_is_resolved_by_on_timeout(tmp_path: Path) -> None:

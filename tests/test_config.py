@@ -196,3 +196,55 @@ def test_a_worker_scenario_without_the_engine_extra_fails_at_start_in_one_line(t
         lines = out.stderr.strip().splitlines()
         assert lines == [f"{scenarios / 'tiny.yaml'}: model.engine: worker runs the model with torch, not installed "
                          "here: pip install 'reefd[engine]'"], out.stderr
+
+
+@pytest.mark.parametrize("body,message", [
+    ("model:\n  replicas: 100000\n", "model.replicas: 100000 is greater than the maximum of 64"),
+    ("model:\n  workers: [" + ", ".join(f"http://10.0.0.{i}:1" for i in range(65)) + "]\n", "model.workers: "),
+    ("model:\n  max_batch: 1000000\n", "model.max_batch: 1000000 is greater than the maximum of 1024"),
+    ("model:\n  max_queue: 100000000\n", "model.max_queue: 100000000 is greater than the maximum of 100000"),
+    ("model:\n  max_new_tokens: 99999999999\n", "model.max_new_tokens: 99999999999 is greater than the maximum"),
+    ("serve:\n  default_max_tokens: 99999999999\n", "serve.default_max_tokens: 99999999999 is greater than"),
+    ("gate:\n  kind: holdout\n  tasks: t.jsonl\n  samples: 5000\n", "gate.samples: 5000 is greater than the maximum"),
+    ("release:\n  canary:\n    share: .nan\n", "release.canary.share: nan is not a finite number"),
+    ("release:\n  canary:\n    share: 0.1\n    max_drop: .inf\n",
+     "release.canary.max_drop: inf is not a finite number"),
+    ("serve:\n  temperature: -.inf\n", "serve.temperature: -inf is not a finite number"),
+    ("recipe:\n  name: sao\n  params:\n    lr: .nan\n", "recipe.params.lr: nan is not a finite number"),
+    ("recipe:\n  name: sao\n  params:\n    eps_high: 1e300\n", "recipe.params.eps_high: 1e+300 is greater than the "
+     "maximum of 1000000000.0"),
+])
+def test_every_number_has_a_finite_upper_bound(tmp_path: Path, body: str, message: str) -> None:
+    """What --check and a reload refuse: counts that would take the host down (an operator's 100000 replicas
+    started 112 worker processes before memory ran out), and NaN or infinity where a number is expected."""
+    scen = make_scenarios(tmp_path, names=(), extra={"bad": "defaults:\n  - model: tiny\n  - _self_\n" + body})
+    (scen / "t.jsonl").write_text('{"prompt": "1+1=", "answer": "2"}\n')
+    with pytest.raises(config.ConfigError) as exc:
+        config.compose(scen / "bad.yaml")
+    assert str(exc.value).startswith(f"{scen}/bad.yaml: {message}"), str(exc.value)
+
+
+def test_every_number_field_states_its_bounds() -> None:
+    """A number field left without a maximum gets the schema's ceiling: nothing a scenario sets is unbounded."""
+    def numbers(node: object, path: str) -> list[tuple[str, dict]]:
+        """Every property schema of a number, through properties and the kinds' branches (anyOf, allOf/then)."""
+        if isinstance(node, list):
+            return [found for item in node for found in numbers(item, path)]
+        if not isinstance(node, dict):
+            return []
+        found = [(path, node)] if node.get("type") in ("integer", "number") or any(
+            isinstance(a, dict) and a.get("type") in ("integer", "number") for a in node.get("anyOf", ())) else []
+        for key, sub in node.items():
+            if key == "properties":
+                found += [f for name, prop in sub.items() for f in numbers(prop, f"{path}.{name}")]
+            elif key in ("anyOf", "oneOf"):  # a number's own branches carry no bounds: the property does
+                found += numbers([b for b in sub if isinstance(b, dict) and b.get("type", "object") == "object"],
+                                 path)
+            elif key in ("allOf", "then", "else", "items"):
+                found += numbers(sub, path)
+        return found
+
+    fields = numbers(config.json_schema(), "")
+    assert len(fields) > 30
+    unbounded = [path for path, node in fields if "maximum" not in node and "exclusiveMaximum" not in node]
+    assert unbounded == []

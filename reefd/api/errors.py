@@ -7,6 +7,7 @@ become statuses and messages.
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import math
@@ -60,8 +61,17 @@ class ApiError(Exception):
         self.headers = headers or {}
 
 
+def disk_full(exc: BaseException) -> bool:
+    """A write refused for want of space: ENOSPC or a quota (OSError), or a library's error that says so (git)."""
+    return (isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT)) or \
+        "No space left on device" in str(exc)
+
+
 def from_domain(exc: Exception) -> ApiError | None:
     """The answer for an error the domain raised (None: not one of those; a bug, then)."""
+    if disk_full(exc) and not isinstance(exc, StorageError):
+        return ApiError(503, "not stored: no space left on device in reefd's state folder; nothing was written. "
+                        "Free some space and retry", code="storage_full", headers={"Retry-After": "60"})
     match exc:
         case UnknownScenario(name=name, known=known):
             return ApiError(404, f"unknown scenario {shown(name)}; known scenarios: {', '.join(known) or '(none)'}",

@@ -38,6 +38,7 @@ from reefd.commit.decision import Tally, compare, look_of
 from reefd.config import CanaryConfig, ReleaseConfig, ShadowConfig, TrialConfig
 from reefd.observe.receipts import receipt_floor
 from reefd.observe.records import RecordStore
+from reefd.observe.report_store import MAX_SCORE
 from reefd.ops.background import Background
 
 log = logging.getLogger("reefd.commit.trials")
@@ -137,7 +138,8 @@ def metric_of(report: dict[str, Any], metric: str) -> float | None:
     else:
         meta = report.get("metadata")
         value = meta.get(metric.partition(".")[2]) if isinstance(meta, dict) else None
-    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or \
+            abs(value) > MAX_SCORE:  # a metadata number outside a score's range is no score
         return None
     return float(value)
 
@@ -150,7 +152,7 @@ class Watch:
     canary: Tally = field(default_factory=Tally)
     stable: Tally = field(default_factory=Tally)
     pairs: Tally | None = None
-    counted: set[tuple[str, bool]] = field(default_factory=set)  # (report id, side) already in a tally
+    counted: set[str] = field(default_factory=set)  # the reports already in a tally (each counts once)
     paired: set[str] = field(default_factory=set)  # shadow records already in the tallies
     backlog: list[Callable[[], None]] = field(default_factory=list)  # scores that came while the recount ran
     loaded: bool = False
@@ -286,7 +288,7 @@ class Trials:
 
     def _score(self, watch: Watch, report: dict[str, Any], on_trial: bool) -> bool:
         value = metric_of(report, watch.spec.metric)
-        key = (str(report.get("report_id")), on_trial)
+        key = str(report.get("report_id"))
         if value is None or key in watch.counted:
             return False
         watch.counted.add(key)
@@ -322,7 +324,9 @@ class Trials:
     # ------------------------------------------------------------ scores
 
     def reported(self, scenario: str, report: dict[str, Any]) -> None:
-        """A report (a client's or the judge's) is durable: count it for the side of each record it references."""
+        """A report (a client's or the judge's) is durable: count it once, for the side that served the earliest
+        record it references on either side (a report that spans both sides is one observation, not one per side;
+        the earliest, so that a recount after a restart, which reads records in order, counts it the same)."""
         watch = self._watches.get(scenario)
         if watch is None or watch.spec.mode != "canary":
             return
@@ -333,21 +337,19 @@ class Trials:
     async def _count_report(self, scenario: str, watch: Watch, report: dict[str, Any]) -> None:
         spec = watch.spec
 
-        def sides() -> set[bool]:
-            found = set()
-            for ref in report.get("references") or []:
-                record = self.store.get_record(str(ref))
-                side = side_of(spec, record) if record is not None else None
-                if side is not None:
-                    found.add(side)
-            return found
+        def earliest_side() -> bool | None:
+            for ref in sorted(map(str, report.get("references") or [])):  # receipts sort by time
+                record = self.store.get_record(ref)
+                if record is not None and (side := side_of(spec, record)) is not None:
+                    return side
+            return None
 
-        on = await asyncio.to_thread(sides)
-        if self._watches.get(scenario) is not watch:
+        side = await asyncio.to_thread(earliest_side)
+        if side is None or self._watches.get(scenario) is not watch:
             return
 
         def apply() -> None:
-            if any([self._score(watch, report, side) for side in on]):
+            if self._score(watch, report, side):
                 self._check(scenario, watch)
 
         watch.then(apply)

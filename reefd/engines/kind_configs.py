@@ -24,6 +24,10 @@ def installed(module: str) -> bool:
         return False
 
 
+MAX_TOKENS = 1 << 24  # a prompt, an answer or a context, in tokens
+MAX_REPLICAS = 64  # engine processes behind one router, launched or attached
+DAY_S = 86400.0
+
 @dataclass
 class EngineConfig:
     """The keys every engine kind has. A kind's own config adds its keys and `problems`, and declares facts about
@@ -39,21 +43,25 @@ class EngineConfig:
         "by url); upstream: an OpenAI-compatible provider; or pkg.mod:Class, an Engine of your own."))
     tool_parser: str = field(
         default="hermes", metadata={"enum": TOOL_PARSERS, "description": "How tool calls appear in model output."})
-    max_batch: int = field(default=8, metadata={"minimum": 1, "description": "Engine batch size (worker)."})
+    max_batch: int = field(default=8, metadata={"minimum": 1, "maximum": 1024,
+                                                "description": "Engine batch size (worker)."})
     max_new_tokens: int | None = field(
-        default=None, metadata={"minimum": 1, "description": "Caps generation whatever max_tokens a client asks "
-                                                              "for; the answer then ends with a length stop."})
+        default=None, metadata={"minimum": 1, "maximum": MAX_TOKENS,
+                                "description": "Caps generation whatever max_tokens a client asks for; the answer "
+                                               "then ends with a length stop."})
     startup_timeout_s: float = field(
-        default=600.0, metadata={"exclusiveMinimum": 0, "description": "Engine start deadline."})
+        default=600.0, metadata={"exclusiveMinimum": 0, "maximum": DAY_S, "description": "Engine start deadline."})
     max_queue: int | None = field(
         default=None,
-        metadata={"minimum": 0, "description": "Requests that may wait for a turn beyond the ones generating "
-                  "(max_batch per replica); past that a request gets 429 at once. Default: 4 x the engine's batch "
-                  "for worker and sglang, no limit for other engines (set it to give them one, of max_batch turns)."})
+        metadata={"minimum": 0, "maximum": 100_000,
+                  "description": "Requests that may wait for a turn beyond the ones generating (max_batch per "
+                                 "replica); past that a request gets 429 at once. Default: 4 x the engine's batch for "
+                                 "worker and sglang, no limit for other engines (set it to give them one, of "
+                                 "max_batch turns)."})
     max_queue_wait_s: float = field(
         default=60.0,
-        metadata={"exclusiveMinimum": 0, "description": "The longest a request waits for its turn; then it gets "
-                  "503 with Retry-After."})
+        metadata={"exclusiveMinimum": 0, "maximum": 3600,
+                  "description": "The longest a request waits for its turn; then it gets 503 with Retry-After."})
 
     def problems(self) -> Problems:
         """What is wrong with this kind's keys; the cross-kind rules are reefd.engines.check's."""
@@ -88,16 +96,19 @@ class WorkerConfig(EngineConfig):
                                 "description": "A built-in model that reefd prepares into STATE/models/<source>."})
     path: str | None = field(default=None, metadata={"description": "An HF model folder (overrides source)."})
     context_length: int | None = field(
-        default=None, metadata={"minimum": 1, "description": "Prompt plus answer, in tokens (default: the model "
-                                                              "folder's max_position_embeddings)."})
+        default=None, metadata={"minimum": 1, "maximum": MAX_TOKENS,
+                                "description": "Prompt plus answer, in tokens (default: the model folder's "
+                                               "max_position_embeddings)."})
     launch_args: list[str] = field(
         default_factory=list, metadata={"description": "Extra command-line arguments for a launched engine."})
     replicas: int = field(
-        default=1, metadata={"minimum": 1, "description": "Engine processes reefd launches. More than one puts "
-                                                          "sglang-router in front of them."})
+        default=1, metadata={"minimum": 1, "maximum": MAX_REPLICAS,
+                             "description": "Engine processes reefd launches. More than one puts sglang-router in "
+                                            "front of them."})
     workers: list[str] = field(
         default_factory=list,
-        metadata={"description": "URLs of engines already running (other machines), served behind the same router "
+        metadata={"maxItems": MAX_REPLICAS,
+                  "description": "URLs of engines already running (other machines), served behind the same router "
                                  "as the launched replicas."})
     router_args: list[str] = field(
         default_factory=list, metadata={"description": "Extra command-line arguments for sglang-router."})

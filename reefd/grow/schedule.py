@@ -16,6 +16,7 @@ from typing import Any
 from reefd.grow.job_store import Job, JobStore
 from reefd.grow.runner import Runner, eligible
 from reefd.observe.records import RecordStore
+from reefd.ops.background import Background
 from reefd.serve.scenarios import Registry
 
 log = logging.getLogger("reefd.grow.schedule")
@@ -41,7 +42,7 @@ class Scheduler:
         self._wake = asyncio.Event()
         self._checks: dict[str, asyncio.TimerHandle] = {}
         self._cooldown: dict[str, float] = {}  # scenario -> monotonic time before which counts do not fire
-        self._tasks: set[asyncio.Task[None]] = set()
+        self._background = Background(log)  # the dispatcher and count checks
         self._aps: Any = None
 
     # ------------------------------------------------------------ lifecycle
@@ -63,7 +64,7 @@ class Scheduler:
         self._aps = AsyncIOScheduler(event_loop=asyncio.get_running_loop(), timezone="UTC")
         self._aps.start()
         self.sync_triggers()
-        self._spawn(self._dispatch())
+        self._background.spawn(self._dispatch(), "dispatch")
         for name in self.registry.scenarios:
             self.check(name)
 
@@ -72,14 +73,10 @@ class Scheduler:
             self._aps.shutdown(wait=False)
         for handle in self._checks.values():
             handle.cancel()
-        for task in [*self._tasks, *self._running.values()]:
+        await self._background.cancel()  # the dispatcher first: it starts no job after this
+        for task in self._running.values():
             task.cancel()
-        await asyncio.gather(*self._tasks, *self._running.values(), return_exceptions=True)
-
-    def _spawn(self, coro: Any) -> None:
-        task = asyncio.create_task(coro)
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        await asyncio.gather(*self._running.values(), return_exceptions=True)
 
     def sync_triggers(self) -> None:
         """(Re)declare the interval and cron triggers of every scenario (at start and after SIGHUP)."""
@@ -114,7 +111,7 @@ class Scheduler:
 
     def _count(self, scenario: str) -> None:
         self._checks.pop(scenario, None)
-        self._spawn(self._count_check(scenario))
+        self._background.spawn(self._count_check(scenario), f"count-check-{scenario}")
 
     async def _count_check(self, scenario: str) -> None:
         s = self.registry.scenarios.get(scenario)
@@ -136,7 +133,11 @@ class Scheduler:
             return current
         s = self.registry.scenarios[scenario]
         job = self.jobs.new(scenario, reason, s.cfg.recipe.name)  # listed now: a trigger meanwhile joins it
-        await asyncio.to_thread(self.jobs.save, job)
+        try:
+            await asyncio.to_thread(self.jobs.save, job)
+        except BaseException:  # not on disk (a full disk, say): it never existed
+            self.jobs.jobs.pop(job.id, None)
+            raise
         self._queue.append(job)
         log.info("%s %s: queued (%s)", scenario, job.id, reason)
         self._wake.set()

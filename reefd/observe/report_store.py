@@ -22,6 +22,8 @@ from reefd.observe.recordcodec import pack, unpack
 log = logging.getLogger("reefd.observe.records")
 
 _SEQ = struct.Struct(">Q")
+MAX_SCORE = 1e9  # a score's range is [-MAX_SCORE, MAX_SCORE]: a trial's means stay numbers a person can read
+MAX_REPORT_FIELD_BYTES = 64 * 1024  # a report's metadata, and its feedback, as JSON
 
 
 class UnknownReceipt(Refused):

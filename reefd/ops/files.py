@@ -30,9 +30,13 @@ def write_json(path: Path, doc: Any, indent: int | None = None, *, private: bool
     if private and os.geteuid() == 0:
         folder = path.parent.stat()
         os.fchown(fd, folder.st_uid, folder.st_gid)
-    with os.fdopen(fd, "w") as f:
-        json.dump(doc, f, indent=indent)
-        f.flush()
-        os.fsync(f.fileno())
-    tmp.replace(path)
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(doc, f, indent=indent)
+            f.flush()
+            os.fsync(f.fileno())
+        tmp.replace(path)
+    except BaseException:  # a full disk, say: no half-written file is left beside the old one
+        tmp.unlink(missing_ok=True)
+        raise
     fsync_path(path.parent)

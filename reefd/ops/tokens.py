@@ -133,15 +133,19 @@ def _entry(raw: Any, where: str) -> Entry:
 
 
 def read(path: Path) -> list[Entry]:
-    """The file's tokens ([] when there is no file); TokensFileError when it cannot be used as written."""
+    """The file's tokens ([] when there is no file: deleting it revokes every scoped token); TokensFileError when
+    it cannot be used as written. An empty file is refused: it is what an interrupted write or `> tokens.json`
+    leaves, not a list of no tokens (that is `{"tokens": []}`)."""
     try:
         text = path.read_text(encoding="utf-8")
     except FileNotFoundError:
         return []
     except (OSError, UnicodeDecodeError) as exc:
         raise TokensFileError(f"{path}: cannot read it: {exc}") from None
+    if not text.strip():
+        raise TokensFileError(f'{path}: is empty (no tokens at all is {{"tokens": []}})')
     try:
-        doc = json.loads(text) if text.strip() else {"tokens": []}
+        doc = json.loads(text)
     except json.JSONDecodeError as exc:
         raise TokensFileError(f"{path}: not JSON: {exc}") from None
     if not isinstance(doc, dict) or not isinstance(doc.get("tokens"), list):

@@ -141,3 +141,25 @@ def test_uploads_are_bounded_before_anything_is_unpacked(daemon: Daemon) -> None
     assert status == 400 and "not a readable tar archive" in error["message"] and state not in error["message"]
     status, body = publish(daemon, b"{}", "application/json")
     assert status == 415 and openai_error(status, body)["code"] == "invalid_request"
+
+
+def test_a_report_past_its_size_caps_or_its_score_range_is_refused_and_nothing_is_stored(daemon: Daemon) -> None:
+    """Metadata and feedback are kept with every record a report references: each has a cap (413 past it); a
+    score lies in [-1e9, 1e9] (400 past it), so that a trial's means stay numbers a person can read."""
+    status, body, headers = daemon.post(CHAT, {"model": "t", "max_tokens": 2,
+                                               "messages": [{"role": "user", "content": "hi"}]})
+    assert status == 200, body
+    receipt = {k.lower(): v for k, v in headers.items()}["x-reef-agent-record-id"]
+    big = {"blob": "x" * (64 * 1024)}
+    for extra, status_code, words in (({"metadata": big}, 413, "metadata: more than 64 KiB"),
+                                      ({"feedback": "y" * (65 * 1024)}, 413, "feedback: more than 64 KiB"),
+                                      ({"score": 1e308}, 400, "score: 1e+308 is greater than the maximum"),
+                                      ({"score": -2e9}, 400, "score: -2000000000.0 is less than the minimum")):
+        status, body, _ = daemon.post("/reef/report", {"references": [receipt], **extra})
+        assert status == status_code, (extra.keys(), body)
+        assert words in openai_error(status, body)["message"]
+    stored = json.loads(daemon.get(f"/reef/records/{receipt}")[1])
+    assert stored.get("reports") in (None, [])
+    status, body, _ = daemon.post("/reef/report", {"references": [receipt], "score": 1e9,
+                                                   "metadata": {"blob": "x" * 1000}})
+    assert status == 200, body

@@ -48,11 +48,14 @@ class TaskConfig:
         default="exact",
         metadata={"description": "exact (answer == text, stripped), regex (answer is a pattern searched in "
                                  "the text), or a dotted path pkg.mod:fn(text, task) -> float in [0, 1]."})
-    min_tasks: int = field(default=1, metadata={"minimum": 1, "description": "Fewer tasks: the gate fails."})
-    max_tokens: int = field(default=32, metadata={"minimum": 1, "description": "Answer length per task."})
+    min_tasks: int = field(default=1, metadata={"minimum": 1, "maximum": 100_000,
+                                                "description": "Fewer tasks: the gate fails."})
+    max_tokens: int = field(default=32, metadata={"minimum": 1, "maximum": 32_768,
+                                                  "description": "Answer length per task."})
     temperature: float = field(default=0.0, metadata={"minimum": 0, "maximum": 2,
                                                       "description": "Sampling for both sides (0: greedy)."})
-    samples: int = field(default=1, metadata={"minimum": 1, "description": "Answers per task and side."})
+    samples: int = field(default=1, metadata={"minimum": 1, "maximum": 1024,
+                                              "description": "Answers per task and side."})
     seed: int = field(default=0, metadata={"description": "Sampling seed, the same for both sides."})
 
 # ---------------------------------------------------------------- task files

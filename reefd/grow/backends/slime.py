@@ -11,6 +11,7 @@ import ipaddress
 import json
 import shlex
 import urllib.parse
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -44,8 +45,8 @@ class SlimeConfig(RayConfig):
     megatron_path: str = field(default="/root/Megatron-LM",
                                metadata={"description": "Megatron-LM's checkout, put on PYTHONPATH as slime's "
                                                         "scripts do (empty: none)."})
-    actor_num_nodes: int = field(default=1, metadata={"minimum": 1})
-    actor_num_gpus_per_node: int = field(default=8, metadata={"minimum": 1})
+    actor_num_nodes: int = field(default=1, metadata={"minimum": 1, "maximum": 4096})
+    actor_num_gpus_per_node: int = field(default=8, metadata={"minimum": 1, "maximum": 64})
     push: bool = field(default=False,
                        metadata={"description": "slime pushes the weights of every step to an engine reefd launches "
                                                 "for the job (outside the router), where the gate then judges them; "
@@ -72,10 +73,7 @@ class SlimeConfig(RayConfig):
 def rollout_sizes(samples: list[dict[str, Any]]) -> tuple[int, int]:
     """(--rollout-batch-size, --n-samples-per-prompt): groups of one size make prompts of that many samples;
     anything else is one sample per prompt (slime then normalises over the whole batch)."""
-    sizes: dict[str, int] = {}
-    for s in samples:
-        sizes[str(s.get("group"))] = sizes.get(str(s.get("group")), 0) + 1
-    per = set(sizes.values())
+    per = set(Counter(str(s.get("group")) for s in samples).values())
     k = per.pop() if len(per) == 1 else 1
     return len(samples) // k, k
 
