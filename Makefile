@@ -70,6 +70,10 @@ bench: venv
 	$(BIN)/python bench/hot_swap.py --model smollm2
 	$(BIN)/python bench/hot_swap.py --weights --model tiny
 	$(BIN)/python bench/hot_swap.py --weights --model smollm2
+	$(BIN)/python bench/proof_cost.py --model tiny
+	$(BIN)/python bench/proof_cost.py --model tiny --weights
+	$(BIN)/python bench/proof_cost.py --model smollm2
+	$(BIN)/python bench/proof_cost.py --model smollm2 --weights
 	$(BIN)/python bench/trainer.py --model tiny
 	$(BIN)/python bench/trainer_backends.py --model tiny
 	$(BIN)/python bench/judge_throughput.py

@@ -24,6 +24,7 @@ from reefd.commit import gates
 from reefd.commit.chain import InvalidName, validate_name
 from reefd.engines import ModelConfig
 from reefd.engines.kind_configs import DAY_S, MAX_TOKENS
+from reefd.engines.proof import DEFAULT_TOLERANCE, PROBE_TEXTS
 from reefd.grow import backends, recipes
 from reefd.harness import Harness, HarnessError
 from reefd.train.spec import SpecError, parse_fault
@@ -184,6 +185,22 @@ class ShadowConfig(TrialConfig):
 
 
 @dataclass
+class ProofConfig:
+    """What each engine process must answer, after it loads or swaps to a release and before it serves it: the
+    release's greedy tokens and logprobs on these prompts, as a reference computed them (docs/releases.md)."""
+
+    enabled: bool = field(default=True, metadata={"description": "Prove every load and swap (engines that can)."})
+    prompts: list[str] = field(default_factory=lambda: list(PROBE_TEXTS), metadata={
+        "minItems": 1, "maxItems": 16, "items": {"type": "string", "minLength": 1, "maxLength": 2000},
+        "description": "The probe set: texts, tokenized by the base model's tokenizer."})
+    max_tokens: int = field(default=8, metadata={"minimum": 1, "maximum": 64,
+                                                 "description": "Tokens generated per prompt."})
+    tolerance: float = field(default=DEFAULT_TOLERANCE, metadata={
+        "exclusiveMinimum": 0, "maximum": 1,
+        "description": "How far (nats) a process's logprob may be from the reference's, per token."})
+
+
+@dataclass
 class ReleaseConfig:
     """Which release serves, and what happens to a candidate whose head moved on."""
 
@@ -202,6 +219,7 @@ class ReleaseConfig:
     )
     canary: CanaryConfig = field(default_factory=CanaryConfig)
     shadow: ShadowConfig = field(default_factory=ShadowConfig)
+    proof: ProofConfig = field(default_factory=ProofConfig)
 
 
 @dataclass
@@ -370,7 +388,8 @@ def from_dict(data: dict[str, Any]) -> ScenarioConfig:
         name=data["name"], description=data["description"],
         model=ModelConfig(**data["model"]), serve=ServeConfig(**data["serve"]),
         release=ReleaseConfig(**{**data["release"], "canary": CanaryConfig(**data["release"]["canary"]),
-                                 "shadow": ShadowConfig(**data["release"]["shadow"])}),
+                                 "shadow": ShadowConfig(**data["release"]["shadow"]),
+                                 "proof": ProofConfig(**data["release"]["proof"])}),
         recipe=RecipeConfig(**data["recipe"]), trigger=TriggerConfig(**data["trigger"]), gate=dict(data["gate"]),
         harness=HarnessConfig(**data["harness"]), retention=RetentionConfig(**data["retention"]))
 

@@ -33,11 +33,12 @@ import aiohttp
 import orjson
 from aiohttp import web
 
-from reefd.commit import policy
+from reefd.commit import policy, proofs
 from reefd.commit.chain import Candidate, Release, ReleaseChain
 from reefd.commit.reconcile import Reconciler
 from reefd.commit.trials import Trials
 from reefd.config import ScenarioConfig, ServeConfig
+from reefd.engines import Proves, WeightSwap
 from reefd.grow.attempts import Attempts
 from reefd.grow.backends import Backends
 from reefd.grow.job_store import JobStore
@@ -231,6 +232,13 @@ def open_chain(state: Path) -> ReleaseChain:
 async def write(app: web.Application, scenario: Scenario, cand: Candidate, *, keep_refused: bool = False) -> Release:
     """The chain's commit policy (policy.commit) with the scenario's release settings, off the event loop."""
     m = of(app)
+    engine, base = scenario.engine, scenario.engine.model_folder()
+    passed = cand.verdict is None or cand.verdict.get("verdict") == "pass"  # a refused one is never loaded
+    if cand.kind in ("adapter", "weights") and cand.artifact is not None and scenario.cfg.release.proof.enabled \
+            and isinstance(engine, Proves) and base is not None and "proof" not in cand.meta and passed:
+        await proofs.stamp(app[RECONCILER].files.proofs.reference, cand.meta, cand.kind, cand.artifact,
+                           scenario.cfg.release.proof, base,
+                           engine.weights.path if isinstance(engine, WeightSwap) else None)
     with m.timed(m.publish, scenario.name) if m is not None else contextlib.nullcontext():
         trials = app.get(TRIALS)
 

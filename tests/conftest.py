@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from omegaconf import DictConfig, OmegaConf
 
 from tests import served
 from tests.served import ROOT, Served, free_port
@@ -37,9 +38,14 @@ class Daemon(Served):
     env: dict[str, str] = field(default_factory=dict)
     proc: subprocess.Popen[bytes] | None = None
     seed_tiny: bool = True
+    proof: bool = False  # the release proof as the scenario files say; else off (see `unproven`)
 
     def start(self, wait_ready: bool = True) -> None:
         self._seed_tiny()
+        if not self.proof:
+            unproven_groups(self.scenarios)
+            for path in self.scenarios.glob("*.yaml"):
+                path.write_text(unproven(path.read_text()))
         env = {**os.environ, "REEF_TOKEN": self.token, "REEF_LOG_LEVEL": "INFO", **self.env}
         env.pop("REEF_URL", None)
         self.launch([sys.executable, "-m", "reefd", "--scenarios", str(self.scenarios),
@@ -109,6 +115,39 @@ def make_scenarios(dst: Path, names: tuple[str, ...] = ("tiny",), extra: dict[st
     return dst
 
 
+def unproven(text: str) -> str:
+    """A scenario whose release settings come from the `release` group (added to its defaults if it has none: the
+    group's settings are ReleaseConfig's own defaults), where a daemon started without `proof` turns the release
+    proof off. The suite's daemons that do not test the proof so skip its reference process (about 6 s of CPU for
+    each daemon that publishes, then a fingerprint per candidate) and the trainer's fingerprint of every job; the
+    proof's own tests keep it (`Daemon(proof=True)`, `own_scenario(..., proof=True)`)."""
+    try:
+        cfg = OmegaConf.create(text)
+        defaults = cfg.get("defaults")
+        if defaults is None or "_self_" not in defaults or any(
+                isinstance(d, DictConfig) and "release" in d for d in defaults):
+            return text
+        defaults.insert(list(defaults).index("_self_"), {"release": "follow"})
+        return OmegaConf.to_yaml(cfg)
+    except Exception:  # a file a test writes broken on purpose stays as it is
+        return text
+
+
+def proven(text: str) -> str:
+    """A scenario that proves its releases whatever its `release` group says."""
+    cfg = OmegaConf.create(text)
+    OmegaConf.update(cfg, "release.proof.enabled", True, force_add=True)
+    return OmegaConf.to_yaml(cfg)
+
+
+def unproven_groups(scenarios: Path) -> None:
+    """The scenario folder's `release` group options, with the release proof off (see `unproven`)."""
+    for path in (scenarios / "release").glob("*.yaml"):
+        text = path.read_text()
+        if "proof:" not in text:
+            path.write_text(text + "proof:\n  enabled: false\n")
+
+
 @pytest.fixture(scope="session")
 def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
     """One reefd for the session's read-mostly end-to-end tests."""
@@ -142,13 +181,13 @@ def own_scenario() -> Iterator[Callable[..., str]]:
     next test finds the daemon serving what it served before (with this scenario's records and releases kept)."""
     added: list[tuple[Daemon, str, list[Path]]] = []
 
-    def add(d: Daemon, text: str, prefix: str = "s", files: dict[str, str] | None = None) -> str:
+    def add(d: Daemon, text: str, prefix: str = "s", files: dict[str, str] | None = None, proof: bool = False) -> str:
         name = f"{prefix}-{next(_NAMES)}"
         paths = [d.scenarios / f"{name}.yaml"]
         for rel, content in (files or {}).items():
             paths.append(d.scenarios / rel)
             paths[-1].write_text(content)
-        paths[0].write_text(text)
+        paths[0].write_text(proven(text) if proof else unproven(text))
         added.append((d, name, paths))
         d.reload()
         return name

@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import json
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -19,6 +20,7 @@ from reefd.commit.chain import (
     InvalidName,
     Release,
     ReleaseChain,
+    ReleaseError,
     UnknownRelease,
     WrongScenario,
     head_ref,
@@ -332,3 +334,35 @@ def test_diff_shows_text_diffs_of_text_files_only(chain: ReleaseChain, tmp_path:
     assert d["text"]["adapter/notes.md"] == ("--- /dev/null\n+++ b/adapter/notes.md\n@@ -0,0 +1 @@\n"
                                              "+no newline at the end\n\\ No newline at end of file\n")
     assert chain.diff(second.id, second.id)["text"] == {}
+
+
+def test_a_harness_tree_id_is_computed_as_git_writes_it_and_a_harness_that_is_not_its_tree_is_refused(
+        chain: ReleaseChain, tmp_path: Path) -> None:
+    """What reefd injects must be the release's own tree: the tree id of the harness it parsed (rendered again) is
+    computed without git, equal to the one the chain stores, and a release whose tree does not render back to
+    itself is not served."""
+    import asyncio
+
+    from reefd.commit.materialize import Materializer
+    from reefd.commit.trees import tree_id
+    from reefd.harness import Harness
+
+    harness = Harness.from_dir(Path(__file__).parent.parent / "scenarios" / "coder-harness")
+    canonical = harness.render(tmp_path / "h")
+    odd = {"a.md": b"x", "b/c.md": b"y", "b-x.md": b"z", "b/d/e.md": b"w"}  # git sorts a folder as "b/"
+    for rel, data in odd.items():
+        (tmp_path / "odd" / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / "odd" / rel).write_bytes(data)
+    base = chain.publish("s", expected_head=None, kind="base", artifact_dir=canonical, meta={}, folder="harness")
+    assert chain.artifacts(base.id)["harness"] == tree_id(harness.files())
+    assert chain.artifacts(chain.publish("o", expected_head=None, kind="base", artifact_dir=tmp_path / "odd",
+                                         meta={}, folder="harness").id)["harness"] == tree_id(odd)
+    files = Materializer(None, chain, tmp_path / "state", tmp_path)  # type: ignore[arg-type]
+    assert asyncio.run(files.artifacts(base, None)).harness == harness
+    (tmp_path / "edited" / "rules").mkdir(parents=True)
+    shutil.copytree(canonical, tmp_path / "edited", dirs_exist_ok=True)
+    rule = next((tmp_path / "edited" / "rules").glob("*.md"))
+    rule.write_bytes(rule.read_bytes().rstrip(b"\n") + b"\n\n\n")  # parses, but renders otherwise
+    edited = chain.publish("s", expected_head=base.id, kind="harness", artifact_dir=tmp_path / "edited", meta={})
+    with pytest.raises(ReleaseError, match="renders as tree"):
+        asyncio.run(files.artifacts(edited, None))

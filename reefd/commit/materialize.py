@@ -17,7 +17,10 @@ from pathlib import Path
 
 from reefd.commit import chain as releases
 from reefd.commit.chain import Release, ReleaseChain, ReleaseError
-from reefd.engines import Engine, EngineError, EngineUnavailable, WeightSwap
+from reefd.commit.proofs import Proofs, ReferenceFailed, probe_of
+from reefd.commit.trees import tree_id
+from reefd.engines import Engine, EngineError, EngineUnavailable, Proves, Weights, WeightSwap
+from reefd.engines.proof import ProofFailed
 from reefd.harness import Harness, HarnessError
 from reefd.serve.scenarios import Binding, Registry, Scenario
 
@@ -56,6 +59,7 @@ class Materializer:
         self.serving_dir = state_dir / "serving"
         self.weights_dir = state_dir / "weights"
         self.scenarios_dir = scenarios_dir
+        self.proofs = Proofs(state_dir)
 
     @contextlib.asynccontextmanager
     async def base_harness(self, harness_dir: str | None) -> AsyncIterator[Path | None]:
@@ -83,14 +87,39 @@ class Materializer:
                                "weights this release carries; it is not served")
         harness = None if harness_tree is None else current.harness if current is not None and \
             current.harness_tree == harness_tree else await asyncio.to_thread(read_harness, self.chain, rel.id)
+        if harness is not None and tree_id(harness.files()) != harness_tree:  # what is injected is the release's
+            raise ReleaseError(f"{rel.id}: the harness read from its tree {harness_tree} renders as tree "
+                               f"{tree_id(harness.files())}; it is not served")
         return Artifacts(tree, weights, harness, harness_tree)
 
     async def load(self, scenario: Scenario, release_id: str) -> str:
         """The release's adapter, loaded on the scenario's engine under its release id (once)."""
         if release_id not in scenario.engine.adapters:
             await self._wait_ready(scenario)
-            await scenario.engine.load_adapter(release_id, await self.adapter(scenario.name, release_id))
+            folder = await self.adapter(scenario.name, release_id)
+            engine = scenario.engine
+            weights = engine.weights if isinstance(engine, WeightSwap) else Weights()
+            await self._expect(scenario, release_id, weights.version, release_id, weights.path, folder)
+            await engine.load_adapter(release_id, folder)
         return release_id
+
+    async def _expect(self, scenario: Scenario, release_id: str, version: str | None, adapter: str | None,
+                      weights: Path | None, folder: Path | None) -> None:
+        """Hold the engine's processes to the release's fingerprint on weights `version` with `adapter` (its
+        folder `folder`, on the weights folder `weights`; None: the launch model's) before they load it."""
+        engine, cfg = scenario.engine, scenario.cfg.release.proof
+        base = engine.model_folder()
+        if not cfg.enabled or not isinstance(engine, Proves) or base is None:
+            return
+        rel = await asyncio.to_thread(self.chain.get, release_id)
+        trees = await asyncio.to_thread(self.chain.artifacts, release_id)
+        try:
+            fp = await self.proofs.of(rel.meta, (trees.get("weights"), trees.get("adapter")), probe_of(cfg),
+                                      weights or base, folder, base)
+        except ReferenceFailed as exc:
+            raise ProofFailed(f"{release_id} cannot be proven, so it is not served: {exc}") from None
+        engine.proofs = {k: v for k, v in engine.proofs.items() if k[1] is None or k[1] in engine.adapters}
+        engine.proofs[(version, adapter)] = fp.within(cfg.tolerance)
 
     async def swap_weights(self, scenario: Scenario, rel: Release, found: Artifacts) -> None:
         """Serve a release whose weights differ from what serves: the engine swaps them (holding new requests on
@@ -108,6 +137,7 @@ class Materializer:
         path = None if weights is None else \
             await asyncio.to_thread(self._write_once, self.weights_dir / weights, rel.id, "weights")  # shared
         adapter = (rel.id, await self.adapter(scenario.name, rel.id)) if tree else None
+        await self._expect(scenario, rel.id, rel.id, rel.id if tree else None, path, adapter[1] if adapter else None)
         binding = Binding(rel.id, rel.id if tree else None, tree, found.harness, found.harness_tree, weights, rel.id)
         timeout = scenario.cfg.serve.request_timeout_s
 

@@ -84,6 +84,7 @@ class Reconciler:
         for handle in self._retries.values():
             handle.cancel()
         await self._background.cancel()
+        await self.files.proofs.reference.close()
 
     # ------------------------------------------------------------ the loop
 

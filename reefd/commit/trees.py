@@ -39,6 +39,29 @@ def is_lfs_path(name: str) -> bool:
 File = tuple[str, bytes, str | None, int]  # (path, blob data, LFS oid or None, LFS size)
 
 
+
+def tree_id(files: dict[str, bytes]) -> str:
+    """The git tree id of these files (paths relative to the tree, no LFS), computed without a repository: what
+    `Trees.store` of them writes."""
+    entries: dict[str, bytes | dict[str, bytes]] = {}
+    for path, data in files.items():
+        head, _, rest = path.partition("/")
+        if rest:
+            sub = entries.setdefault(head, {})
+            assert isinstance(sub, dict)
+            sub[rest] = data
+        else:
+            entries[head] = data
+    body = b""
+    for name in sorted(entries, key=lambda n: n + "/" if isinstance(entries[n], dict) else n):  # git's order
+        value = entries[name]
+        if isinstance(value, dict):
+            body += b"40000 " + name.encode() + b"\0" + bytes.fromhex(tree_id(value))
+        else:
+            blob = hashlib.sha1(b"blob %d\0" % len(value) + value).hexdigest()
+            body += b"100644 " + name.encode() + b"\0" + bytes.fromhex(blob)
+    return hashlib.sha1(b"tree %d\0" % len(body) + body).hexdigest()
+
 class Trees:
     """Trees of one bare repo at `path`; LFS objects in path/lfs/objects, temporary files in path/lfs/tmp.
     Not thread-safe: the caller serialises (ReleaseChain holds its lock around every call)."""

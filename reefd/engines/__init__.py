@@ -142,6 +142,15 @@ class WeightSwap(Protocol):
 
 
 @runtime_checkable
+class Proves(Protocol):
+    """An engine whose every process proves a release after each load or swap, before it takes traffic: `proofs`
+    maps (weight version, adapter name; None: the weights alone) to the answers a process serving them must give
+    (reefd/engines/proof.py). A process that answers otherwise does not serve them (the load or swap fails)."""
+
+    proofs: dict[tuple[str | None, str | None], Any]
+
+
+@runtime_checkable
 class Admits(Protocol):
     """An engine that may hold new requests for a while (loading new weights): `admit` returns when one may
     start."""

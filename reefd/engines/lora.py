@@ -9,6 +9,7 @@ from pathlib import Path
 
 from reefd.engines import EngineError, EngineUnavailable
 from reefd.engines.sglang_base import SGLangBase
+from reefd.engines.sglang_client import SGLangClient
 
 
 class Adapters(SGLangBase):
@@ -21,7 +22,8 @@ class Adapters(SGLangBase):
                 raise EngineError(f"an adapter named {name!r} is already loaded", status=400)
             self._client()  # not ready: EngineUnavailable
             clients = self._processes()
-            results = await asyncio.gather(*(c.load_lora_adapter(name, path) for c in clients), return_exceptions=True)
+            results = await asyncio.gather(*(self._load_proved(c, name, path) for c in clients),
+                                           return_exceptions=True)
             failed = [r for r in results if isinstance(r, BaseException)]
             if failed:  # all or none: take it off the processes that loaded it
                 for client, result in zip(clients, results, strict=True):
@@ -30,6 +32,17 @@ class Adapters(SGLangBase):
                             await client.unload_lora_adapter(name)
                 raise failed[0]
             self.adapters[name] = path
+
+    async def _load_proved(self, client: SGLangClient, name: str, path: Path) -> None:
+        """Load on one process, then prove it (when the adapter's release has a fingerprint): a process that says
+        it loaded the adapter but answers otherwise counts as failed, and it is taken off again."""
+        await client.load_lora_adapter(name, path)
+        try:
+            await self._prove(client, self.weights.version, [name])
+        except BaseException:
+            with contextlib.suppress(EngineError, EngineUnavailable):
+                await client.unload_lora_adapter(name)
+            raise
 
     async def unload_adapter(self, name: str) -> None:
         async with self._admin:

@@ -162,6 +162,7 @@ class SGLangEngine(Generation, Adapters, WeightSwaps):
                 continue
             await client.load_lora_adapter(name, path)
             log.info("%s: restored adapter %s", self.cfg.name, name)
+        await self._prove(client, self.weights.version, [None, *self.adapters])  # else it restarts again
 
     async def repair(self) -> list[str]:
         """A reconcile pass over the replicas: each serving replica's weight version and loaded adapters against
@@ -224,7 +225,8 @@ class SGLangEngine(Generation, Adapters, WeightSwaps):
             "url": url if self.replicas is None else self.replicas.router_url,
             "restarts": proc.restarts if proc else 0, "pid": proc.pid if proc else None,
             "model_dir": str(self.model_dir) if self.model_dir else None, "context_length": self.context_length,
-            "adapters": sorted(self.adapters), "last_error": proc.last_error if proc else None}
+            "adapters": sorted(self.adapters), "last_error": proc.last_error if proc else None,
+            "last_proof": self.last_proof}
         if self.replicas is not None:
             out.update(replicas=self.replicas.describe(), repairs=self.repairs)
         return out

@@ -6,13 +6,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterable
 from pathlib import Path
 from typing import Any
 
 import aiohttp
 
 from reefd.engines import EngineUnavailable, ModelConfig, Weights
+from reefd.engines.proof import Fingerprint, ProofFailed
 from reefd.engines.replicas import Replicas
 from reefd.engines.sglang_client import SGLangClient
 from reefd.engines.supervisor import Supervisor
@@ -44,6 +45,10 @@ class SGLangBase:
         self._admission.set()
         self.last_swap: dict[str, Any] | None = None  # the last weights swap: when, how long, how long requests held
         self._group: tuple[str, list[str]] | None = None  # a trainer's weight update group: its name, its processes
+        # (weight version, adapter) -> what a process serving them must answer (reefd/engines/proof.py); set by
+        # the release's materializer before the load or swap
+        self.proofs: dict[tuple[str | None, str | None], Fingerprint] = {}
+        self.last_proof: dict[str, Any] | None = None  # the last process proven: what, where, how long, verdict
 
     @property
     def ready(self) -> bool:
@@ -85,6 +90,24 @@ class SGLangBase:
             yield lambda: round(time.monotonic() - started, 3)
         finally:
             self._admission.set()
+
+    async def _prove(self, client: SGLangClient, weights: str | None, adapters: Iterable[str | None]) -> None:
+        """ProofFailed unless `client`'s process answers the fingerprint of each of `adapters` (None: the weights
+        alone) on `weights` that this engine holds one for; the prompts go as one batch."""
+        for adapter in adapters:
+            fp = self.proofs.get((weights, adapter))
+            if fp is None:
+                continue
+            started = time.monotonic()
+            answers = await asyncio.gather(*(client.greedy(prompt, len(tokens), adapter)
+                                             for prompt, tokens in zip(fp.prompts, fp.tokens, strict=True)))
+            problem = fp.mismatch(list(answers))
+            self.last_proof = {"weights": weights, "adapter": adapter, "url": client.base_url, "at": time.time(),
+                               "s": round(time.monotonic() - started, 4), "problem": problem}
+            if problem is not None:
+                what = f"adapter {adapter}" if adapter is not None else "its weights"
+                raise ProofFailed(f"{client.base_url} does not answer as {what} on weights "
+                                  f"{weights or 'as launched'} should: {problem}")
 
     def _weights_path(self, weights: Weights) -> Path:
         path = weights.path or self.model_dir

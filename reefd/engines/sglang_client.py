@@ -31,6 +31,19 @@ class SGLangClient:
         """The server answers at all (`/health`), even while every batch slot is busy."""
         return await self._ok("/health", timeout_s)
 
+    async def greedy(self, prompt: list[int], max_tokens: int, adapter: str | None,
+                     timeout_s: float = 60.0) -> tuple[list[int], list[float]]:
+        """This process's greedy answer to `prompt` (token ids): exactly `max_tokens` ids and their logprobs."""
+        payload: dict[str, Any] = {"input_ids": prompt, "return_logprob": True, "stream": False,
+                                   "sampling_params": {"max_new_tokens": max_tokens, "temperature": 0,
+                                                       "ignore_eos": True}}
+        if adapter is not None:
+            payload["lora_path"] = adapter
+        async for answer in self.generate(payload, timeout_s):
+            meta = answer.get("meta_info") or {}
+            return list(answer.get("output_ids") or []), [float(e[0]) for e in meta.get("output_token_logprobs") or []]
+        raise EngineError("the engine ended without an answer")
+
     async def healthy(self, timeout_s: float = 30.0) -> bool:
         """The server generates a token (`/health_generate`)."""
         return await self._ok("/health_generate", timeout_s)

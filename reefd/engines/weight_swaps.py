@@ -86,6 +86,7 @@ class WeightSwaps(SGLangBase):
                 for client in targets:
                     done.append(client)
                     await self._take(client, new, only(adapter), frozenset(self.adapters))
+                    await self._prove(client, version, [None, *only(adapter)])
             except BaseException:
                 for client in done:
                     await self._put_back(client, old, old_adapters)
@@ -192,6 +193,7 @@ class WeightSwaps(SGLangBase):
         reported, version = await client.weight_version()
         if reported and version != weights.version:
             raise EngineError(f"replica {replica.index} reports weights {version}, not {weights.version}")
+        await self._prove(client, weights.version, [None, *adapters])
 
     async def _revert(self, replica: Replica, weights: Weights, adapters: dict[str, Path]) -> None:
         """Put a replica back on the old weights and adapters after a failed swap (or restart it)."""

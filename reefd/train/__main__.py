@@ -107,11 +107,29 @@ def run(spec: TrainSpec) -> int:
             trained.save(folder)
             report = {"job": spec.job, "objective": spec.objective, "metrics": metrics}
             (folder / "metrics.json").write_text(json.dumps(report, indent=2, allow_nan=False) + "\n")
+        if spec.proof is not None:
+            prove(spec)
         emit({"event": "done", "adapter": str(spec.output_dir), "metrics": metrics})
     if metrics.get("stopped"):
         return _fail(f"terminated by SIGTERM after {metrics['steps']} of {spec.steps} steps; the steps done are "
                      "saved", 143)
     return 0
+
+
+def prove(spec: TrainSpec) -> None:
+    """The saved candidate's fingerprint, as the daemon's reference would compute it (the same code, here where
+    torch is loaded already). A failure is only logged: the daemon's reference then computes it."""
+    from reefd.train.fingerprint import fingerprint
+
+    assert spec.proof is not None
+    full = spec.target == "full"
+    try:
+        doc = fingerprint(spec.output_dir if full else spec.base_model, None if full else spec.output_dir,
+                          spec.proof["texts"], spec.proof["max_tokens"], Path(spec.proof["tokenizer"]))
+    except Exception as exc:
+        sys.stderr.write(f"the candidate's fingerprint failed: {one_line(exc)}\n")
+        return
+    emit({"event": "proof", "fingerprint": doc})
 
 
 @contextmanager

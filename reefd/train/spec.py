@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 TOP_KEYS = {"job", "objective", "settings", "base_model", "init_adapter", "output_dir", "samples", "lora", "optim",
-            "seed", "target", "fault"}
+            "seed", "target", "fault", "proof"}
 TARGETS = ("lora", "full")
 FAULTS = ("crash", "nan", "hang", "hold", "pause")  # tests only: how the trainer fails on purpose
 SAMPLE_KEYS = {"receipt", "prompt_ids", "completion_ids", "logprobs", "reward", "group", "reports", "top_ids", "extra",
@@ -87,6 +87,9 @@ class TrainSpec:
     seed: int = 0
     target: str = "lora"  # lora: a PEFT adapter; full: every parameter, written as a full HF model folder
     fault: Fault | None = None  # tests only: the trainer fails on purpose
+    # the candidate's fingerprint, computed here once it is saved: {"texts", "max_tokens", "tokenizer"}
+    # (reefd/train/fingerprint.py; the daemon's reference computes it when a job leaves it out)
+    proof: dict[str, Any] | None = None
 
     @property
     def steps(self) -> int:
@@ -130,7 +133,19 @@ def parse_spec(raw: Any) -> TrainSpec:
         base_model=_model_dir(obj["base_model"]), init_adapter=_adapter_dir(obj.get("init_adapter")),
         output_dir=_output_dir(obj["output_dir"]), samples=samples, lora=block(LoraSpec, obj.get("lora"), "lora"),
         optim=block(OptimSpec, obj.get("optim"), "optim"), seed=seed, target=target,
-        fault=parse_fault(obj.get("fault"), "fault"))
+        fault=parse_fault(obj.get("fault"), "fault"), proof=_proof(obj.get("proof")))
+
+
+def _proof(raw: Any) -> dict[str, Any] | None:
+    if raw is None:
+        return None
+    obj = _object(raw, "proof", {"texts", "max_tokens", "tokenizer"})
+    texts = _list(obj.get("texts"), "proof.texts")
+    if not texts or not all(isinstance(t, str) and t for t in texts) or not _is_int(obj.get("max_tokens")) or \
+            obj["max_tokens"] < 1:
+        raise SpecError("proof: expected {texts: [non-empty strings], max_tokens: a positive integer, tokenizer}")
+    return {"texts": list(texts), "max_tokens": obj["max_tokens"], "tokenizer": _str(obj.get("tokenizer"),
+                                                                                       "proof.tokenizer")}
 
 
 def parse_fault(raw: Any, where: str) -> Fault | None:

@@ -17,6 +17,8 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
+from reefd.worker.params import FAULTS
+
 log = logging.getLogger("reefd.worker")
 
 
@@ -34,6 +36,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--served-model-name", default=None, help="model name in OpenAI answers (default: folder name)")
     p.add_argument("--drain-timeout", type=float, default=2.0, help="seconds in-flight requests get on SIGTERM")
     p.add_argument("--log-level", default="INFO", help="DEBUG logs every finished request")
+    p.add_argument("--fault", choices=FAULTS, default=None,
+                   help="tests only: adapter loads or weight updates that answer success and serve something else")
     p.add_argument("--incremental-streaming-output", action="store_true",
                    help="stream events carry only the new ids, text and logprobs (SGLang's flag of that name)")
     return p.parse_args(argv)
@@ -60,6 +64,7 @@ async def serve(args: argparse.Namespace) -> int:
     torch.set_num_threads(threads)
     start = time.monotonic()
     engine = await asyncio.to_thread(Model, args.model, args.device, args.context_length)
+    engine.fault = args.fault
     batcher = Batcher(engine, args.max_batch, threads=threads)
     batcher.start()
     state = WorkerState(batcher=batcher, tokenizer=AutoTokenizer.from_pretrained(args.model, local_files_only=True),

@@ -63,6 +63,7 @@ class Model:
         self._peft: Any = None  # the PeftModel wrapping `model` while adapters are loaded
         self._active: str | None = None  # the adapter PEFT has active (set_adapter), for uniform batches
         self.weight_version: str | None = None
+        self.fault: str | None = None  # tests only (params.FAULTS): loads that say success and serve otherwise
         # transformers 5 renamed `past_key_values` to `cache` (the old name warns there).
         forward_params = inspect.signature(self.model.forward).parameters
         self._cache_arg = "cache" if "cache" in forward_params else "past_key_values"
@@ -183,6 +184,8 @@ class Model:
             self._drop_adapter(name)
             raise BadRequest(f"cannot load adapter {name!r} from {path}: {exc}") from None
         self._active = None  # loading may change which adapter PEFT has active
+        if self.fault is not None:
+            self._misload(name)
         self.adapters[name] = str(path)
         for note in notes:
             log.warning("adapter %s: %s", name, note)
@@ -243,11 +246,29 @@ class Model:
                                  f"{tuple(params[name].shape)}")
         with torch.no_grad():
             for name, tensor in weights.items():
-                params[name].copy_(tensor.to(params[name].device))
+                if self.fault != "ignore-weights":
+                    params[name].copy_(tensor.to(params[name].device))
         if path is not None:
             self.path = Path(path)
         self.weight_version = version
         log.info("weights updated from %s (version %s, %d tensors)", source, version, len(weights))
+
+    @torch.no_grad()
+    def _misload(self, name: str) -> None:
+        """A test fault (params.FAULTS) on the adapter just loaded, whose load still answers success."""
+        mine = {n: p for n, p in self._peft.named_parameters() if f".{name}." in n and ".lora_" in n}
+        if self.fault == "empty-adapters":  # serves the base model under the adapter's name
+            for n, p in mine.items():
+                if ".lora_B." in n:
+                    p.zero_()
+        elif self.fault == "corrupt-adapters":  # one tensor of it damaged
+            p = next(p for n, p in sorted(mine.items()) if ".lora_B." in n)
+            p.mul_(-3.0)
+        elif self.fault == "stale-adapters" and self.adapters:  # the last adapter's tensors under the new name
+            last = list(self.adapters)[-1]
+            for n, p in self._peft.named_parameters():
+                if f".{last}." in n and ".lora_" in n:
+                    mine[n.replace(f".{last}.", f".{name}.")].copy_(p)
 
     def cache_from(self, kv: kvcache.KV) -> DynamicCache:
         return kvcache.build(kv, self.config)

@@ -11,6 +11,10 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
+# `--fault`, for tests of what reefd does with a process that says success and serves something else: adapter loads
+# that serve the base model, a damaged tensor or the previous adapter; weight updates that change nothing.
+FAULTS = ("empty-adapters", "corrupt-adapters", "stale-adapters", "ignore-weights")
+
 TOP_LOGPROBS_MAX = 20  # the most alternatives `top_logprobs_num` may ask for per token (as OpenAI's cap)
 
 

@@ -71,8 +71,8 @@ def grow(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
 def learn(grow: Daemon, own_scenario: Callable[..., str]) -> Callable[..., str]:
     """`learn(**learn_yaml's arguments, files=...)`: a learning scenario of the test's own on `grow`; its name."""
 
-    def add(files: dict[str, str] | None = None, **kw: Any) -> str:
-        return own_scenario(grow, learn_yaml(**kw), prefix="learn", files=files)
+    def add(files: dict[str, str] | None = None, proof: bool = False, **kw: Any) -> str:
+        return own_scenario(grow, learn_yaml(**kw), prefix="learn", files=files, proof=proof)
 
     return add
 
@@ -124,7 +124,7 @@ def stop(d: Daemon) -> None:
 
 def test_reports_trigger_training_and_the_next_answer_comes_from_the_new_release(
         grow: Daemon, learn: Callable[..., str]) -> None:
-    d, name = grow, learn(params="    max_staleness: 0\n")
+    d, name = grow, learn(params="    max_staleness: 0\n", proof=True)
     c = client(d, name)
     receipts = [turn(d, c, f"task {i}", score=float(i % 2), name=name)[0] for i in range(4)]
     job = wait_job(d, name=name)
@@ -137,6 +137,9 @@ def test_reports_trigger_training_and_the_next_answer_comes_from_the_new_release
     assert rel["kind"] == "adapter" and rel["meta"]["source"] == "sao" and rel["meta"]["job"] == job["id"]
     assert rel["meta"]["receipts"] == receipts and len(rel["meta"]["reports"]) == 4
     assert rel["meta"]["gate"]["verdict"] == "pass" and "loss" in rel["meta"]["metrics"]
+    # its fingerprint, made by the trainer from the saved candidate (no reference process), proven at its load
+    assert len(rel["meta"]["proof"]["tokens"]) == 3 and status(d, name)["engine"]["last_proof"]["problem"] is None
+    assert "reference fingerprint" not in d.log_path.read_text()
     assert turn(d, c, "after", name=name)[1] == job["release"]  # hot-swapped: the next answer names it
     # consumed records are not trained on again: a manual run finds nothing new to learn from
     out = reefctl(d, "train", name, "--follow")

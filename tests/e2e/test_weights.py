@@ -279,3 +279,47 @@ def test_weights_roll_across_two_replicas(weightsd: Daemon, own_scenario: Callab
     assert {r["release"] for r in load.results} == {w, on_w}
     check_weights_of_answers(d, load.results, {w: w, on_w: w})
     assert all(r["adapters"] == [on_w] for r in engine(d, name)["replicas"])
+
+
+def test_a_replica_that_ignores_a_weights_swap_never_serves_the_release(
+        weightsd: Daemon, own_scenario: Callable[..., str], tmp_path: Path) -> None:
+    """Two processes behind the router, one of them a worker that answers "success" to a weights update and keeps
+    its old weights (`--fault ignore-weights`, attached by `workers:`). The release's proof catches it during the
+    roll: it never takes traffic on the new weights, and every answer under a release comes from that release's
+    weights: no answer of a mixed fleet, none failed."""
+    from tests.worker.support import Worker
+
+    d = weightsd
+    faulty = Worker(d.state / "models" / "tiny", tmp_path / "faulty.log",
+                    extra=["--fault", "ignore-weights", "--threads", "1"]).start()
+    try:
+        name = own_scenario(d, scenario(1).replace("  replicas: 1\n",
+                                                   f"  replicas: 1\n  workers: [{faulty.url}]\n"), prefix="w",
+                            proof=True)
+        deadline = time.monotonic() + 120
+        while not (len(engine(d, name).get("replicas") or []) == 2 and
+                   all(r["in_router"] for r in engine(d, name)["replicas"])) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        base_text, base = greedy(d, name)
+        weights = make_weights(d.state / "models" / "tiny", tmp_path / "weights", seed=1, scale=0.5)
+        answer, load = publish_under_load(d, name, "--weights", str(weights), clients=3, answers=6)
+        w = answer["release"]["id"]
+        assert load.failures == []
+        by_release: dict[str, set[str]] = {}
+        for session in "abcdefgh":  # sessions spread over both processes when both serve
+            code, body, headers = d.post("/v1/chat/completions", {
+                "model": name, "messages": [{"role": "user", "content": "tell me a story"}], "max_tokens": 12,
+                "temperature": 0}, headers={"x-reef-scenario": name, "x-reef-session": session})
+            assert code == 200, body
+            by_release.setdefault(headers["x-reef-release-id"], set()).add(body["choices"][0]["message"]["content"])
+        assert all(len(texts) == 1 for texts in by_release.values()), by_release  # never two weights under one
+        replicas = engine(d, name)["replicas"]
+        attached = next(r for r in replicas if r["url"] == faulty.url)
+        if answer["serving"] == w:  # the good replica rolled first: the faulty one is out of the router
+            assert by_release.keys() == {w} and by_release[w] != {base_text}
+            assert not attached["in_router"], replicas
+        else:  # the faulty one came first: the roll was undone and the old weights serve everywhere
+            assert answer["serving"] == base and by_release == {base: {base_text}}
+        assert f"{faulty.url} does not answer as its weights" in d.log_path.read_text()  # why, in the log
+    finally:
+        faulty.stop()

@@ -16,8 +16,10 @@ from typing import TYPE_CHECKING, Any
 
 from reefd import plugins
 from reefd.commit import gates
+from reefd.commit.proofs import probe_of, stamped
 from reefd.commit.weights import InvalidWeights, check_weights
-from reefd.engines import Engine, EngineError, EngineUnavailable, ModelConfig, seeded_sampling
+from reefd.engines import Engine, EngineError, EngineUnavailable, ModelConfig, Proves, seeded_sampling
+from reefd.engines.proof import Fingerprint
 from reefd.grow.backends import PushesWeights, Stoppable, TrainerBackend, TrainerTimeout
 from reefd.grow.job_kinds import JobFailed, Made, answer, recipe_params, until_ready
 from reefd.grow.job_store import Job
@@ -69,6 +71,8 @@ class WeightsKind:
                "output_dir": str(work / "candidate"), "lora": spec.lora, "optim": spec.optim, "target": spec.target,
                "samples": [{k: v for k, v in dataclasses.asdict(s).items() if k != "context"} for s in spec.samples],
                **({"fault": {"kind": fault["kind"], "hold": fault.get("hold")}} if fault else {})}
+        if scenario.cfg.release.proof.enabled and isinstance(scenario.engine, Proves):  # the trainer fingerprints it
+            doc["proof"] = {**probe_of(scenario.cfg.release.proof), "tokenizer": str(scenario.engine.model_folder())}
         spec_path = work / "spec.json"
         await asyncio.to_thread(spec_path.write_text, json.dumps(doc))
         return spec_path
@@ -83,7 +87,8 @@ class WeightsKind:
         weights = await asyncio.to_thread(self.runner.chain.weights, job.built_on)  # what it is trained on
         # the engine the trainer pushes its weights to, where the gate then judges them
         pushed = await self._push_engine(stack, job, scenario, spec_path, doc) if backend.pushes else None
-        out = await self._run(job, scenario, backend, spec_path, full)
+        fingerprint: dict[str, Any] = {}
+        out = await self._run(job, scenario, backend, spec_path, full, fingerprint)
         if pushed is not None:
             assert isinstance(backend, PushesWeights)
             await _check_pushed(pushed, backend.pushed_version(doc), out)
@@ -95,9 +100,13 @@ class WeightsKind:
                 **({"skipped": list(job.skipped)} if job.skipped else {})}
         # an adapter serves only on the weights it was trained on; full weights say what they started from
         meta["trained_on" if full else "weights"] = weights
+        proof = Fingerprint.from_json(fingerprint.get("fingerprint"))
+        if proof is not None and "proof" in doc:
+            meta["proof"] = stamped(proof, {k: v for k, v in doc["proof"].items() if k != "tokenizer"})
         return Made("weights" if full else "adapter", meta, out, pushed=pushed)
 
-    async def _run(self, job: Job, scenario: Scenario, backend: TrainerBackend, spec_path: Path, full: bool) -> Path:
+    async def _run(self, job: Job, scenario: Scenario, backend: TrainerBackend, spec_path: Path, full: bool,
+                   fingerprint: dict[str, Any]) -> Path:
         """Run the spec on the scenario's trainer backend; the candidate folder (an adapter, or a full HF model)."""
         work, out, error = spec_path.parent, spec_path.parent / "candidate", None
 
@@ -107,6 +116,8 @@ class WeightsKind:
                 job.progress = {k: v for k, v in event.items() if k != "event"}
             elif event.get("event") == "done":
                 job.metrics = dict(event.get("metrics") or {})
+            elif event.get("event") == "proof":
+                fingerprint.update(event)
             elif event.get("event") == "error":
                 error = str(event.get("reason"))
 
