@@ -25,9 +25,11 @@ from hot_swap import adapters, daemon_for, tar_bytes
 from tests.loras import make_weights
 
 
-def scenario(model: str, on: bool) -> str:
+def scenario(model: str, on: bool, max_tokens: int | None) -> str:
+    tokens = f"    max_tokens: {max_tokens}\n" if max_tokens else ""
     return (f"defaults:\n  - model: {model}\n  - release: follow\n  - _self_\n"
-            f"model:\n  name: {model}-{'on' if on else 'off'}\nrelease:\n  proof:\n    enabled: {str(on).lower()}\n")
+            f"model:\n  name: {model}-{'on' if on else 'off'}\nrelease:\n  proof:\n    enabled: {str(on).lower()}\n"
+            + tokens)
 
 
 def publish(daemon: Any, name: str, kind: str, tar: bytes) -> float:
@@ -55,10 +57,12 @@ def main() -> None:
     ap.add_argument("--model", choices=("tiny", "smollm2"), default="tiny")
     ap.add_argument("--weights", action="store_true", help="full-weights releases instead of adapters")
     ap.add_argument("--rounds", type=int, default=4)
+    ap.add_argument("--max-tokens", type=int, default=None, help="release.proof.max_tokens (default: reefd's)")
     args = ap.parse_args()
     tmp = scratch_dir()
     on, off = f"{args.model}-on", f"{args.model}-off"
-    daemon = daemon_for(args.model, tmp, {on: scenario(args.model, True), off: scenario(args.model, False)})
+    daemon = daemon_for(args.model, tmp, {on: scenario(args.model, True, args.max_tokens),
+                                          off: scenario(args.model, False, None)})
     daemon.start()
     try:
         if args.weights:
@@ -85,7 +89,8 @@ def main() -> None:
           f"{swap_s:.3f} s (median); the proof {proof_s * 1000:.0f} ms per process ({proof_s / swap_s:.2f}x the "
           f"swap; budget {budget * 1000:.0f} ms: {'met' if proof_s <= budget else 'MISSED'}); the candidate's "
           f"reference fingerprint, once per candidate: {reference_s:.3f} s")
-    print(json.dumps({"bench": "proof_cost", "model": args.model, "kind": kind, "swap_s": round(swap_s, 4),
+    print(json.dumps({"bench": "proof_cost", "model": args.model, "kind": kind, "max_tokens": args.max_tokens,
+                      "swap_s": round(swap_s, 4),
                       "proof_s": round(proof_s, 4), "proof_over_swap": round(proof_s / swap_s, 3),
                       "reference_s": round(reference_s, 4), "budget_s": round(budget, 4),
                       "met": proof_s <= budget, "rounds": rows}))
