@@ -234,11 +234,15 @@ async def write(app: web.Application, scenario: Scenario, cand: Candidate, *, ke
     m = of(app)
     engine, base = scenario.engine, scenario.engine.model_folder()
     passed = cand.verdict is None or cand.verdict.get("verdict") == "pass"  # a refused one is never loaded
-    if cand.kind in ("adapter", "weights") and cand.artifact is not None and scenario.cfg.release.proof.enabled \
-            and isinstance(engine, Proves) and base is not None and "proof" not in cand.meta and passed:
+    wanted = cand.kind in ("adapter", "weights") and scenario.cfg.release.proof.enabled and "proof" not in cand.meta
+    serving = engine.weights.path if isinstance(engine, WeightSwap) else None
+    if cand.kind == "adapter":  # stamped on the weights it serves on, only while the engine serves those
+        wanted = wanted and (cand.meta.get("weights") or {}).get("tree") == (serving.name if serving else None)
+    # (an attached engine's model may be on another machine, where the reference cannot read it)
+    if wanted and passed and cand.artifact is not None and isinstance(engine, Proves) and base is not None \
+            and base.is_dir():
         await proofs.stamp(app[RECONCILER].files.proofs.reference, cand.meta, cand.kind, cand.artifact,
-                           scenario.cfg.release.proof, base,
-                           engine.weights.path if isinstance(engine, WeightSwap) else None)
+                           scenario.cfg.release.proof, base, serving)
     with m.timed(m.publish, scenario.name) if m is not None else contextlib.nullcontext():
         trials = app.get(TRIALS)
 

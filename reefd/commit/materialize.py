@@ -111,6 +111,10 @@ class Materializer:
         base = engine.model_folder()
         if not cfg.enabled or not isinstance(engine, Proves) or base is None:
             return
+        if not await asyncio.to_thread(base.is_dir):  # an attached engine's model on another machine
+            log.warning("%s: %s is not proven: its model folder %s is not on this machine, where the reference "
+                        "runs", scenario.name, release_id, base)
+            return
         rel = await asyncio.to_thread(self.chain.get, release_id)
         trees = await asyncio.to_thread(self.chain.artifacts, release_id)
         try:
@@ -118,7 +122,6 @@ class Materializer:
                                       weights or base, folder, base)
         except ReferenceFailed as exc:
             raise ProofFailed(f"{release_id} cannot be proven, so it is not served: {exc}") from None
-        engine.proofs = {k: v for k, v in engine.proofs.items() if k[1] is None or k[1] in engine.adapters}
         engine.proofs[(version, adapter)] = fp.within(cfg.tolerance)
 
     async def swap_weights(self, scenario: Scenario, rel: Release, found: Artifacts) -> None:

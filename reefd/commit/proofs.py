@@ -65,6 +65,11 @@ class Reference:
             except (OSError, ValueError, TimeoutError, asyncio.IncompleteReadError) as exc:
                 await self.close()
                 raise ReferenceFailed(f"the reference process failed: {exc}") from None
+            except BaseException:  # cancelled mid-request: its answer must not reach the next caller
+                if self._proc is not None and self._proc.returncode is None:
+                    self._proc.kill()
+                self._proc = None
+                raise
         fp = Fingerprint.from_json(answer.get("fingerprint"))
         if fp is None:
             raise ReferenceFailed(f"the reference fingerprint of {model}{f' with {adapter}' if adapter else ''} "

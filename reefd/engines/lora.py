@@ -46,6 +46,7 @@ class Adapters(SGLangBase):
 
     async def unload_adapter(self, name: str) -> None:
         async with self._admin:
+            self.proofs = {key: fp for key, fp in self.proofs.items() if key[1] != name}
             path = self.adapters.pop(name, None)
             if path is None:
                 raise EngineError(f"no adapter named {name!r} is loaded", status=400)

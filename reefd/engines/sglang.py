@@ -16,7 +16,7 @@ from typing import Any, ClassVar
 
 import aiohttp
 
-from reefd.engines import EngineConfig
+from reefd.engines import EngineConfig, EngineError
 from reefd.engines.generation import Generation
 from reefd.engines.kind_configs import SGLangConfig, WorkerConfig
 from reefd.engines.lora import Adapters
@@ -192,6 +192,12 @@ class SGLangEngine(Generation, Adapters, WeightSwaps):
                 for name in sorted(set(loaded) - set(self.adapters)):
                     await client.unload_lora_adapter(name)
                     done.append(f"{url}: unloaded {name}")
+                if done and done[-1].startswith(url):
+                    try:
+                        await self._prove(client, self.weights.version, [None, *self.adapters])
+                    except EngineError as exc:  # a repaired replica that serves otherwise leaves the router
+                        self._kill(url, f"repair did not take: {exc}")
+                        done.append(f"{url}: restarted ({exc})")
         for line in done:
             log.warning("%s: repaired replica %s", self.cfg.name, line)
         self.repairs += len(done)

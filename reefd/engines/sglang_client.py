@@ -40,8 +40,12 @@ class SGLangClient:
         if adapter is not None:
             payload["lora_path"] = adapter
         async for answer in self.generate(payload, timeout_s):
-            meta = answer.get("meta_info") or {}
-            return list(answer.get("output_ids") or []), [float(e[0]) for e in meta.get("output_token_logprobs") or []]
+            try:
+                meta = answer.get("meta_info") or {}
+                return ([int(t) for t in answer.get("output_ids") or []],
+                        [float(e[0]) for e in meta.get("output_token_logprobs") or []])
+            except (TypeError, ValueError, IndexError, AttributeError) as exc:
+                raise EngineError(f"the engine's probe answer could not be read: {exc}") from None
         raise EngineError("the engine ended without an answer")
 
     async def healthy(self, timeout_s: float = 30.0) -> bool:

@@ -68,6 +68,7 @@ class WeightSwaps(SGLangBase):
             else:
                 report = await self._roll(path, version, adapter, switch, drained, serving)
             report.update(version=version, total_s=round(time.monotonic() - started, 3), at=time.time())
+            self.proofs = {key: fp for key, fp in self.proofs.items() if key[0] == version}  # the old ones' go
             self.last_swap = report
             log.info("%s: now serving weights %s (%s)", self.cfg.name, version, report)
             return report

@@ -56,7 +56,8 @@ class TaskConfig:
                                                       "description": "Sampling for both sides (0: greedy)."})
     samples: int = field(default=1, metadata={"minimum": 1, "maximum": 1024,
                                               "description": "Answers per task and side."})
-    seed: int = field(default=0, metadata={"description": "Sampling seed, the same for both sides."})
+    seed: int = field(default=0, metadata={"minimum": 0, "maximum": 2**63 - 1,
+                                           "description": "Sampling seed, the same for both sides."})
 
 # ---------------------------------------------------------------- task files
 
