@@ -38,7 +38,6 @@ from reefd.commit.chain import Candidate, Release, ReleaseChain
 from reefd.commit.reconcile import Reconciler
 from reefd.commit.trials import Trials
 from reefd.config import ScenarioConfig, ServeConfig
-from reefd.engines import Proves, WeightSwap
 from reefd.grow.attempts import Attempts
 from reefd.grow.backends import Backends
 from reefd.grow.job_store import JobStore
@@ -232,17 +231,7 @@ def open_chain(state: Path) -> ReleaseChain:
 async def write(app: web.Application, scenario: Scenario, cand: Candidate, *, keep_refused: bool = False) -> Release:
     """The chain's commit policy (policy.commit) with the scenario's release settings, off the event loop."""
     m = of(app)
-    engine, base = scenario.engine, scenario.engine.model_folder()
-    passed = cand.verdict is None or cand.verdict.get("verdict") == "pass"  # a refused one is never loaded
-    wanted = cand.kind in ("adapter", "weights") and scenario.cfg.release.proof.enabled and "proof" not in cand.meta
-    serving = engine.weights.path if isinstance(engine, WeightSwap) else None
-    if cand.kind == "adapter":  # stamped on the weights it serves on, only while the engine serves those
-        wanted = wanted and (cand.meta.get("weights") or {}).get("tree") == (serving.name if serving else None)
-    # (an attached engine's model may be on another machine, where the reference cannot read it)
-    if wanted and passed and cand.artifact is not None and isinstance(engine, Proves) and base is not None \
-            and base.is_dir():
-        await proofs.stamp(app[RECONCILER].files.proofs.reference, cand.meta, cand.kind, cand.artifact,
-                           scenario.cfg.release.proof, base, serving)
+    await proofs.stamp(app[RECONCILER].files.proofs.reference, cand, scenario.cfg.release.proof, scenario.engine)
     with m.timed(m.publish, scenario.name) if m is not None else contextlib.nullcontext():
         trials = app.get(TRIALS)
 

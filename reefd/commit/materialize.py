@@ -87,9 +87,10 @@ class Materializer:
                                "weights this release carries; it is not served")
         harness = None if harness_tree is None else current.harness if current is not None and \
             current.harness_tree == harness_tree else await asyncio.to_thread(read_harness, self.chain, rel.id)
-        if harness is not None and tree_id(harness.files()) != harness_tree:  # what is injected is the release's
+        rendered = tree_id(harness.files()) if harness is not None else None
+        if rendered != harness_tree:  # what is injected is the release's own tree
             raise ReleaseError(f"{rel.id}: the harness read from its tree {harness_tree} renders as tree "
-                               f"{tree_id(harness.files())}; it is not served")
+                               f"{rendered}; it is not served")
         return Artifacts(tree, weights, harness, harness_tree)
 
     async def load(self, scenario: Scenario, release_id: str) -> str:

@@ -4,10 +4,8 @@ and nothing is listed that is not on disk; once space is back, each works again.
 
 from __future__ import annotations
 
-import io
 import json
 import subprocess
-import tarfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -15,6 +13,7 @@ from typing import Any
 import pytest
 
 from tests.conftest import Daemon, make_scenarios
+from tests.e2e.test_weights import tar_of
 from tests.loras import make_lora
 
 # peft 0.21 still reads transformers' deprecated `is_gradient_checkpointing` (a FutureWarning) in make_lora
@@ -53,14 +52,6 @@ def fill(state: Path) -> Path:
         except OSError:
             pass
     return filler
-
-
-def tar_of(folder: Path) -> bytes:
-    out = io.BytesIO()
-    with tarfile.open(fileobj=out, mode="w") as tar:
-        for path in sorted(folder.iterdir()):
-            tar.add(path, arcname=path.name)
-    return out.getvalue()
 
 
 def full_error(status: int, body: dict[str, Any], headers: dict[str, str]) -> str:
