@@ -17,6 +17,9 @@ With --weights: full-weights releases (two noisy copies of the model, then a rol
 swap: publish → first answer from the new weights, the engine's hold, and how much longer than the normal
 latency the answers sent during the swap took. Goals: 0 failed; with 2 replicas no answer more than 100 ms
 beyond the normal latency. Run: python bench/hot_swap.py --weights --model tiny|smollm2
+
+Then (unless --no-proof) what the release proof adds to the same kind of swap, with it on against off in one
+run (bench/proof_cost.py): goal at most 10% of the swap time, or 100 ms, whichever is larger.
 """
 
 from __future__ import annotations
@@ -376,10 +379,19 @@ def main() -> None:
     ap.add_argument("--clients", type=int, default=8, help="concurrent clients; every second one streams")
     ap.add_argument("--gap", type=float, default=1.0, help="seconds of load before and after each swap")
     ap.add_argument("--restarts", type=int, default=3, help="baseline restarts; the median is reported")
+    ap.add_argument("--no-proof", action="store_true", help="skip what the release proof adds (bench/proof_cost.py)")
     args = ap.parse_args()
     if args.weights:
         weights_bench(args.model, args.clients, args.gap)
-        return
+    else:
+        adapter_bench(args)
+    if not args.no_proof:  # what the proof adds to the same kind of swap, with it on against off
+        import proof_cost  # imports this module: loaded only now
+
+        proof_cost.run(args.model, args.weights)
+
+
+def adapter_bench(args: argparse.Namespace) -> None:
     scenario, tmp = SCENARIO[args.model], scratch_dir()
     daemon = daemon_for(args.model, tmp)
     try:

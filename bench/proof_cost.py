@@ -7,7 +7,7 @@ swap it reports the publish call's time on both sides and the proof itself (the 
 probe prompt answered by the process and compared). Publishing with the proof on also pays the reference
 fingerprint of the new candidate (reported apart: it is made once, when a candidate is written, not on a swap).
 Goal: the proof adds at most 10% of the swap time, or 100 ms, whichever is larger.
-Run: python bench/proof_cost.py --model tiny|smollm2 [--weights]
+Run: python bench/proof_cost.py --model tiny|smollm2 [--weights]; bench/hot_swap.py runs it after its own swaps.
 """
 
 from __future__ import annotations
@@ -59,20 +59,24 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--max-tokens", type=int, default=None, help="release.proof.max_tokens (default: reefd's)")
     args = ap.parse_args()
+    run(args.model, args.weights, args.rounds, args.max_tokens)
+
+
+def run(model: str, weights: bool, rounds: int = 4, max_tokens: int | None = None) -> None:
+    """Measure and print (a line, then a JSON line); bench/hot_swap.py calls it after its own run."""
     tmp = scratch_dir()
-    on, off = f"{args.model}-on", f"{args.model}-off"
-    daemon = daemon_for(args.model, tmp, {on: scenario(args.model, True, args.max_tokens),
-                                          off: scenario(args.model, False, None)})
+    on, off = f"{model}-on", f"{model}-off"
+    daemon = daemon_for(model, tmp, {on: scenario(model, True, max_tokens), off: scenario(model, False, None)})
     daemon.start()
     try:
-        if args.weights:
-            base = daemon.state / "models" / args.model
+        if weights:
+            base = daemon.state / "models" / model
             tars = {str(i): tar_bytes(make_weights(base, tmp / f"w{i}", seed=i, scale=0.05)) for i in range(2)}
         else:
-            tars = adapters(daemon, args.model, tmp / "loras")
-        kind = "weights" if args.weights else "adapter"
+            tars = adapters(daemon, model, tmp / "loras")
+        kind = "weights" if weights else "adapter"
         rows = []
-        for i in range(args.rounds):
+        for i in range(rounds):
             tar = tars[sorted(tars)[i % len(tars)]]
             plain = publish(daemon, off, kind, tar)
             proven = publish(daemon, on, kind, tar)
@@ -85,11 +89,11 @@ def main() -> None:
     proof_s = statistics.median(r["proof_s"] for r in rows)
     reference_s = statistics.median(r["proven_s"] - r["swap_s"] - r["proof_s"] for r in rows)
     budget = max(0.1 * swap_s, 0.1)
-    print(f"proof cost ({args.model}, {kind} releases, {args.rounds} rounds): publish -> serving without the proof "
+    print(f"proof cost ({model}, {kind} releases, {rounds} rounds): publish -> serving without the proof "
           f"{swap_s:.3f} s (median); the proof {proof_s * 1000:.0f} ms per process ({proof_s / swap_s:.2f}x the "
           f"swap; budget {budget * 1000:.0f} ms: {'met' if proof_s <= budget else 'MISSED'}); the candidate's "
           f"reference fingerprint, once per candidate: {reference_s:.3f} s")
-    print(json.dumps({"bench": "proof_cost", "model": args.model, "kind": kind, "max_tokens": args.max_tokens,
+    print(json.dumps({"bench": "proof_cost", "model": model, "kind": kind, "max_tokens": max_tokens,
                       "swap_s": round(swap_s, 4),
                       "proof_s": round(proof_s, 4), "proof_over_swap": round(proof_s / swap_s, 3),
                       "reference_s": round(reference_s, 4), "budget_s": round(budget, 4),

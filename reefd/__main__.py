@@ -134,16 +134,17 @@ async def _reload(app: web.Application, scenarios_dir: Path) -> None:
 
 
 async def _announce_ready(app: web.Application) -> None:
-    """READY=1 once every engine generates; or, past the start-up deadline, with a STATUS=
-    naming the engines that do not (so `systemctl start` never hangs on a broken model)."""
+    """READY=1 once every scenario is ready (`Registry.ready`); or, past the start-up deadline, with a STATUS=
+    naming those that are not (so `systemctl start` never hangs on a broken model or release)."""
     registry = app[loop.REGISTRY]
     deadline = time.monotonic() + max((s.cfg.model.startup_timeout_s for s in registry.scenarios.values()), default=0)
     while not registry.ready and time.monotonic() < deadline:
         await systemd.notify_async("STATUS=starting engines", "EXTEND_TIMEOUT_USEC=30000000")
         await asyncio.sleep(1)
-    down = sorted(n for n, s in registry.scenarios.items() if not s.engine.ready)
+    down = registry.unready()
     if down:
-        log.error("engines not ready after the start-up deadline: %s", ", ".join(down))
+        log.error("scenarios not ready after the start-up deadline (engine down, or not serving what their chain "
+                  "declares; reefctl status says why): %s", ", ".join(down))
         await systemd.notify_async("READY=1", f"{_serving(app)}; not ready: {', '.join(down)}")
         return
     log.info("ready: every scenario's engine answers")

@@ -38,6 +38,7 @@ from reefd.commit.chain import Candidate, Release, ReleaseChain
 from reefd.commit.reconcile import Reconciler
 from reefd.commit.trials import Trials
 from reefd.config import ScenarioConfig, ServeConfig
+from reefd.engines import trial_replicas
 from reefd.grow.attempts import Attempts
 from reefd.grow.backends import Backends
 from reefd.grow.job_store import JobStore
@@ -236,7 +237,8 @@ async def write(app: web.Application, scenario: Scenario, cand: Candidate, *, ke
         trials = app.get(TRIALS)
 
         def trial(head: Release | None, c: Candidate) -> dict[str, Any]:  # a canary or shadow starts or is decided
-            return trials.meta_for(scenario.name, scenario.cfg.release, head, c) if trials is not None else {}
+            return trials.meta_for(scenario.name, scenario.cfg.release, head, c, trial_replicas(scenario.engine)) \
+                if trials is not None else {}
 
         return await asyncio.to_thread(policy.commit, app[CHAIN], scenario.name, cand,
                                        pin=scenario.cfg.release.pin, on_conflict=scenario.cfg.release.on_conflict,

@@ -12,7 +12,7 @@ import pytest
 
 from reefd.commit import decision as rule
 from reefd.commit import trials as canary
-from reefd.commit.chain import Candidate, Release, ReleaseChain
+from reefd.commit.chain import Candidate, Release, ReleaseChain, TrialRefused
 from reefd.config import CanaryConfig, ReleaseConfig, ShadowConfig
 
 
@@ -140,7 +140,11 @@ def test_the_meta_of_a_new_release_starts_supersedes_or_ends_a_trial(tmp_path: P
         "promote"
     assert trials.meta_for("s", cfg, first, Candidate("promote", {"source": "canary"}, target=first.id)) == {}
     assert trials.meta_for("s", ReleaseConfig(), base, Candidate("harness", {}, artifact=folder)) == {}
-    assert trials.meta_for("s", cfg, base, Candidate("weights", {}, artifact=folder)) == {}
+    # full weights go on trial where two or more replicas host one; elsewhere they are refused, saying why
+    assert trials.meta_for("s", cfg, base, Candidate("weights", {}, artifact=folder), 2)["canary"]["stable"] == base.id
+    with pytest.raises(TrialRefused, match=r"runs 1 \(one process serves one set of weights\): set model.replicas"):
+        trials.meta_for("s", cfg, base, Candidate("weights", {}, artifact=folder), 1)
+    assert trials.meta_for("s", ReleaseConfig(), base, Candidate("weights", {}, artifact=folder), 1) == {}
 
 
 def test_reports_and_judgments_count_for_their_side_and_a_restart_counts_them_again(tmp_path: Path) -> None:

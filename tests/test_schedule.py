@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from reefd.grow.job_store import Job, JobStore
+from reefd.grow.job_store import CANDIDATE, Job, JobStore
 from reefd.grow.schedule import Scheduler
 
 
@@ -134,28 +134,33 @@ def test_reefd_reads_max_jobs_from_its_environment(monkeypatch: pytest.MonkeyPat
 
 
 def test_what_a_stopped_reefd_left_runs_again_after_a_restart(tmp_path: Path) -> None:
-    """Queued, or still taking its batch: runs from the start. Training, with its batch on disk: trains again on
-    that batch. Training on a cluster that outlived reefd: followed. Gating or publishing: failed, with the reason
-    (whether the release was written is the chain's to say)."""
+    """Queued, still taking its batch, or training with no batch on disk yet: runs from the start. Training, with
+    its batch on disk: trains again on that batch. Training on a cluster that outlived reefd: followed. Gating or
+    publishing with its candidate saved: resumed in that stage. Gating or publishing without one: failed, with
+    the reason."""
     store = JobStore(tmp_path / "jobs")
-    for name, state, stage, spec, detachable in [
-        ("queued", "queued", "queued", False, False), ("batch", "running", "batch", False, False),
-        ("train", "running", "train", True, False), ("cluster", "running", "train", True, True),
-        ("lost", "running", "train", False, False), ("gate", "running", "gate", True, False),
-        ("done", "published", "done", False, False),
+    for name, state, stage, files, detachable in [
+        ("queued", "queued", "queued", (), False), ("batch", "running", "batch", (), False),
+        ("train", "running", "train", ("spec.json",), False), ("cluster", "running", "train", ("spec.json",), True),
+        ("unbatched", "running", "train", (), False), ("proposing", "running", "propose", (), False),
+        ("gate", "running", "gate", ("spec.json", CANDIDATE), False), ("publish", "running", "publish", (CANDIDATE,),
+                                                                        False),
+        ("gone", "running", "gate", ("spec.json",), False), ("done", "published", "done", (), False),
     ]:
         job = store.new(name, "manual", "sao")
         job.state, job.stage, job.detachable = state, stage, detachable
         job.built_on = "r0-0000000"
-        if spec:
-            store.workdir(job).mkdir(parents=True)
-            (store.workdir(job) / "spec.json").write_text("{}")
+        for file in files:
+            store.workdir(job).mkdir(parents=True, exist_ok=True)
+            (store.workdir(job) / file).write_text("{}")
         store.save(job)
     again = JobStore(tmp_path / "jobs")  # a restarted reefd reads the job files
     failed = {j.scenario: j.error for j in again.recover()}
-    assert failed == {"lost": "reefd stopped during the job's train stage",
-                      "gate": "reefd stopped during the job's gate stage"}
-    assert [j.scenario for j in again.resumable()] == ["queued", "batch", "train", "cluster"]
+    assert failed == {"gone": "reefd stopped during the job's gate stage and its candidate is gone"}
+    assert [j.scenario for j in again.resumable()] == ["queued", "batch", "train", "cluster", "unbatched", "proposing",
+                                                        "gate", "publish"]
     states = {j.scenario: (j.state, j.stage) for j in again.list()}
-    assert states["batch"] == ("queued", "queued") and states["train"] == ("running", "train")
+    assert states["batch"] == states["unbatched"] == states["proposing"] == ("queued", "queued")
+    assert states["train"] == ("running", "train") and states["gate"] == ("running", "gate")
+    assert states["publish"] == ("running", "publish")
     assert states["done"] == ("published", "done")

@@ -26,6 +26,8 @@ from reefd.commit.chain import (
     NoRelease,
     NothingToRollBack,
     Pinned,
+    ReleaseError,
+    TrialRefused,
     UnknownRelease,
     WrongScenario,
 )
@@ -72,6 +74,8 @@ def from_domain(exc: Exception) -> ApiError | None:
     if disk_full(exc) and not isinstance(exc, StorageError):
         return ApiError(503, "not stored: no space left on device in reefd's state folder; nothing was written. "
                         "Free some space and retry", code="storage_full", headers={"Retry-After": "60"})
+    if isinstance(exc, ReleaseError) and (answer := _from_chain(exc)) is not None:
+        return answer
     match exc:
         case UnknownScenario(name=name, known=known):
             return ApiError(404, f"unknown scenario {shown(name)}; known scenarios: {', '.join(known) or '(none)'}",
@@ -82,27 +86,6 @@ def from_domain(exc: Exception) -> ApiError | None:
         case NoRelease(scenario=name):
             return ApiError(503, f"scenario {name!r} has no base release yet; retry shortly",
                             code="engine_unavailable", headers={"Retry-After": "2"})
-        case HeadConflict(scenario=name, expected=expected, actual=actual):
-            return ApiError(409, f"the head of {name!r} is {actual}, not {expected}: another release was published "
-                            "meanwhile; nothing was written", code="head_conflict", param="expected_head")
-        case Pinned(scenario=name, pin=pin):
-            return ApiError(409, f"scenario {name!r} is pinned to {pin} by its file (release.pin); set "
-                            "release.pin: null and reload reefd before publishing, rolling back or promoting",
-                            code="scenario_pinned")
-        case BaseMismatch():
-            return ApiError(409, f"{exc}; nothing was written (train or publish it again on the weights served now)",
-                            code="base_mismatch")
-        case NothingToRollBack():
-            return ApiError(400, str(exc.args[0]), code="invalid_request", param="to")
-        case WrongScenario():
-            return ApiError(400, str(exc), code="wrong_scenario")
-        case UnknownRelease():
-            arg = str(exc.args[0]) if exc.args else ""
-            return ApiError(404, shown_text(arg) if " " in arg else f"no release {shown(arg)}",
-                            code="release_not_found")
-        case InvalidName(name=name):
-            return ApiError(400, f"{shown(name)} is not a scenario name (1-64 letters, digits, '.', '_' or '-'; "
-                            "no '..')", code="invalid_scenario_name", param="name")
         case Left():  # nobody reads this answer; the status is for the access log and the metrics
             return ApiError(499, str(exc), code="client_closed")
         case Overloaded(status=status, retry_after=after):
@@ -125,6 +108,35 @@ def from_domain(exc: Exception) -> ApiError | None:
             return ApiError(400, str(exc), code="invalid_recipe")
         case AttemptError(status=status, message=message, param=param, code=code):
             return ApiError(status, message, param=param, code=code)
+    return None
+
+
+def _from_chain(exc: ReleaseError) -> ApiError | None:
+    """The answer for a release chain's refusal."""
+    match exc:
+        case HeadConflict(scenario=name, expected=expected, actual=actual):
+            return ApiError(409, f"the head of {name!r} is {actual}, not {expected}: another release was published "
+                            "meanwhile; nothing was written", code="head_conflict", param="expected_head")
+        case Pinned(scenario=name, pin=pin):
+            return ApiError(409, f"scenario {name!r} is pinned to {pin} by its file (release.pin); set "
+                            "release.pin: null and reload reefd before publishing, rolling back or promoting",
+                            code="scenario_pinned")
+        case BaseMismatch():
+            return ApiError(409, f"{exc}; nothing was written (train or publish it again on the weights served now)",
+                            code="base_mismatch")
+        case TrialRefused():
+            return ApiError(409, f"{exc}; nothing was written", code="trial_needs_replicas")
+        case NothingToRollBack():
+            return ApiError(400, str(exc.args[0]), code="invalid_request", param="to")
+        case WrongScenario():
+            return ApiError(400, str(exc), code="wrong_scenario")
+        case UnknownRelease():
+            arg = str(exc.args[0]) if exc.args else ""
+            return ApiError(404, shown_text(arg) if " " in arg else f"no release {shown(arg)}",
+                            code="release_not_found")
+        case InvalidName(name=name):
+            return ApiError(400, f"{shown(name)} is not a scenario name (1-64 letters, digits, '.', '_' or '-'; "
+                            "no '..')", code="invalid_scenario_name", param="name")
     return None
 
 

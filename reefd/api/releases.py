@@ -25,7 +25,7 @@ from reefd.api.errors import ApiError, json_response, read_json, shown, shown_te
 from reefd.commit import chain as releases
 from reefd.commit import trials as canary
 from reefd.commit.adapters import InvalidAdapter, base_linear_shapes, check_adapter
-from reefd.commit.chain import Candidate, Release, UnknownRelease, validate_name
+from reefd.commit.chain import Candidate, Release, TrialRefused, UnknownRelease, validate_name
 from reefd.commit.weights import InvalidWeights, check_weights, weight_files
 from reefd.loop import CHAIN, REGISTRY
 from reefd.serve.scenarios import Scenario
@@ -247,6 +247,10 @@ async def publish(request: web.Request) -> web.Response:
         raise ApiError(409, f"scenario {scenario.name!r} shares its model's engine with {', '.join(sharing)}: full "
                        "weights would change their answers too; give it a model of its own (another model.name)",
                        code="engine_shared")
+    mode = canary.declared_mode(scenario.cfg.release)
+    if kind == "weights" and mode is not None and scenario.cfg.release.pin is None and \
+            (replicas := engines.trial_replicas(scenario.engine)) < 2:  # refused before the upload
+        raise TrialRefused(scenario.name, mode, replicas)
     model_dir = scenario.engine.model_folder()
     if model_dir is None:
         raise ApiError(503, f"scenario {scenario.name!r}: the model is still being prepared; retry shortly",

@@ -70,6 +70,18 @@ class Pinned(ReleaseError):
         self.scenario, self.pin = scenario, pin
 
 
+class TrialRefused(ReleaseError):
+    """Full weights a scenario would put on trial (release.canary or release.shadow) on an engine that cannot host
+    one: a trial of weights needs two or more replicas, since one engine process serves one set of weights."""
+
+    def __init__(self, scenario: str, mode: str, replicas: int) -> None:
+        super().__init__(
+            f"scenario {scenario!r} puts new releases on a {mode} trial, but full weights go on trial on some of "
+            f"its replicas, and its model runs {replicas} (one process serves one set of weights): set "
+            f"model.replicas: 2 or more, or release.{mode}.share: 0 to serve weights releases to everyone at once")
+        self.scenario, self.mode, self.replicas = scenario, mode, replicas
+
+
 class BaseMismatch(ReleaseError):
     """An adapter made on other weights than the head's: it would serve on a model it was not trained on."""
 

@@ -19,7 +19,7 @@ from reefd.commit import chain as releases
 from reefd.commit.chain import Release, ReleaseChain, ReleaseError
 from reefd.commit.proofs import Proofs, ReferenceFailed, probe_of
 from reefd.commit.trees import tree_id
-from reefd.engines import Engine, EngineError, EngineUnavailable, Proves, Weights, WeightSwap
+from reefd.engines import Drained, Engine, EngineError, EngineUnavailable, Proves, Weights, WeightSwap, WeightTrial
 from reefd.engines.proof import ProofFailed
 from reefd.harness import Harness, HarnessError
 from reefd.serve.scenarios import Binding, Registry, Scenario
@@ -137,27 +137,64 @@ class Materializer:
                               f"model's engine; give {scenario.name} a model of its own (another model.name) to "
                               "serve weights releases")
         await self._wait_ready(scenario)
-        weights, tree = found.weights, found.adapter
-        path = None if weights is None else \
-            await asyncio.to_thread(self._write_once, self.weights_dir / weights, rel.id, "weights")  # shared
-        adapter = (rel.id, await self.adapter(scenario.name, rel.id)) if tree else None
-        await self._expect(scenario, rel.id, rel.id, rel.id if tree else None, path, adapter[1] if adapter else None)
-        binding = Binding(rel.id, rel.id if tree else None, tree, found.harness, found.harness_tree, weights, rel.id)
-        timeout = scenario.cfg.serve.request_timeout_s
-
-        async def drained(version: str | None) -> None:
-            await self.registry.drained(engine, version, timeout)
-
-        report = await engine.swap_weights(path, rel.id, adapter,
-                                           functools.partial(setattr, scenario, "binding", binding), drained)
+        path, adapter = await self._weights_of(scenario, rel, found)
+        # the weights on trial, promoted: served under the version their replicas loaded them as (not loaded again)
+        version = engine.staged.version if isinstance(engine, WeightTrial) and engine.staged is not None and \
+            engine.staged.path == path and engine.staged.version is not None else rel.id
+        if adapter is not None:
+            adapter = (version, adapter[1])
+        await self._expect(scenario, rel.id, version, version if adapter else None, path,
+                           adapter[1] if adapter else None)
+        binding = Binding(rel.id, version if adapter else None, found.adapter, found.harness, found.harness_tree,
+                          found.weights, version)
+        report = await engine.swap_weights(path, version, adapter,
+                                           functools.partial(setattr, scenario, "binding", binding),
+                                           self._drained(scenario))
         log.info("%s: serving %s on its weights (%s)", scenario.name, rel.id, report)
         keep = {s.binding.weights for s in self.registry.scenarios.values() if s.binding is not None}
-        keep |= {e.weights.path.name for e in self.registry.engines.values()
-                 if isinstance(e, WeightSwap) and e.weights.path is not None}
+        keep |= {p.name for e in self.registry.engines.values() if isinstance(e, WeightSwap)
+                 for p in (e.weights.path, e.staged.path if isinstance(e, WeightTrial) and e.staged else None) if p}
         for folder in await asyncio.to_thread(lambda: list(self.weights_dir.glob("*"))):
             if folder.name not in keep and not folder.name.startswith("."):  # weights nothing serves: dropped
                 await asyncio.to_thread(shutil.rmtree, folder, True)  # (a rollback writes them again)
         await self.drop_adapters(f"{scenario.name}/*", keep=rel.id)  # adapters of the old weights: unloaded
+
+    async def stage_weights(self, scenario: Scenario, rel: Release, found: Artifacts, share: float) -> Binding:
+        """Put a release whose weights differ from what serves on trial on some of the engine's replicas
+        (WeightTrial): the binding of its side, whose requests go to them."""
+        engine = scenario.engine
+        if not isinstance(engine, WeightTrial):
+            raise EngineError(f"{rel.id} carries full weights, which a {engine.kind} engine cannot put on trial")
+        await self._wait_ready(scenario)
+        path, adapter = await self._weights_of(scenario, rel, found)
+        await self._expect(scenario, rel.id, rel.id, rel.id if adapter else None, path,
+                           adapter[1] if adapter else None)
+        await engine.stage_weights(path, rel.id, adapter, share, self._drained(scenario))
+        return Binding(rel.id, rel.id if adapter else None, found.adapter, found.harness, found.harness_tree,
+                       found.weights, rel.id)
+
+    async def end_staged(self, scenario: Scenario, on_trial: str | None) -> None:
+        """Weights staged for a trial that has ended (`on_trial`: the weight version the trial now serves): their
+        replicas back on the weights that serve, once the requests on them are done."""
+        engine = scenario.engine
+        if isinstance(engine, WeightTrial) and engine.staged is not None and engine.staged.version != on_trial:
+            await engine.end_staged(self._drained(scenario))
+
+    async def _weights_of(self, scenario: Scenario, rel: Release, found: Artifacts
+                          ) -> tuple[Path | None, tuple[str, Path] | None]:
+        """The release's weights folder (written once, shared; None: the launch model's) and its adapter."""
+        path = None if found.weights is None else \
+            await asyncio.to_thread(self._write_once, self.weights_dir / found.weights, rel.id, "weights")
+        adapter = (rel.id, await self.adapter(scenario.name, rel.id)) if found.adapter else None
+        return path, adapter
+
+    def _drained(self, scenario: Scenario) -> Drained:
+        engine, timeout = scenario.engine, scenario.cfg.serve.request_timeout_s
+
+        async def drained(version: str | None) -> None:
+            await self.registry.drained(engine, version, timeout)
+
+        return drained
 
     async def retire(self, engine: Engine, old: Binding, drain_s: float) -> None:
         """Unload an adapter no scenario serves any more, once the requests that started on it are done."""

@@ -7,7 +7,17 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from reefd.commit.chain import COPIES, BaseMismatch, Candidate, HeadConflict, Pinned, Release, ReleaseChain, plan
+from reefd.commit.chain import (
+    COPIES,
+    BaseMismatch,
+    Candidate,
+    HeadConflict,
+    Pinned,
+    Release,
+    ReleaseChain,
+    TrialRefused,
+    plan,
+)
 
 REBASE_ATTEMPTS = 5  # on_conflict: rebase follows a moving head this many times at most, for every caller
 
@@ -48,11 +58,11 @@ def commit(chain: ReleaseChain, scenario: str, cand: Candidate, *, pin: str | No
                 meta = {**meta, "rebased_from": meta.get("rebased_from", built_on)}
                 built_on = exc.actual
         raise AssertionError("unreachable")
-    except (Pinned, HeadConflict, BaseMismatch) as exc:
+    except (Pinned, HeadConflict, BaseMismatch, TrialRefused) as exc:
         if not keep_refused or cand.kind in COPIES:
             raise
         why = (f"the scenario is pinned to {exc.pin}" if isinstance(exc, Pinned)
-               else str(exc) if isinstance(exc, BaseMismatch)
+               else str(exc) if isinstance(exc, BaseMismatch | TrialRefused)
                else f"the head moved to {exc.actual} while the candidate was built")
         return _keep(chain, scenario, cand, cand.built_on, {**meta, "refused": why})
 

@@ -38,7 +38,7 @@ from reefd.commit.chain import (
 )
 from reefd.commit.identity import model_identity
 from reefd.commit.materialize import Materializer
-from reefd.engines import EngineError, EngineUnavailable, WeightSwap, kind_config
+from reefd.engines import EngineError, EngineUnavailable, WeightSwap, kind_config, trial_replicas
 from reefd.harness import HarnessError
 from reefd.ops.background import Background
 from reefd.serve.scenarios import Binding, Registry, Scenario, Trial
@@ -104,7 +104,7 @@ class Reconciler:
             try:
                 head, problem = await self._declared_head(scenario)
                 await self._serve(scenario, head)
-                scenario.error = problem
+                scenario.error, scenario.settled = problem, True
                 if problem:
                     log.error("%s: %s", scenario.name, problem)
             except asyncio.CancelledError:
@@ -116,7 +116,6 @@ class Reconciler:
                 scenario.error = str(exc) or type(exc).__name__
                 expected = (EngineError, EngineUnavailable, ReleaseError, HarnessError, OSError)
                 log.error("%s: %s", scenario.name, exc, exc_info=not isinstance(exc, expected))
-            scenario.settled = True
             return scenario.binding
 
     async def _declared_head(self, scenario: Scenario) -> tuple[Release, str | None]:
@@ -196,10 +195,10 @@ class Reconciler:
         stable = None
         if spec is not None:
             stable = await asyncio.to_thread(self.chain.get, spec.stable)
-            if await asyncio.to_thread(self._weights_of, stable.id) != \
+            if trial_replicas(scenario.engine) < 2 and await asyncio.to_thread(self._weights_of, stable.id) != \
                     await asyncio.to_thread(self._weights_of, head.id):
-                log.warning("%s: %s is on trial with other weights than %s; one engine serves one set of weights, "
-                            "so it serves everyone", scenario.name, head.id, stable.id)
+                log.warning("%s: %s is on trial with other weights than %s; one engine process serves one set of "
+                            "weights, so it serves everyone", scenario.name, head.id, stable.id)
                 spec = stable = None
         old, before = scenario.trial, scenario.binding
         if spec is None or stable is None:
@@ -207,12 +206,14 @@ class Reconciler:
             scenario.trial = None
         else:
             await self._serve_one(scenario, stable, old, retire=False)
-            side = await self._side(scenario, head, old)
+            side = await self._side(scenario, head, old, spec.share)
             scenario.trial = Trial(spec.mode, side, stable.id, spec.share)
             if old is None or old.binding.release != head.id:
                 log.info("%s: %s %s on %g of sessions; %s serves the rest", scenario.name, spec.mode, head.id,
                          spec.share, stable.id)
-        # only now that both the binding and the trial are set: what neither serves any more is unloaded
+        # only now that both the binding and the trial are set: what neither serves any more is unloaded, and
+        # weights staged for a trial that ended go back to serving everyone (once their requests are done)
+        await self.files.end_staged(scenario, scenario.trial.binding.weights_version if scenario.trial else None)
         for gone in (before, old.binding if old is not None else None):
             if gone is not None and gone.adapter is not None and \
                     gone.adapter not in self.registry.adapters(scenario.engine):
@@ -227,14 +228,17 @@ class Reconciler:
     def _weights_of(self, release_id: str) -> str | None:
         return self.chain.artifacts(release_id).get("weights")
 
-    async def _side(self, scenario: Scenario, rel: Release, old: Trial | None) -> Binding:
+    async def _side(self, scenario: Scenario, rel: Release, old: Trial | None, share: float) -> Binding:
         """The binding of a release on trial: its adapter (loaded beside the stable one, or shared when the bytes
-        are the same) and its harness, on the weights that serve."""
+        are the same) and its harness, on the weights that serve; or, for other weights, on replicas of its own."""
         current = scenario.binding
         assert current is not None
         if old is not None and old.binding.release == rel.id:
             return old.binding
         found = await self.files.artifacts(rel, current)
+        if found.weights != current.weights:
+            scenario.trial = None  # the trial it replaces takes no new session while its replicas change
+            return await self.files.stage_weights(scenario, rel, found, share)
         tree, harness, harness_tree = found.adapter, found.harness, found.harness_tree
         adapter = None
         if tree is not None:

@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from reefd import plugins
-from reefd.commit.chain import Candidate, HeadConflict, Release, ReleaseChain, ReleaseError
+from reefd.commit.chain import Candidate, HeadConflict, Release, ReleaseChain, ReleaseError, TrialRefused
 from reefd.commit.decision import Tally, compare, look_of
 from reefd.config import CanaryConfig, ReleaseConfig, ShadowConfig, TrialConfig
 from reefd.observe.receipts import receipt_floor
@@ -422,13 +422,17 @@ class Trials:
         return {**watch.evidence(), "age_s": round(self.clock() - watch.spec.started_at, 3),
                 "loaded": watch.loaded, "deciding": watch.deciding}
 
-    def meta_for(self, scenario: str, release: ReleaseConfig, head: Release | None, cand: Candidate) -> dict[str, Any]:
+    def meta_for(self, scenario: str, release: ReleaseConfig, head: Release | None, cand: Candidate,
+                 replicas: int = 1) -> dict[str, Any]:
         """release.json's `canary` for a candidate about to be appended on `head` (blocking: reads the chain):
         - a trial's own decision: as the trial wrote it;
         - an operator's rollback, or promote of the release on trial (or of its stable release: a rollback): that
           decision, with the evidence so far;
-        - a new adapter or harness release, or a promote, when the file declares a trial: the start of its trial
-          (against the head, or, when the head is itself on trial, against the same stable release)."""
+        - a new adapter, harness or weights release, or a promote, when the file declares a trial: the start of
+          its trial (against the head, or, when the head is itself on trial, against the same stable release).
+          Full weights other than the head's go on trial only where the engine hosts one (`replicas`, those of a
+          WeightTrial engine: two or more); new weights are refused elsewhere (TrialRefused), a promote of other
+          weights serves everyone."""
         if cand.meta.get("source") == "canary" or cand.applies_pin or head is None:
             return {}
         current = active(release, head)
@@ -440,9 +444,11 @@ class Trials:
             return {"canary": {**evidence, "mode": current.mode, "release": head.id, "stable_release": current.stable,
                                "decision": decision, "reason": "decided by an operator"}}
         mode = declared_mode(release)
-        if mode is None or release.pin is not None or cand.kind not in ("adapter", "harness", "promote"):
+        if mode is None or release.pin is not None or cand.kind not in ("adapter", "harness", "promote", "weights"):
             return {}
-        if cand.kind == "promote" and cand.target is not None:
+        if cand.kind == "weights" and replicas < 2:
+            raise TrialRefused(scenario, mode, replicas)
+        if cand.kind == "promote" and cand.target is not None and replicas < 2:
             with contextlib.suppress(ReleaseError):
                 if self.chain.artifacts(cand.target).get("weights") != self.chain.artifacts(head.id).get("weights"):
                     return {}  # other weights: one engine serves one set of weights, so no trial

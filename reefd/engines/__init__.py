@@ -142,6 +142,38 @@ class WeightSwap(Protocol):
 
 
 @runtime_checkable
+class WeightTrial(WeightSwap, Protocol):
+    """A WeightSwap engine of several replicas that can put full weights on trial beside those that serve: a group
+    of its replicas (`staged`, what they serve) leaves the router and serves only requests that ask for the staged
+    version by `generate(weights=...)`; the router keeps serving `weights`. Guarantees:
+    - `stage_weights(path, version, adapter, share, drained)` takes share × the serving replicas (at least one, at
+      most all but one) out of the router one at a time, each drained, loaded and proven; weights staged before
+      are ended first (their requests drained). Fewer than two serving replicas, or a failure: nothing stays
+      staged, the replicas are put back, and it raises.
+    - `swap_weights` to the staged version (their promotion) returns the group to the router and swaps the rest
+      as a rolling swap does, reloading nothing in the group; to any other weights it ends the stage after.
+    - `end_staged(drained)` (when nothing is on trial any more) waits out the requests on the staged version, then
+      puts the group back on `weights` and into the router; nothing when nothing is staged.
+    `trial_replicas` is how many replicas it runs: a trial needs two or more."""
+
+    staged: Weights | None
+
+    @property
+    def trial_replicas(self) -> int: ...
+
+    async def stage_weights(self, path: Path | None, version: str, adapter: tuple[str, Path] | None, share: float,
+                            drained: Drained) -> dict[str, Any]: ...
+
+    async def end_staged(self, drained: Drained) -> dict[str, Any] | None: ...
+
+
+def trial_replicas(engine: Engine) -> int:
+    """The replicas full weights may go on trial across on `engine` (a WeightTrial's; 1 for any other engine): a
+    trial of weights needs two or more."""
+    return engine.trial_replicas if isinstance(engine, WeightTrial) else 1
+
+
+@runtime_checkable
 class Proves(Protocol):
     """An engine whose every process proves a release after each load or swap, before it takes traffic: `proofs`
     maps (weight version, adapter name; None: the weights alone) to the answers a process serving them must give

@@ -71,12 +71,14 @@ class Generation(SGLangBase):
 
     def _route(self, weights: str | None, tried: set[int]) -> tuple[SGLangClient, Replica | None]:
         """Where a request on `weights` goes: the router (or the one process) while they are the serving weights,
-        else straight to a replica that still has them (a request taken just before a rolling swap switched)."""
+        else straight to a replica that has them (a request taken just before a rolling swap switched, or one on
+        weights on trial)."""
         client = self._client()
         if self.replicas is None or weights == ANY_WEIGHTS or (weights == self.weights.version and -1 not in tried):
             return client, None
         found = [r for r in self.replicas.replicas
-                 if r.state in ("ready", "draining") and r.url and r.weights == weights and r.index not in tried]
+                 if r.state in ("ready", "draining", "trial") and r.url and r.weights == weights
+                 and r.index not in tried]
         if not found:
             raise EngineUnavailable(f"engine for model {self.cfg.name!r}: the weights "
                                     f"{weights or 'it launched with'} no longer serve; retry", retry_after=1)

@@ -42,7 +42,8 @@ class Replica:
     worker_id: str | None = None  # the router's id for it, while it is in the router
     attached: bool = False
     # starting | ready | unhealthy | restarting | stopped; during a weights swap also updating (out of the router),
-    # standby (updated, waiting for the switch) and draining (old weights, out of the router, finishing requests)
+    # standby (updated, waiting for the switch) and draining (old weights, out of the router, finishing requests);
+    # trial: serving weights on trial, out of the router (reefd sends their requests to it directly)
     state: str = "starting"
     weights: str | None = None  # the weight version it serves (a release id; None: the weights it launched with)
     direct: int = 0  # requests sent to it directly (a request on old weights during a swap), in flight
@@ -199,7 +200,7 @@ class Replicas:
         """A launched replica is healthy: give it the serving adapters, then add it to the router."""
         replica.url, replica.state = url, "starting"
         await self._restore(url, functools.partial(setattr, replica, "state", "ready"))
-        if self.router_url:
+        if self.router_url and replica.state != "trial":  # on trial: served directly, out of the router
             try:
                 await self._add(self.router_url, replica)
             except Exception:  # not in the router: not a replica admin calls reach either
@@ -263,7 +264,7 @@ class Replicas:
         if self.router is None:
             return "starting"
         if self.ready:
-            serving = sum(1 for r in self.replicas if r.state == "ready" and r.worker_id)
+            serving = sum(1 for r in self.replicas if (r.state == "ready" and r.worker_id) or r.state == "trial")
             return "ready" if serving == len(self.replicas) else "degraded"
         return "restarting" if self.router.state == "restarting" else "starting"
 

@@ -20,10 +20,10 @@ from reefd.engines import EngineConfig, EngineError
 from reefd.engines.generation import Generation
 from reefd.engines.kind_configs import SGLangConfig, WorkerConfig
 from reefd.engines.lora import Adapters
-from reefd.engines.replicas import Replicas
+from reefd.engines.replicas import Replica, Replicas
 from reefd.engines.sglang_client import SGLangClient, launch_or
 from reefd.engines.supervisor import Supervisor, die_with_parent
-from reefd.engines.weight_swaps import WeightSwaps
+from reefd.engines.weight_trials import WeightTrials
 from reefd.serve.chat import ChatTemplate
 from reefd.worker.prepare import is_complete
 
@@ -34,7 +34,7 @@ INCREMENTAL = ["--incremental-streaming-output"]
 makes a long answer cost quadratic bytes and time. Attached servers may stream either way; both are read."""
 
 
-class SGLangEngine(Generation, Adapters, WeightSwaps):
+class SGLangEngine(Generation, Adapters, WeightTrials):
     """`engine: sglang` (launched or attached), and the base of `engine: worker` (launched `reefd.worker`)."""
 
     Config: ClassVar[type[EngineConfig]] = SGLangConfig
@@ -136,33 +136,38 @@ class SGLangEngine(Generation, Adapters, WeightSwaps):
         """A replica's adapters, and its place among the replicas that admin calls reach, in one step: an adapter
         loaded meanwhile either comes with the restore or is broadcast to it."""
         async with self._admin:
-            await self._restore(url)
+            staged = await self._restore(url)
             joined()
+            if staged is not None:  # one of the group serving weights on trial: back into it, out of the router
+                staged.state = "trial"
 
-    async def _restore(self, url: str) -> None:
+    async def _restore(self, url: str) -> Replica | None:
         """A fresh process has the launch weights and no adapters: give it the weights and the adapters this
         engine serves before it takes requests (an attached engine that kept running may have them already;
-        those are not loaded twice)."""
+        those are not loaded twice); the staged ones to a replica of the group serving weights on trial (then
+        returned)."""
         client = SGLangClient(self.session, url)
         have: set[str] = set()
         info: dict[str, Any] = {}
+        replica = None if self.replicas is None else next((r for r in self.replicas.replicas if r.url == url), None)
+        staged = self.staged if replica is not None and replica.index in self.staged_on else None
+        weights, adapters = (staged, self.staged_adapters) if staged is not None else (self.weights, self.adapters)
         if self.replicas is not None:
             with contextlib.suppress(aiohttp.ClientError, TimeoutError, ValueError):
                 info = await client.server_info()
                 have = set(info.get("loaded_adapters") or ())
-        if self.weights.version is not None and launch_or(info.get("weight_version")) != self.weights.version:
-            await client.update_weights_from_disk(self._weights_path(self.weights), self.weights.version)
-            log.info("%s: restored weights %s", self.cfg.name, self.weights.version)
-        if self.replicas is not None:
-            for replica in self.replicas.replicas:
-                if replica.url == url:
-                    replica.weights = self.weights.version
-        for name, path in list(self.adapters.items()):
+        if weights.version is not None and launch_or(info.get("weight_version")) != weights.version:
+            await client.update_weights_from_disk(self._weights_path(weights), weights.version)
+            log.info("%s: restored weights %s", self.cfg.name, weights.version)
+        if replica is not None:
+            replica.weights = weights.version
+        for name, path in list(adapters.items()):
             if name in have:
                 continue
             await client.load_lora_adapter(name, path)
             log.info("%s: restored adapter %s", self.cfg.name, name)
-        await self._prove(client, self.weights.version, [None, *self.adapters])  # else it restarts again
+        await self._prove(client, weights.version, [None, *adapters])  # else it restarts again
+        return replica if staged is not None else None
 
     async def repair(self) -> list[str]:
         """A reconcile pass over the replicas: each serving replica's weight version and loaded adapters against
@@ -232,7 +237,7 @@ class SGLangEngine(Generation, Adapters, WeightSwaps):
             "restarts": proc.restarts if proc else 0, "pid": proc.pid if proc else None,
             "model_dir": str(self.model_dir) if self.model_dir else None, "context_length": self.context_length,
             "adapters": sorted(self.adapters), "last_error": proc.last_error if proc else None,
-            "last_proof": self.last_proof}
+            "last_proof": self.last_proof, "staged": self.staged.version if self.staged is not None else None}
         if self.replicas is not None:
             out.update(replicas=self.replicas.describe(), repairs=self.repairs)
         return out

@@ -41,6 +41,9 @@ class SGLangBase:
         self._admin = asyncio.Lock()  # adapter and weight changes, and the replicas' repair pass, one at a time
         self.repairs = 0
         self.weights = Weights()  # what new requests get; a (re)started process is given them before it serves
+        self.staged: Weights | None = None  # full weights on trial on a group of replicas out of the router
+        self.staged_on: set[int] = set()  # that group (replica indexes): a restart gives them the staged weights
+        self.staged_adapters: dict[str, Path] = {}  # the adapter served on the staged weights, if any
         self._admission = asyncio.Event()  # cleared while one engine process loads new weights: new requests wait
         self._admission.set()
         self.last_swap: dict[str, Any] | None = None  # the last weights swap: when, how long, how long requests held

@@ -74,7 +74,7 @@ class Supervisor:
 
     def __init__(self, name: str, argv: Callable[[int], list[str]], ready: Callable[[str], Awaitable[bool]], *,
                  startup_timeout_s: float, alive: Callable[[str], Awaitable[bool]] | None = None,
-                 on_launch: Callable[[str], Awaitable[None]] | None = None,
+                 on_launch: Callable[[str], Awaitable[object]] | None = None,
                  on_exit: Callable[[str], Awaitable[None]] | None = None, host: str = "127.0.0.1"):
         self.name = name
         self._argv = argv

@@ -63,15 +63,35 @@ class WeightSwaps(SGLangBase):
             started = time.monotonic()
             serving = [] if self.replicas is None else \
                 [r for r in self.replicas.replicas if r.state == "ready" and r.worker_id is not None]
-            if len(serving) < 2:  # one process, or one replica left serving: nothing to roll across
+            group = self._promotable(version)
+            if group:  # the weights on trial serve everyone now: their replicas are not loaded again
+                report = await self._promote_staged(group, serving, switch, drained)
+            elif len(serving) < 2:  # one process, or one replica left serving: nothing to roll across
                 report = await self._swap_held(path, version, adapter, switch, drained, serving)
             else:
                 report = await self._roll(path, version, adapter, switch, drained, serving)
             report.update(version=version, total_s=round(time.monotonic() - started, 3), at=time.time())
-            self.proofs = {key: fp for key, fp in self.proofs.items() if key[0] == version}  # the old ones' go
+            keep = {version, self.staged.version if self.staged is not None else version}
+            self.proofs = {key: fp for key, fp in self.proofs.items() if key[0] in keep}  # the old ones' go
             self.last_swap = report
             log.info("%s: now serving weights %s (%s)", self.cfg.name, version, report)
             return report
+
+    def _promotable(self, version: str) -> list[Replica]:
+        """The replicas serving `version` on trial, when it is the staged version (else none)."""
+        if self.staged is None or self.staged.version != version or self.replicas is None:
+            return []
+        return [r for r in self.replicas.replicas if r.index in self.staged_on and r.state == "trial"]
+
+    async def _promote_staged(self, group: list[Replica], serving: list[Replica], switch: Callable[[], None],
+                              drained: Drained) -> dict[str, Any]:
+        assert self.staged is not None
+        new, adapters = self.staged, dict(self.staged_adapters)
+        self.staged, self.staged_on, self.staged_adapters = None, set(), {}
+        for replica in group:
+            replica.state = "standby"
+        report = await self._switch_over(group, serving, self.weights, new, adapters, switch, drained)
+        return {**report, "promoted": len(group)}
 
     async def _swap_held(self, path: Path | None, version: str, adapter: tuple[str, Path] | None,
                          switch: Callable[[], None], drained: Drained, serving: list[Replica]) -> dict[str, Any]:
@@ -143,6 +163,14 @@ class WeightSwaps(SGLangBase):
             for replica in [*done, *(r for r in first if r.state == "updating")]:
                 await self._revert(replica, old, old_adapters)
             raise
+        return await self._switch_over(done, rest, old, new, only(adapter), switch, drained)
+
+    async def _switch_over(self, done: list[Replica], rest: list[Replica], old: Weights, new: Weights,
+                           adapters: dict[str, Path], switch: Callable[[], None], drained: Drained) -> dict[str, Any]:
+        """The second half of a rolling swap: the replicas already on the new weights (`done`, standby) return to
+        the router while `rest` leave it, new requests get the new weights (`switch`); `rest` finish the requests
+        taken on the old ones, then are updated one at a time and return."""
+        assert self.replicas is not None
         switched = time.monotonic()
         try:
             for replica in done:
@@ -157,18 +185,10 @@ class WeightSwaps(SGLangBase):
         for replica in rest:
             await self.replicas.leave(replica, "draining")
         self.weights = new
-        self.adapters = only(adapter)
+        self.adapters = adapters
         switch()
         switch_s = time.monotonic() - switched
-        drain = time.monotonic()
-        # requests taken on the old weights, sent to the draining replicas, finish; meanwhile the new weights and
-        # adapter serve, so admin calls (a gate's adapter, a crashed replica's restore) need not wait for them
-        self._admin.release()
-        try:
-            await drained(old.version)
-        finally:
-            await self._admin.acquire()
-        drain_s = time.monotonic() - drain
+        drain_s = await self._drained_unlocked(drained, old.version)
         for replica in rest:
             if replica.state != "draining":  # it died meanwhile: its restart gives it the new weights
                 continue
@@ -178,9 +198,22 @@ class WeightSwaps(SGLangBase):
                 await self.replicas.join(replica)
             except Exception as exc:  # restarted: a fresh process is given the new weights before it joins
                 log.error("%s: replica %d did not take weights %s (%s); restarting it", self.cfg.name,
-                          replica.index, version, exc)
+                          replica.index, new.version, exc)
                 self._kill(replica.url, f"weights update failed: {exc}")
-        return {"replicas": len(serving), "held_s": 0.0, "switch_s": round(switch_s, 3), "drain_s": round(drain_s, 3)}
+        return {"replicas": len(done) + len(rest), "held_s": 0.0, "switch_s": round(switch_s, 3),
+                "drain_s": round(drain_s, 3)}
+
+    async def _drained_unlocked(self, drained: Drained, version: str | None) -> float:
+        """Wait out the requests taken on `version` (sent to replicas out of the router) with the admin lock
+        released: the weights that serve meanwhile take admin calls (a gate's adapter, a crashed replica's
+        restore). The seconds it took."""
+        started = time.monotonic()
+        self._admin.release()
+        try:
+            await drained(version)
+        finally:
+            await self._admin.acquire()
+        return time.monotonic() - started
 
     async def _update(self, replica: Replica, weights: Weights, adapters: dict[str, Path]) -> None:
         """One replica out of the router: its running requests finish, then the weights load, its adapters become

@@ -1,6 +1,6 @@
 """Grow jobs as records: a job's state, stage, progress and outcome, one JSON file each under STATE/jobs/, written
-atomically at every transition; a job queued or running when reefd stopped is marked failed (`recover`). Knows
-nothing about running a job (reefd/grow/runner.py) or when jobs run (reefd/grow/schedule.py).
+atomically at every transition; a job queued or running when reefd stopped runs again from where it can
+(`recover`). Knows nothing about running a job (reefd/grow/runner.py) or when jobs run (reefd/grow/schedule.py).
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from reefd.observe.receipts import new_receipt
 from reefd.ops.files import write_json
 
 ACTIVE = ("queued", "running")
+CANDIDATE = "candidate.json"  # in a job's folder: its candidate's kind, meta and folder, once made
 STATES = (*ACTIVE, "published", "rejected", "failed", "skipped", "cancelled")
 
 
@@ -59,18 +60,22 @@ class JobStore:
                 self.jobs[data["id"]] = Job(**data)
 
     def recover(self) -> list[Job]:
-        """Jobs a stopped (or killed) reefd left queued or running. They run again (`resumable`): one that had
-        not taken its batch yet from the start, one whose batch is on disk on that same batch, one training on a
-        cluster that outlived reefd by following that trainer. One stopped while it gated or published is
-        marked failed, with the reason (its records stay eligible), and returned."""
+        """Jobs a stopped (or killed) reefd left queued or running. They run again (`resumable`), none lost:
+        - one with nothing on disk yet to go on from (no batch, or no candidate while it proposed or searched)
+          from the start (its records were never consumed);
+        - one whose batch is on disk trains again on that same batch; one training on a cluster that outlived
+          reefd follows that trainer;
+        - one whose candidate is saved (CANDIDATE) resumes its gate, or its publish, on it.
+        One stopped while it gated or published whose candidate is gone is marked failed, with the reason (its
+        records stay eligible), and returned."""
         lost = [j for j in self.jobs.values() if j.state in ACTIVE and not self._resumable(j)]
         for job in lost:
             job.state, job.finished_at = "failed", time.time()
-            job.error = f"reefd stopped during the job's {job.stage} stage"
+            job.error = f"reefd stopped during the job's {job.stage} stage and its candidate is gone"
             self.save(job)
         for job in self.jobs.values():
-            if job.state == "running" and job.stage in ("queued", "batch"):  # no batch taken yet: it starts over
-                job.state, job.stage, job.started_at = "queued", "queued", None
+            if job.state == "running" and self._starts_over(job):
+                job.state, job.stage, job.started_at, job.error = "queued", "queued", None, None
                 self.save(job)
         return lost
 
@@ -83,10 +88,23 @@ class JobStore:
         """Its batch is on disk (the trainer's spec), so a restart trains it again on the same records."""
         return job.built_on is not None and (self.workdir(job) / "spec.json").is_file()
 
-    def _resumable(self, job: Job) -> bool:
-        if job.state == "queued" or job.stage in ("queued", "batch"):
+    def has_candidate(self, job: Job) -> bool:
+        """Its candidate is saved, so a restart gates or publishes it again."""
+        return job.built_on is not None and (self.workdir(job) / CANDIDATE).is_file()
+
+    def _starts_over(self, job: Job) -> bool:
+        """A running job with nothing on disk to go on from: its candidate was not made yet, and no batch or
+        cluster trainer will make it."""
+        if job.stage in ("queued", "batch"):
             return True
-        return job.state == "running" and job.stage == "train" and (job.detachable or self.has_batch(job))
+        return job.stage not in ("gate", "publish", "done") and not job.detachable and not self.has_batch(job)
+
+    def _resumable(self, job: Job) -> bool:
+        if job.state == "queued" or self._starts_over(job):
+            return True
+        if job.stage in ("gate", "publish"):
+            return job.state == "running" and self.has_candidate(job)
+        return job.state == "running" and job.stage == "train"
 
     def new(self, scenario: str, reason: str, recipe: str) -> Job:
         """A queued job, listed at once (the caller saves it)."""

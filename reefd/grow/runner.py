@@ -8,9 +8,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import json
 import logging
 import os
 import shutil
+import signal
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -23,12 +25,13 @@ from reefd.commit.gates.memory import ScoreMemory
 from reefd.engines import EngineError, EngineUnavailable
 from reefd.grow import staleness
 from reefd.grow.backends import Backends
-from reefd.grow.job_kinds import JobFailed, JobKind, Made, no_generate
+from reefd.grow.job_kinds import JobFailed, JobKind, Made, no_generate, until_ready
 from reefd.grow.job_kinds.harness_job import HarnessKind, SearchKind
 from reefd.grow.job_kinds.weight_job import WeightsKind, serving_key
-from reefd.grow.job_store import Job, JobStore
+from reefd.grow.job_store import CANDIDATE, Job, JobStore
 from reefd.grow.recipes import Ages, Recipe, RecipeError, Sample, Unbatched, build
 from reefd.observe.records import RecordStore
+from reefd.ops.files import write_json
 from reefd.serve.scenarios import Registry, Scenario
 
 log = logging.getLogger("reefd.grow.runner")
@@ -38,6 +41,21 @@ Write = Callable[[Scenario, Candidate], Awaitable[Release]]
 
 Swap = Callable[[Scenario], Awaitable[object]]
 """Serve the scenario's head now (the reconciler's hot swap)."""
+
+
+FAULT_KILL_AT = "REEF_FAULT_KILL_AT"
+"""Tests only: reefd kills itself (SIGKILL) on reaching this point of a job: a stage (batch, train, gate,
+publish) once it is saved, or `committed`, once the release is written and before the job says so."""
+
+
+def fault_point(point: str) -> None:
+    if os.environ.get(FAULT_KILL_AT) == point:
+        log.warning("%s=%s: killing reefd here", FAULT_KILL_AT, point)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+async def _ready(made: Made) -> Made:
+    return made
 
 
 def eligible(store: RecordStore, recipe: Recipe, scenario: str) -> list[Sample]:
@@ -84,10 +102,12 @@ class Runner:
             raise asyncio.CancelledError
         job.stage = stage or job.stage
         await asyncio.to_thread(self.jobs.save, job)
+        if stage is not None:
+            fault_point(stage)
 
     async def run(self, job: Job) -> None:
-        resuming = job.state == "running" and (job.detachable or self.jobs.has_batch(job))
-        again = False  # reefd stopped while the job trained here: the next reefd trains it again
+        resuming = job.state == "running"  # left running by a stopped reefd (JobStore.recover kept it)
+        again = False  # reefd stopped while the job trained here, or gated or published: the next reefd goes on
         try:
             job.state, job.started_at = "running", job.started_at or time.time()
             await self.save(job)
@@ -107,6 +127,11 @@ class Runner:
                 again = True
                 job.error = "reefd stopped while the job trained; a restart trains it again on the same batch"
                 await asyncio.shield(self.weights.stop(job))
+                await asyncio.shield(self.save(job))
+                raise
+            elif job.stage in ("gate", "publish") and self.jobs.has_candidate(job):  # the next reefd goes on
+                again = True
+                job.error = f"reefd stopped during the job's {job.stage} stage; a restart resumes it on its candidate"
                 await asyncio.shield(self.save(job))
                 raise
             else:
@@ -188,7 +213,7 @@ class Runner:
         job.built_on = head.id
         await self.save(job)
         kind = self.kinds[spec.kind]
-        await self._walk(job, kind, lambda stack: kind.make(job, scenario, spec, stack))
+        await self._walk(job, spec.kind, lambda stack: kind.make(job, scenario, spec, stack))
 
     async def _aged(self, job: Job, recipe: Recipe, head: Release, samples: list[Sample]
                     ) -> tuple[list[Sample], staleness.Aged]:
@@ -205,50 +230,96 @@ class Runner:
         return kept, aged
 
     async def _resume(self, job: Job) -> None:
-        """A job reefd stopped while it trained. On a cluster that outlived reefd: follow the same trainer job (the
-        backend finds it by the job's id; nothing is trained twice). Trained here: train again from the start
-        on the same batch, its spec. Then gate and publish as usual."""
+        """A job a stopped reefd left running (`kill -9` included), from the stage it was in: training (on a
+        cluster that outlived reefd: follow the same trainer job, found by the job's id, so nothing is trained
+        twice; here: train again from the start on the same batch, its spec), gating (the gate again, on the
+        candidate it saved), or publishing (the commit, once: a release this job already wrote is taken)."""
         scenario = self.scenario(job)
+        job.error = None
+        if job.stage != "train":
+            made, key = await asyncio.to_thread(self._saved_candidate, job)
+            made = self.kinds[key].resumed(scenario, made)
+            log.info("%s %s: resuming its %s stage on the candidate it saved, after a restart", job.scenario, job.id,
+                     job.stage)
+            await until_ready(scenario.engine, scenario.cfg.model.startup_timeout_s, "scenario's")  # it gates on it
+            if job.stage == "gate" or job.verdict is None:
+                await self._walk(job, key, lambda stack: _ready(made))
+            else:
+                await self._publish(job, made, job.verdict, resumed=True)
+            return
         spec_path = self.jobs.workdir(job) / "spec.json"
         if job.built_on is None or not spec_path.is_file():
             raise JobFailed("reefd stopped during the job and its files are gone")
-        job.error = None
         if job.detachable:
             log.info("%s %s: following its trainer job again after a restart", job.scenario, job.id)
         else:
             log.info("%s %s: training again on the same batch after a restart", job.scenario, job.id)
             job.progress, job.metrics = {}, {}
             await asyncio.to_thread(shutil.rmtree, spec_path.parent / "candidate", True)  # what the last run left
-        await self._walk(job, self.weights, lambda stack: self.weights.train(job, scenario, spec_path, stack))
+        await self._walk(job, "weights", lambda stack: self.weights.train(job, scenario, spec_path, stack))
 
-    async def _walk(self, job: Job, kind: JobKind,
+    async def _walk(self, job: Job, key: str,
                     make: Callable[[contextlib.AsyncExitStack], Awaitable[Made | None]]) -> None:
-        """candidate (`make`) → gate → commit."""
+        """candidate (`make`, by the job kind `key`) → gate → commit."""
+        kind = self.kinds[key]
         async with contextlib.AsyncExitStack() as stack:  # what the candidate borrows until its gate
             made = await make(stack)
             if made is None:  # skipped: the job says why
                 return
+            await asyncio.to_thread(self._save_candidate, job, made, key)  # a restart gates it again
             await self.save(job, "gate")
             scenario = self.scenario(job)
             gate = gates.build(scenario.cfg.gate, self.scenarios_dir)
             verdict = await (gate.evaluate(no_generate, current=None, candidate=None) if gate.sampling is None
                              else kind.gate(job, scenario, made, gate))
-        job.verdict = verdict.as_meta()
+        await self._publish(job, made, verdict.as_meta())
+
+    async def _publish(self, job: Job, made: Made, verdict: dict[str, Any], resumed: bool = False) -> None:
+        job.verdict = verdict
         await self.save(job, "publish")
         assert job.built_on is not None
-        cand = Candidate(made.kind, made.meta, artifact=made.artifact, built_on=job.built_on, verdict=job.verdict)
-        await self._commit(job, scenario, cand, verdict)
+        cand = Candidate(made.kind, made.meta, artifact=made.artifact, built_on=job.built_on, verdict=verdict)
+        await self._commit(job, self.scenario(job), cand, resumed)
 
-    async def _commit(self, job: Job, scenario: Scenario, cand: Candidate, verdict: gates.Verdict) -> None:
+    def _save_candidate(self, job: Job, made: Made, key: str) -> None:
+        """What a restart needs to gate or publish the candidate again: its kind, meta and folder (blocking)."""
+        work = self.jobs.workdir(job)
+        write_json(work / CANDIDATE, {"job_kind": key, "kind": made.kind, "meta": made.meta,
+                                      "artifact": str(made.artifact.relative_to(work))})
+
+    def _saved_candidate(self, job: Job) -> tuple[Made, str]:
+        work = self.jobs.workdir(job)
+        try:
+            saved = json.loads((work / CANDIDATE).read_text())
+            made = Made(saved["kind"], saved["meta"], work / saved["artifact"])
+            key = saved["job_kind"]
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise JobFailed(f"reefd stopped during the job's {job.stage} stage and its candidate is unreadable: "
+                            f"{exc}") from None
+        if job.built_on is None or key not in self.kinds or not made.artifact.exists():
+            raise JobFailed(f"reefd stopped during the job's {job.stage} stage and its candidate is gone")
+        return made, key
+
+    def _written(self, job: Job) -> Release | None:
+        """The release (or rejected candidate) this job already wrote, by a reefd stopped before it said so."""
+        return next((r for r in self.chain.history(job.scenario, include_rejected=True) if r.meta.get("job") == job.id),
+                    None)
+
+    async def _commit(self, job: Job, scenario: Scenario, cand: Candidate, resumed: bool) -> None:
         """Write the candidate to the chain (released, or kept as rejected), consume its records (and those the
         recipe skipped), and serve it: the job reports success only once its next answer comes from the new
-        release."""
-        rel = await self.write(scenario, cand)
+        release. Exactly once: a job resumed in this stage takes the release it wrote before the restart."""
+        written = await asyncio.to_thread(self._written, job) if resumed else None
+        rel = written or await self.write(scenario, cand)
+        if written is not None:
+            log.info("%s %s: its release %s was written before the restart", job.scenario, job.id, rel.id)
+        fault_point("committed")
         job.release = rel.id
         await asyncio.shield(self.store.mark_consumed(job.scenario, [*job.receipts, *job.skipped], job.id))
+        verdict = cand.verdict or {}
         if rel.status == "rejected":
             log.info("%s %s: candidate %s rejected: %s", job.scenario, job.id, rel.id,
-                     rel.meta.get("refused") or verdict.reason)
+                     rel.meta.get("refused") or verdict.get("reason"))
         else:
             await self.swap(scenario)
             live = self.registry.scenarios.get(job.scenario)
@@ -259,7 +330,7 @@ class Runner:
             if binding is None:
                 job.error = f"published, but not serving yet: {live.error if live else 'scenario removed'}"
             elif cand.kind in ("adapter", "weights"):  # the next gate's current side: scores measured on this
-                self.scores.remember(serving_key(binding), verdict.fingerprint,
-                                     [p["candidate"] for p in verdict.per_task])
+                self.scores.remember(serving_key(binding), verdict.get("fingerprint"),
+                                     [p["candidate"] for p in verdict.get("per_task") or ()])
         job.stage = "done"
         job.state = "published" if rel.status == "released" else "rejected"

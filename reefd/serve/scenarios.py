@@ -93,7 +93,7 @@ class Scenario:
     error: str | None = None  # why the reconciler could not make it serve what is declared
     recipe: Recipe | None = None  # its recipe, for what it asks of serving (top-K capture) and judging
     trial: Trial | None = None  # a release on trial beside `binding` (canary or shadow)
-    settled: bool = False  # the reconciler has tried once to serve what is declared (readiness waits for it)
+    settled: bool = False  # the reconciler has served what is declared once, trial included (readiness waits)
     # what the engine and the recipe declare, read once here rather than on every request:
     admits: Admits | None = field(init=False)  # the engine holds new requests while it swaps weights
     weight_swap: WeightSwap | None = field(init=False)  # the engine serves full-weight releases
@@ -370,9 +370,15 @@ class Registry:
 
     @property
     def ready(self) -> bool:
-        """Every scenario's engine generates and serves what its chain declares: at start, not before its first
-        reconcile is done (a canary restored after a restart is in place before traffic comes)."""
-        return all(s.engine.ready and s.binding and s.settled for s in self.scenarios.values())
+        """Every scenario's engine generates and serves what its chain declares: at start, not before a reconcile
+        has served its declared release and any trial beside it (a canary restored after a restart is in place
+        before traffic comes; one that cannot be restored keeps reefd unready until it is, or is rolled back)."""
+        return not self.unready()
+
+    def unready(self) -> list[str]:
+        """The scenarios that are not `ready`: their engine does not generate yet, or they do not serve what
+        their chain declares yet."""
+        return sorted(name for name, s in self.scenarios.items() if not (s.engine.ready and s.binding and s.settled))
 
     def get(self, name: str) -> Scenario:
         """UnknownScenario when no scenario of that name is served."""

@@ -8,10 +8,11 @@ Every decision must come from the reports the client posts; nothing is told whic
 
 from __future__ import annotations
 
+import contextlib
 import json
 import signal
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -35,7 +36,7 @@ SHADOW = ("release:\n  shadow: {share: 1.0, min_reports: 6, max_drop: 0.1, confi
 def d(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
     base = tmp_path_factory.mktemp("canary")
     scenarios = {"ref": BASE, "canary": BASE + CANARY, "resume": BASE + CANARY, "pinned": BASE + CANARY,
-                 "shadow": BASE + SHADOW, "operator": BASE + CANARY}
+                 "shadow": BASE + SHADOW, "operator": BASE + CANARY, "unready": BASE + CANARY}
     folder = make_scenarios(base / "scenarios", names=(), extra=scenarios)
     daemon = Daemon(scenarios=folder, state=base / "state", log_path=base / "reefd.log",
                     env={"REEF_TEST_SCENARIOS": str(folder)})
@@ -50,7 +51,8 @@ def d(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
 def loras(d: Daemon, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("loras")
     model = d.state / "models" / "tiny"
-    return {name: make_lora(model, root / name, seed=seed, scale=2.0) for name, seed in (("good", 11), ("bad", 12))}
+    return {name: make_lora(model, root / name, seed=seed, scale=2.0)
+            for name, seed in (("good", 11), ("bad", 12), ("other", 13))}
 
 
 def ask(d: Daemon, scenario: str, messages: list[dict[str, Any]], session: str) -> tuple[str, str, str]:
@@ -94,8 +96,11 @@ def references(d: Daemon, loras: dict[str, Path]) -> dict[str, str]:
 class Traffic:
     """Sessions of three turns each; the first turn of every session is scored and reported."""
 
-    def __init__(self, d: Daemon, scenario: str, references: dict[str, str]) -> None:
+    def __init__(self, d: Daemon, scenario: str, references: dict[str, str],
+                 score: Callable[[str, str], bool] | None = None) -> None:
         self.d, self.scenario, self.references = d, scenario, references
+        self.score = score or (lambda prompt, answer: answer == self.references[prompt])  # the client's scorer
+        self.receipts: list[tuple[str, str]] = []  # (receipt, release) of every turn
         self.sessions = 0
         self.served: dict[str, list[str]] = {}  # session -> the release of each of its turns
 
@@ -107,8 +112,9 @@ class Traffic:
         for turn in range(turns):
             answer, release, receipt = ask(self.d, self.scenario, messages, name)
             self.served.setdefault(name, []).append(release)
+            self.receipts.append((receipt, release))
             if turn == 0:
-                report(self.d, self.scenario, receipt, 1.0 if answer == self.references[prompt] else 0.0)
+                report(self.d, self.scenario, receipt, 1.0 if self.score(prompt, answer) else 0.0)
             messages += [{"role": "assistant", "content": answer}, {"role": "user", "content": "go on"}]
 
     def until_decided(self, on_trial: str, timeout_s: float = 120.0) -> dict[str, Any]:
@@ -173,7 +179,10 @@ def test_a_better_release_is_promoted_and_a_worse_one_rolled_back(d: Daemon, lor
 
 def test_a_restart_resumes_the_canary_with_its_counts(d: Daemon, loras: dict[str, Path],
                                                       references: dict[str, str]) -> None:
+    """And reefd is ready only once every trial is back: one whose adapter cannot be restored (its object gone
+    from the chain's LFS store) keeps /readyz at 503, with the reason in status, until it is back."""
     good = publish(d, "resume", loras["good"])["release"]["id"]
+    other = publish(d, "unready", loras["other"])["release"]["id"]
     traffic = Traffic(d, "resume", references)
     for _ in range(5):  # at most 5 scores a side: no look yet
         traffic.session(turns=1)
@@ -182,8 +191,25 @@ def test_a_restart_resumes_the_canary_with_its_counts(d: Daemon, loras: dict[str
     first_session = "resume-s0"
     side = traffic.served[first_session][0]
 
+    oid = next(f["sha256"] for f in json.loads(d.get(f"/reef/releases/{other}")[1])["files"]
+               if f["path"].endswith(".safetensors"))
     assert d.stop() == 0
-    d.start()
+    lfs = d.state / "releases.git" / "lfs" / "objects" / oid[:2] / oid[2:4] / oid
+    lfs.rename(lfs.with_suffix(".away"))
+    d.start(wait_ready=False)
+    deadline, unready = time.monotonic() + 120, None
+    while time.monotonic() < deadline:  # until both have been reconciled: one with its trial, one without
+        with contextlib.suppress(OSError):
+            if status(d, "resume").get("canary", {}).get("loaded") and \
+                    len((unready := status(d, "unready"))["releases"]["drift"]) == 2:
+                break
+        time.sleep(0.2)
+    assert unready is not None and "canary" not in unready, unready
+    assert d.get("/readyz")[0] == 503
+    assert f"serving {unready['release']} but the chain head is {other}" in unready["releases"]["drift"], unready
+    lfs.with_suffix(".away").rename(lfs)
+    d.reload()  # a reconcile now: the trial is back, reefd ready
+    assert status(d, "unready")["canary"]["release"] == other
     after = status(d, "resume")["canary"]
     deadline = time.monotonic() + 30
     while not after["loaded"] and time.monotonic() < deadline:

@@ -39,11 +39,16 @@ class Made:
 
 class JobKind(Protocol):
     """How one product's candidate is made from the recipe's spec (None: skipped, the job says why; engines it
-    borrows until its gate live on `stack`), and judged against serving by a `gate` that generates."""
+    borrows until its gate live on `stack`), judged against serving by a `gate` that generates, and taken up
+    again after a restart (`resumed`)."""
 
     async def make(self, job: Job, scenario: Scenario, spec: Any, stack: contextlib.AsyncExitStack) -> Made | None: ...
 
     async def gate(self, job: Job, scenario: Scenario, made: Made, gate: gates.Gate) -> gates.Verdict: ...
+
+    def resumed(self, scenario: Scenario, made: Made) -> Made:
+        """A candidate saved before a restart (kind, meta and folder only), with what its gate needs again."""
+        ...
 
 
 def recipe_params(scenario: Scenario) -> dict[str, Any]:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import shutil
 from collections.abc import Awaitable, Callable
@@ -66,6 +67,14 @@ class HarnessProduct:
         await asyncio.to_thread(shutil.rmtree, work, True)
         await asyncio.to_thread(proposed.render, work / "harness")
         return Made("harness", {"source": job.recipe, "job": job.id, **meta}, work / "harness", (current, proposed))
+
+    def resumed(self, scenario: Scenario, made: Made) -> Made:
+        """The saved harness against the one that serves (the commit refuses it if the head moved meanwhile)."""
+        try:
+            proposed = Harness.from_dir(made.artifact)
+        except HarnessError as exc:
+            raise JobFailed(f"the saved candidate harness is unreadable: {exc}") from None
+        return dataclasses.replace(made, harnesses=(self.serving(scenario), proposed))
 
     async def gate(self, job: Job, scenario: Scenario, made: Made, gate: gates.Gate) -> gates.Verdict:
         """Both sides answered by the scenario's engine and serving adapter; the harness is what differs."""

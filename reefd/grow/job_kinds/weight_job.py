@@ -165,6 +165,9 @@ class WeightsKind:
             return None
         return await backend.stop(spec)
 
+    def resumed(self, scenario: Scenario, made: Made) -> Made:
+        return made  # an engine the trainer pushed to is gone: the gate launches one on the candidate's folder
+
     async def gate(self, job: Job, scenario: Scenario, made: Made, gate: gates.Gate) -> gates.Verdict:
         return await (self._gate_full(job, scenario, made, gate) if made.kind == "weights"
                       else self._gate_adapter(job, scenario, made.artifact, gate))
