@@ -131,11 +131,7 @@ class Materializer:
         engine = scenario.engine
         if not isinstance(engine, WeightSwap):
             raise EngineError(f"{rel.id} carries full weights, which a {engine.kind} engine cannot load")
-        sharing = [name for name in self.registry.sharing(engine) if name != scenario.name]
-        if sharing:
-            raise EngineError(f"{rel.id} carries full weights, but scenario(s) {', '.join(sharing)} share this "
-                              f"model's engine; give {scenario.name} a model of its own (another model.name) to "
-                              "serve weights releases")
+        self._own_engine(scenario, rel)
         await self._wait_ready(scenario)
         path, adapter = await self._weights_of(scenario, rel, found)
         # the weights on trial, promoted: served under the version their replicas loaded them as (not loaded again)
@@ -151,13 +147,25 @@ class Materializer:
                                            functools.partial(setattr, scenario, "binding", binding),
                                            self._drained(scenario))
         log.info("%s: serving %s on its weights (%s)", scenario.name, rel.id, report)
+        await self._drop_unused_weights()
+        # adapters of the old weights: unloaded (a promoted trial's serves under the name it was staged with)
+        await self.drop_adapters(f"{scenario.name}/*", keep=binding.adapter or rel.id)
+
+    def _own_engine(self, scenario: Scenario, rel: Release) -> None:
+        sharing = [name for name in self.registry.sharing(scenario.engine) if name != scenario.name]
+        if sharing:
+            raise EngineError(f"{rel.id} carries full weights, but scenario(s) {', '.join(sharing)} share this "
+                              f"model's engine; give {scenario.name} a model of its own (another model.name) to "
+                              "serve weights releases")
+
+    async def _drop_unused_weights(self) -> None:
+        """Weights folders nothing serves (nor stages for a trial): removed (a rollback writes them again)."""
         keep = {s.binding.weights for s in self.registry.scenarios.values() if s.binding is not None}
         keep |= {p.name for e in self.registry.engines.values() if isinstance(e, WeightSwap)
                  for p in (e.weights.path, e.staged.path if isinstance(e, WeightTrial) and e.staged else None) if p}
         for folder in await asyncio.to_thread(lambda: list(self.weights_dir.glob("*"))):
-            if folder.name not in keep and not folder.name.startswith("."):  # weights nothing serves: dropped
-                await asyncio.to_thread(shutil.rmtree, folder, True)  # (a rollback writes them again)
-        await self.drop_adapters(f"{scenario.name}/*", keep=rel.id)  # adapters of the old weights: unloaded
+            if folder.name not in keep and not folder.name.startswith("."):
+                await asyncio.to_thread(shutil.rmtree, folder, True)
 
     async def stage_weights(self, scenario: Scenario, rel: Release, found: Artifacts, share: float) -> Binding:
         """Put a release whose weights differ from what serves on trial on some of the engine's replicas
@@ -165,6 +173,7 @@ class Materializer:
         engine = scenario.engine
         if not isinstance(engine, WeightTrial):
             raise EngineError(f"{rel.id} carries full weights, which a {engine.kind} engine cannot put on trial")
+        self._own_engine(scenario, rel)
         await self._wait_ready(scenario)
         path, adapter = await self._weights_of(scenario, rel, found)
         await self._expect(scenario, rel.id, rel.id, rel.id if adapter else None, path,
@@ -179,6 +188,14 @@ class Materializer:
         engine = scenario.engine
         if isinstance(engine, WeightTrial) and engine.staged is not None and engine.staged.version != on_trial:
             await engine.end_staged(self._drained(scenario))
+            await self._drop_unused_weights()
+
+    @staticmethod
+    def unstaged(scenario: Scenario, trial: Binding, current: Binding) -> bool:
+        """Whether a trial of other weights than `current`'s has lost its replicas (their stage ended meanwhile)."""
+        engine = scenario.engine
+        return trial.weights != current.weights and isinstance(engine, WeightTrial) and \
+            (engine.staged is None or engine.staged.version != trial.weights_version)
 
     async def _weights_of(self, scenario: Scenario, rel: Release, found: Artifacts
                           ) -> tuple[Path | None, tuple[str, Path] | None]:

@@ -233,7 +233,8 @@ class Reconciler:
         are the same) and its harness, on the weights that serve; or, for other weights, on replicas of its own."""
         current = scenario.binding
         assert current is not None
-        if old is not None and old.binding.release == rel.id:
+        if old is not None and old.binding.release == rel.id and \
+                not self.files.unstaged(scenario, old.binding, current):
             return old.binding
         found = await self.files.artifacts(rel, current)
         if found.weights != current.weights:

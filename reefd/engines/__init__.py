@@ -151,7 +151,8 @@ class WeightTrial(WeightSwap, Protocol):
       are ended first (their requests drained). Fewer than two serving replicas, or a failure: nothing stays
       staged, the replicas are put back, and it raises.
     - `swap_weights` to the staged version (their promotion) returns the group to the router and swaps the rest
-      as a rolling swap does, reloading nothing in the group; to any other weights it ends the stage after.
+      as a rolling swap does, reloading nothing in the group; to any other weights it swaps the replicas in the
+      router only (the caller ends the stage after).
     - `end_staged(drained)` (when nothing is on trial any more) waits out the requests on the staged version, then
       puts the group back on `weights` and into the router; nothing when nothing is staged.
     `trial_replicas` is how many replicas it runs: a trial needs two or more."""

@@ -28,6 +28,7 @@ from reefd.engines.supervisor import Supervisor, free_port
 log = logging.getLogger("reefd.engine")
 
 ROUTING_HEADER = "X-SMG-Routing-Key"
+SERVING = ("ready", "trial")  # the states in which a replica answers requests (through the router, or directly)
 Restore = Callable[[str, Callable[[], None]], Awaitable[None]]
 """(url, joined): give the replica at url the serving adapters, then call joined() while no admin call can run."""
 
@@ -220,9 +221,9 @@ class Replicas:
         failures = 0
         while True:
             healthy = await self._alive(replica.url)
-            if healthy and replica.state == "ready":
+            if healthy and replica.state in SERVING:
                 failures = 0
-            if healthy and replica.state != "ready":
+            if healthy and replica.state in ("starting", "unhealthy"):  # not one a weights swap or trial holds
                 try:
                     if await self._healthy(replica.url):
                         await self._joined(replica, replica.url)
@@ -232,9 +233,9 @@ class Replicas:
                 failures = 0
             elif not healthy:
                 failures += 1
-                if failures >= 3 and replica.state == "ready":
+                if failures >= 3 and replica.state in SERVING:  # on trial: it comes back on trial
                     await self._left(replica, "3 failed health checks")
-            await asyncio.sleep(Supervisor.HEALTH_INTERVAL_S if replica.state == "ready" else 2.0)
+            await asyncio.sleep(Supervisor.HEALTH_INTERVAL_S if replica.state in SERVING else 2.0)
 
     # ------------------------------------------------------------ a weights swap moves replicas in and out
 

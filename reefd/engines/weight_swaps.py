@@ -64,6 +64,8 @@ class WeightSwaps(SGLangBase):
             serving = [] if self.replicas is None else \
                 [r for r in self.replicas.replicas if r.state == "ready" and r.worker_id is not None]
             group = self._promotable(version)
+            if not group and self.staged is not None and self.staged.version == version:  # its replicas restart:
+                self.staged, self.staged_on, self.staged_adapters = None, set(), {}  # they come back on `version`
             if group:  # the weights on trial serve everyone now: their replicas are not loaded again
                 report = await self._promote_staged(group, serving, switch, drained)
             elif len(serving) < 2:  # one process, or one replica left serving: nothing to roll across

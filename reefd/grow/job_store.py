@@ -74,7 +74,7 @@ class JobStore:
             job.error = f"reefd stopped during the job's {job.stage} stage and its candidate is gone"
             self.save(job)
         for job in self.jobs.values():
-            if job.state == "running" and self._starts_over(job):
+            if job.state == "running" and self.starts_over(job):
                 job.state, job.stage, job.started_at, job.error = "queued", "queued", None, None
                 self.save(job)
         return lost
@@ -92,7 +92,7 @@ class JobStore:
         """Its candidate is saved, so a restart gates or publishes it again."""
         return job.built_on is not None and (self.workdir(job) / CANDIDATE).is_file()
 
-    def _starts_over(self, job: Job) -> bool:
+    def starts_over(self, job: Job) -> bool:
         """A running job with nothing on disk to go on from: its candidate was not made yet, and no batch or
         cluster trainer will make it."""
         if job.stage in ("queued", "batch"):
@@ -100,7 +100,7 @@ class JobStore:
         return job.stage not in ("gate", "publish", "done") and not job.detachable and not self.has_batch(job)
 
     def _resumable(self, job: Job) -> bool:
-        if job.state == "queued" or self._starts_over(job):
+        if job.state == "queued" or self.starts_over(job):
             return True
         if job.stage in ("gate", "publish"):
             return job.state == "running" and self.has_candidate(job)

@@ -129,6 +129,11 @@ class Runner:
                 await asyncio.shield(self.weights.stop(job))
                 await asyncio.shield(self.save(job))
                 raise
+            elif self.jobs.starts_over(job):  # nothing on disk to go on from: the next reefd runs it from the start
+                again = True
+                job.error = f"reefd stopped during the job's {job.stage} stage; a restart runs it from the start"
+                await asyncio.shield(self.save(job))
+                raise
             elif job.stage in ("gate", "publish") and self.jobs.has_candidate(job):  # the next reefd goes on
                 again = True
                 job.error = f"reefd stopped during the job's {job.stage} stage; a restart resumes it on its candidate"
@@ -241,8 +246,8 @@ class Runner:
             made = self.kinds[key].resumed(scenario, made)
             log.info("%s %s: resuming its %s stage on the candidate it saved, after a restart", job.scenario, job.id,
                      job.stage)
-            await until_ready(scenario.engine, scenario.cfg.model.startup_timeout_s, "scenario's")  # it gates on it
             if job.stage == "gate" or job.verdict is None:
+                await until_ready(scenario.engine, scenario.cfg.model.startup_timeout_s, "scenario's")  # it gates
                 await self._walk(job, key, lambda stack: _ready(made))
             else:
                 await self._publish(job, made, job.verdict, resumed=True)

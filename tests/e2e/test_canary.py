@@ -117,13 +117,13 @@ class Traffic:
                 report(self.d, self.scenario, receipt, 1.0 if self.score(prompt, answer) else 0.0)
             messages += [{"role": "assistant", "content": answer}, {"role": "user", "content": "go on"}]
 
-    def until_decided(self, on_trial: str, timeout_s: float = 120.0) -> dict[str, Any]:
+    def until_decided(self, on_trial: str, timeout_s: float = 120.0, turns: int = 3) -> dict[str, Any]:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             now = head(self.d, self.scenario)
             if now["id"] != on_trial:
                 return now
-            self.session()
+            self.session(turns)
         raise AssertionError(f"no decision in {timeout_s} s: {status(self.d, self.scenario).get('canary')}")
 
 

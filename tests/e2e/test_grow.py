@@ -6,10 +6,7 @@ kill reefd start their own. A test that wants its trainer to fail says so in its
 
 from __future__ import annotations
 
-import hashlib
 import json
-import signal
-import subprocess
 import threading
 import time
 import urllib.error
@@ -21,7 +18,6 @@ from typing import Any
 import openai
 import pytest
 
-from reefd.grow.runner import FAULT_KILL_AT
 from tests.conftest import Daemon, make_scenarios, sdk, shared_daemon
 from tests.e2e.test_reefctl import reefctl
 
@@ -244,83 +240,6 @@ def test_a_failing_trainer_fails_the_job_and_publishes_nothing(grow: Daemon, lea
     # the records were not consumed: the batch is still there for the next (healthy) job
     assert all(r["id"] in job["receipts"]
                for r in json.loads(d.get(f"/reef/scenarios/{name}/records")[1])["data"])
-
-
-def on_disk(d: Daemon, job_id: str) -> dict[str, Any]:
-    """A job as its file says (reefd may be down)."""
-    return dict(json.loads((d.state / "jobs" / f"{job_id}.json").read_text()))
-
-
-def killed_at(d: Daemon, point: str, job_id: str) -> dict[str, Any]:
-    """Start reefd with REEF_FAULT_KILL_AT=point; it kills itself (SIGKILL) there: the job as it left it."""
-    d.env[FAULT_KILL_AT] = point
-    d.start(wait_ready=False)
-    assert d.proc is not None
-    try:
-        code = d.proc.wait(timeout=180)
-    except subprocess.TimeoutExpired:
-        raise AssertionError(f"reefd never reached {point}:\n{d.logs()}") from None
-    assert code == -signal.SIGKILL, d.logs()
-    return on_disk(d, job_id)
-
-
-def test_reefd_killed_at_each_stage_boundary_resumes_the_job_which_publishes_once(tmp_path: Path) -> None:
-    """kill -9 at every boundary of one job (a test of the process: a reefd of its own). No batch yet, or no
-    spec: from the start. Mid-training: trains again on the same batch. Its candidate saved: the gate runs again
-    on it, not a new one; then the commit, once, even when the release was written just before the kill."""
-    hold = tmp_path / "hold"  # the trainer waits while this file exists
-    hold.touch()
-    d = daemon(tmp_path, trigger="manual", gate="floor", fault="hold", hold=hold, env={FAULT_KILL_AT: "batch"},
-               extra="gate:\n  tasks: tasks.jsonl\n  min_tasks: 2\n  floor: 0.0\n  max_tokens: 4\n",
-               files={"tasks.jsonl": '{"prompt": "one", "answer": "1"}\n{"prompt": "two", "answer": "2"}\n'})
-    table = []
-    try:
-        c = client(d)
-        for i in range(4):
-            turn(d, c, f"task {i}", score=1.0)
-        code, job, _ = d.post("/reef/scenarios/learn/train", {})
-        assert code == 202
-        job_id = job["id"]
-        assert d.proc is not None and d.proc.wait(timeout=60) == -signal.SIGKILL
-        table.append(("batch", on_disk(d, job_id)["stage"]))
-        table.append(("train", killed_at(d, "train", job_id)["stage"]))  # started over: batch, then train
-        d.env[FAULT_KILL_AT] = "gate"
-        d.start(wait_ready=False)
-        spec = d.state / "jobs" / job_id / "spec.json"
-        deadline = time.monotonic() + 120
-        while not spec.is_file() and time.monotonic() < deadline:
-            time.sleep(0.1)
-        d.proc.kill()  # mid-training (the trainer holds); it dies with reefd
-        d.proc.wait()
-        batch = on_disk(d, job_id)["receipts"]
-        table.append(("mid-train", on_disk(d, job_id)["stage"]))
-        hold.unlink()
-        gated = killed_at(d, "gate", job_id)  # trained again on the same batch; its candidate saved
-        candidate = d.state / "jobs" / job_id / "candidate" / "adapter_model.safetensors"
-        made = (hashlib.sha256(candidate.read_bytes()).hexdigest(), candidate.stat().st_mtime_ns)
-        table.append(("gate", gated["stage"]))
-        published = killed_at(d, "publish", job_id)  # the gate again, on the same candidate
-        assert published["verdict"]["verdict"] == "pass" and published["verdict"]["tasks"] == 2
-        assert (hashlib.sha256(candidate.read_bytes()).hexdigest(), candidate.stat().st_mtime_ns) == made
-        table.append(("publish", published["stage"]))
-        table.append(("committed", killed_at(d, "committed", job_id)["stage"]))  # the release written, unsaid
-        d.env.pop(FAULT_KILL_AT)
-        d.start()
-        after = wait_job(d, ("published", "failed"))
-        assert after["id"] == job_id and after["state"] == "published", after
-        assert after["receipts"] == batch and len(batch) == 4 and len(jobs(d)) == 1
-        assert table == [("batch", "batch"), ("train", "train"), ("mid-train", "train"), ("gate", "gate"),
-                         ("publish", "publish"), ("committed", "publish")]
-        # one release from the job, the one the candidate saved before the first gate, serving now
-        releases = json.loads(d.get("/reef/scenarios/learn/releases?all=1")[1])["data"]
-        mine = [r for r in releases if r["meta"].get("job") == job_id]
-        assert [r["id"] for r in mine] == [after["release"]] and len(releases) == 2, releases
-        assert turn(d, c, "after")[1] == after["release"]
-        assert "was written before the restart" in d.logs()
-        files = json.loads(d.get(f"/reef/releases/{after['release']}")[1])["files"]
-        assert made[0] in json.dumps(files), files
-    finally:
-        stop(d)
 
 
 def wait_step(d: Daemon, step: int = 1, timeout_s: float = 120, name: str = "learn") -> dict[str, Any]:

@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 
 from tests.conftest import Daemon, shared_daemon
-from tests.e2e.test_canary import CANARY, PROMPTS, Traffic, ask, head
+from tests.e2e.test_canary import PROMPTS, Traffic, ask, head
 from tests.e2e.test_reefctl import reefctl
 from tests.e2e.test_weights import Load, check_weights_of_answers, engine, record
 from tests.loras import make_weights
@@ -34,7 +34,8 @@ def wcd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
 
 def scenario(replicas: int) -> str:
     """A canary scenario on an engine of its own; one request at a time per replica, so that the greedy answers
-    the client scores never share a batch (which can move the tiny model's answers)."""
+    the client scores never share a batch (which can move the tiny model's answers). The client's scores differ
+    by 1 with no spread, so the first look (4 scores a side) decides."""
     return f"""defaults:
   - model: tiny
   - release: follow
@@ -46,7 +47,9 @@ model:
 serve:
   default_max_tokens: 6
   temperature: 0
-""" + CANARY
+release:
+  canary: {{share: 0.5, min_reports: 4, max_drop: 0.1, confidence: 0.95, max_age_s: 600}}
+"""
 
 
 def started(d: Daemon, own_scenario: Callable[..., str], tmp_path: Path, seed: int
@@ -106,13 +109,13 @@ def test_full_weights_on_canary_across_replicas_are_promoted(wcd: Daemon, own_sc
     """The client prefers any answer other than the base model's: the new weights win."""
     d = wcd
     name, base, answers, weights = started(d, own_scenario, tmp_path, seed=1)
-    with Load(d, name, clients=2) as load:
+    with Load(d, name, clients=1) as load:
         published = publish_weights(d, name, weights)
         trial = published["release"]["id"]
         assert published["serving"] == base and published["trial"]["release"] == trial
         staged(d, name, trial)
         traffic = Traffic(d, name, answers, score=lambda prompt, answer: answer != answers[prompt])
-        decided = traffic.until_decided(trial)
+        decided = traffic.until_decided(trial, turns=2)
         evidence = decided["meta"]["canary"]
         assert decided["kind"] == "promote" and evidence["decision"] == "promote", decided
         assert evidence["canary"]["mean"] == 1.0 and evidence["stable"]["mean"] == 0.0, evidence
@@ -131,7 +134,7 @@ def test_full_weights_on_canary_across_replicas_are_rolled_back(wcd: Daemon, own
     weights and into the router, with no request failed; one that restarts meanwhile comes back on trial."""
     d = wcd
     name, base, answers, weights = started(d, own_scenario, tmp_path, seed=1)
-    with Load(d, name, clients=2) as load:
+    with Load(d, name, clients=1) as load:
         trial = publish_weights(d, name, weights)["release"]["id"]
         pid = next(r["pid"] for r in staged(d, name, trial) if r["state"] == "trial")
         os.kill(pid, signal.SIGKILL)  # the staged replica dies: its restart stages it again, out of the router
@@ -143,7 +146,7 @@ def test_full_weights_on_canary_across_replicas_are_rolled_back(wcd: Daemon, own
             time.sleep(0.2)
         staged(d, name, trial)
         traffic = Traffic(d, name, answers)
-        decided = traffic.until_decided(trial)
+        decided = traffic.until_decided(trial, turns=2)
         evidence = decided["meta"]["canary"]
         assert decided["kind"] == "rollback" and decided["meta"]["target"] == base, decided
         assert evidence["canary"]["mean"] == 0.0 and evidence["stable"]["mean"] == 1.0, evidence
