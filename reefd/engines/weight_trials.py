@@ -22,7 +22,10 @@ log = logging.getLogger("reefd.engine")
 class WeightTrials(WeightSwaps):
     @property
     def trial_replicas(self) -> int:
-        return len(self.replicas.replicas) if self.replicas is not None else 1
+        """As configured (the replicas may not be launched yet): launched ones and attached workers."""
+        if self.cfg.replicas <= 1 and not self.cfg.workers:
+            return 1
+        return (self.cfg.replicas if (self.cfg.source or self.cfg.path) else 0) + len(self.cfg.workers)
 
     async def stage_weights(self, path: Path | None, version: str, adapter: tuple[str, Path] | None, share: float,
                             drained: Drained) -> dict[str, Any]:

@@ -169,7 +169,7 @@ def test_same_spec_same_adapter(trained: tuple[Job, Path], tiny_model: Path, bas
     assert all(torch.equal(first[k], again[k]) for k in first)
 
 
-@pytest.mark.parametrize(("change", "reason"), [
+BAD_SPECS = [
     ({"objective": "recipes.sao.objective:PPO"}, "objective: objective 'recipes.sao.objective:PPO' cannot be "
                                                   "imported: module 'recipes.sao.objective' has no attribute 'PPO'"),
     ({"objective": "ppo"}, "objective: 'ppo' is not a dotted path pkg.mod:Class"),
@@ -189,15 +189,39 @@ def test_same_spec_same_adapter(trained: tuple[Job, Path], tiny_model: Path, bas
      "token id 99999 is outside the model's vocabulary (4096)"),
     ({"fault": {"kind": "boom"}}, "fault.kind: 'boom' is not one of crash, nan, hang, hold, pause"),
     ({"fault": {"kind": "hold", "hold": ""}}, "fault.hold: expected a non-empty string"),
-])  # fmt: skip
-def test_bad_spec(change: dict[str, Any], reason: str, tiny_model: Path, tmp_path: Path) -> None:
-    out = tmp_path / "out"
-    out.mkdir()
+] # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def refused(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> list[tuple[list[dict[str, Any]], Path]]:
+    """Every BAD_SPECS spec run by one warm trainer (`--serve`, as reefd runs them; a bad spec fails its job,
+    not the process): each job's events, ending with its exit status, and its output folder."""
+    tmp = tmp_path_factory.mktemp("bad-specs")
     sample = {"prompt_ids": [1], "completion_ids": [2], "logprobs": [-1.0], "reward": 1.0, "group": "g"}
-    job = run_job({**make_spec(tiny_model, out, [sample]), **change}, tmp_path)
-    assert job.returncode == 2, job.stderr
-    assert len(job.events) == 1 and job.events[0]["event"] == "error"
-    assert reason in job.events[0]["reason"]
+    paths, outs = [], []
+    for i, (change, _) in enumerate(BAD_SPECS):
+        outs.append(tmp / f"out{i}")
+        outs[-1].mkdir()
+        paths.append(tmp / f"spec-{i}.json")
+        paths[-1].write_text(json.dumps({**make_spec(tiny_model, outs[-1], [sample]), **change}))
+    proc = subprocess.run([sys.executable, "-m", "reefd.train", "--serve"], cwd=ROOT, capture_output=True,
+                          text=True, timeout=120, input="".join(f"{p}\n" for p in paths))
+    assert proc.returncode == 0, proc.stderr
+    jobs: list[list[dict[str, Any]]] = [[]]
+    for line in proc.stdout.splitlines():
+        jobs[-1].append(json.loads(line))
+        if jobs[-1][-1]["event"] == "exit":
+            jobs.append([])
+    assert jobs.pop() == [] and len(jobs) == len(BAD_SPECS), proc.stdout
+    return list(zip(jobs, outs, strict=True))
+
+
+@pytest.mark.parametrize(("index", "reason"), [(i, reason) for i, (_, reason) in enumerate(BAD_SPECS)])
+def test_bad_spec(index: int, reason: str, refused: list[tuple[list[dict[str, Any]], Path]]) -> None:
+    """Refused with exit status 2 (what `--spec` exits with), one error event naming why, nothing written."""
+    events, out = refused[index]
+    assert [e["event"] for e in events] == ["error", "exit"] and events[-1]["status"] == 2, events
+    assert reason in events[0]["reason"]
     assert list(out.iterdir()) == []
 
 
