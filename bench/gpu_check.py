@@ -243,18 +243,35 @@ async def throughput(engine: Engine, part: Part, tokens: int, batch: int, rounds
         f"ratio {many / one:.2f}x")
 
 
+async def release_proof(engine: Engine, lora: str) -> float:
+    """What reefd's release proof costs this process after an adapter load: its built-in probe prompts, greedy,
+    with logprobs, sent at once as reefd sends them (median of 3)."""
+    from reefd.engines.proof import PROBE_TEXTS
+
+    async def once() -> float:
+        start = time.perf_counter()
+        await asyncio.gather(*(engine.post("/generate", {
+            "text": text, "return_logprob": True, "lora_path": lora,
+            "sampling_params": {"max_new_tokens": 8, "temperature": 0.0, "ignore_eos": True}}) for text in PROBE_TEXTS))
+        return time.perf_counter() - start
+
+    return sorted([await once() for _ in range(3)])[1]
+
+
 async def lora_swap(engine: Engine, part: Part, lora: Path, base: str) -> None:
     """Load a LoRA while serving, check it changes the greedy answer, unload it, check the base is back."""
     start = time.perf_counter()
     await engine.post("/load_lora_adapter", {"lora_name": LORA_NAME, "lora_path": str(lora)})
     load_s = time.perf_counter() - start
     adapted = await engine.probe(LORA_NAME)
+    proof_s = await release_proof(engine, LORA_NAME)
     start = time.perf_counter()
     await engine.post("/unload_lora_adapter", {"lora_name": LORA_NAME})
     unload_s = time.perf_counter() - start
     after = await engine.probe()
     part.set(lora_load_s=round(load_s, 3), lora_unload_s=round(unload_s, 3), lora_changes_output=adapted != base,
-             lora_unload_restores_output=after == base)
+             lora_unload_restores_output=after == base, proof_s=round(proof_s, 4))
+    say(f"  release proof after the load (reefd's probe set, as one batch): {proof_s * 1000:.0f} ms")
     say(f"  LoRA hot swap: load {load_s * 1000:.0f} ms, unload {unload_s * 1000:.0f} ms, "
         f"output with adapter {'differs' if adapted != base else 'SAME'} from base")
     if adapted == base:

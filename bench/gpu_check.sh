@@ -5,8 +5,9 @@
 #   bench/gpu_check.sh --cpu    a dry run of the script itself on a machine without a GPU (tiny model, < 1 min)
 #
 # Parts, each bounded by `timeout` inside one overall budget:
-#   1. reefd.worker on the GPU (SmolLM2): generated tokens/s at batch 1 and batch 8, a LoRA hot swap and a
-#      weight update from disk, each checked to really change (and restore) the greedy answer.
+#   1. reefd.worker on the GPU (SmolLM2): generated tokens/s at batch 1 and batch 8, a LoRA hot swap (and what
+#      reefd's release proof costs after it) and a weight update from disk, each checked to really change (and
+#      restore) the greedy answer.
 #   2. the same against a real SGLang server, when `import sglang` works in .venv.
 # It installs and downloads nothing (the host may have no network) and says which parts it skipped and why.
 # The measuring is done by bench/gpu_check.py; this script decides what runs, bounds it and cleans up.
