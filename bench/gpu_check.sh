@@ -25,7 +25,7 @@ SGLANG_CAP_S=330   # SGLang's start (CUDA graph capture) is most of it
 PREPARE_CAP_S=120  # converting SmolLM2 from its pip package, only when the folder is missing
 
 usage() {
-    sed -n '2,18p' "$0" | sed 's/^# \{0,1\}//'
+    sed -n '2,19p' "$0" | sed 's/^# \{0,1\}//'
 }
 
 CPU=0
