@@ -226,3 +226,20 @@ def test_the_publish_route_and_a_grow_job_follow_a_moving_head_alike(tmp_path: P
     found, meta, moved = outcomes[f"job-{refused}"]
     assert (found["state"], moved) == ("rejected", refused), found
     assert meta["refused"].startswith("the head moved to ") and meta["built_on"] == found["built_on"]
+
+
+def test_a_reconcile_that_keeps_failing_is_tried_again_less_often(tmp_path: Path) -> None:
+    """30 s after the first failure, then twice as long after each failure in a row, at most 10 min; counted per
+    scenario (reefd/commit/reconcile.py; a reconcile that succeeds starts its count again)."""
+    from reefd.commit.reconcile import Reconciler
+    from reefd.serve.scenarios import Registry
+
+    async def delays() -> list[float]:
+        import aiohttp
+
+        async with aiohttp.ClientSession() as session:
+            r = Reconciler(Registry({}, tmp_path / "state", session), ReleaseChain(tmp_path / "chain"),
+                           tmp_path / "state", tmp_path)
+            return [*(r.retry_after("a") for _ in range(7)), r.retry_after("b")]
+
+    assert asyncio.run(delays()) == [30, 60, 120, 240, 480, 600, 600, 30]

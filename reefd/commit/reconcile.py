@@ -1,7 +1,8 @@
 """The reconciler: declared release (YAML pin, else the chain head) ↔ release chain ↔ serving engine.
 
 It runs when told to (reefd/loop.py wires it): at start, after every commit through reefd (before the caller is
-answered), and on SIGHUP; a reconcile that failed is tried again every RETRY_S. reefd is the chain's only
+answered), and on SIGHUP; a reconcile that failed is tried again after RETRY_S, doubling while it keeps failing
+(at most RETRY_MAX_S). reefd is the chain's only
 writer, so nothing else moves a head. For each scenario it:
 
 1. records the base release on a scenario's first start;
@@ -47,7 +48,9 @@ log = logging.getLogger("reefd.commit.reconcile")
 
 
 class Reconciler:
-    RETRY_S = 30.0  # a swap that failed is tried again this often (an engine restarting, a corrupt object)
+    RETRY_S = 30.0  # a swap that failed is tried again after this (an engine restarting, a corrupt object),
+    RETRY_MAX_S = 600.0  # then twice as long after each failure in a row, at most this: a release that keeps
+    # failing (a proof that does not match) does not take a replica out of the router every 30 s for ever
 
     def __init__(self, registry: Registry, chain: ReleaseChain, state_dir: Path, scenarios_dir: Path):
         self.registry = registry
@@ -56,6 +59,7 @@ class Reconciler:
         self._locks: dict[str, asyncio.Lock] = {}
         self._background = Background(log)  # swaps kicked off, adapters being retired
         self._retries: dict[str, asyncio.TimerHandle] = {}  # scenario -> its next try after a failure
+        self._failures: dict[str, int] = {}  # scenario -> its reconciles that failed in a row
         self._listeners: list[Callable[[Scenario, Release], None]] = []
 
     # ------------------------------------------------------------ triggers
@@ -105,18 +109,26 @@ class Reconciler:
                 head, problem = await self._declared_head(scenario)
                 await self._serve(scenario, head)
                 scenario.error, scenario.settled = problem, True
+                self._failures.pop(scenario.name, None)
                 if problem:
                     log.error("%s: %s", scenario.name, problem)
             except asyncio.CancelledError:
                 raise
-            except Exception as exc:  # recorded on the scenario (status shows it) and tried again in RETRY_S
+            except Exception as exc:  # recorded on the scenario (status shows it) and tried again later
+                delay = self.retry_after(scenario.name)
                 if not pending:
                     self._retries[scenario.name] = asyncio.get_running_loop().call_later(
-                        self.RETRY_S, self.kick, scenario.name)
+                        delay, self.kick, scenario.name)
                 scenario.error = str(exc) or type(exc).__name__
                 expected = (EngineError, EngineUnavailable, ReleaseError, HarnessError, OSError)
-                log.error("%s: %s", scenario.name, exc, exc_info=not isinstance(exc, expected))
+                log.error("%s: %s (tried again in %.0f s)", scenario.name, exc, delay,
+                          exc_info=not isinstance(exc, expected))
             return scenario.binding
+
+    def retry_after(self, name: str) -> float:
+        """One more failure in a row for scenario `name`: the seconds until it is tried again."""
+        self._failures[name] = failures = self._failures.get(name, 0) + 1
+        return min(self.RETRY_S * 2 ** min(failures - 1, 16), self.RETRY_MAX_S)
 
     async def _declared_head(self, scenario: Scenario) -> tuple[Release, str | None]:
         """The chain head after recording the base and applying the pin (appending a rollback if needed),

@@ -92,7 +92,15 @@ class WeightSwaps(SGLangBase):
         self.staged, self.staged_on, self.staged_adapters = None, set(), {}
         for replica in group:
             replica.state = "standby"
-        report = await self._switch_over(group, serving, self.weights, new, adapters, switch, drained)
+        try:
+            report = await self._switch_over(group, serving, self.weights, new, adapters, switch, drained)
+        except BaseException:
+            if self.weights is not new:  # not switched (the router refused one): the trial goes on where it was
+                self.staged, self.staged_on, self.staged_adapters = new, {r.index for r in group}, adapters
+                for replica in group:  # one killed on the way comes back staged (`_restore`)
+                    if replica.state == "standby":
+                        replica.state = "trial"
+            raise
         return {**report, "promoted": len(group)}
 
     async def _swap_held(self, path: Path | None, version: str, adapter: tuple[str, Path] | None,
