@@ -243,3 +243,22 @@ def test_a_reconcile_that_keeps_failing_is_tried_again_less_often(tmp_path: Path
             return [*(r.retry_after("a") for _ in range(7)), r.retry_after("b")]
 
     assert asyncio.run(delays()) == [30, 60, 120, 240, 480, 600, 600, 30]
+
+
+def test_full_weights_refused_for_a_trial_are_kept_as_a_jobs_rejected_candidate(chain: ReleaseChain,
+                                                                              tmp_path: Path) -> None:
+    """A job's candidate the trial refuses (full weights on one replica) is kept as rejected, saying why; a route
+    (no keep_refused) gets the refusal and nothing is written."""
+    from reefd.commit.chain import TrialRefused
+
+    head = base(chain)
+
+    def trial(on: Release | None, cand: Candidate) -> dict[str, Any]:
+        raise TrialRefused("s", "canary", 1)
+
+    cand = Candidate("adapter", {"source": "sao"}, artifact=adapter(tmp_path, "a"), built_on=head.id)
+    with pytest.raises(TrialRefused):
+        commit(chain, "s", cand, pin=None, on_conflict="discard", trial=trial)
+    kept = commit(chain, "s", cand, pin=None, on_conflict="discard", keep_refused=True, trial=trial)
+    assert kept.status == "rejected" and "set model.replicas: 2 or more" in kept.meta["refused"]
+    assert chain.head("s") == head and len(chain.history("s", include_rejected=True)) == 2
