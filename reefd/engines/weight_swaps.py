@@ -63,15 +63,7 @@ class WeightSwaps(SGLangBase):
             started = time.monotonic()
             serving = [] if self.replicas is None else \
                 [r for r in self.replicas.replicas if r.state == "ready" and r.worker_id is not None]
-            group = self._promotable(version)
-            if not group and self.staged is not None and self.staged.version == version:  # its replicas restart:
-                self.staged, self.staged_on, self.staged_adapters = None, set(), {}  # they come back on `version`
-            if group:  # the weights on trial serve everyone now: their replicas are not loaded again
-                report = await self._promote_staged(group, serving, switch, drained)
-            elif len(serving) < 2:  # one process, or one replica left serving: nothing to roll across
-                report = await self._swap_held(path, version, adapter, switch, drained, serving)
-            else:
-                report = await self._roll(path, version, adapter, switch, drained, serving)
+            report = await self._swap(path, version, adapter, switch, drained, serving)
             report.update(version=version, total_s=round(time.monotonic() - started, 3), at=time.time())
             keep = {version, self.staged.version if self.staged is not None else version}
             self.proofs = {key: fp for key, fp in self.proofs.items() if key[0] in keep}  # the old ones' go
@@ -79,29 +71,12 @@ class WeightSwaps(SGLangBase):
             log.info("%s: now serving weights %s (%s)", self.cfg.name, version, report)
             return report
 
-    def _promotable(self, version: str) -> list[Replica]:
-        """The replicas serving `version` on trial, when it is the staged version (else none)."""
-        if self.staged is None or self.staged.version != version or self.replicas is None:
-            return []
-        return [r for r in self.replicas.replicas if r.index in self.staged_on and r.state == "trial"]
-
-    async def _promote_staged(self, group: list[Replica], serving: list[Replica], switch: Callable[[], None],
-                              drained: Drained) -> dict[str, Any]:
-        assert self.staged is not None
-        new, adapters = self.staged, dict(self.staged_adapters)
-        self.staged, self.staged_on, self.staged_adapters = None, set(), {}
-        for replica in group:
-            replica.state = "standby"
-        try:
-            report = await self._switch_over(group, serving, self.weights, new, adapters, switch, drained)
-        except BaseException:
-            if self.weights is not new:  # not switched (the router refused one): the trial goes on where it was
-                self.staged, self.staged_on, self.staged_adapters = new, {r.index for r in group}, adapters
-                for replica in group:  # one killed on the way comes back staged (`_restore`)
-                    if replica.state == "standby":
-                        replica.state = "trial"
-            raise
-        return {**report, "promoted": len(group)}
+    async def _swap(self, path: Path | None, version: str, adapter: tuple[str, Path] | None,
+                    switch: Callable[[], None], drained: Drained, serving: list[Replica]) -> dict[str, Any]:
+        """Held on one process (or one replica left serving), else rolled across the replicas."""
+        if len(serving) < 2:
+            return await self._swap_held(path, version, adapter, switch, drained, serving)
+        return await self._roll(path, version, adapter, switch, drained, serving)
 
     async def _swap_held(self, path: Path | None, version: str, adapter: tuple[str, Path] | None,
                          switch: Callable[[], None], drained: Drained, serving: list[Replica]) -> dict[str, Any]:

@@ -9,6 +9,7 @@ import asyncio
 import logging
 import math
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -66,6 +67,40 @@ class WeightTrials(WeightSwaps):
             log.info("%s: weights %s on trial on replica(s) %s (%s)", self.cfg.name, version,
                      ", ".join(str(r.index) for r in group), report)
             return report
+
+    async def _swap(self, path: Path | None, version: str, adapter: tuple[str, Path] | None,
+                    switch: Callable[[], None], drained: Drained, serving: list[Replica]) -> dict[str, Any]:
+        """A swap to the staged version promotes the trial: its replicas serve everyone without loading again."""
+        group = self._promotable(version)
+        if group:
+            return await self._promote_staged(group, serving, switch, drained)
+        if self.staged is not None and self.staged.version == version:  # its replicas restart: they come back
+            self.staged, self.staged_on, self.staged_adapters = None, set(), {}  # on `version`, like the rest
+        return await super()._swap(path, version, adapter, switch, drained, serving)
+
+    def _promotable(self, version: str) -> list[Replica]:
+        """The replicas serving `version` on trial, when it is the staged version (else none)."""
+        if self.staged is None or self.staged.version != version or self.replicas is None:
+            return []
+        return [r for r in self.replicas.replicas if r.index in self.staged_on and r.state == "trial"]
+
+    async def _promote_staged(self, group: list[Replica], serving: list[Replica], switch: Callable[[], None],
+                              drained: Drained) -> dict[str, Any]:
+        assert self.staged is not None
+        new, adapters = self.staged, dict(self.staged_adapters)
+        self.staged, self.staged_on, self.staged_adapters = None, set(), {}
+        for replica in group:
+            replica.state = "standby"
+        try:
+            report = await self._switch_over(group, serving, self.weights, new, adapters, switch, drained)
+        except BaseException:
+            if self.weights is not new:  # not switched (the router refused one): the trial goes on where it was
+                self.staged, self.staged_on, self.staged_adapters = new, {r.index for r in group}, adapters
+                for replica in group:  # one killed on the way comes back staged (`_restore`)
+                    if replica.state == "standby":
+                        replica.state = "trial"
+            raise
+        return {**report, "promoted": len(group)}
 
     async def end_staged(self, drained: Drained) -> dict[str, Any] | None:
         """The group back on the weights that serve, and into the router, once the requests on the staged version
