@@ -46,9 +46,7 @@ class Daemon(Served):
             unproven_groups(self.scenarios)
             for path in self.scenarios.glob("*.yaml"):
                 path.write_text(unproven(path.read_text()))
-        # no trainer process before a job: most daemons never train, and each warm one costs seconds of CPU
-        env = {**os.environ, "REEF_TOKEN": self.token, "REEF_LOG_LEVEL": "INFO", "REEF_TRAINER_PREWARM": "0",
-               **self.env}
+        env = {**os.environ, "REEF_TOKEN": self.token, "REEF_LOG_LEVEL": "INFO", **self.env}
         env.pop("REEF_URL", None)
         self.launch([sys.executable, "-m", "reefd", "--scenarios", str(self.scenarios),
                      "--state", str(self.state), "--listen", f"127.0.0.1:{self.port}"], env)

@@ -9,7 +9,6 @@ import asyncio
 import contextlib
 import json
 import logging
-import os
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -19,8 +18,6 @@ from reefd.engines.supervisor import die_with_parent
 from reefd.grow.backends import Event, TrainerTimeout
 
 log = logging.getLogger("reefd.train")
-
-PREWARM_ENV = "REEF_TRAINER_PREWARM"  # 0: no trainer process before the first job (each job is kept warm after)
 
 
 @dataclass
@@ -48,8 +45,6 @@ class LocalTrainers:
         (torch, transformers, peft: seconds of CPU). No-op while one is idle, starting, or running a job (that
         one stays warm, with the optimizer state it carries)."""
         if self._idle or self._busy or self.keep < 1 or (self._warming is not None and not self._warming.done()):
-            return
-        if os.environ.get(PREWARM_ENV, "1") == "0":  # its memory is wanted until the first job (small hosts)
             return
 
         async def warm() -> None:
