@@ -133,6 +133,16 @@ def engine(d: Daemon, name: str) -> dict[str, Any]:
     return dict(found[0]["engine"])
 
 
+def all_in_router(d: Daemon, name: str, replicas: int | None = None) -> None:
+    """Until every replica of the scenario's engine (and at least `replicas` of them) is in the router."""
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        listed = engine(d, name).get("replicas") or []
+        if listed and all(r["in_router"] for r in listed) and len(listed) >= (replicas or 0):
+            return
+        time.sleep(0.2)
+
+
 def check_weights_of_answers(d: Daemon, results: list[dict[str, Any]], expected: dict[str, str | None]) -> None:
     """Every answer's record: the weights its release serves are the weights the engine says answered it."""
     for r in results:
@@ -252,9 +262,7 @@ def load_one(d: Daemon, name: str) -> str:
 def test_weights_roll_across_two_replicas(weightsd: Daemon, own_scenario: Callable[..., str], tmp_path: Path) -> None:
     d = weightsd
     name = own_scenario(d, scenario(2), prefix="w")
-    deadline = time.monotonic() + 120
-    while not all(r["in_router"] for r in engine(d, name)["replicas"]) and time.monotonic() < deadline:
-        time.sleep(0.2)
+    all_in_router(d, name)
     base_text, base = greedy(d, name)
     weights = make_weights(d.state / "models" / "tiny", tmp_path / "weights", seed=1, scale=0.5)
     answer, load = publish_under_load(d, name, "--weights", str(weights), clients=4, answers=8)
@@ -303,10 +311,7 @@ def test_a_replica_that_ignores_a_weights_swap_never_serves_the_release(
         name = own_scenario(d, scenario(1).replace("  replicas: 1\n",
                                                    f"  replicas: 1\n  workers: [{faulty.url}]\n"), prefix="w",
                             proof=True)
-        deadline = time.monotonic() + 120
-        while not (len(engine(d, name).get("replicas") or []) == 2 and
-                   all(r["in_router"] for r in engine(d, name)["replicas"])) and time.monotonic() < deadline:
-            time.sleep(0.2)
+        all_in_router(d, name, 2)
         base_text, base = greedy(d, name)
         weights = make_weights(d.state / "models" / "tiny", tmp_path / "weights", seed=1, scale=0.5)
         answer, load = publish_under_load(d, name, "--weights", str(weights), clients=3, answers=6)
@@ -359,9 +364,7 @@ def started(d: Daemon, own_scenario: Callable[..., str], tmp_path: Path, seed: i
     """A two-replica canary scenario with both replicas in the router: its name, base release, the base's greedy
     answers to PROMPTS, and full weights that answer otherwise."""
     name = own_scenario(d, canary_scenario(2), prefix="wc")
-    deadline = time.monotonic() + 120
-    while not all(r["in_router"] for r in engine(d, name)["replicas"]) and time.monotonic() < deadline:
-        time.sleep(0.2)
+    all_in_router(d, name)
     base = head(d, name)["id"]
     answers = {p: ask(d, name, [{"role": "user", "content": p}], f"ref-{i}")[0] for i, p in enumerate(PROMPTS)}
     weights = make_weights(d.state / "models" / "tiny", tmp_path / "weights", seed=seed, scale=1.0)  # (all 6 differ)
