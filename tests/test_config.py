@@ -29,7 +29,7 @@ def test_defaults_pick_the_model_group_and_self_overrides(tmp_path: Path) -> Non
 
 @pytest.mark.parametrize("body,message", [
     ("model:\n  engine: wrker\n",
-     "model.engine: 'wrker' is not one of ['worker', 'sglang', 'upstream']"),
+     "model.engine: 'wrker' is not one of ['worker', 'sglang', 'vllm', 'upstream']"),
     ("model:\n  enigne: worker\n", "model.enigne: unknown key (did you mean 'engine'?)"),
     ("serve:\n  default_max_tokens: 0\n", "serve.default_max_tokens: 0 is less than the minimum of 1"),
     ("model:\n  max_batch: lots\n", "model.max_batch: Value 'lots' of type 'str' could not be converted to Integer"),

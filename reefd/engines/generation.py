@@ -83,7 +83,7 @@ class Generation(SGLangBase):
             raise EngineUnavailable(f"engine for model {self.cfg.name!r}: the weights "
                                     f"{weights or 'it launched with'} no longer serve; retry", retry_after=1)
         replica = min(found, key=lambda r: r.direct)
-        return SGLangClient(self.session, replica.url), replica
+        return self._connect(replica.url), replica
 
     async def _open(self, payload: dict[str, Any], timeout_s: float, routing_key: str | None,
                     weights: str | None) -> tuple[dict[str, Any], AsyncIterator[dict[str, Any]], Replica | None]:

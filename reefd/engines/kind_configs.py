@@ -5,6 +5,7 @@ HTTP, nor which engine class reads a config (reefd/engines/__init__.py maps kind
 from __future__ import annotations
 
 import importlib.util
+import os
 from dataclasses import dataclass, field
 from typing import ClassVar
 
@@ -146,8 +147,60 @@ class SGLangConfig(WorkerConfig):
         return errs + router
 
 
+LORA_RANKS = [1, 8, 16, 32, 64, 128, 256, 320, 512]  # vLLM's --max-lora-rank choices
+VLLM_PYTHON_ENV = "REEF_VLLM_PYTHON"
+
+
 @dataclass
-class ModelConfig(SGLangConfig, UpstreamConfig):
+class VLLMConfig(SGLangConfig):
+    """vllm: vLLM's OpenAI server, launched by reefd from its own Python environment, or attached by url; its
+    sampling follows each request's seed (per-request generators), in any batch."""
+
+    seeded_sampling: ClassVar[bool] = True
+
+    python: str | None = field(
+        default=None, metadata={"description": "vllm: the Python of vLLM's own environment, which reefd launches "
+                                               "the server with (default: $REEF_VLLM_PYTHON; `make vllm-venv` "
+                                               "builds one)."})
+    kv_cache_gib: float = field(
+        default=2.0, metadata={"exclusiveMinimum": 0, "maximum": 4096,
+                               "description": "vllm on CPU: the KV cache's size, in GiB (VLLM_CPU_KVCACHE_SPACE)."})
+    max_loras: int = field(
+        default=4, metadata={"minimum": 2, "maximum": 256,
+                             "description": "vllm: adapters in one batch (a serving one beside a candidate's)."})
+    max_lora_rank: int = field(
+        default=16, metadata={"enum": LORA_RANKS, "description": "vllm: the largest adapter rank it loads."})
+    dtype: str = field(
+        default="float32", metadata={"enum": ["auto", "float32", "bfloat16", "float16"],
+                                     "description": "vllm: the weights' type. float32 computes as the worker and "
+                                                    "the release proof's reference do; bfloat16 halves memory on a "
+                                                    "GPU (auto: vLLM's choice for the model folder)."})
+    enforce_eager: bool = field(
+        default=True, metadata={"description": "vllm: no CUDA graphs or torch.compile: starts in about a minute "
+                                               "rather than four (on CPU with LoRA vLLM compiles nothing anyway)."})
+
+    def launcher(self) -> str | None:
+        """The Python reefd launches vLLM with."""
+        return self.python or os.environ.get(VLLM_PYTHON_ENV) or None
+
+    def problems(self) -> Problems:
+        errs = [] if self.url or self.source or self.path else \
+            [("model", "a vllm model needs 'url' to attach to, or 'source'/'path'")]
+        python = self.launcher()
+        if not self.url and python is None:
+            errs.append(("model.python", f"vllm runs in its own Python environment: set model.python (or "
+                                         f"${VLLM_PYTHON_ENV}) to its interpreter; `make vllm-venv` builds one"))
+        elif not self.url and python is not None and not os.access(python, os.X_OK):
+            errs.append(("model.python", f"{python} is not an executable Python (vLLM's environment): "
+                                         "`make vllm-venv` builds one"))
+        router = self.replica_problems()
+        if not router and self.url and (self.replicas > 1 or self.workers):
+            router = [("model.url", "with replicas, list engines already running in model.workers")]
+        return errs + router
+
+
+@dataclass
+class ModelConfig(VLLMConfig, UpstreamConfig):
     """Which model answers a scenario, and which engine runs it: every kind's keys (each kind reads its own)."""
 
     url: str | None = field(default=None, metadata={"description": "sglang: attach to this server instead of "

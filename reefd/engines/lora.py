@@ -38,7 +38,7 @@ class Adapters(SGLangBase):
         it loaded the adapter but answers otherwise counts as failed, and it is taken off again."""
         await client.load_lora_adapter(name, path)
         try:
-            await self._prove(client, self.weights.version, [name])
+            await self._prove(client, self.weights.version, [None, name])  # base beside it: one batch
         except BaseException:
             with contextlib.suppress(EngineError, EngineUnavailable):
                 await client.unload_lora_adapter(name)

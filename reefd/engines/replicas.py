@@ -65,10 +65,11 @@ class Replicas:
                  healthy: Callable[[str], Awaitable[bool]], alive: Callable[[str], Awaitable[bool]],
                  restore: Restore, *, launched: int, attached: list[str], tokenizer: Path,
                  startup_timeout_s: float, router_args: list[str] | None = None,
-                 repair: Callable[[], Awaitable[list[str]]] | None = None) -> None:
+                 repair: Callable[[], Awaitable[list[str]]] | None = None, env: dict[str, str] | None = None) -> None:
         self.name, self.session = name, session
         self._argv, self._healthy, self._alive, self._restore = argv, healthy, alive, restore
         self._repair = repair
+        self.env = env  # added to each launched replica's environment
         self.tokenizer, self.startup_timeout_s = tokenizer, startup_timeout_s
         self.router_args = list(router_args or [])
         self.replicas = [Replica(i) for i in range(launched)]
@@ -92,7 +93,7 @@ class Replicas:
             replica.supervisor = Supervisor(
                 f"{self.name}/{replica.index}", self._argv, self._healthy, alive=self._alive,
                 on_launch=functools.partial(self._joined, replica), on_exit=functools.partial(self._exited, replica),
-                startup_timeout_s=self.startup_timeout_s)
+                startup_timeout_s=self.startup_timeout_s, env=self.env)
             replica.supervisor.start()
         if self._repair is not None:
             self._spawn(self._repairs())

@@ -21,7 +21,7 @@ from reefd.engines.generation import Generation
 from reefd.engines.kind_configs import SGLangConfig, WorkerConfig
 from reefd.engines.lora import Adapters
 from reefd.engines.replicas import Replica, Replicas
-from reefd.engines.sglang_client import SGLangClient, launch_or
+from reefd.engines.sglang_client import launch_or
 from reefd.engines.supervisor import Supervisor, die_with_parent
 from reefd.engines.weight_trials import WeightTrials
 from reefd.serve.chat import ChatTemplate
@@ -38,6 +38,7 @@ class SGLangEngine(Generation, Adapters, WeightTrials):
     """`engine: sglang` (launched or attached), and the base of `engine: worker` (launched `reefd.worker`)."""
 
     Config: ClassVar[type[EngineConfig]] = SGLangConfig
+    attaches: ClassVar[bool] = True  # `model.url` attaches to a server already running
 
     async def start(self) -> None:
         self._task = asyncio.create_task(self._start(), name=f"engine-{self.cfg.name}")
@@ -47,7 +48,7 @@ class SGLangEngine(Generation, Adapters, WeightTrials):
             if self.cfg.replicas > 1 or self.cfg.workers:
                 await self._start_replicas()
                 return
-            if self.cfg.engine == "sglang" and self.cfg.url:
+            if self.attaches and self.cfg.url:
                 await self._attach(self.cfg.url)
                 return
             if self.model_dir is None:
@@ -56,7 +57,7 @@ class SGLangEngine(Generation, Adapters, WeightTrials):
             await asyncio.to_thread(self._load_template, self.model_dir)  # reads the tokenizer: off the loop
             self.supervisor = Supervisor(
                 self.cfg.name, self._argv, self._healthy, alive=self._alive, on_launch=self._restore,
-                startup_timeout_s=self.cfg.startup_timeout_s)
+                startup_timeout_s=self.cfg.startup_timeout_s, env=self._env())
             self.supervisor.start()
         except Exception as exc:  # keep reefd up; the scenario reports the failure
             log.error("%s: engine failed to start: %s", self.cfg.name, exc)
@@ -68,16 +69,17 @@ class SGLangEngine(Generation, Adapters, WeightTrials):
         if self.model_dir is None and self.cfg.source is not None:
             self.model_dir = await self._prepare(self.cfg.source)
         if self.model_dir is None:  # attached workers only: their tokenizer, as they report it
-            self.model_dir = await SGLangClient(self.session, self.cfg.workers[0]).tokenizer_dir()
+            self.model_dir = await self._connect(self.cfg.workers[0]).tokenizer_dir()
         await asyncio.to_thread(self._load_template, self.model_dir)
         self.replicas = Replicas(self.cfg.name, self.session, self._argv, self._healthy, self._alive,
                                  self._restore_replica, repair=self.repair, launched=launched,
                                  attached=list(self.cfg.workers), tokenizer=self.model_dir,
-                                 startup_timeout_s=self.cfg.startup_timeout_s, router_args=self.cfg.router_args)
+                                 startup_timeout_s=self.cfg.startup_timeout_s, router_args=self.cfg.router_args,
+                                 env=self._env())
         self.replicas.start()
 
     async def _attach(self, url: str) -> None:
-        self.client = SGLangClient(self.session, url)
+        self.client = self._connect(url)
         while not await self.client.healthy():
             self._state = "starting"
             await asyncio.sleep(2)
@@ -132,6 +134,10 @@ class SGLangEngine(Generation, Adapters, WeightTrials):
                 "--port", str(port), "--max-batch", str(self.cfg.max_batch), *threads, *INCREMENTAL,
                 *self.cfg.launch_args]
 
+    def _env(self) -> dict[str, str] | None:
+        """What a launched engine process gets beside reefd's own environment."""
+        return None
+
     async def _restore_replica(self, url: str, joined: Callable[[], None]) -> None:
         """A replica's adapters, and its place among the replicas that admin calls reach, in one step: an adapter
         loaded meanwhile either comes with the restore or is broadcast to it."""
@@ -146,7 +152,7 @@ class SGLangEngine(Generation, Adapters, WeightTrials):
         engine serves before it takes requests (an attached engine that kept running may have them already;
         those are not loaded twice); the staged ones to a replica of the group serving weights on trial (then
         returned)."""
-        client = SGLangClient(self.session, url)
+        client = self._connect(url)
         have: set[str] = set()
         info: dict[str, Any] = {}
         replica = None if self.replicas is None else next((r for r in self.replicas.replicas if r.url == url), None)
@@ -178,7 +184,7 @@ class SGLangEngine(Generation, Adapters, WeightTrials):
         done: list[str] = []
         async with self._admin:
             for url in self.replicas.urls():
-                client = SGLangClient(self.session, url)
+                client = self._connect(url)
                 try:
                     info = await client.server_info()
                 except (aiohttp.ClientError, TimeoutError, ValueError):
@@ -209,10 +215,10 @@ class SGLangEngine(Generation, Adapters, WeightTrials):
         return done
 
     async def _healthy(self, url: str) -> bool:
-        return await SGLangClient(self.session, url).healthy()
+        return await self._connect(url).healthy()
 
     async def _alive(self, url: str) -> bool:
-        return await SGLangClient(self.session, url).alive()
+        return await self._connect(url).alive()
 
     async def stop(self) -> None:
         if self._task is not None and not self._task.done():
@@ -251,7 +257,7 @@ class SGLangEngine(Generation, Adapters, WeightTrials):
         async def info(replica: dict[str, Any]) -> dict[str, Any]:
             if replica["state"] == "ready":
                 with contextlib.suppress(aiohttp.ClientError, TimeoutError, ValueError):
-                    return await SGLangClient(self.session, replica["url"]).server_info(timeout_s=5)
+                    return await self._connect(replica["url"]).server_info(timeout_s=5)
             return {}
 
         replicas = self.replicas.describe()
@@ -269,3 +275,4 @@ class WorkerEngine(SGLangEngine):
     """`engine: worker`: the same engine, with the worker kind's config (it launches `reefd.worker`)."""
 
     Config = WorkerConfig
+    attaches = False

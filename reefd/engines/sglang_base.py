@@ -71,18 +71,22 @@ class SGLangBase:
                                     "retry shortly", retry_after=2)
         if self.replicas is not None:  # generation goes through the router
             if self.client is None or self.client.base_url != self.replicas.router_url:
-                self.client = SGLangClient(self.session, self.replicas.router_url)
+                self.client = self._connect(self.replicas.router_url, router=True)
             return self.client
         if self.supervisor is not None and (self.client is None or self.client.base_url != self.supervisor.url):
-            self.client = SGLangClient(self.session, self.supervisor.url)
+            self.client = self._connect(self.supervisor.url)
         assert self.client is not None
         return self.client
+
+    def _connect(self, url: str, router: bool = False) -> SGLangClient:
+        """A client for one of this engine's processes (`router`: for sglang-router in front of them)."""
+        return SGLangClient(self.session, url)
 
     def _processes(self) -> list[SGLangClient]:
         """Every process serving now: each replica directly (the router 404s admin calls), or the one process."""
         if self.replicas is None:
             return [self._client()]
-        return [SGLangClient(self.session, u) for u in self.replicas.urls()]
+        return [self._connect(u) for u in self.replicas.urls()]
 
     @contextlib.asynccontextmanager
     async def _holding(self) -> AsyncIterator[Callable[[], float]]:
@@ -96,15 +100,18 @@ class SGLangBase:
 
     async def _prove(self, client: SGLangClient, weights: str | None, adapters: Iterable[str | None]) -> None:
         """ProofFailed unless `client`'s process answers the fingerprint of each of `adapters` (None: the weights
-        alone) on `weights` that this engine holds one for; the prompts go as one batch."""
-        for adapter in adapters:
-            fp = self.proofs.get((weights, adapter))
-            if fp is None:
-                continue
-            started = time.monotonic()
-            answers = await asyncio.gather(*(client.greedy(prompt, len(tokens), adapter)
-                                             for prompt, tokens in zip(fp.prompts, fp.tokens, strict=True)))
-            problem = fp.mismatch(list(answers))
+        alone) on `weights` that this engine holds one for. Every probe goes in one batch, the weights' beside the
+        adapters', since an engine may answer each alone right and a mixed batch wrong."""
+        proven = [(a, fp) for a in dict.fromkeys(adapters) if (fp := self.proofs.get((weights, a))) is not None]
+        if not proven:
+            return
+        started = time.monotonic()
+        probes = [client.greedy(prompt, len(tokens), adapter)
+                  for adapter, fp in proven for prompt, tokens in zip(fp.prompts, fp.tokens, strict=True)]
+        answers = list(await asyncio.gather(*probes))
+        for adapter, fp in proven:
+            problem = fp.mismatch(answers[:len(fp.prompts)])
+            answers = answers[len(fp.prompts):]
             self.last_proof = {"weights": weights, "adapter": adapter, "url": client.base_url, "at": time.time(),
                                "s": round(time.monotonic() - started, 4), "problem": problem}
             if problem is not None:

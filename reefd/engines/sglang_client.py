@@ -3,6 +3,7 @@ server info. Knows nothing about chat templates, replicas or which weights an en
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -104,6 +105,13 @@ class SGLangClient:
                 return True, launch_or(info[key])
         return False, None
 
+    async def continue_generation(self) -> None:
+        """Generation resumes after a pause (`/continue_generation`); a server that answers nothing is let be."""
+        with contextlib.suppress(aiohttp.ClientError, TimeoutError):
+            async with self.session.post(f"{self.base_url}/continue_generation", json={},
+                                         timeout=aiohttp.ClientTimeout(total=30)):
+                pass
+
     async def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int, world_size: int,
                                         group_name: str, backend: str, timeout_s: float = 600.0) -> None:
         """SGLang's InitWeightsUpdateGroupReqInput: join the trainer's group as rank `rank_offset` (blocks until
@@ -141,13 +149,19 @@ class SGLangClient:
             info = orjson.loads(await r.read())
         return Path(info.get("tokenizer_path") or info["model_path"])
 
-    async def generate(self, payload: dict[str, Any], timeout_s: float, headers: dict[str, str] | None = None
-                       ) -> AsyncIterator[dict[str, Any]]:
+    def generate(self, payload: dict[str, Any], timeout_s: float, headers: dict[str, str] | None = None
+                 ) -> AsyncIterator[dict[str, Any]]:
         """Yields the engine's answer chunks (one when not streaming)."""
+        return self._answers("/generate", payload, timeout_s, headers)
+
+    async def _answers(self, path: str, payload: dict[str, Any], timeout_s: float,
+                       headers: dict[str, str] | None = None) -> AsyncIterator[dict[str, Any]]:
+        """A generation route's JSON answer, or its stream's events up to [DONE]; errors as EngineError (it
+        answered) or EngineUnavailable (busy, draining, or the request never started)."""
         timeout = aiohttp.ClientTimeout(total=timeout_s)
         answered = False
         try:
-            async with self.session.post(f"{self.base_url}/generate", json=payload, headers=headers,
+            async with self.session.post(f"{self.base_url}{path}", json=payload, headers=headers,
                                          timeout=timeout) as r:
                 answered = True
                 if r.status in (429, 503):  # busy or draining: the caller may retry

@@ -10,6 +10,7 @@ import asyncio
 import contextlib
 import ctypes
 import logging
+import os
 import re
 import signal
 import socket
@@ -75,7 +76,8 @@ class Supervisor:
     def __init__(self, name: str, argv: Callable[[int], list[str]], ready: Callable[[str], Awaitable[bool]], *,
                  startup_timeout_s: float, alive: Callable[[str], Awaitable[bool]] | None = None,
                  on_launch: Callable[[str], Awaitable[object]] | None = None,
-                 on_exit: Callable[[str], Awaitable[None]] | None = None, host: str = "127.0.0.1"):
+                 on_exit: Callable[[str], Awaitable[None]] | None = None, host: str = "127.0.0.1",
+                 env: dict[str, str] | None = None):
         self.name = name
         self._argv = argv
         self._ready = ready
@@ -84,6 +86,7 @@ class Supervisor:
         self._on_exit = on_exit
         self._timeout = startup_timeout_s
         self._host = host
+        self._env = None if env is None else {**os.environ, **env}  # added to reefd's own environment
         self.state = "starting"
         self.url = ""
         self.restarts = 0
@@ -144,7 +147,7 @@ class Supervisor:
         argv = self._argv(port)
         log.info("%s: launching %s", self.name, " ".join(masked(argv)))
         self._proc = await asyncio.create_subprocess_exec(
-            *argv, stdin=asyncio.subprocess.DEVNULL, preexec_fn=die_with_parent)
+            *argv, stdin=asyncio.subprocess.DEVNULL, preexec_fn=die_with_parent, env=self._env)
         self.pid = self._proc.pid
         deadline = time.monotonic() + self._timeout
         while time.monotonic() < deadline and not self._stopping:

@@ -12,8 +12,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import aiohttp
-
 from reefd.engines import Drained, EngineError, EngineUnavailable, Weights
 from reefd.engines.replicas import Replica
 from reefd.engines.sglang_base import SGLangBase
@@ -36,14 +34,11 @@ class WeightSwaps(SGLangBase):
     async def adopt_weights(self, path: Path | None = None) -> str | None:
         """Take the weights a trainer pushed to this engine's one process, not through reefd (slime's weight
         sync), as what it serves: their version as the server reports it (None when it reports none). `path`: the
-        same weights on disk, for a process that restarts. Generation is resumed first (`/continue_generation`),
-        in case the trainer stopped between its pause and its continue."""
+        same weights on disk, for a process that restarts. Generation is resumed first, in case the trainer stopped
+        between its pause and its continue."""
         async with self._admin:
             client = self._client()
-            with contextlib.suppress(aiohttp.ClientError, TimeoutError):  # a trainer that died while it was paused
-                async with self.session.post(f"{client.base_url}/continue_generation", json={},
-                                             timeout=aiohttp.ClientTimeout(total=30)):
-                    pass
+            await client.continue_generation()  # a trainer that died while it was paused
             reported, version = await client.weight_version()
             if reported and version is not None:
                 self.weights = Weights(version, path)
@@ -83,7 +78,7 @@ class WeightSwaps(SGLangBase):
         """New requests wait while the requests on the old weights finish and every serving process takes the new
         weights and adapter; on a failure each is put back on the old ones (or restarted)."""
         old, new, old_adapters = self.weights, Weights(version, path), dict(self.adapters)
-        targets = [SGLangClient(self.session, r.url) for r in serving] if self.replicas is not None else \
+        targets = [self._connect(r.url) for r in serving] if self.replicas is not None else \
             [self._client()]
         done: list[SGLangClient] = []
         async with self._holding() as held:
@@ -203,7 +198,7 @@ class WeightSwaps(SGLangBase):
     async def _update(self, replica: Replica, weights: Weights, adapters: dict[str, Path]) -> None:
         """One replica out of the router: its running requests finish, then the weights load, its adapters become
         `adapters`, and a generate checks it."""
-        client = SGLangClient(self.session, replica.url)
+        client = self._connect(replica.url)
         await self._idle(replica)
         await self._take(client, weights, adapters, frozenset(self.adapters))
         replica.weights = weights.version
@@ -217,7 +212,7 @@ class WeightSwaps(SGLangBase):
     async def _revert(self, replica: Replica, weights: Weights, adapters: dict[str, Path]) -> None:
         """Put a replica back on the old weights and adapters after a failed swap (or restart it)."""
         assert self.replicas is not None
-        await self._put_back(SGLangClient(self.session, replica.url), weights, adapters)
+        await self._put_back(self._connect(replica.url), weights, adapters)
         if replica.state == "restarting":
             return
         replica.weights = weights.version
@@ -230,7 +225,7 @@ class WeightSwaps(SGLangBase):
         """Until a replica out of the router has finished its requests (as its server info counts them; a server
         that does not count them waits in its own update, as SGLang's does)."""
         deadline = time.monotonic() + timeout_s
-        client = SGLangClient(self.session, replica.url)
+        client = self._connect(replica.url)
         while time.monotonic() < deadline:
             info = await client.server_info()
             if "running_requests" not in info or \
@@ -271,7 +266,7 @@ class WeightSwaps(SGLangBase):
             raise EngineError("no weight update group: join_weight_group first", status=400)
         group, urls = self._group
         async with self._admin:
-            clients = [SGLangClient(self.session, u) for u in urls]
+            clients = [self._connect(u) for u in urls]
             async with self._holding() as held:
                 if drained is not None:
                     await drained(self.weights.version)
@@ -303,4 +298,4 @@ class WeightSwaps(SGLangBase):
         async with self._admin:
             for url in urls:
                 with contextlib.suppress(EngineError, EngineUnavailable):
-                    await SGLangClient(self.session, url).destroy_weights_update_group(group)
+                    await self._connect(url).destroy_weights_update_group(group)

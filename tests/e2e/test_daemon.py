@@ -38,7 +38,7 @@ def test_bad_config_exits_2_with_one_line_naming_file_and_key(tmp_path: Path) ->
     assert out.returncode == 2
     lines = out.stderr.strip().splitlines()
     assert lines == [f"{scen}/hello.yaml: model.engine: 'wrker' is not one of "
-                     "['worker', 'sglang', 'upstream']"]
+                     "['worker', 'sglang', 'vllm', 'upstream']"]
 
 
 def test_schema_command_prints_json_schema() -> None:
