@@ -55,12 +55,37 @@ def wait_answering(url: str, what: str, timeout_s: float = 30.0) -> None:
     raise RuntimeError(f"{what} did not start")
 
 
+def link_smollm2(state: Path) -> None:
+    """SmolLM2 in a bench's state folder: the copy `make run` converts once, not a fresh conversion per run."""
+    from reefd.worker.prepare import prepare
+
+    home = Path(os.environ.get("REEF_STATE") or Path.home() / ".local" / "state" / "reefd")
+    (state / "models").mkdir(parents=True, exist_ok=True)
+    (state / "models" / "smollm2").symlink_to(prepare("smollm2", home / "models" / "smollm2"))
+
+
 def start_reefd(tmp: Path, extra: dict[str, str], names: tuple[str, ...] = (),
-                env: dict[str, str] | None = None) -> Daemon:
+                env: dict[str, str] | None = None, seed_model: str = "tiny") -> Daemon:
+    if seed_model == "smollm2":
+        link_smollm2(tmp / "state")
     d = Daemon(scenarios=make_scenarios(tmp / "scenarios", names=names, extra=extra),
                state=tmp / "state", log_path=tmp / "reefd.log", env=env or {})
     d.start()
     return d
+
+
+def on_engine(text: str, engine: str) -> str:
+    """A scenario file's text with its model on `engine` (worker: as written; vllm: vLLM's server from its own
+    environment, REEF_VLLM_PYTHON, which `make vllm-venv` builds)."""
+    if engine == "worker":
+        return text
+    from omegaconf import OmegaConf
+
+    if engine == "vllm" and not os.access(os.environ.get("REEF_VLLM_PYTHON", ""), os.X_OK):
+        raise SystemExit("vLLM's environment is missing: make vllm-venv, then REEF_VLLM_PYTHON=its python")
+    cfg = OmegaConf.create(text)
+    OmegaConf.update(cfg, "model.engine", engine, force_add=True)
+    return OmegaConf.to_yaml(cfg)
 
 
 def upstream_scenario(url: str) -> str:

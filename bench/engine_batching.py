@@ -1,8 +1,9 @@
-"""Engine batching: output tokens/s of N concurrent requests vs the same N sent one by one.
+"""Engine batching: output tokens/s of N concurrent requests vs the same N sent one by one, per engine.
 
-Starts a real `python -m reefd.worker` subprocess, measures both in the same run (aiohttp
-client, keep-alive, median of alternating rounds), prints a human line with the ratio
-(goal >= 5x) and ends with one JSON line.
+Starts each engine named by --engines as reefd launches it (a real `python -m reefd.worker`, vLLM's OpenAI server
+from its own environment) and speaks to it with reefd's own client (token ids in, ids and logprobs out), one
+engine after the other in the same run. For each it measures both (keep-alive, median of alternating rounds),
+prints a human line with the ratio (goal >= 5x), then a line comparing the engines, and ends with one JSON line.
 """
 
 from __future__ import annotations
@@ -70,30 +71,56 @@ def start_worker(model: Path, port: int, max_batch: int, threads: int, log: Path
         cmd += ["--threads", str(threads)]
     with log.open("wb") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT)
-    deadline = time.monotonic() + 300
+    wait_healthy(proc, port, log, 300)
+    return proc
+
+
+def start_vllm(model: Path, port: int, max_batch: int, log: Path) -> subprocess.Popen[bytes]:
+    """vLLM's server as reefd launches it for `engine: vllm` (its own Python: REEF_VLLM_PYTHON)."""
+    from reefd.engines.kind_configs import VLLMConfig
+    from reefd.engines.vllm import launch_argv, launch_env
+
+    cfg = VLLMConfig(max_batch=max_batch)
+    if cfg.launcher() is None:
+        raise SystemExit("vLLM's environment is missing: make vllm-venv, then REEF_VLLM_PYTHON=its python")
+    with log.open("wb") as out:
+        proc = subprocess.Popen(launch_argv(cfg, model, port, "base", 4096), stdout=out, stderr=subprocess.STDOUT,
+                                env={**os.environ, **launch_env(cfg)}, cwd=ROOT)
+    wait_healthy(proc, port, log, 600)
+    return proc
+
+
+def wait_healthy(proc: subprocess.Popen[bytes], port: int, log: Path, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise SystemExit(f"worker exited with {proc.returncode}:\n{log.read_text()[-4000:]}")
+            raise SystemExit(f"engine exited with {proc.returncode}:\n{log.read_text()[-4000:]}")
         try:
             with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5) as r:
                 if r.status == 200:
-                    return proc
+                    return
         except OSError:
             time.sleep(0.2)
     proc.kill()
-    raise SystemExit("worker did not become ready in 300 s")
+    raise SystemExit(f"engine did not become ready in {timeout_s:.0f} s")
 
 
-async def measure(url: str, bodies: list[dict[str, Any]], rounds: int) -> tuple[float, float]:
+async def measure(engine: str, url: str, model: Path, bodies: list[dict[str, Any]], rounds: int
+                  ) -> tuple[float, float]:
     """Median output tok/s of the bodies sent one by one, and all at once (alternating rounds)."""
     import aiohttp
 
+    from reefd.engines.sglang_client import SGLangClient
+    from reefd.engines.vllm import eos_ids
+    from reefd.engines.vllm_client import VLLMClient
+
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=3600)) as session:
+        client = VLLMClient(session, url, "base", eos_ids(model)) if engine == "vllm" else SGLangClient(session, url)
 
         async def post(body: dict[str, Any]) -> int:
-            async with session.post(url, json=body) as r:
-                r.raise_for_status()
-                return int((await r.json())["meta_info"]["completion_tokens"])
+            async for answer in client.generate(body, 3600):
+                return int(answer["meta_info"]["completion_tokens"])
+            raise RuntimeError("no answer")
 
         await post(bodies[0])  # warm-up: first-call allocations, lazy imports
         sequential, concurrent = [], []
@@ -107,6 +134,24 @@ async def measure(url: str, bodies: list[dict[str, Any]], rounds: int) -> tuple[
     return statistics.median(sequential), statistics.median(concurrent)
 
 
+def run_engine(engine: str, folder: Path, args: argparse.Namespace, tmp: Path) -> tuple[float, float]:
+    from tokenizers import Tokenizer
+
+    tokenizer = Tokenizer.from_file(str(folder / "tokenizer.json"))
+    port = free_port()
+    log = tmp / f"{engine}.log"
+    proc = start_vllm(folder, port, args.concurrency, log) if engine == "vllm" else \
+        start_worker(folder, port, args.concurrency, args.threads, log)
+    try:
+        bodies = [{"input_ids": tokenizer.encode(PROMPTS[i % len(PROMPTS)]).ids, "return_logprob": True,
+                   "sampling_params": {"max_new_tokens": args.tokens, "temperature": 1.0, "sampling_seed": i,
+                                       "ignore_eos": True}} for i in range(args.concurrency)]
+        return asyncio.run(measure(engine, f"http://127.0.0.1:{port}", folder, bodies, args.rounds))
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(60)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--model", default="tiny", help="tiny, smollm2 or a model folder")
@@ -114,50 +159,28 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tokens", type=int, default=32, help="new tokens per request (ignore_eos: all equal)")
     p.add_argument("--threads", type=int, default=0, help="worker torch threads (default: all cores)")
     p.add_argument("--rounds", type=int, default=3, help="sequential/concurrent rounds; medians are reported")
+    p.add_argument("--engines", default="worker,vllm", help="engines to measure, one after the other")
     args = p.parse_args(argv)
 
     folder = model_folder(args.model)
-    port = free_port()
-    with tempfile.TemporaryDirectory(prefix="reef-bench-") as tmp:
-        proc = start_worker(folder, port, args.concurrency, args.threads, Path(tmp) / "worker.log")
-        try:
-            url = f"http://127.0.0.1:{port}/generate"
-            bodies = [
-                {
-                    "text": PROMPTS[i % len(PROMPTS)],
-                    "sampling_params": {
-                        "max_new_tokens": args.tokens,
-                        "temperature": 1.0,
-                        "sampling_seed": i,
-                        "ignore_eos": True,
-                    },
-                }
-                for i in range(args.concurrency)
-            ]
-            sequential, concurrent = asyncio.run(measure(url, bodies, args.rounds))
-        finally:
-            proc.send_signal(signal.SIGTERM)
-            proc.wait(60)
-    ratio = concurrent / sequential
     name = args.model if args.model in ("tiny", "smollm2") else str(folder)
-    verdict = "meets" if ratio >= GOAL else "below"
-    print(
-        f"engine batching ({name}, {args.concurrency} requests x {args.tokens} tokens): "
-        f"sequential {sequential:.1f} tok/s, concurrent {concurrent:.1f} tok/s, "
-        f"ratio {ratio:.2f}x ({verdict} the {GOAL:.0f}x goal)"
-    )
-    result = {
-        "bench": "engine_batching",
-        "model": name,
-        "concurrency": args.concurrency,
-        "tokens": args.tokens,
-        "rounds": args.rounds,
-        "sequential_tok_s": round(sequential, 2),
-        "concurrent_tok_s": round(concurrent, 2),
-        "ratio": round(ratio, 3),
-        "goal": GOAL,
-    }
-    print(json.dumps(result))
+    engines: dict[str, dict[str, float]] = {}
+    with tempfile.TemporaryDirectory(prefix="reef-bench-") as tmp:
+        for engine in args.engines.split(","):
+            sequential, concurrent = run_engine(engine, folder, args, Path(tmp))
+            ratio = concurrent / sequential
+            verdict = "meets" if ratio >= GOAL else "below"
+            print(f"engine batching ({engine}, {name}, {args.concurrency} requests x {args.tokens} tokens): "
+                  f"sequential {sequential:.1f} tok/s, concurrent {concurrent:.1f} tok/s, "
+                  f"ratio {ratio:.2f}x ({verdict} the {GOAL:.0f}x goal)")
+            engines[engine] = {"sequential_tok_s": round(sequential, 2), "concurrent_tok_s": round(concurrent, 2),
+                               "ratio": round(ratio, 3)}
+    if "worker" in engines and "vllm" in engines:
+        w, v = engines["worker"], engines["vllm"]
+        print(f"vllm / worker: {v['sequential_tok_s'] / w['sequential_tok_s']:.2f}x one by one, "
+              f"{v['concurrent_tok_s'] / w['concurrent_tok_s']:.2f}x concurrent")
+    print(json.dumps({"bench": "engine_batching", "model": name, "concurrency": args.concurrency,
+                      "tokens": args.tokens, "rounds": args.rounds, "goal": GOAL, "engines": engines}))
     return 0
 
 

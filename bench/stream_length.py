@@ -12,7 +12,11 @@ most of the work at 32k); the bench prints the ratios (last eighth of the answer
 time, the bare model and reefd's own CPU time per token. Goal: reefd's CPU time per token flat (ratio <= 1.2),
 and reefd's RSS flat.
 
-Run: python bench/stream_length.py [--tokens 32768] [--window 1024]
+With --engines worker,vllm the same stream runs through each engine in turn (its CPU counts its child processes:
+vLLM's engine core), against one bare-model baseline; --model smollm2 --tokens 4096 --window 512 fits SmolLM2's
+context.
+
+Run: python bench/stream_length.py [--tokens 32768] [--window 1024] [--model tiny|smollm2] [--engines worker,vllm]
 """
 
 from __future__ import annotations
@@ -22,17 +26,11 @@ import json
 import shutil
 import time
 from pathlib import Path
+from typing import Any
 
-from _harness import os, rss_mb, scratch_dir, start_reefd
+from _harness import on_engine, os, rss_mb, scratch_dir, start_reefd, tree_cpu_s
 
 GOAL = 1.2
-SCENARIO = """defaults:
-  - model: tiny
-  - _self_
-model:
-  max_batch: 1
-  launch_args: ["--threads", "1"]
-"""
 
 
 def bare_model(model: Path, tokens: int, window: int) -> list[float]:
@@ -93,17 +91,22 @@ def per_window(model: Path, ids: list[int], arrivals: list[Arrival], began: Arri
     return out
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--tokens", type=int, default=32768)
-    ap.add_argument("--window", type=int, default=1024)
-    args = ap.parse_args()
+def scenario(model: str, engine: str) -> str:
+    """One request at a time; the worker on one thread (the bare model's)."""
+    text = f"defaults:\n  - model: {model}\n  - _self_\nmodel:\n  max_batch: 1\n"
+    if engine == "worker":
+        return text + '  launch_args: ["--threads", "1"]\n'
+    return on_engine(text, engine)
+
+
+def stream(engine: str, model: str, tokens: int, window: int) -> dict[str, Any]:
+    """One long stream through reefd on `engine`: per window, time, reefd's and the engine's CPU, reefd's RSS."""
     from openai import OpenAI
 
     tmp = scratch_dir()
-    daemon = start_reefd(tmp, {"long": SCENARIO})
+    daemon = start_reefd(tmp, {"long": scenario(model, engine)}, seed_model=model)
     try:
-        model = tmp / "state" / "models" / "tiny"
+        folder = tmp / "state" / "models" / model
         client = OpenAI(base_url=daemon.url + "/v1", api_key=daemon.token, max_retries=0, timeout=3600)
         rss0 = rss_mb(daemon.proc.pid)  # type: ignore[union-attr]
         status, body = daemon.get("/reef/status")
@@ -111,38 +114,43 @@ def main() -> None:
 
         def sample(chars: int) -> Arrival:
             pid = daemon.proc.pid  # type: ignore[union-attr]
-            return time.perf_counter(), chars, rss_mb(pid), cpu_s(pid), cpu_s(worker)
+            return time.perf_counter(), chars, rss_mb(pid), cpu_s(pid), tree_cpu_s(worker)
 
         arrivals: list[Arrival] = []
-        chars, tokens, finish = 0, 0, None
+        chars, used, finish = 0, 0, None
         began = sample(0)
         raw = client.chat.completions.with_raw_response.create(
-            model="tiny", messages=[{"role": "user", "content": "Write for a long time."}], stream=True,
-            max_tokens=args.tokens, temperature=0, extra_body={"ignore_eos": True},
+            model="long", messages=[{"role": "user", "content": "Write for a long time."}], stream=True,
+            max_tokens=tokens, temperature=0, extra_body={"ignore_eos": True},
             stream_options={"include_usage": True}, extra_headers={"x-reef-scenario": "long"})
         receipt = raw.headers["x-reef-agent-record-id"]
         for n, chunk in enumerate(raw.parse()):
             if chunk.usage is not None:
-                tokens = chunk.usage.completion_tokens
+                used = chunk.usage.completion_tokens
             for choice in chunk.choices:
                 chars += len(choice.delta.content or "")
                 finish = choice.finish_reason or finish
-            # /proc is read every 16th chunk: the windows are a thousand tokens
+            # /proc is read every 16th chunk: the windows are hundreds of tokens
             arrivals.append(sample(chars) if n % 16 == 0 else (time.perf_counter(), chars, *arrivals[-1][2:]))
         rss1 = rss_mb(daemon.proc.pid)  # type: ignore[union-attr]
         status, body = daemon.get(f"/reef/records/{receipt}")
         record = json.loads(body) if status == 200 else {}
         completion = record.get("completion_token_ids")
-        ok = (finish == "length" and tokens == args.tokens and completion is not None
-              and len(completion) == args.tokens)
-        windows = per_window(model, completion or [], arrivals, began, args.window)
+        ok = finish == "length" and used == tokens and completion is not None and len(completion) == tokens
         if not ok:
-            print(f"finish {finish!r}, usage {tokens}, record {status}: {str(record)[:300]}")
-        base = bare_model(model, args.tokens, args.window)
+            print(f"finish {finish!r}, usage {used}, record {status}: {str(record)[:300]}")
+        windows = per_window(folder, completion or [], arrivals, began, window)
+        return {"windows": windows, "rss0": rss0, "rss1": rss1, "ok": ok, "finish": finish, "folder": folder}
     finally:
         daemon.stop()
         shutil.rmtree(tmp, ignore_errors=True)
-    print(f"{'tokens':>8} {'ms/token':>9} {'bare model':>11} {'worker CPU':>11} {'reefd CPU':>10} {'reefd RSS MB':>13}")
+
+
+def report(engine: str, model: str, run: dict[str, Any], base: list[float], args: argparse.Namespace
+           ) -> dict[str, Any]:
+    windows = run["windows"]
+    print(f"{engine} ({model}):")
+    print(f"{'tokens':>8} {'ms/token':>9} {'bare model':>11} {'engine CPU':>11} {'reefd CPU':>10} {'reefd RSS MB':>13}")
     n = min(len(windows), len(base))
     for i in range(n):
         per, reefd, work, rss = windows[i]
@@ -158,21 +166,34 @@ def main() -> None:
     reefd_ratio = mean(tail, 1) / mean(head, 1)
     verdict = "ok" if reefd_ratio <= GOAL else "over the goal"
     print(f"first eighth -> last eighth: end to end {e2e_ratio:.2f}x, bare model {bare_ratio:.2f}x (attention "
-          f"reads the whole context per token), worker CPU {mean(tail, 2) / mean(head, 2):.2f}x, reefd CPU "
+          f"reads the whole context per token), engine CPU {mean(tail, 2) / mean(head, 2):.2f}x, reefd CPU "
           f"{mean(head, 1) * 1e3:.3f} -> {mean(tail, 1) * 1e3:.3f} ms/token = {reefd_ratio:.2f}x (goal <= {GOAL}x: "
-          f"{verdict}); reefd RSS {rss0:.0f} -> {rss1:.0f} MB; finish {finish}, record "
-          f"{'complete' if ok else 'MISSING OR SHORT'}")
-    print(json.dumps({"bench": "stream_length", "tokens": args.tokens, "window": args.window,
-                      "ms_per_token": [round(w[0] * 1e3, 3) for w in windows[:n]],
-                      "bare_ms_per_token": [round(b * 1e3, 3) for b in base[:n]],
-                      "worker_cpu_ms_per_token": [round(w[2] * 1e3, 3) for w in windows[:n]],
-                      "reefd_cpu_ms_per_token": [round(w[1] * 1e3, 4) for w in windows[:n]],
-                      "rss_mb": [round(w[3], 1) for w in windows[:n]],
-                      "end_to_end_ratio": round(e2e_ratio, 3), "bare_ratio": round(bare_ratio, 3),
-                      "reefd_cpu_ratio": round(reefd_ratio, 3), "rss_before_mb": round(rss0, 1),
-                      "rss_after_mb": round(rss1, 1), "finish": finish, "record_complete": ok}))
-    if not ok:
-        raise SystemExit("the long stream did not end with its finish reason and a complete record")
+          f"{verdict}); reefd RSS {run['rss0']:.0f} -> {run['rss1']:.0f} MB; mean {mean(windows[:n], 0) * 1e3:.2f} "
+          f"ms/token; finish {run['finish']}, record {'complete' if run['ok'] else 'MISSING OR SHORT'}")
+    return {"ms_per_token": [round(w[0] * 1e3, 3) for w in windows[:n]],
+            "engine_cpu_ms_per_token": [round(w[2] * 1e3, 3) for w in windows[:n]],
+            "reefd_cpu_ms_per_token": [round(w[1] * 1e3, 4) for w in windows[:n]],
+            "rss_mb": [round(w[3], 1) for w in windows[:n]], "mean_ms_per_token": round(mean(windows[:n], 0) * 1e3, 3),
+            "end_to_end_ratio": round(e2e_ratio, 3), "bare_ratio": round(bare_ratio, 3),
+            "reefd_cpu_ratio": round(reefd_ratio, 3), "rss_before_mb": round(run["rss0"], 1),
+            "rss_after_mb": round(run["rss1"], 1), "finish": run["finish"], "record_complete": run["ok"]}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--tokens", type=int, default=32768)
+    ap.add_argument("--window", type=int, default=1024)
+    ap.add_argument("--model", choices=["tiny", "smollm2"], default="tiny")
+    ap.add_argument("--engines", default="worker", help="engines to stream from, one after the other "
+                                                        "(worker,vllm: side by side in one run)")
+    args = ap.parse_args()
+    runs = {engine: stream(engine, args.model, args.tokens, args.window) for engine in args.engines.split(",")}
+    base = bare_model(next(iter(runs.values()))["folder"], args.tokens, args.window)
+    out = {engine: report(engine, args.model, run, base, args) for engine, run in runs.items()}
+    print(json.dumps({"bench": "stream_length", "model": args.model, "tokens": args.tokens, "window": args.window,
+                      "bare_ms_per_token": [round(b * 1e3, 3) for b in base], "engines": out}))
+    if not all(run["ok"] for run in runs.values()):
+        raise SystemExit("a long stream did not end with its finish reason and a complete record")
 
 
 if __name__ == "__main__":

@@ -45,7 +45,7 @@ def test_schema_command_prints_json_schema() -> None:
     out = reefd("schema")
     schema = json.loads(out.stdout)
     shipped, dotted = schema["properties"]["model"]["properties"]["engine"]["anyOf"]
-    assert shipped["enum"] == ["worker", "sglang", "upstream"]
+    assert shipped["enum"] == ["worker", "sglang", "vllm", "upstream"]
     assert dotted["pattern"] == r"^[A-Za-z_][\w.]*:[A-Za-z_][\w.]*$"  # pkg.mod:Class, an engine of your own
     gate = schema["properties"]["gate"]
     assert {b["if"]["properties"]["kind"]["const"] for b in gate["allOf"]} == {"always", "holdout", "floor", "paired"}

@@ -1,11 +1,11 @@
 """The engine contract, run for real against every engine that runs here: the embedded worker and vLLM's CPU build
-(its own environment, `make vllm-venv`). Each test runs once per engine, on one reefd and one engine per engine
-kind (the module's scenarios share a `model:` config, so they share the engine): serve the three provider APIs
-(plain and streamed), tools, the engine's own token ids and logprobs in every record, top-K capture, an adapter
-and full weights swapped under load with no failed request, a kill -9 of the engine and its restart, replicas
-behind sglang-router, and a release proof that refuses an engine which serves the wrong adapter. What an engine
-cannot do is an xfail naming its limit. SGLang needs a GPU: its stand-in stays a contract test against scripted
-answers (tests/engines/test_sglang_client.py, tests/engines/test_weights_contract.py)."""
+(its own environment, `make vllm-venv`). Each test runs once per engine kind, on one reefd serving two engines
+of that kind (one process, and two replicas behind sglang-router): the three provider APIs (plain and streamed),
+tools, the engine's own token ids and logprobs in every record, top-K capture, seeded sampling, an adapter and
+full weights swapped under load with no failed request, a kill -9 of the engine and its restart, replicas behind
+the router, and a release proof that refuses an engine which serves the wrong adapter. What an engine cannot do
+is an xfail naming its limit. SGLang needs a GPU: its stand-in stays a contract test against scripted answers
+(tests/engines/test_sglang_client.py, tests/engines/test_weights_contract.py)."""
 
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ import openai
 import pytest
 
 from reefd.serve.chat import ChatRequest, ChatTemplate
-from tests.conftest import ROOT, Daemon, sdk, shared_daemon
+from tests.conftest import ROOT, Daemon, proven, sdk, shared_daemon
 from tests.e2e.test_reefctl import reefctl
 from tests.e2e.test_weights import publish_under_load
 from tests.loras import make_lora, make_weights
@@ -58,12 +58,29 @@ TOP_K = ("recipe:\n  params:\n    top_k: 3\n    judge:\n      model: tests.recip
 
 @pytest.fixture(scope="module", params=ENGINES)
 def d(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
-    """One reefd per engine kind, serving the contract scenario: its recipe (OpenClaw-RL, never triggered here)
-    asks every answer's top-3 logprobs of the engine."""
+    """One reefd per engine kind, serving two scenarios, each on an engine of its own, launched side by side:
+    - contract: one process; its recipe (OpenClaw-RL, never triggered here) asks every answer's top-3 logprobs;
+    - pair: two replicas behind sglang-router that load every adapter after the first from the first one's
+      folder and say success (the worker's own test fault, or vLLM's server run with it: tests/e2e/vllm_fault.py),
+      with the release proof on."""
     engine = str(request.param)
+    base = tmp_path_factory.mktemp(f"engine-{engine}")
     text = scenario(engine, extra=TOP_K).replace("  - release: follow\n", "  - recipe: openclaw-rl\n"
                                                                           "  - release: follow\n")
-    yield from shared_daemon(tmp_path_factory.mktemp(f"engine-{engine}"), names=(), extra={"contract": text})
+    yield from shared_daemon(base, names=(), extra={"contract": text, "pair": proven(faulty(engine, base))})
+
+
+def faulty(engine: str, tmp_path: Path) -> str:
+    """The pair scenario: the worker launched with `--fault stale-adapters`, or vLLM's server launched by an
+    executable that its launch line runs as its Python (the shim's fault is dormant until a second adapter)."""
+    if engine != "vllm":
+        return scenario(engine, name="pair", replicas=2).replace(
+            "  replicas: 2\n", "  replicas: 2\n  launch_args: [--fault, stale-adapters]\n")
+    script = tmp_path / "vllm-stale"
+    script.write_text(f'#!/bin/sh\nshift 2\nexec "{vllm_python()}" "{ROOT}/tests/e2e/vllm_fault.py" '
+                      'stale-adapters "$@"\n')
+    script.chmod(script.stat().st_mode | stat.S_IXUSR)
+    return scenario(engine, name="pair", replicas=2, python=str(script))
 
 
 def kind(d: Daemon) -> str:
@@ -234,19 +251,18 @@ def test_kill_and_restart_brings_back_the_adapter(d: Daemon, loras: dict[str, Pa
     assert greedy(d)[:2] == (text, release)  # the same adapter answers as before the kill
 
 
-def test_replicas_behind_the_router(d: Daemon, own_scenario: Any) -> None:
-    name = own_scenario(d, scenario(kind(d), name="pair", replicas=2), prefix="pair")
+def test_replicas_behind_the_router(d: Daemon) -> None:
     deadline = time.monotonic() + 240
     while time.monotonic() < deadline:
-        replicas = engine(d, name).get("replicas") or []
+        replicas = engine(d, "pair").get("replicas") or []
         if len(replicas) == 2 and all(r["in_router"] for r in replicas):
             break
         time.sleep(0.5)
     else:
-        raise AssertionError(f"replicas never joined the router: {engine(d, name)}\n{d.logs()}")
-    c = oai(d, name)
+        raise AssertionError(f"replicas never joined the router: {engine(d, 'pair')}\n{d.logs()}")
+    c = oai(d, "pair")
     receipts = [c.chat.completions.with_raw_response.create(
-        model=name, messages=PROMPT, max_tokens=8, extra_headers={"x-reef-session": f"s{i}"},
+        model="pair", messages=PROMPT, max_tokens=8, extra_headers={"x-reef-session": f"s{i}"},
     ).headers["x-reef-agent-record-id"] for i in range(6)]
     texts = {record(d, r)["raw_text"] for r in receipts}
     assert len(texts) == 1  # greedy on the same weights: every replica says the same
@@ -254,34 +270,18 @@ def test_replicas_behind_the_router(d: Daemon, own_scenario: Any) -> None:
         check_tokens(d, receipt, PROMPT)  # through the router too: the engine's ids, as reefd tokenizes them
 
 
-def faulty(engine: str, tmp_path: Path) -> str:
-    """The contract scenario on an engine that loads every adapter after the first from the first one's folder and
-    says success: the worker's own test fault, or vLLM's server run with it (tests/e2e/vllm_fault.py) by an
-    executable that vLLM's launch line runs as its Python."""
-    if engine != "vllm":
-        return scenario(engine, name="stale").replace("  replicas: 1\n", "  replicas: 1\n  launch_args: [--fault, "
-                                                                            "stale-adapters]\n")
-    script = tmp_path / "vllm-stale"
-    script.write_text(f'#!/bin/sh\nshift 2\nexec "{vllm_python()}" "{ROOT}/tests/e2e/vllm_fault.py" '
-                      'stale-adapters "$@"\n')
-    script.chmod(script.stat().st_mode | stat.S_IXUSR)
-    return scenario(engine, name="stale", python=str(script))
-
-
-def test_the_proof_refuses_an_engine_serving_the_wrong_adapter(d: Daemon, own_scenario: Any, tmp_path: Path,
-                                                              loras: dict[str, Path]) -> None:
-    """The engine says it loaded the second adapter and serves the first: the release proof refuses it, the first
-    keeps serving with its own text, and status says why."""
-    name = own_scenario(d, faulty(kind(d), tmp_path), prefix="stale", proof=True)
-    base_text = greedy(d, name)[0]
-    first = json.loads(reefctl(d, "publish", name, "--adapter", str(loras["a"]), "-o", "json").stdout)
+def test_the_proof_refuses_an_engine_serving_the_wrong_adapter(d: Daemon, loras: dict[str, Path]) -> None:
+    """Both replicas say they loaded the second adapter and serve the first: the release proof refuses it, the
+    first keeps serving with its own text, and status says why."""
+    base_text = greedy(d, "pair")[0]
+    first = json.loads(reefctl(d, "publish", "pair", "--adapter", str(loras["a"]), "-o", "json").stdout)
     r1 = first["release"]["id"]
     assert first["serving"] == r1  # the first load is the right one: proven, served
-    a_text = greedy(d, name)[0]
+    a_text = greedy(d, "pair")[0]
     assert a_text != base_text
-    second = json.loads(reefctl(d, "publish", name, "--adapter", str(loras["b"]), "-o", "json").stdout)
+    second = json.loads(reefctl(d, "publish", "pair", "--adapter", str(loras["b"]), "-o", "json").stdout)
     assert second["serving"] == r1 != second["release"]["id"]
     for _ in range(3):
-        assert greedy(d, name)[:2] == (a_text, r1)  # 0 answers from the release that failed its proof
-    drift = next(s for s in json.loads(d.get("/reef/status")[1])["scenarios"] if s["name"] == name)["releases"]
+        assert greedy(d, "pair")[:2] == (a_text, r1)  # 0 answers from the release that failed its proof
+    drift = next(s for s in json.loads(d.get("/reef/status")[1])["scenarios"] if s["name"] == "pair")["releases"]
     assert any("does not answer as adapter" in reason for reason in drift["drift"]), drift
