@@ -79,7 +79,7 @@ fuzz: venv
 	REEF_FUZZ_CASES=10000 REEF_FUZZ_PHASES=examples,coverage,fuzzing,stateful \
 	REEF_FUZZ_SEED=$${REEF_FUZZ_SEED:-$$(date +%s)} $(BIN)/python -m pytest tests/e2e/test_fuzz.py --timeout=14400
 
-bench: venv
+bench: venv vllm-venv
 	$(BIN)/python bench/records.py
 	$(BIN)/python bench/retention.py
 	$(BIN)/python bench/proxy_overhead.py
@@ -87,11 +87,12 @@ bench: venv
 	$(BIN)/python bench/engine_batching.py --model smollm2
 	$(BIN)/python bench/memory.py
 	$(BIN)/python bench/stream_length.py
+	$(BIN)/python bench/stream_length.py --model smollm2 --tokens 4096 --window 512 --engines worker,vllm
 	$(BIN)/python bench/load_streams.py
 	$(BIN)/python bench/hot_swap.py --model tiny
-	$(BIN)/python bench/hot_swap.py --model smollm2
+	$(BIN)/python bench/hot_swap.py --model smollm2 --engines worker,vllm
 	$(BIN)/python bench/hot_swap.py --weights --model tiny
-	$(BIN)/python bench/hot_swap.py --weights --model smollm2
+	$(BIN)/python bench/hot_swap.py --weights --model smollm2 --engines worker,vllm
 	$(BIN)/python bench/proof_cost.py --model tiny
 	$(BIN)/python bench/proof_cost.py --model tiny --weights
 	$(BIN)/python bench/proof_cost.py --model smollm2

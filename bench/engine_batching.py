@@ -75,12 +75,13 @@ def start_worker(model: Path, port: int, max_batch: int, threads: int, log: Path
     return proc
 
 
-def start_vllm(model: Path, port: int, max_batch: int, log: Path) -> subprocess.Popen[bytes]:
+def start_vllm(model: Path, port: int, max_batch: int, log: Path, dtype: str = "float32"
+               ) -> subprocess.Popen[bytes]:
     """vLLM's server as reefd launches it for `engine: vllm` (its own Python: REEF_VLLM_PYTHON)."""
     from reefd.engines.kind_configs import VLLMConfig
     from reefd.engines.vllm import launch_argv, launch_env
 
-    cfg = VLLMConfig(max_batch=max_batch)
+    cfg = VLLMConfig(max_batch=max_batch, dtype=dtype)
     if cfg.launcher() is None:
         raise SystemExit("vLLM's environment is missing: make vllm-venv, then REEF_VLLM_PYTHON=its python")
     with log.open("wb") as out:
@@ -140,7 +141,7 @@ def run_engine(engine: str, folder: Path, args: argparse.Namespace, tmp: Path) -
     tokenizer = Tokenizer.from_file(str(folder / "tokenizer.json"))
     port = free_port()
     log = tmp / f"{engine}.log"
-    proc = start_vllm(folder, port, args.concurrency, log) if engine == "vllm" else \
+    proc = start_vllm(folder, port, args.concurrency, log, args.vllm_dtype) if engine == "vllm" else \
         start_worker(folder, port, args.concurrency, args.threads, log)
     try:
         bodies = [{"input_ids": tokenizer.encode(PROMPTS[i % len(PROMPTS)]).ids, "return_logprob": True,
@@ -160,6 +161,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=0, help="worker torch threads (default: all cores)")
     p.add_argument("--rounds", type=int, default=3, help="sequential/concurrent rounds; medians are reported")
     p.add_argument("--engines", default="worker,vllm", help="engines to measure, one after the other")
+    p.add_argument("--vllm-dtype", default="float32", help="vLLM's model.dtype (float32: reefd's default)")
     args = p.parse_args(argv)
 
     folder = model_folder(args.model)
@@ -179,7 +181,8 @@ def main(argv: list[str] | None = None) -> int:
         w, v = engines["worker"], engines["vllm"]
         print(f"vllm / worker: {v['sequential_tok_s'] / w['sequential_tok_s']:.2f}x one by one, "
               f"{v['concurrent_tok_s'] / w['concurrent_tok_s']:.2f}x concurrent")
-    print(json.dumps({"bench": "engine_batching", "model": name, "concurrency": args.concurrency,
+    print(json.dumps({"bench": "engine_batching", "model": name, "vllm_dtype": args.vllm_dtype,
+                      "concurrency": args.concurrency,
                       "tokens": args.tokens, "rounds": args.rounds, "goal": GOAL, "engines": engines}))
     return 0
 

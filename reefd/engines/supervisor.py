@@ -45,6 +45,13 @@ def die_with_parent() -> None:
         _prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
+def kill_group(pgid: int) -> None:
+    """SIGKILL to a launched process's group (it leads one: start_new_session), so that nothing it started
+    outlives it: an engine whose server process died leaves no engine core holding memory."""
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pgid, signal.SIGKILL)
+
+
 _SECRET = re.compile(r"key|token|secret|password", re.IGNORECASE)
 
 
@@ -133,10 +140,11 @@ class Supervisor:
                 failures = 0 if await self._alive(self.url) else failures + 1
                 if failures >= 3:
                     self.last_error = "engine stopped generating (3 failed health checks)"
-                    proc.kill()
+                    kill_group(proc.pid)
                     await proc.wait()
                     return
                 continue
+            kill_group(proc.pid)  # what it started (an engine core, its workers) goes with it
             if not self._stopping:
                 self.last_error = f"engine process exited with code {code}"
             return
@@ -147,12 +155,14 @@ class Supervisor:
         argv = self._argv(port)
         log.info("%s: launching %s", self.name, " ".join(masked(argv)))
         self._proc = await asyncio.create_subprocess_exec(
-            *argv, stdin=asyncio.subprocess.DEVNULL, preexec_fn=die_with_parent, env=self._env)
+            *argv, stdin=asyncio.subprocess.DEVNULL, preexec_fn=die_with_parent, env=self._env,
+            start_new_session=True)  # a process group of its own: its children are killed with it
         self.pid = self._proc.pid
         deadline = time.monotonic() + self._timeout
         while time.monotonic() < deadline and not self._stopping:
             if self._proc.returncode is not None:
                 self.last_error = f"engine process exited with code {self._proc.returncode}"
+                kill_group(self._proc.pid)
                 return False
             if await self._ready(url):
                 if self._on_launch is not None:  # e.g. put back the LoRA adapters a restart lost
@@ -177,19 +187,21 @@ class Supervisor:
         """Kill the process now (it is restarted as after a crash): for one left in a state reefd cannot repair."""
         if self._proc is not None and self._proc.returncode is None:
             self.last_error = why
-            self._proc.kill()
+            kill_group(self._proc.pid)
 
     async def _terminate(self, grace_s: float = 10.0) -> None:
+        """SIGTERM (an engine stops its own children), then whatever is left of its process group is killed."""
         proc = self._proc
-        if proc is None or proc.returncode is not None:
+        if proc is None:
             return
-        proc.terminate()
-        try:
-            await asyncio.wait_for(proc.wait(), grace_s)
-        except TimeoutError:
-            log.warning("%s: engine did not stop in %.0f s; killing it", self.name, grace_s)
-            proc.kill()
-            await proc.wait()
+        if proc.returncode is None:
+            proc.terminate()
+            try:
+                await asyncio.wait_for(proc.wait(), grace_s)
+            except TimeoutError:
+                log.warning("%s: engine did not stop in %.0f s; killing it", self.name, grace_s)
+        kill_group(proc.pid)
+        await proc.wait()
 
     async def stop(self) -> None:
         self._stopping = True

@@ -22,6 +22,14 @@ PROMPT_LOGPROB_KEYS = ("echo", "prompt_logprobs", "logprob_start_len")
 one, so reefd never sends one."""
 
 
+def ties_embeddings(folder: Path) -> bool:
+    """The model folder's config ties its output layer to its input embeddings."""
+    try:
+        return bool(orjson.loads((folder / "config.json").read_bytes()).get("tie_word_embeddings", False))
+    except (OSError, orjson.JSONDecodeError, AttributeError):
+        return False
+
+
 def _id(key: str) -> int:
     return int(key[len(TOKEN_KEY):]) if key.startswith(TOKEN_KEY) else int(key)
 
@@ -170,6 +178,10 @@ class VLLMClient(SGLangClient):
         """Pause (running requests finish, new ones queue), reload the weights in place, name their version and
         read it back, drop the prefix cache the old weights filled, resume. vLLM's reload also drops the adapters
         from its LoRA cache; they load again from disk on their next request."""
+        if ties_embeddings(path):
+            raise EngineError(f"{path}: vLLM 0.32 reloads a model with tied embeddings (tie_word_embeddings) "
+                              "wrong: its output layer keeps the old weights. Serve this model's weights releases "
+                              "with engine worker, or untie its embeddings", status=400)
         await self._call("/pause", None, timeout_s, params={"mode": "wait"})
         try:
             await self._call("/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": str(path)},

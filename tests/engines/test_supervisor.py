@@ -74,6 +74,46 @@ def test_restarts_after_exit_and_after_failed_health(tmp_path: Path,
     asyncio.run(go())
 
 
+PARENT = r"""
+import subprocess, sys
+child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+open(sys.argv[3], "w").write(str(child.pid))
+exec(compile(sys.argv[4], "engine", "exec"), {"__name__": "__main__"} | {"sys": sys})
+"""
+
+
+def alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+def test_what_an_engine_started_dies_with_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An engine server that starts processes of its own (vLLM's engine core and workers) and is killed outright
+    leaves none of them behind: the supervisor kills its whole process group, on a crash and on stop."""
+    monkeypatch.setattr(Supervisor, "HEALTH_INTERVAL_S", 0.2)
+    child_file = tmp_path / "child"
+
+    async def go() -> None:
+        sup = Supervisor("fake", lambda port: [sys.executable, "-c", PARENT, str(port), str(tmp_path / "sick"),
+                                               str(child_file), ENGINE], healthy, startup_timeout_s=30)
+        sup.start()
+        await until(lambda: sup.state == "ready")
+        child = int(child_file.read_text())
+        assert alive(child)
+        os.kill(sup.pid or 0, signal.SIGKILL)  # the server dies; its child would be left to init
+        await until(lambda: not alive(child))
+        await until(lambda: sup.restarts == 1 and sup.state == "ready")
+        second = int(child_file.read_text())
+        assert second != child and alive(second)
+        await sup.stop()
+        await until(lambda: not alive(second))
+
+    asyncio.run(go())
+
+
 def test_secrets_are_masked_in_logged_command_lines() -> None:
     from reefd.engines.supervisor import masked
 

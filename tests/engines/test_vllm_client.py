@@ -3,6 +3,7 @@ config rules, without a server (tests/e2e/test_engines.py runs a real vLLM)."""
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 
 import pytest
@@ -82,3 +83,11 @@ def test_a_launched_vllm_needs_its_own_python(tmp_path: Path, monkeypatch: pytes
     assert VLLMConfig(source="tiny").problems() == []
     model = {**ModelConfig().__dict__, "engine": "vllm", "source": "tiny", "max_lora_rank": 16}
     assert check(model) == []
+
+
+def test_weights_with_tied_embeddings_are_refused_before_any_call(tmp_path: Path) -> None:
+    """vLLM 0.32's in-place reload leaves a tied output layer on the old weights: such a swap is refused, naming
+    the reason, before the server is paused (the client has no session to reach one)."""
+    (tmp_path / "config.json").write_text('{"tie_word_embeddings": true}')
+    with pytest.raises(EngineError, match="tied embeddings"):
+        asyncio.run(client().update_weights_from_disk(tmp_path, "r1"))
