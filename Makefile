@@ -18,11 +18,11 @@ VLLM_STAMP := $(VLLM_VENV)/.installed
 export REEF_VLLM_PYTHON ?= $(VLLM_VENV)/bin/python
 
 $(STAMP): pyproject.toml
-	@if ! command -v git-lfs >/dev/null 2>&1 || ! command -v shellcheck >/dev/null 2>&1; then \
+	@if ! command -v git-lfs >/dev/null 2>&1 || ! command -v shellcheck >/dev/null 2>&1 || ! command -v bwrap >/dev/null 2>&1; then \
 	  if [ "$$(id -u)" = 0 ]; then \
-	    echo "make: installing git-lfs and shellcheck"; \
-	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq git-lfs shellcheck >/dev/null; \
-	  else echo "make: warning: git-lfs or shellcheck is missing; install them with: sudo apt-get install -y git-lfs shellcheck" >&2; fi; \
+	    echo "make: installing git-lfs, shellcheck and bubblewrap"; \
+	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq git-lfs shellcheck bubblewrap >/dev/null; \
+	  else echo "make: warning: git-lfs, shellcheck or bubblewrap is missing; install them with: sudo apt-get install -y git-lfs shellcheck bubblewrap" >&2; fi; \
 	fi
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip

@@ -1,0 +1,238 @@
+"""The verification sandbox: one command in a process tree of its own, in a scratch folder it alone may write,
+with a time limit, a memory limit, a process limit and no network. Whatever the command does (hang, crash, fork,
+fill its output, write elsewhere), the caller gets an Outcome and the tree is gone. Knows nothing about tasks,
+answers or verdicts.
+
+It is bubblewrap (`bwrap`, Debian's `bubblewrap`): the host's filesystem read-only, a private /tmp, /dev and
+/proc, new user, network, PID, IPC and UTS namespaces, every capability dropped, `hide`'s folders (reefd's state)
+replaced by empty ones. util-linux's `prlimit` sets the limits inside the new user namespace, where the process
+limit counts the tree's own processes only. The kernel never applies that limit to root, so under root each run
+also gets a pids cgroup of its own (cgroup v2, or v1's pids hierarchy) whose pids.max holds it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import itertools
+import os
+import shutil
+import signal
+import tempfile
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+PATH = "/usr/local/bin:/usr/bin:/bin"
+
+
+class SandboxUnavailable(RuntimeError):
+    """This host cannot make the sandbox (bubblewrap missing, namespaces refused); str() says which and the fix."""
+
+
+@dataclass(frozen=True)
+class Limits:
+    timeout_s: float = 10.0  # wall clock, from start to exit; then the whole tree is killed
+    memory_mb: int = 512  # address space of each process
+    processes: int = 64  # processes and threads at once
+    output_bytes: int = 65536  # of stdout and of stderr each; the rest is dropped
+    file_mb: int = 64  # the largest file it may write
+
+
+@dataclass(frozen=True)
+class Outcome:
+    returncode: int | None  # None: killed at the time limit; negative: the signal that ended it
+    stdout: str
+    stderr: str
+    seconds: float
+    timed_out: bool = False
+    started: bool = True  # False: the sandbox itself could not be set up (stderr says why)
+
+    @property
+    def failure(self) -> str | None:
+        """Why the run failed, in a few words; None when it exited 0."""
+        if not self.started:
+            return f"the sandbox did not start: {' '.join(self.stderr.split())[:300]}"
+        if self.timed_out:
+            return "timed out"
+        if self.returncode is not None and self.returncode < 0:
+            return f"killed by signal {-self.returncode}"
+        if self.returncode is not None and self.returncode > 128:  # as a shell tells it (bwrap passes it on so)
+            return f"killed by signal {self.returncode - 128}"
+        if self.returncode:
+            return f"exit status {self.returncode}"
+        return None
+
+
+def bwrap() -> str:
+    found = shutil.which("bwrap")
+    if found is None:
+        raise SandboxUnavailable("the verifier sandbox needs bubblewrap: apt-get install bubblewrap "
+                                 "(make does this on Debian)")
+    return found
+
+
+def argv_for(command: Sequence[str], scratch: Path, limits: Limits, hide: Sequence[Path] = (),
+             env: dict[str, str] | None = None, expose: Sequence[Path] = (), status_fd: int | None = None) -> list[str]:
+    """The full command line that runs `command` in the sandbox, in `scratch`; `expose`'s folders are seen
+    read-only even where they lie under /tmp; bwrap reports on `status_fd` (JSON lines) that it started."""
+    wrap = [bwrap(), *(["--json-status-fd", str(status_fd)] if status_fd is not None else []),
+            "--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc", "--tmpfs", "/tmp"]
+    for folder in expose:
+        if folder.is_dir() and folder.is_relative_to("/tmp"):
+            wrap += ["--ro-bind", str(folder), str(folder)]
+    for folder in hide:
+        if folder.is_dir():
+            wrap += ["--tmpfs", str(folder), "--remount-ro", str(folder)]
+    wrap += ["--bind", str(scratch), str(scratch), "--chdir", str(scratch), "--unshare-all", "--die-with-parent",
+             "--new-session", "--cap-drop", "ALL", "--clearenv", "--setenv", "PATH", PATH,
+             "--setenv", "HOME", str(scratch), "--setenv", "TMPDIR", "/tmp"]
+    for key, value in (env or {}).items():
+        wrap += ["--setenv", key, value]
+    limit = ["prlimit", f"--as={limits.memory_mb << 20}", f"--nproc={limits.processes}",
+             f"--fsize={limits.file_mb << 20}", "--core=0", "--"]
+    return [*wrap, "--", *limit, *command]
+
+
+async def run(command: Sequence[str], *, limits: Limits, stdin: bytes = b"", files: dict[str, bytes] | None = None,
+              hide: Sequence[Path] = (), env: dict[str, str] | None = None,
+              expose: Sequence[Path] = ()) -> Outcome:
+    """Run `command` in a new scratch folder holding `files`, `stdin` on its standard input; removed after."""
+    scratch = Path(tempfile.mkdtemp(prefix="reef-verify-"))
+    try:
+        for name, data in (files or {}).items():
+            (scratch / name).write_bytes(data)
+        status, status_w = os.pipe()
+        try:
+            argv = argv_for(command, scratch, limits, hide, env, expose, status_w)
+            with Pids(limits.processes) as pids:
+                outcome = await _run(pids.enter(argv), stdin, limits, status_w)
+            if b'"child-pid"' not in await asyncio.to_thread(_drain, status):
+                outcome = dataclasses.replace(outcome, returncode=None, started=False)
+            return outcome
+        finally:
+            os.close(status)
+    finally:
+        await asyncio.to_thread(shutil.rmtree, scratch, True)
+
+
+def _drain(fd: int) -> bytes:
+    chunks = []
+    while chunk := os.read(fd, 65536):
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+class Pids:
+    """Under root, a pids cgroup for one run (its pids.max the process limit), left when the run ends; for any
+    other user, nothing (prlimit holds)."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit, self.path = limit, None if os.geteuid() != 0 else _new_cgroup()
+
+    def __enter__(self) -> Pids:
+        if self.path is not None:
+            (self.path / "pids.max").write_text(str(self.limit + 2))  # bwrap and its init beside the tree
+        return self
+
+    def enter(self, argv: list[str]) -> list[str]:
+        if self.path is None:
+            return argv
+        return ["/bin/sh", "-c", 'echo $$ > "$0" && exec "$@"', str(self.path / "cgroup.procs"), *argv]
+
+    def __exit__(self, *exc: object) -> None:
+        if self.path is not None:
+            for _ in range(50):  # the tree is dead; its last zombies are reaped within moments
+                try:
+                    self.path.rmdir()
+                    return
+                except OSError:
+                    time.sleep(0.01)
+
+
+def _new_cgroup() -> Path:
+    """A new cgroup with a pids.max, under reefd's own (v2, where pids is enabled for its children) or in v1's
+    pids hierarchy; SandboxUnavailable when neither can be made."""
+    tried = []
+    for line in Path("/proc/self/cgroup").read_text().splitlines():
+        _, controllers, own = line.split(":", 2)
+        base = (Path("/sys/fs/cgroup") if not controllers else
+                Path("/sys/fs/cgroup/pids") if "pids" in controllers.split(",") else None)
+        if base is None:
+            continue
+        path = base / own.lstrip("/") / f"reef-verify-{os.getpid()}-{next(_SERIAL)}"
+        try:
+            path.mkdir()
+        except OSError as exc:
+            tried.append(f"{path.parent}: {exc.strerror}")
+            continue
+        if (path / "pids.max").exists():
+            return path
+        path.rmdir()
+        tried.append(f"{path.parent}: no pids controller")
+    raise SandboxUnavailable("under root the verifier sandbox needs a pids cgroup to hold its process limit, and "
+                             f"none could be made ({'; '.join(tried) or 'no cgroup'}): run reefd as another user")
+
+
+_SERIAL = itertools.count()
+
+
+async def _run(argv: list[str], stdin: bytes, limits: Limits, status_w: int) -> Outcome:
+    began = time.monotonic()
+    try:
+        proc = await asyncio.create_subprocess_exec(
+            *argv, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+            start_new_session=True, pass_fds=(status_w,))
+    finally:
+        os.close(status_w)  # the tree holds the only other end: EOF once it is gone
+    assert proc.stdin is not None and proc.stdout is not None and proc.stderr is not None
+    reads = asyncio.gather(_read(proc.stdout, limits.output_bytes), _read(proc.stderr, limits.output_bytes),
+                           _feed(proc.stdin, stdin))
+    timed_out = False
+    try:
+        await asyncio.wait_for(asyncio.shield(proc.wait()), limits.timeout_s)
+    except TimeoutError:
+        timed_out = True
+    finally:  # the tree dies with bwrap (its PID namespace); the group kill covers a wrapper still starting
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        await proc.wait()
+    out, err, _ = await reads
+    return Outcome(returncode=None if timed_out else proc.returncode, stdout=out, stderr=err,
+                   seconds=time.monotonic() - began, timed_out=timed_out)
+
+
+async def _read(stream: asyncio.StreamReader, limit: int) -> str:
+    """Up to `limit` bytes; the rest is read and dropped, so a chatty command never blocks on a full pipe."""
+    kept = bytearray()
+    while chunk := await stream.read(65536):
+        kept += chunk[:max(0, limit - len(kept))]
+    return kept.decode("utf-8", errors="replace")
+
+
+async def _feed(pipe: asyncio.StreamWriter, data: bytes) -> None:
+    with contextlib.suppress(BrokenPipeError, ConnectionResetError):
+        pipe.write(data)
+        await pipe.drain()
+        pipe.close()
+
+
+def check() -> None:
+    """Raise SandboxUnavailable unless a sandboxed `true` runs here (checked once, when a scenario loads)."""
+    import subprocess
+
+    scratch = Path(tempfile.mkdtemp(prefix="reef-verify-"))
+    try:
+        with Pids(Limits.processes) as pids:
+            done = subprocess.run(pids.enter(argv_for(["true"], scratch, Limits())), capture_output=True,
+                                  timeout=30, check=False)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        raise SandboxUnavailable(f"the verifier sandbox cannot start: {exc}") from None
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    if done.returncode != 0:
+        why = " ".join(done.stderr.decode(errors="replace").split())[:300]
+        raise SandboxUnavailable(f"the verifier sandbox cannot start here ({why}): it needs user namespaces "
+                                 "(sysctl kernel.unprivileged_userns_clone=1; under systemd, no RestrictNamespaces=)")

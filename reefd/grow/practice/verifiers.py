@@ -1,0 +1,116 @@
+"""Verifiers: what decides whether a practice answer is right. A verifier is a command or a Python function
+`pkg.mod:fn(answer, task)`, and either runs in the sandbox (reefd/grow/practice/sandbox.py), the answer in
+`answer.txt` and on stdin, the task in `task.json`. A verifier that crashes, hangs or prints garbage gives a
+failed verification with the reason, never an exception. Knows nothing about records, engines or schedules.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import shlex
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from reefd import plugins
+from reefd.grow.practice import sandbox
+from reefd.grow.practice.sandbox import Limits, Outcome
+
+ROOT = Path(__file__).resolve().parents[3]  # where reefd and recipes import from, inside the sandbox too
+PASSED, FAILED = 0, 1  # exit statuses with a meaning (as pytest's); any other is the verifier's own failure
+TAIL = 2000  # characters of stdout and stderr kept in a verdict
+
+
+class VerifierError(ValueError):
+    """A verifier config that cannot work; str() is one line."""
+
+
+@dataclass
+class VerifierConfig:
+    """How a scenario's practice answers are verified: exactly one of `command` and `function`, and the limits."""
+
+    command: Any = field(default=None, metadata={
+        "description": "A command: a string run by sh, or a list run as it is, in a scratch folder holding "
+                       "answer.txt and task.json (the answer also on stdin; $REEF_SCENARIOS is the scenarios "
+                       "folder). Exit 0: right; exit 1: wrong; else (or a last stdout line that is a JSON object "
+                       "whose `score` is not a number in [0, 1]) the verifier failed. A last line "
+                       "{\"score\": x} gives a partial score."})
+    function: str | None = field(default=None, metadata={
+        "description": "A Python function pkg.mod:fn(answer: str, task: dict) -> bool or a score in [0, 1], "
+                       "imported from the scenarios folder or the installed packages, run in the same sandbox."})
+    timeout_s: float = field(default=10.0, metadata={"exclusiveMinimum": 0, "maximum": 3600,
+                                                     "description": "Wall-clock limit of one verification."})
+    memory_mb: int = field(default=512, metadata={"minimum": 16, "maximum": 1 << 20,
+                                                  "description": "Address space of each of its processes."})
+    processes: int = field(default=64, metadata={"minimum": 1, "maximum": 4096,
+                                                 "description": "Processes and threads at once."})
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """One verification: the score (0 unless the verifier ran and accepted the answer), whether the verifier
+    itself failed and why, and what it said (kept in the practice report's metadata)."""
+
+    score: float
+    error: str | None
+    output: dict[str, Any]
+
+    @property
+    def passed(self) -> bool:
+        return self.error is None and self.score > 0
+
+
+class Verifier:
+    """One scenario's verifier, checked when its scenario loads."""
+
+    def __init__(self, cfg: VerifierConfig, scenarios_dir: Path, hide: tuple[Path, ...] = ()) -> None:
+        self.cfg, self.scenarios_dir, self.hide = cfg, scenarios_dir.resolve(), hide
+        if (cfg.command is None) == (cfg.function is None):
+            raise VerifierError("practice.verifier: set exactly one of command and function")
+        if cfg.function is not None:
+            if not plugins.is_dotted(cfg.function):
+                raise VerifierError(f"practice.verifier.function: {cfg.function!r} is not pkg.mod:fn")
+            self.argv = [sys.executable, "-m", "reefd.grow.practice.call", cfg.function]
+        elif isinstance(cfg.command, str) and cfg.command.strip():
+            self.argv = ["/bin/sh", "-c", cfg.command]
+        elif isinstance(cfg.command, list) and cfg.command and all(isinstance(a, str) for a in cfg.command):
+            self.argv = list(cfg.command)
+        else:
+            raise VerifierError("practice.verifier.command: a non-empty string or list of strings")
+        self.limits = Limits(timeout_s=cfg.timeout_s, memory_mb=cfg.memory_mb, processes=cfg.processes)
+
+    def describe(self) -> str:
+        """The verifier in one line, for status."""
+        return self.cfg.function or (self.cfg.command if isinstance(self.cfg.command, str)
+                                     else shlex.join(self.argv))
+
+    async def verify(self, answer: str, task: dict[str, Any]) -> Verdict:
+        env = {"REEF_SCENARIOS": str(self.scenarios_dir), "REEF_ANSWER": "answer.txt", "REEF_TASK": "task.json",
+               "PYTHONPATH": f"{self.scenarios_dir}:{ROOT}", "PYTHONDONTWRITEBYTECODE": "1"}
+        data = answer.encode()
+        outcome = await sandbox.run(self.argv, limits=self.limits, stdin=data, hide=self.hide, env=env,
+                                    expose=(self.scenarios_dir, ROOT, Path(sys.prefix)),
+                                    files={"answer.txt": data, "task.json": json.dumps(task).encode()})
+        return judge(outcome)
+
+
+def judge(outcome: Outcome) -> Verdict:
+    """The verdict an outcome gives, by the exit status and the last line of stdout."""
+    output = {"returncode": outcome.returncode, "seconds": round(outcome.seconds, 4),
+              "stdout": outcome.stdout[-TAIL:], "stderr": outcome.stderr[-TAIL:]}
+    if outcome.returncode not in (PASSED, FAILED):
+        return Verdict(0.0, outcome.failure, output)
+    lines = outcome.stdout.strip().splitlines()
+    last = lines[-1].strip() if lines else ""
+    if not last.startswith("{"):
+        return Verdict(1.0 if outcome.returncode == PASSED else 0.0, None, output)
+    try:
+        score = json.loads(last)["score"]
+        ok = isinstance(score, int | float) and not isinstance(score, bool) and math.isfinite(score)
+    except (ValueError, KeyError, TypeError):
+        ok = False
+    if not ok or not 0 <= score <= 1:
+        return Verdict(0.0, f"a verdict line that is not {{\"score\": a number in [0, 1]}}: {last[:200]}", output)
+    return Verdict(float(score) if outcome.returncode == PASSED else 0.0, None, output)

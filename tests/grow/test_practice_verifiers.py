@@ -1,0 +1,186 @@
+"""Practice verifiers in their sandbox (reefd/grow/practice): each harm a verifier might do, tried for real in a
+bubblewrap sandbox, gives a failed verification with its reason and leaves nothing behind; right, wrong and
+partial answers are told apart; function verifiers run in the same sandbox."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import socket
+import subprocess
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from reefd.grow.practice import sandbox
+from reefd.grow.practice.verifiers import Verdict, Verifier, VerifierConfig, VerifierError
+
+TASK = {"prompt": "What is 2 + 3?", "answer": "5"}
+CHECK = 'test "$(cat answer.txt)" = "$(python3 -c "import json; print(json.load(open(\'task.json\'))[\'answer\'])")"'
+
+
+def verify(command: Any = None, answer: str = "5", task: dict[str, Any] | None = None, *, scenarios: Path,
+           hide: tuple[Path, ...] = (), **limits: Any) -> Verdict:
+    cfg = VerifierConfig(command=command, function=limits.pop("function", None), **limits)
+    return asyncio.run(Verifier(cfg, scenarios, hide).verify(answer, task or TASK))
+
+
+def test_right_wrong_and_partial_answers(tmp_path: Path) -> None:
+    right = verify(CHECK, "5", scenarios=tmp_path)
+    assert right.passed and right.score == 1.0 and right.error is None
+    wrong = verify(CHECK, "6", scenarios=tmp_path)
+    assert not wrong.passed and wrong.score == 0.0 and wrong.error is None  # a judgement, not a failure
+    assert verify(["sh", "-c", 'read a; [ "$a" = 5 ]'], "5", scenarios=tmp_path).passed  # the answer on stdin too
+    partial = verify('echo checking; echo \'{"score": 0.25}\'', scenarios=tmp_path)
+    assert partial.score == 0.25 and partial.error is None
+    assert partial.output["stdout"].startswith("checking")
+
+
+def test_a_script_in_the_scenarios_folder(tmp_path: Path) -> None:
+    (tmp_path / "check_sum.py").write_text(
+        "import json, sys\ntask = json.load(open('task.json'))\n"
+        "sys.exit(0 if sys.stdin.read().strip() == task['answer'] else 1)\n")
+    command = 'python3 "$REEF_SCENARIOS/check_sum.py"'
+    assert verify(command, "5", scenarios=tmp_path).passed
+    assert verify(command, "five", scenarios=tmp_path).score == 0.0
+
+
+@pytest.mark.parametrize(("command", "error"), [
+    ("exit 2", "exit status 2"),
+    ("kill -9 $$", "killed by signal 9"),
+    ("echo '{\"score\": \"high\"}'", "a verdict line"),
+    ("echo '{\"score\": 7}'", "a verdict line"),
+    ("echo '{not json'", "a verdict line"),
+    ("head -c 300000 /dev/urandom", None),  # garbage (binary, past the output limit): judged by its exit status
+])
+def test_crashes_and_garbage_are_failed_verifications(tmp_path: Path, command: str, error: str | None) -> None:
+    verdict = verify(command, scenarios=tmp_path)
+    if error is None:
+        assert verdict.error is None and len(verdict.output["stdout"]) <= 2000
+    else:
+        assert verdict.score == 0.0 and not verdict.passed and error in (verdict.error or "")
+
+
+def test_a_hang_is_killed_at_the_time_limit_with_everything_it_started(tmp_path: Path) -> None:
+    marker = f"sleep {600 + os.getpid() % 1000}.25"
+    verdict = verify(f"{marker} & {marker}", scenarios=tmp_path, timeout_s=1.0)
+    assert verdict.error == "timed out" and verdict.output["returncode"] is None
+    assert marker not in subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout
+
+
+def test_a_fork_bomb_harms_nothing(tmp_path: Path) -> None:
+    verdict = verify("bomb() { bomb | bomb & }; bomb; sleep 60", scenarios=tmp_path, timeout_s=3.0, processes=32)
+    assert verdict.error == "timed out" and "Cannot fork" in verdict.output["stderr"]  # held at 32, then killed
+    assert subprocess.run(["true"]).returncode == 0  # this host still forks
+    survivors = subprocess.run(["pgrep", "-f", "bomb [|] bomb"], capture_output=True, text=True).stdout.split()
+    assert survivors == []
+
+
+def test_memory_past_the_limit_fails(tmp_path: Path) -> None:
+    verdict = verify(["python3", "-c", "x = bytearray(512 << 20)"], scenarios=tmp_path, memory_mb=128)
+    assert verdict.error == "exit status 1" or "MemoryError" in verdict.output["stderr"]
+    assert not verdict.passed
+
+
+def test_writes_outside_its_folder_reach_nothing() -> None:
+    outside = Path(tempfile.mkdtemp(dir="/var/tmp"))  # not under /tmp, which the sandbox replaces with its own
+    try:
+        state = outside / "state"
+        state.mkdir()
+        (state / "tokens").write_text("secret")
+        (outside / "visible").write_text("seen\n")
+        verdict = verify(f"cat {outside}/visible; echo x > {outside}/f; echo x > {state}/tokens; cat {state}/tokens; "
+                         "echo x > /tmp/reef-escape; echo mine > mine; cat mine", scenarios=outside, hide=(state,))
+        out = verdict.output["stdout"].split()
+        assert out == ["seen", "mine"], verdict.output  # the host is readable, reefd's state is not
+        assert sorted(p.name for p in outside.iterdir()) == ["state", "visible"]
+        assert (state / "tokens").read_text() == "secret" and not Path("/tmp/reef-escape").exists()
+    finally:
+        shutil.rmtree(outside)
+
+
+def test_no_network_not_even_loopback(tmp_path: Path) -> None:
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        port = server.getsockname()[1]
+        verdict = verify(["python3", "-c", f"import socket; socket.create_connection(('127.0.0.1', {port}), 2)"],
+                         scenarios=tmp_path)
+        server.setblocking(False)
+        with pytest.raises(BlockingIOError):
+            server.accept()  # nobody connected
+    assert verdict.output["returncode"] == 1 and "ConnectionRefusedError" in verdict.output["stderr"]  # its own lo
+
+
+def check_add(answer: str, task: dict[str, Any]) -> bool:
+    return answer.strip() == task["answer"]
+
+
+def half(answer: str, task: dict[str, Any]) -> float:
+    return 0.5
+
+
+def raises(answer: str, task: dict[str, Any]) -> bool:
+    raise RuntimeError("the checker itself broke")
+
+
+def nonsense(answer: str, task: dict[str, Any]) -> str:
+    return "yes"
+
+
+def test_function_verifiers_run_in_the_sandbox(tmp_path: Path) -> None:
+    me = "tests.grow.test_practice_verifiers"
+    assert verify(function=f"{me}:check_add", answer="5", scenarios=tmp_path).passed
+    assert verify(function=f"{me}:check_add", answer="4", scenarios=tmp_path).score == 0.0
+    assert verify(function=f"{me}:half", scenarios=tmp_path).score == 0.5
+    broke = verify(function=f"{me}:raises", scenarios=tmp_path)
+    assert broke.error == "exit status 3" and "the checker itself broke" in broke.output["stderr"]
+    assert verify(function=f"{me}:nonsense", scenarios=tmp_path).error == "exit status 3"
+    assert verify(function="no_such_module:fn", scenarios=tmp_path).error == "exit status 3"
+    (tmp_path / "my_checks.py").write_text("def even(answer, task):\n    return int(answer) % 2 == 0\n")
+    assert verify(function="my_checks:even", answer="4", scenarios=tmp_path).passed  # beside the scenarios
+
+
+def test_verifiers_run_side_by_side_without_waiting_on_each_other(tmp_path: Path) -> None:
+    verifier = Verifier(VerifierConfig(command="sleep 30", timeout_s=1.0), tmp_path)
+    quick = Verifier(VerifierConfig(command=CHECK), tmp_path)
+
+    async def both() -> list[Verdict]:
+        return list(await asyncio.gather(verifier.verify("5", TASK), quick.verify("5", TASK)))
+
+    hung, fine = asyncio.run(both())
+    assert hung.error == "timed out" and fine.passed
+
+
+@pytest.mark.parametrize(("cfg", "message"), [
+    ({}, "exactly one of command and function"),
+    ({"command": "true", "function": "a:b"}, "exactly one"),
+    ({"command": ""}, "non-empty string or list"),
+    ({"command": ["sh", 3]}, "non-empty string or list"),
+    ({"function": "not dotted"}, "is not pkg.mod:fn"),
+])
+def test_bad_configs_are_refused_in_one_line(tmp_path: Path, cfg: dict[str, Any], message: str) -> None:
+    with pytest.raises(VerifierError, match=message) as exc:
+        Verifier(VerifierConfig(**cfg), tmp_path)
+    assert "\n" not in str(exc.value)
+
+
+def test_the_sandbox_says_when_it_cannot_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    sandbox.check()  # it runs on this host (make installs bubblewrap)
+    monkeypatch.setenv("PATH", str(tmp_path))
+    with pytest.raises(sandbox.SandboxUnavailable, match="apt-get install bubblewrap"):
+        sandbox.check()
+
+
+def test_a_sandbox_that_does_not_start_is_the_verifiers_failure(tmp_path: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """bwrap refusing its set-up (here a stand-in that exits 1 as bwrap does, before any child): never a judgement
+    of the answer, though the status is the one a wrong answer has."""
+    broken = tmp_path / "bwrap"
+    broken.write_text("#!/bin/sh\necho 'bwrap: Creating new namespace failed: Operation not permitted' >&2\nexit 1\n")
+    broken.chmod(0o755)
+    monkeypatch.setattr(sandbox, "bwrap", lambda: str(broken))
+    verdict = verify(CHECK, "5", scenarios=tmp_path)
+    assert verdict.score == 0.0 and verdict.output["returncode"] is None
+    assert verdict.error is not None and verdict.error.startswith("the sandbox did not start: bwrap: Creating")
