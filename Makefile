@@ -87,12 +87,13 @@ bench: venv vllm-venv
 	$(BIN)/python bench/engine_batching.py --model smollm2
 	$(BIN)/python bench/memory.py
 	$(BIN)/python bench/stream_length.py
-	$(BIN)/python bench/stream_length.py --model smollm2 --tokens 4096 --window 512 --engines worker,vllm
+	$(BIN)/python bench/stream_length.py --model smollm2 --tokens 2048 --window 256 --engines worker,vllm
 	$(BIN)/python bench/load_streams.py
 	$(BIN)/python bench/hot_swap.py --model tiny
 	$(BIN)/python bench/hot_swap.py --model smollm2 --engines worker,vllm
 	$(BIN)/python bench/hot_swap.py --weights --model tiny
-	$(BIN)/python bench/hot_swap.py --weights --model smollm2 --engines worker,vllm
+	$(BIN)/python bench/hot_swap.py --weights --model smollm2
+	$(BIN)/python bench/hot_swap.py --weights --model smollm2 --untied --engines worker,vllm
 	$(BIN)/python bench/proof_cost.py --model tiny
 	$(BIN)/python bench/proof_cost.py --model tiny --weights
 	$(BIN)/python bench/proof_cost.py --model smollm2

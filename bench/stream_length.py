@@ -13,7 +13,7 @@ time, the bare model and reefd's own CPU time per token. Goal: reefd's CPU time 
 and reefd's RSS flat.
 
 With --engines worker,vllm the same stream runs through each engine in turn (its CPU counts its child processes:
-vLLM's engine core), against one bare-model baseline; --model smollm2 --tokens 4096 --window 512 fits SmolLM2's
+vLLM's engine core), against one bare-model baseline; --model smollm2 --tokens 2048 --window 256 fits SmolLM2's
 context.
 
 Run: python bench/stream_length.py [--tokens 32768] [--window 1024] [--model tiny|smollm2] [--engines worker,vllm]
@@ -99,8 +99,9 @@ def scenario(model: str, engine: str) -> str:
     return on_engine(text, engine)
 
 
-def stream(engine: str, model: str, tokens: int, window: int) -> dict[str, Any]:
-    """One long stream through reefd on `engine`: per window, time, reefd's and the engine's CPU, reefd's RSS."""
+def stream(engine: str, model: str, tokens: int, window: int, baseline: bool) -> dict[str, Any]:
+    """One long stream through reefd on `engine`: per window, time, reefd's and the engine's CPU, reefd's RSS;
+    with `baseline`, then the bare model's time per token on the same folder (while it is still there)."""
     from openai import OpenAI
 
     tmp = scratch_dir()
@@ -140,7 +141,9 @@ def stream(engine: str, model: str, tokens: int, window: int) -> dict[str, Any]:
         if not ok:
             print(f"finish {finish!r}, usage {used}, record {status}: {str(record)[:300]}")
         windows = per_window(folder, completion or [], arrivals, began, window)
-        return {"windows": windows, "rss0": rss0, "rss1": rss1, "ok": ok, "finish": finish, "folder": folder}
+        daemon.stop()  # the bare model runs alone
+        base = bare_model(folder, tokens, window) if baseline else []
+        return {"windows": windows, "rss0": rss0, "rss1": rss1, "ok": ok, "finish": finish, "base": base}
     finally:
         daemon.stop()
         shutil.rmtree(tmp, ignore_errors=True)
@@ -187,8 +190,9 @@ def main() -> None:
     ap.add_argument("--engines", default="worker", help="engines to stream from, one after the other "
                                                         "(worker,vllm: side by side in one run)")
     args = ap.parse_args()
-    runs = {engine: stream(engine, args.model, args.tokens, args.window) for engine in args.engines.split(",")}
-    base = bare_model(next(iter(runs.values()))["folder"], args.tokens, args.window)
+    engines = args.engines.split(",")
+    runs = {engine: stream(engine, args.model, args.tokens, args.window, engine == engines[0]) for engine in engines}
+    base = runs[engines[0]]["base"]
     out = {engine: report(engine, args.model, run, base, args) for engine, run in runs.items()}
     print(json.dumps({"bench": "stream_length", "model": args.model, "tokens": args.tokens, "window": args.window,
                       "bare_ms_per_token": [round(b * 1e3, 3) for b in base], "engines": out}))

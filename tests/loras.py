@@ -57,3 +57,20 @@ def make_weights(base: Path, out: Path, *, seed: int = 0, scale: float = 0.05) -
             tensors[name] = (value.float() + noise).to(value.dtype).contiguous()
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     return out
+
+
+def untie(model: Path, out: Path) -> Path:
+    """A copy of the model in `model` with an output layer of its own (a copy of its tied embeddings): the same
+    answers, and weights that vLLM reloads in place exactly (it does not reload tied ones right)."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(model, out)
+    config = json.loads((out / "config.json").read_text())
+    (out / "config.json").write_text(json.dumps({**config, "tie_word_embeddings": False}))
+    tensors = load_file(str(out / "model.safetensors"))
+    tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"].clone()
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    return out

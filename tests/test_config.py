@@ -55,7 +55,8 @@ def test_missing_group_option_lists_the_available_ones(tmp_path: Path) -> None:
     with pytest.raises(config.ConfigError) as exc:
         config.compose(scen / "bad.yaml")
     text = str(exc.value)
-    assert "model/tinyy" in text and "smollm2 tiny upstream" in text and "\n" not in text
+    options = " ".join(sorted(p.stem for p in (scen / "model").glob("*.yaml")))
+    assert "model/tinyy" in text and f"Available options in 'model': {options}" in text and "\n" not in text
 
 
 def test_upstream_needs_a_url(tmp_path: Path) -> None:

@@ -135,14 +135,15 @@ def test_the_guides_commands_work_as_written(tmp_path: Path) -> None:
 
 def scenario_blocks() -> list[tuple[str, str, str]]:
     """(page, file name, text) of every ```yaml block of the README and the guides, as a scenario file: a block
-    with `defaults:` is a whole file (named by its `# scenarios/NAME.yaml` line, if it has one); any other is a
-    part of one, composed on top of the tiny model and the sao recipe."""
+    with `defaults:` is a whole file (named by its `# scenarios/NAME.yaml` line, if it has one); a block named
+    `# scenarios/GROUP/NAME.yaml` is an option of a config group, composed into a scenario that picks it; any other
+    is a part of one, composed on top of the tiny model and the sao recipe."""
     found = []
     for page in PAGES:
         for i, block in enumerate(re.findall(r"^```yaml\n(.*?)^```", page.read_text(), re.M | re.S)):
-            named = re.match(r"# scenarios/([\w-]+\.yaml)\n", block)
+            named = re.match(r"# scenarios/((?:[\w-]+/)?[\w-]+\.yaml)\n", block)
             name = named.group(1) if named else f"{page.stem}-{i}.yaml"
-            whole = re.search(r"^defaults:", block, re.M)
+            whole = re.search(r"^defaults:", block, re.M) or "/" in name
             found.append((page.name, name, block if whole else FRAGMENT_BASE + block))
     return found
 
@@ -150,7 +151,14 @@ def scenario_blocks() -> list[tuple[str, str, str]]:
 @pytest.mark.parametrize(("page", "name", "text"), scenario_blocks(),
                          ids=[f"{page}:{name}" for page, name, _ in scenario_blocks()])
 def test_every_scenario_file_the_guides_show_composes(tmp_path: Path, page: str, name: str, text: str) -> None:
-    scenarios = make_scenarios(tmp_path / "s", names=(), extra={name.removesuffix(".yaml"): text})
+    group, _, option = name.removesuffix(".yaml").rpartition("/")
+    option_text = text.replace("/opt/vllm/bin/python", sys.executable)  # the guide's GPU host: this test's Python
+    if group:  # a config group's option, composed into a scenario that picks it
+        picks = {"model": "tiny", "recipe": "sao", group: option}
+        text = "defaults:\n" + "".join(f"  - {g}: {o}\n" for g, o in picks.items()) + "  - _self_\n"
+    scenarios = make_scenarios(tmp_path / "s", names=(), extra={option: text})
+    if group:
+        (scenarios / group / f"{option}.yaml").write_text(option_text)
     shutil.copy(ROOT / "scenarios" / "coder-tasks.jsonl", scenarios)
     for tasks in re.findall(r"tasks: ([\w.-]+\.jsonl)", text):  # a tasks file of the reader's own, 16 tasks
         if not (scenarios / tasks).exists():

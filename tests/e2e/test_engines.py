@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
 import stat
 import time
@@ -28,7 +27,7 @@ from reefd.serve.chat import ChatRequest, ChatTemplate
 from tests.conftest import ROOT, Daemon, proven, sdk, shared_daemon
 from tests.e2e.test_reefctl import reefctl
 from tests.e2e.test_weights import publish_under_load
-from tests.loras import make_lora, make_weights
+from tests.loras import make_lora, make_weights, untie
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*is_gradient_checkpointing.*:FutureWarning")
 ENGINES = ["worker", "vllm"]
@@ -71,20 +70,6 @@ def d(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) 
                                                                           "  - release: follow\n")
     text = text.replace("  replicas: 1\n", f"  replicas: 1\n  path: {untied}\n")
     yield from shared_daemon(base, names=(), extra={"contract": text, "pair": proven(faulty(engine, base))})
-
-
-def untie(model: Path, out: Path) -> Path:
-    """The tiny model with an output layer of its own (a copy of its embeddings): vLLM reloads such weights in
-    place exactly, but not tied ones (test_weights_swap_with_tied_embeddings)."""
-    from safetensors.torch import load_file, save_file
-
-    shutil.copytree(model, out)
-    config = json.loads((out / "config.json").read_text())
-    (out / "config.json").write_text(json.dumps({**config, "tie_word_embeddings": False}))
-    tensors = load_file(str(out / "model.safetensors"))
-    tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"].clone()
-    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
-    return out
 
 
 def faulty(engine: str, tmp_path: Path) -> str:
