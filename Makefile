@@ -111,6 +111,7 @@ demo: venv
 	@$(BIN)/python -m pytest -m slow; rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "make: no slow demos collected" >&2; exit 1; fi; exit $$rc
 	$(BIN)/python bench/learning.py --runs 3
+	$(BIN)/python bench/practice_demo.py
 	$(BIN)/python bench/skillclaw_demo.py
 	$(BIN)/python bench/openclaw_demo.py
 	$(BIN)/python bench/ttt_demo.py

@@ -26,6 +26,9 @@ from reefd.engines import ModelConfig
 from reefd.engines.kind_configs import DAY_S, MAX_TOKENS
 from reefd.engines.proof import DEFAULT_TOLERANCE, PROBE_TEXTS
 from reefd.grow import backends, recipes
+from reefd.grow.practice import settings as practice
+from reefd.grow.practice.settings import PracticeConfig
+from reefd.grow.practice.verifiers import VerifierConfig
 from reefd.harness import Harness, HarnessError
 from reefd.train.spec import SpecError, parse_fault
 
@@ -239,6 +242,7 @@ class ScenarioConfig:
                                  "own keys (reefd/commit/gates)."})
     harness: HarnessConfig = field(default_factory=HarnessConfig)
     retention: RetentionConfig = field(default_factory=RetentionConfig)
+    practice: PracticeConfig = field(default_factory=PracticeConfig)
 
 
 class ConfigError(Exception):
@@ -301,7 +305,7 @@ def _omegaconf_message(exc: OmegaConfBaseException) -> str:
     unknown = re.match(r"Key '([^']+)' not in '(\w+)'", msg)
     if unknown:
         groups = (ModelConfig, ServeConfig, ReleaseConfig, RecipeConfig, TriggerConfig, HarnessConfig, RetentionConfig,
-                  ScenarioConfig)
+                  PracticeConfig, VerifierConfig, ScenarioConfig)
         cls = {c.__name__: c for c in groups}.get(unknown.group(2))
         known = [f.name for f in dataclasses.fields(cls)] if cls else []
         hint = difflib.get_close_matches(unknown.group(1), known, n=1)
@@ -380,7 +384,7 @@ def _grow_problem(cfg: ScenarioConfig, scenarios_dir: Path) -> str | None:
             return f"harness.dir: {exc}"
         if (problem := harness.config_problem()) is not None:
             return f"harness.dir: {problem}"
-    return None
+    return practice.problem(cfg.practice, scenarios_dir)
 
 
 def from_dict(data: dict[str, Any]) -> ScenarioConfig:
@@ -391,7 +395,8 @@ def from_dict(data: dict[str, Any]) -> ScenarioConfig:
                                  "shadow": ShadowConfig(**data["release"]["shadow"]),
                                  "proof": ProofConfig(**data["release"]["proof"])}),
         recipe=RecipeConfig(**data["recipe"]), trigger=TriggerConfig(**data["trigger"]), gate=dict(data["gate"]),
-        harness=HarnessConfig(**data["harness"]), retention=RetentionConfig(**data["retention"]))
+        harness=HarnessConfig(**data["harness"]), retention=RetentionConfig(**data["retention"]),
+        practice=PracticeConfig(**{**data["practice"], "verifier": VerifierConfig(**data["practice"]["verifier"])}))
 
 
 def load_all(scenarios_dir: Path) -> dict[str, ScenarioConfig]:

@@ -7,6 +7,7 @@ them (callbacks wired here), in the order a turn travels to a hot swap:
              Conversations (sessions.py) → Judges (judge.py)         next states, judged into reports
     Grow     Scheduler (schedule.py) → Runner (runner.py)            triggers → batch → trainer backend → gate
              Attempts (attempts.py) → Scheduler                      search recipes: a full grid of attempts
+             Practice (practice/rounds.py) → engines/, RecordStore   reefd's own answers, verified into reports
     Commit   commit() below → policy.commit → Reconciler (reconcile.py) → engines/   append, then hot-swap
              Trials (trials.py) → commit()                           a canary or shadow decided by its scores
 
@@ -43,6 +44,7 @@ from reefd.grow.attempts import Attempts
 from reefd.grow.backends import Backends
 from reefd.grow.job_store import JobStore
 from reefd.grow.judge import Judges
+from reefd.grow.practice.rounds import Practice
 from reefd.grow.runner import Runner
 from reefd.grow.schedule import Scheduler
 from reefd.observe.conversations import Conversations
@@ -65,6 +67,7 @@ RUNNER = web.AppKey("runner", Runner)
 SCHEDULER = web.AppKey("scheduler", Scheduler)
 ATTEMPTS = web.AppKey("attempts", Attempts)
 RETENTION = web.AppKey("retention", Retention)
+PRACTICE = web.AppKey("practice", Practice)
 TRIALS = web.AppKey("trials", Trials)
 METRICS = web.AppKey("metrics", object)  # a metrics.Metrics, or None without prometheus_client
 
@@ -90,7 +93,7 @@ def install(app: web.Application, settings: Settings) -> None:
     """Add the resources to `app`, set up in this order and torn down in the reverse one."""
     app[SETTINGS], app[STARTED_AT] = settings, time.time()
     app[METRICS] = metrics.Metrics(lambda: app[REGISTRY].scenarios) if metrics.prom is not None else None
-    app.cleanup_ctx.extend([records, http, chain, engines, conversations, reconciler, grow, retention])
+    app.cleanup_ctx.extend([records, http, chain, engines, conversations, reconciler, grow, practice, retention])
 
 
 async def records(app: web.Application) -> AsyncIterator[None]:  # Observe
@@ -175,6 +178,13 @@ async def grow(app: web.Application) -> AsyncIterator[None]:  # Grow: triggers �
     unsubscribe()
     await app[SCHEDULER].stop()
     await app[RUNNER].close()
+
+
+async def practice(app: web.Application) -> AsyncIterator[None]:  # Grow: reefd's own verified experience
+    app[PRACTICE] = Practice(app[REGISTRY], app[RECORDS], app[SETTINGS].scenarios_dir, app[SETTINGS].state_dir)
+    app[PRACTICE].sync()  # rounds (records and reports → Observe → count triggers) on idle engine turns
+    yield
+    await app[PRACTICE].close()
 
 
 async def retention(app: web.Application) -> AsyncIterator[None]:  # Observe: records bounded, lineage kept
@@ -269,4 +279,5 @@ async def reload(app: web.Application, configs: dict[str, ScenarioConfig]) -> No
         app[TRIALS].forget(name)
     app[RECONCILER].kick_all()
     app[SCHEDULER].sync_triggers()
+    app[PRACTICE].sync()
     app[RUNNER].prewarm()

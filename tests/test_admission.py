@@ -165,3 +165,32 @@ def test_a_client_that_leaves_while_waiting_gives_its_place_to_the_next() -> Non
         assert (line.running, line.waiting) == (0, 0)
 
     asyncio.run(main())
+
+
+def test_background_work_takes_only_idle_turns_and_requests_go_first() -> None:
+    """Practice's turns: only while nobody waits and under half the turns are taken; a burst of requests pauses
+    it (it waits, however long), and a request never waits behind a background turn that has not started."""
+
+    async def main() -> None:
+        line = Admission("engine", limit=4, max_queue=10, max_wait_s=5)
+        await line.enter_background()  # idle: at once
+        assert (line.running, line.background) == (1, 1)
+        users = [asyncio.create_task(line.enter()) for _ in range(4)]  # a burst: 3 get turns, 1 waits
+        await asyncio.sleep(0)
+        assert line.running == 4 and line.waiting == 1
+        second = asyncio.create_task(line.enter_background())
+        await asyncio.sleep(0.3)
+        assert not second.done()  # paused while the burst lasts
+        line.leave(background=True)  # the first practice answer ends: the waiting request gets its turn
+        await asyncio.gather(*users)
+        assert line.waiting == 0 and line.background == 0 and not second.done()
+        for _ in range(2):
+            line.leave()
+        await asyncio.sleep(0.3)
+        assert not second.done()  # 2 of 4 turns taken: not idle enough
+        line.leave()
+        await asyncio.wait_for(second, 1)  # it starts once fewer than half are taken
+        assert (line.running, line.background) == (2, 1)
+        assert line.describe()["background"] == 1
+
+    asyncio.run(main())

@@ -10,7 +10,7 @@ import time
 
 from aiohttp import web
 
-from reefd import __version__
+from reefd import __version__, loop
 from reefd.api import access
 from reefd.api.errors import ApiError, json_response, shown
 from reefd.engines import Replicated
@@ -63,6 +63,7 @@ async def status(request: web.Request) -> web.Response:
                           **({"judge": request.app[JUDGES].status(name)}
                              if request.app[JUDGES].settings(s) is not None else {}),
                           **({"search": search} if (search := request.app[ATTEMPTS].summary(name)) else {}),
+                          **({"practice": p} if (p := request.app[loop.PRACTICE].status(name)) is not None else {}),
                           **({"canary": trial} if (trial := request.app[TRIALS].describe(name)) else {})})
     return json_response({"version": __version__, "ready": registry.ready,
                               "uptime_s": round(time.time() - request.app[STARTED_AT], 3),

@@ -23,12 +23,13 @@ from reefd.api.errors import SCENARIO_HEADER, ApiError, from_domain, json_respon
 from reefd.commit import trials as canary
 from reefd.engines import EngineError, EngineUnavailable, Prompt
 from reefd.loop import CONVERSATIONS, REGISTRY
-from reefd.observe.conversations import Conversations, Placement, chain
+from reefd.observe.conversations import Conversations, Placement
 from reefd.observe.receipts import new_receipt
 from reefd.observe.records import RecordStore, StorageError
 from reefd.ops.metrics import Metrics
 from reefd.serve.chat import ChatRequest, Completion, add_system_text
 from reefd.serve.scenarios import Binding, Route, Scenario, Trial
+from reefd.serve.turn_record import asked, finish_record, served_by
 
 log = logging.getLogger("reefd.api")
 T = TypeVar("T")
@@ -96,48 +97,6 @@ def new_record(request: web.Request, scenario: Scenario, binding: Binding, recei
     return {**served_by(scenario, binding, receipt), "api": api, "requested_model": body.get("model"),
             "created_at": time.time(), **placement.fields(),
             "tags": tags, "stream": stream, "request": body, **asked(chat)}
-
-
-def served_by(scenario: Scenario, binding: Binding, receipt: str) -> dict[str, Any]:
-    """A record's id and what answered it: the scenario, its release (adapter, harness, weights) and engine."""
-    return {"id": receipt, "scenario": scenario.name, "release": binding.release, "adapter": binding.adapter,
-            "harness": binding.release if binding.harness is not None and scenario.cfg.harness.inject else None,
-            "weights": binding.weights_version, "engine": scenario.engine.kind, "model": scenario.cfg.model.name}
-
-
-def asked(chat: ChatRequest) -> dict[str, Any]:
-    """A record's view of what the engine was asked: the messages, tools and sampling."""
-    return {"messages": chat.messages, "tools": chat.tools,
-            "sampling": {"temperature": chat.temperature, "top_p": chat.top_p, "max_tokens": chat.max_tokens}}
-
-
-def top_k_fields(c: Completion) -> dict[str, Any]:
-    """The top-K capture as the record keeps it: flat arrays (K per token), stored as raw arrays by recordcodec."""
-    if c.top_k_capture is None:
-        return {}
-    if c.completion_top_ids is None or c.completion_top_logprobs is None:
-        return {"top_k_capture": c.top_k_capture}
-    k = len(c.completion_top_ids[0]) if c.completion_top_ids else 0
-    return {"top_k_capture": c.top_k_capture, "top_k": k,
-            "completion_top_ids": [t for row in c.completion_top_ids for t in row],
-            "completion_top_logprobs": [lp for row in c.completion_top_logprobs for lp in row]}
-
-
-def finish_record(record: dict[str, Any], c: Completion, answer: dict[str, Any],
-                  started: float, ttft: float | None) -> None:
-    assistant: dict[str, Any] = {"role": "assistant", "content": c.text}
-    if c.tool_calls:
-        assistant["tool_calls"] = c.tool_calls
-    now = time.monotonic()
-    if isinstance(record.get("conversation"), dict):  # what a continuation's prefix holds at the reply's slot
-        record["conversation"]["reply"] = chain(record["conversation"]["request"], assistant)
-    record.update({
-        "response": answer, "messages": [*record["messages"], assistant], "finish_reason": c.finish_reason,
-        "stop_sequence": c.stop_sequence, "raw_text": c.raw_text, "prompt_token_ids": c.prompt_token_ids,
-        "completion_token_ids": c.completion_token_ids, "completion_logprobs": c.completion_logprobs, **top_k_fields(c),
-        "usage": {"prompt_tokens": c.prompt_tokens, "completion_tokens": c.completion_tokens},
-        **({"engine_weights": c.weight_version} if c.weights_reported else {}), "latency_s": round(now - started, 6),
-        "ttft_s": round(ttft - started, 6) if ttft is not None else None, "finished_at": time.time()})
 
 
 class Served:

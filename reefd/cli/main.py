@@ -67,7 +67,7 @@ def cmd_status(client: Client, args: argparse.Namespace) -> int:
             row += [engine.get("url"), engine.get("restarts"), engine.get("pid")]
         rows.append([cell(v) for v in row])
         reasons += [f"scenario {sc.get('name')}: drift: {printable(str(r))}" for r in chain.get("drift") or []]
-        reasons += _conversation_lines(sc)
+        reasons += _conversation_lines(sc) + _practice_lines(sc)
     if not rows:
         note("No scenarios configured.")
     columns = ["SCENARIO", "MODEL", "ENGINE", "STATE", "QUEUE", "RELEASE", "RECORDS", "REPORTS"]
@@ -113,6 +113,21 @@ def _queue(engine: Mapping[str, Any]) -> str | None:
     if q is None:
         return None
     return f"{q.get('running')}/{q.get('limit')}+{q.get('waiting')}"
+
+
+def _practice_lines(sc: Mapping[str, Any]) -> list[str]:
+    """What practice did, for a scenario that has a practice set, and its last error."""
+    p = sc.get("practice") if isinstance(sc.get("practice"), dict) else None
+    if p is None:
+        return []
+    out = [printable(f"scenario {sc.get('name')}: practice ({p.get('tasks')}, verifier {p.get('verifier')}): "
+                     f"{p.get('rounds', 0)} rounds, {p.get('answers', 0)} answers, {p.get('passed', 0)} passed, "
+                     f"{p.get('failed', 0)} failed, {p.get('verifier_errors', 0)} verifier errors, "
+                     f"{p.get('answer_errors', 0)} without an answer, {p.get('generating', 0)} generating")]
+    last = p.get("last_error") if isinstance(p.get("last_error"), dict) else None
+    if last is not None:
+        out.append(printable(f"scenario {sc.get('name')}: practice: last error: {last.get('message')}"))
+    return out
 
 
 def _conversation_lines(sc: Mapping[str, Any]) -> list[str]:

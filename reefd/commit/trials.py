@@ -121,9 +121,9 @@ def takes(spec_release: str, share: float, session: str | None, sticky: str | No
 
 def side_of(spec: Spec, record: dict[str, Any]) -> bool | None:
     """The side of a canary a served record is on: True (the release on trial), False (the stable release, served
-    since the trial began), or None (neither: another release, older traffic, a shadow record)."""
-    if isinstance(record.get("shadow"), dict) or record.get("turn_kind") == "shadow":
-        return None
+    since the trial began), or None (neither: another release, older traffic, a shadow or practice record)."""
+    if isinstance(record.get("shadow"), dict) or record.get("turn_kind") in ("shadow", "practice"):
+        return None  # a shadow copy, or practice (reefd's own answers, verified: never a canary's score)
     if record.get("release") == spec.release:
         return True
     if record.get("release") == spec.stable and str(record.get("id")) >= spec.floor:

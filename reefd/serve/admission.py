@@ -5,7 +5,8 @@ without end (100 concurrent streams on one engine waited 81 s for a first byte a
 cannot tell a slow answer from a stuck one. Here at most `limit` requests hold the engine, at most `max_queue`
 more wait their turn in arrival order, each for at most `max_wait_s`. Beyond the line a request is refused at
 once (429); one that waited too long is refused then (503); both carry Retry-After, so the providers' SDKs retry
-by themselves. Knows nothing about HTTP or engines.
+by themselves. Background work (practice) takes a turn only from the idle half of the engine and never while a
+request waits, so requests always go first and a burst of them pauses it. Knows nothing about HTTP or engines.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from collections.abc import Callable
 from typing import Any
 
 LEFT_POLL_S = 0.25  # how often a waiting request checks that its client is still there
+BACKGROUND_POLL_S = 0.1  # how often background work looks for an idle turn
 
 
 class Overloaded(Exception):
@@ -43,6 +45,7 @@ class Admission:
         self.running = 0
         self._waiting: deque[asyncio.Future[None]] = deque()
         self.refused: Counter[str] = Counter()  # "queue_full" (429) and "queue_timeout" (503)
+        self.background = 0  # of `running`: background work's turns
 
     @property
     def waiting(self) -> int:
@@ -83,6 +86,14 @@ class Admission:
             raise Overloaded(f"{self.name} is busy: no turn came within {self.max_wait_s:g} s "
                              f"(model.max_queue_wait_s); retry shortly", 503, retry_after=2)
 
+    async def enter_background(self) -> None:
+        """Hold a turn for background work until `leave(background=True)`: once nobody waits and fewer than half
+        the turns (at least one) are taken; until then it waits, however long."""
+        while self._waiting or self.running >= max(1, self.limit // 2):
+            await asyncio.sleep(BACKGROUND_POLL_S)
+        self.running += 1
+        self.background += 1
+
     def _forfeit(self, turn: asyncio.Future[None]) -> None:
         """Give up a place in the line; a turn granted meanwhile goes to the next in line."""
         if turn.done() and not turn.cancelled():
@@ -92,8 +103,9 @@ class Admission:
         with contextlib.suppress(ValueError):
             self._waiting.remove(turn)
 
-    def leave(self) -> None:
+    def leave(self, background: bool = False) -> None:
         self.running -= 1
+        self.background -= background
         while self._waiting and self.running < self.limit:
             self._grant()
 
@@ -104,5 +116,6 @@ class Admission:
             turn.set_result(None)
 
     def describe(self) -> dict[str, Any]:
-        return {"running": self.running, "waiting": len(self._waiting), "limit": self.limit,
+        return {"running": self.running, "waiting": len(self._waiting), "background": self.background,
+                "limit": self.limit,
                 "max_queue": self.max_queue, "max_queue_wait_s": self.max_wait_s, "refused": dict(self.refused)}

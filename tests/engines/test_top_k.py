@@ -3,10 +3,10 @@ and how compactly a record keeps it."""
 
 from __future__ import annotations
 
-from reefd.api.turns import top_k_fields
 from reefd.engines.generation import top_k_rows
 from reefd.observe.recordcodec import pack, unpack
 from reefd.serve.chat import Completion
+from reefd.serve.turn_record import top_k_fields
 
 
 def test_a_full_capture_is_k_ids_and_logprobs_per_token() -> None:

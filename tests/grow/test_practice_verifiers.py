@@ -140,6 +140,10 @@ def test_function_verifiers_run_in_the_sandbox(tmp_path: Path) -> None:
     assert verify(function="no_such_module:fn", scenarios=tmp_path).error == "exit status 3"
     (tmp_path / "my_checks.py").write_text("def even(answer, task):\n    return int(answer) % 2 == 0\n")
     assert verify(function="my_checks:even", answer="4", scenarios=tmp_path).passed  # beside the scenarios
+    shipped = "reefd.grow.practice.checks:first_number"
+    assert verify(function=shipped, answer="It is 7.0, I think 8", task={"answer": "7"}, scenarios=tmp_path).passed
+    assert verify(function=shipped, answer="8", task={"answer": 7}, scenarios=tmp_path).score == 0.0
+    assert verify(function=shipped, answer="none", task={"answer": "7"}, scenarios=tmp_path).score == 0.0
 
 
 def test_verifiers_run_side_by_side_without_waiting_on_each_other(tmp_path: Path) -> None:

@@ -78,8 +78,9 @@ def load_tasks(path: Path) -> list[Task]:
     return read_tasks(path)[0]
 
 
-def read_tasks(path: Path) -> tuple[list[Task], str]:
-    """The tasks, and the sha256 of the very bytes they were parsed from."""
+def read_tasks(path: Path, required: tuple[str, ...] = ("prompt", "answer")) -> tuple[list[Task], str]:
+    """The tasks, and the sha256 of the very bytes they were parsed from; each line must have the `required`
+    keys (a practice set's tasks need no `answer`: their verifier knows)."""
     try:
         data = path.read_bytes()
         text = data.decode("utf-8")
@@ -98,10 +99,10 @@ def read_tasks(path: Path) -> tuple[list[Task], str]:
             raise GateError(f"{where}: not valid JSON: {exc.msg} (column {exc.colno})") from None
         if not isinstance(obj, dict):
             raise GateError(f"{where}: a task is a JSON object, not {type(obj).__name__}")
-        for key in ("prompt", "answer"):
+        for key in required:
             if key not in obj:
                 raise GateError(f"{where}: missing {key!r}")
-        tasks.append(Task(messages=_messages(obj["prompt"], where), answer=obj["answer"], raw=obj, where=where))
+        tasks.append(Task(messages=_messages(obj["prompt"], where), answer=obj.get("answer"), raw=obj, where=where))
     return tasks, hashlib.sha256(data).hexdigest()
 
 

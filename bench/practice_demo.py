@@ -1,0 +1,240 @@
+"""Practice alone makes SmolLM2 more correct: single-digit addition, through reefd with no client at all, against a
+bare policy-gradient script on the same tasks in the same run.
+
+Tasks: "What is A + B? Answer with the number only." for A, B in 0..9; 24 pairs are held out (never practised),
+the other 76 are the practice set. An answer is right when its first number is A + B
+(reefd.grow.practice.checks:first_number, the verifier reefd runs in its sandbox; the bare arm calls it directly).
+Held-out accuracy: the 24 held-out tasks x 2 answers at temperature 1.0, 8 new tokens at most, scored the same way,
+by one evaluator in this process for both arms (HF generate on SmolLM2 with the arm's LoRA adapter), with every
+arm's clock stopped.
+- Bare (bench/learning_bare.py): LoRA r 8 on q/k/v/o, AdamW lr 5e-4; per iteration 8 practice tasks x 2 samples,
+  batch-normalised advantages, one REINFORCE step; held-out after every iteration.
+- reefd: a real reefd serving scenario `add` (SmolLM2, max_batch 32): practice (8 tasks x 2 samples per round,
+  400 rounds an hour, 16 answers at once on idle turns) with the verifier above; recipe sao (the same LoRA, lr and
+  clipping, one step per batch of 16); trigger every 16 records; gate always. Nobody sends a request or a report.
+  It runs for --budget-x times the bare arm's clock; each release's adapter is then taken from the chain and
+  evaluated, its clock being the time from reefd's first practice answer to the release.
+Goal: held-out accuracy rises by at least 0.3, and reefd reaches the bare script's final level within 1.2x of the
+time the bare script took to reach it. Prints the curves, a PNG (bench/out/practice.png), held-out tasks the model
+got wrong before and right after, and one JSON line.
+Run: python bench/practice_demo.py [--iterations 30] [--budget-x 1.5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+from _harness import ROOT, Daemon, scratch_dir, start_reefd
+from learning import model_folder
+from learning_bare import Bare
+
+from reefd.commit.chain import ReleaseChain
+from reefd.grow.practice.checks import first_number
+
+NAME, LR, MAX_TOKENS, TEMPERATURE, PER_ROUND, SAMPLES = "add", 5e-4, 8, 1.0, 8, 2
+ROUNDS_PER_HOUR = 400  # a round of 16 answers about every 9 s: about one per Grow job (train, gate, publish, swap)
+PNG = ROOT / "bench" / "out" / "practice.png"
+
+
+def prompt(a: int, b: int) -> str:
+    return f"What is {a} + {b}? Answer with the number only."
+
+
+def split(seed: int = 0) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+    pairs = [(a, b) for a in range(10) for b in range(10)]
+    random.Random(seed).shuffle(pairs)
+    return pairs[24:], pairs[:24]  # practice, held out
+
+
+def right(text: str, a: int, b: int) -> float:
+    return float(first_number(text, {"answer": a + b}))
+
+
+class Evaluator:
+    """Held-out accuracy of the base model or of an adapter, sampled as the bare arm samples."""
+
+    def __init__(self, bare: Bare, heldout: list[tuple[int, int]]) -> None:
+        self.bare, self.tasks = bare, [t for t in heldout for _ in range(SAMPLES)]
+
+    def __call__(self) -> tuple[float, list[float]]:
+        texts = self.bare.sample([prompt(a, b) for a, b in self.tasks])[1]
+        scores = [right(t, a, b) for t, (a, b) in zip(texts, self.tasks, strict=True)]
+        return sum(scores) / len(scores), scores
+
+    def adapter(self, folder: Path | None) -> tuple[float, list[float]]:
+        """The same evaluation with the bare model's LoRA replaced by `folder`'s (None: zero, the base model)."""
+        from peft import get_peft_model_state_dict, set_peft_model_state_dict
+        from safetensors.torch import load_file
+
+        model, torch = self.bare.model, self.bare.torch
+        saved = {k: v.detach().clone() for k, v in get_peft_model_state_dict(model).items()}
+        try:
+            state = load_file(str(folder / "adapter_model.safetensors")) if folder is not None else {
+                k: torch.zeros_like(v) if "lora_B" in k else v for k, v in saved.items()}
+            loaded = set_peft_model_state_dict(model, state)
+            if loaded.unexpected_keys:
+                raise RuntimeError(f"{folder}: not this LoRA's shape: {loaded.unexpected_keys[:3]}")
+            return self()
+        finally:
+            set_peft_model_state_dict(model, saved)
+
+
+def bare_arm(folder: Path, practice: list[tuple[int, int]], heldout: list[tuple[int, int]], iterations: int,
+             seed: int) -> tuple[list[tuple[float, float]], Bare, list[float], list[float]]:
+    bare = Bare(folder, lr=LR, max_tokens=MAX_TOKENS, temperature=TEMPERATURE, seed=seed)
+    ev = Evaluator(bare, heldout)
+    base, base_scores = ev()
+    print(f"bare: held-out before {base:.3f}", flush=True)
+    curve, clock, order = [(0.0, base)], 0.0, list(practice)
+    scores: list[float] = base_scores
+    for it in range(iterations):
+        t0 = time.perf_counter()
+        tasks = [order[(it * PER_ROUND + i) % len(order)] for i in range(PER_ROUND) for _ in range(SAMPLES)]
+        batch, texts = bare.sample([prompt(a, b) for a, b in tasks])
+        rewards = [right(t, a, b) for t, (a, b) in zip(texts, tasks, strict=True)]
+        bare.step(batch, rewards)
+        clock += time.perf_counter() - t0
+        acc, scores = ev()
+        curve.append((clock, acc))
+        print(f"bare: iteration {it + 1}: batch {sum(rewards) / len(rewards):.2f}, clock {clock:.1f} s, "
+              f"held-out {acc:.3f}", flush=True)
+    return curve, bare, base_scores, scores
+
+
+def scenario(tmp: Path, practice: list[tuple[int, int]]) -> dict[str, str]:
+    (tmp / "scenarios").mkdir(parents=True, exist_ok=True)
+    with (tmp / "scenarios" / "add-practice.jsonl").open("w") as f:
+        for a, b in practice:
+            f.write(json.dumps({"prompt": prompt(a, b), "answer": a + b}) + "\n")
+    batch = PER_ROUND * SAMPLES
+    return {NAME: (
+        "defaults: [{model: smollm2}, {recipe: sao}, {trigger: count}, {gate: always}, {release: follow}, _self_]\n"
+        "description: bench/practice_demo.py, single-digit addition learned from practice alone.\n"
+        "model: {max_batch: 32}\n"
+        f"recipe: {{params: {{batch_size: {batch}, micro_batch: {batch}, epochs: 1, lr: {LR}, lora_r: 8, "
+        "lora_alpha: 16, max_grad_norm: 1.0, target_modules: [q_proj, k_proj, v_proj, o_proj]}}\n"
+        f"trigger: {{every_n_records: {batch}}}\n"
+        f"practice: {{tasks: add-practice.jsonl, verifier: {{function: 'reefd.grow.practice.checks:first_number'}}, "
+        f"tasks_per_round: {PER_ROUND}, samples: {SAMPLES}, rounds_per_hour: {ROUNDS_PER_HOUR}, "
+        f"concurrency: {batch}, "
+        f"max_tokens: {MAX_TOKENS}, temperature: {TEMPERATURE}}}\n")}
+
+
+def get(d: Daemon, path: str) -> dict[str, Any]:
+    code, body = d.get(path)
+    if code != 200:
+        raise RuntimeError(f"GET {path}: {code} {body!r}")
+    return dict(json.loads(body))
+
+
+def daemon_arm(practice: list[tuple[int, int]], budget_s: float) -> tuple[list[tuple[float, str]], Path, Path,
+                                                                           dict[str, Any]]:
+    """reefd practising for `budget_s` from its first practice answer: (clock, release) of each release, the
+    chain's folder and the scratch folder (removed by the caller), and practice's status at the end."""
+    tmp = scratch_dir()
+    d = start_reefd(tmp, scenario(tmp, practice), seed_model="smollm2")
+    print(f"reefd: ready at {d.url} (log {d.log_path})", flush=True)
+    try:
+        while not (get(d, "/reef/status")["scenarios"][0].get("practice") or {}).get("answers"):
+            time.sleep(0.05)
+        start, seen, releases = time.time(), set(), []
+        while time.time() - start < budget_s:
+            for rel in get(d, f"/reef/scenarios/{NAME}/releases")["data"]:
+                if rel["id"] not in seen and rel.get("kind") == "adapter":
+                    seen.add(rel["id"])
+                    releases.append((rel["created_at"] - start, rel["id"]))
+                    print(f"reefd: {rel['id']} at {rel['created_at'] - start:.1f} s", flush=True)
+            time.sleep(0.5)
+        status = next(s for s in get(d, "/reef/status")["scenarios"] if s["name"] == NAME)["practice"]
+    finally:
+        d.stop()
+    return sorted(releases), d.state / "releases.git", tmp, status
+
+
+def reach(curve: list[tuple[float, float]], level: float) -> float | None:
+    return next((t for t, acc in curve if acc >= level - 1e-9), None)
+
+
+def plot(bare: list[tuple[float, float]], reefd: list[tuple[float, float]]) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    PNG.parent.mkdir(parents=True, exist_ok=True)
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for label, curve in (("bare script", bare), ("reefd, practice alone", reefd)):
+        ax.plot([t for t, _ in curve], [a for _, a in curve], marker="o", markersize=3, label=label)
+    ax.set_xlabel("clock (s)")
+    ax.set_ylabel("held-out accuracy")
+    ax.set_title("SmolLM2-135M, single-digit addition, 2 CPU cores")
+    ax.set_ylim(0, 1)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(PNG, dpi=120)
+
+
+def examples(heldout: list[tuple[int, int]], before: list[float], after: list[float]) -> list[str]:
+    """Held-out tasks right in fewer samples before than after."""
+    out = []
+    for i, (a, b) in enumerate(heldout):
+        was, now = before[i * SAMPLES:(i + 1) * SAMPLES], after[i * SAMPLES:(i + 1) * SAMPLES]
+        if sum(now) > sum(was):
+            out.append(f"{a} + {b}: {int(sum(was))}/{SAMPLES} right before, {int(sum(now))}/{SAMPLES} after")
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--iterations", type=int, default=30)
+    ap.add_argument("--budget-x", type=float, default=1.5, help="reefd's run, in multiples of the bare clock")
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args()
+    practice, heldout = split(args.seed)
+    folder = model_folder()
+    bare_curve, bare, base_scores, _ = bare_arm(folder, practice, heldout, args.iterations, args.seed)
+    budget = args.budget_x * bare_curve[-1][0]
+    releases, chain_dir, tmp, status = daemon_arm(practice, budget)
+    try:
+        ev, chain = Evaluator(bare, heldout), ReleaseChain(chain_dir)
+        base, _ = ev.adapter(None)
+        reefd_curve, last_scores = [(0.0, base)], base_scores
+        for clock, rid in releases:
+            dest = tmp / "eval" / rid
+            chain.materialize(rid, dest, folder="adapter")
+            acc, last_scores = ev.adapter(dest)
+            reefd_curve.append((clock, acc))
+            print(f"reefd: {rid} at {clock:.1f} s: held-out {acc:.3f}", flush=True)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    level = bare_curve[-1][1]
+    t_bare, t_reefd = reach(bare_curve, level), reach(reefd_curve, level)
+    ratio = None if t_bare is None or t_reefd is None or t_bare == 0 else t_reefd / t_bare
+    rise = {"bare": round(bare_curve[-1][1] - bare_curve[0][1], 3),
+            "reefd": round(max(a for _, a in reefd_curve) - reefd_curve[0][1], 3)}
+    plot(bare_curve, reefd_curve)
+    print(f"held-out: bare {bare_curve[0][1]:.3f} -> {bare_curve[-1][1]:.3f} in {bare_curve[-1][0]:.0f} s; reefd "
+          f"{reefd_curve[0][1]:.3f} -> {reefd_curve[-1][1]:.3f} (best {max(a for _, a in reefd_curve):.3f}) with "
+          f"{len(releases)} releases in {budget:.0f} s")
+    print(f"time to the bare script's final level {level:.3f}: bare {t_bare} s, reefd {t_reefd} s"
+          + (f" = {ratio:.2f}x (goal <= 1.2x: {'met' if ratio <= 1.2 else 'missed'})" if ratio is not None else
+             " (reefd did not reach it)"))
+    print(f"rise (goal >= 0.3): bare {rise['bare']}, reefd {rise['reefd']}; practice {status}")
+    for line in examples(heldout, base_scores, last_scores)[:8]:
+        print(f"  {line}")
+    print(json.dumps({"bench": "practice_demo", "iterations": args.iterations, "budget_s": round(budget, 1),
+                      "bare": [(round(t, 1), a) for t, a in bare_curve],
+                      "reefd": [(round(t, 1), a) for t, a in reefd_curve], "level": level,
+                      "time_to_level_s": {"bare": t_bare, "reefd": t_reefd},
+                      "ratio": None if ratio is None else round(ratio, 3), "rise": rise, "practice": status,
+                      "goal": {"rise": 0.3, "ratio": 1.2}, "png": str(PNG.relative_to(ROOT))}))
+
+
+if __name__ == "__main__":
+    main()

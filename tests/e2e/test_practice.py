@@ -1,0 +1,127 @@
+"""Practice through the real daemon on the tiny model: reefd answers its practice set with the serving release,
+a sandboxed verifier checks each answer, and both are kept as practice records with `source: verifier` reports,
+apart from served traffic; SAO trains on them with no client report at all; a verifier that hangs or crashes is
+a failed verification shown in status, and serving goes on."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections import Counter
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import openai
+import pytest
+
+from tests.conftest import Daemon, sdk, shared_daemon
+from tests.e2e.test_grow import status, wait_job
+from tests.e2e.test_reefctl import reefctl
+
+TASKS = "".join(json.dumps({"prompt": f"Say a word with {n} letters.", "letters": n}) + "\n" for n in range(2, 6))
+EVEN = "test $(( $(wc -c < answer.txt) % 2 )) -eq 0"  # right when the answer has an even number of bytes
+
+
+def practice_yaml(verifier: str, recipe: str = "record", extra: str = "", samples: int = 2) -> str:
+    return (f"defaults:\n  - model: tiny\n  - recipe: {recipe}\n  - release: follow\n  - _self_\n"
+            f"serve:\n  default_max_tokens: 8\n{extra}"
+            f"practice:\n  tasks: practice-tasks.jsonl\n  verifier:\n{verifier}"
+            f"  tasks_per_round: 4\n  samples: {samples}\n  rounds_per_hour: 3600\n  max_tokens: 6\n")
+
+
+@pytest.fixture(scope="module")
+def d(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
+    yield from shared_daemon(tmp_path_factory.mktemp("practice"))
+
+
+@pytest.fixture
+def practising(d: Daemon, own_scenario: Callable[..., str]) -> Callable[..., str]:
+    def add(verifier: str = f"    command: '{EVEN}'\n", **kw: Any) -> str:
+        return own_scenario(d, practice_yaml(verifier, **kw), prefix="practice",
+                            files={"practice-tasks.jsonl": TASKS})
+
+    return add
+
+
+def practice_status(d: Daemon, name: str, key: str, at_least: int, timeout_s: float = 120) -> dict[str, Any]:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        found = status(d, name).get("practice") or {}
+        if found.get(key, 0) >= at_least:
+            return dict(found)
+        time.sleep(0.2)
+    raise AssertionError(f"practice {key} never reached {at_least}: {status(d, name)}\n{d.logs()}")
+
+
+def records(d: Daemon, name: str) -> list[dict[str, Any]]:
+    code, body = d.get(f"/reef/scenarios/{name}/records?limit=1000")
+    assert code == 200, body
+    return list(json.loads(body)["data"])
+
+
+def test_practice_answers_are_verified_into_records_apart_from_traffic(d: Daemon,
+                                                                        practising: Callable[..., str]) -> None:
+    name = practising()
+    found = practice_status(d, name, "verified", 8)
+    assert found["tasks"] == "practice-tasks.jsonl" and found["verifier"] == EVEN
+    assert found["passed"] + found["failed"] == found["verified"] and found["verifier_errors"] == 0
+
+    c = sdk(openai.OpenAI(base_url=d.url + "/v1", api_key=d.token, max_retries=0,
+                          default_headers={"x-reef-scenario": name}))
+    served = c.chat.completions.with_raw_response.create(model=name, max_tokens=8,
+                                                         messages=[{"role": "user", "content": "hello"}])
+    assert served.status_code == 200  # serving goes on beside practice
+
+    recs = records(d, name)
+    practice = [r for r in recs if r.get("turn_kind") == "practice"]
+    traffic = [r for r in recs if r.get("turn_kind") != "practice"]
+    assert [r["id"] for r in traffic] == [served.headers["x-reef-agent-record-id"]]
+    assert not traffic[0].get("reports") and "practice" not in traffic[0]
+    assert len(practice) >= 8
+    for rec in practice:
+        assert rec["practice"]["tasks"] == "practice-tasks.jsonl" and rec["practice"]["task"].endswith(
+            tuple(f"practice-tasks.jsonl:{n}" for n in range(1, 5)))
+        assert rec["session"] is None and rec["release"] == traffic[0]["release"]  # the serving release
+        assert rec["prompt_token_ids"] and len(rec["completion_token_ids"]) == len(rec["completion_logprobs"])
+        verdicts = [r for r in rec.get("reports") or [] if r["source"] == "verifier"]
+        if not verdicts:  # the newest answers' verdicts may still be on their way
+            continue
+        (report,) = verdicts
+        right = len(rec["response"]["text"].encode()) % 2 == 0
+        assert report["score"] == (1.0 if right else 0.0), (rec["response"], report)
+        assert report["metadata"]["returncode"] == (0 if right else 1) and report["metadata"]["error"] is None
+        assert report["metadata"]["verifier"] == EVEN and report["metadata"]["task"] == rec["practice"]["task"]
+    per_task = Counter((r["practice"]["round"], r["practice"]["task"]) for r in practice)
+    assert max(per_task.values()) == 2  # two samples of a task in a round: a group of the same prompt
+
+
+@pytest.mark.parametrize("verifier", ["    command: 'sleep 30'\n    timeout_s: 0.5\n",
+                                      "    command: 'kill -9 $$'\n"])
+def test_a_broken_verifier_fails_its_verifications_and_serving_goes_on(d: Daemon, practising: Callable[..., str],
+                                                                       verifier: str) -> None:
+    name = practising(verifier, samples=1)
+    found = practice_status(d, name, "verifier_errors", 2)
+    assert found["passed"] == 0 and "verifier failed on" in found["last_error"]["message"]
+    assert ("timed out" if "sleep" in verifier else "killed by signal 9") in found["last_error"]["message"]
+    c = sdk(openai.OpenAI(base_url=d.url + "/v1", api_key=d.token, max_retries=0,
+                          default_headers={"x-reef-scenario": name}))
+    assert c.chat.completions.create(model=name, max_tokens=4, messages=[{"role": "user", "content": "hi"}]).choices
+    reports = [r for rec in records(d, name) for r in rec.get("reports") or []]
+    assert reports and all(r["score"] == 0.0 and r["metadata"]["error"] for r in reports)
+    shown = reefctl(d, "status").stdout
+    assert f"scenario {name}: practice (practice-tasks.jsonl, verifier " in shown
+    assert f"scenario {name}: practice: last error: verifier failed on" in shown
+
+
+def test_sao_trains_on_practice_alone(d: Daemon, practising: Callable[..., str]) -> None:
+    """No client sends anything: practice's verified answers fill SAO's batch, and its job publishes."""
+    name = practising(recipe="sao", samples=1, extra="trigger:\n  every_n_records: 4\nrecipe:\n  params:\n"
+                                                       "    batch_size: 4\n")
+    job = wait_job(d, ("published",), name=name)
+    code, body = d.get(f"/reef/releases/{job['release']}/lineage")
+    assert code == 200, body
+    trained = json.loads(body)["releases"][0]["learned_from"]
+    assert len(trained) == 4
+    for entry in trained:
+        rec = json.loads(d.get(entry["record"])[1])
+        assert rec["turn_kind"] == "practice" and [r["source"] for r in rec["reports"]] == ["verifier"]

@@ -1,0 +1,55 @@
+"""A scenario's `practice:` settings, composed as reefd loads them: a usable practice set and verifier load, and
+every mistake is refused at load in one line naming the file (and the task's line, or the key)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from reefd import config
+from reefd.commit import trials
+from reefd.config import CanaryConfig
+from tests.conftest import make_scenarios
+
+GOOD = '{"prompt": "2 + 3 =", "answer": "5"}\n{"prompt": [{"role": "user", "content": "1 + 1 ="}]}\n'
+
+
+def scenario(tmp_path: Path, practice: str, tasks: str = GOOD) -> Path:
+    scen = make_scenarios(tmp_path / "s", names=(), extra={
+        "p": f"defaults:\n  - model: tiny\n  - _self_\npractice:\n{practice}"})
+    (scen / "tasks.jsonl").write_text(tasks)
+    return scen / "p.yaml"
+
+
+def test_a_practice_set_and_its_verifier_load(tmp_path: Path) -> None:
+    cfg = config.compose(scenario(tmp_path, "  tasks: tasks.jsonl\n  verifier:\n    command: [sh, -c, 'exit 0']\n"
+                                            "    timeout_s: 2\n  samples: 4\n"))
+    assert cfg.practice.tasks == "tasks.jsonl" and cfg.practice.samples == 4
+    assert cfg.practice.verifier.command == ["sh", "-c", "exit 0"] and cfg.practice.verifier.timeout_s == 2
+    assert config.compose(scenario(tmp_path / "none", "  tasks: null\n")).practice.tasks is None
+
+
+@pytest.mark.parametrize(("practice", "tasks", "message"), [
+    ("  tasks: tasks.jsonl\n  verifier: {command: 'true'}\n", GOOD + "{not json\n", r"tasks\.jsonl:3: not valid JSON"),
+    ("  tasks: tasks.jsonl\n  verifier: {command: 'true'}\n", '{"answer": 1}\n', r"tasks\.jsonl:1: missing 'prompt'"),
+    ("  tasks: tasks.jsonl\n  verifier: {command: 'true'}\n", "\n", r"tasks\.jsonl: no tasks"),
+    ("  tasks: missing.jsonl\n  verifier: {command: 'true'}\n", GOOD, r"missing\.jsonl: tasks file not found"),
+    ("  tasks: tasks.jsonl\n", GOOD, r"practice\.verifier: set exactly one of command and function"),
+    ("  tasks: tasks.jsonl\n  verifier: {function: nope}\n", GOOD, r"'nope' is not pkg\.mod:fn"),
+    ("  tasks: tasks.jsonl\n  verifier: {command: 'true'}\n  samples: 0\n", GOOD, r"practice\.samples: .*minimum"),
+    ("  tasks: tasks.jsonl\n  verifier: {command: 'true', timeout: 3}\n", GOOD, r"practice\.verifier.*timeout"),
+])
+def test_mistakes_are_refused_at_load_naming_the_file_and_line(tmp_path: Path, practice: str, tasks: str,
+                                                              message: str) -> None:
+    with pytest.raises(config.ConfigError, match=message) as exc:
+        config.compose(scenario(tmp_path, practice, tasks))
+    assert "\n" not in str(exc.value) and str(exc.value).startswith(str(tmp_path))
+
+
+def test_practice_records_are_never_a_canary_score() -> None:
+    spec = trials.Spec(mode="canary", release="r2-bbbbbbb", stable="r1-aaaaaaa", started_at=0.0,
+                       cfg=CanaryConfig(share=0.5))
+    served = {"id": "01", "release": "r2-bbbbbbb", "turn_kind": "main"}
+    assert trials.side_of(spec, served) is True
+    assert trials.side_of(spec, {**served, "turn_kind": "practice"}) is None
