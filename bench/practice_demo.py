@@ -2,9 +2,11 @@
 bare policy-gradient script on the same tasks in the same run.
 
 Tasks: "What is A + B? Answer with the number only." for A, B in 0..9; 24 pairs are held out (never practised),
-the other 76 are the practice set. An answer is right when its first number is A + B
-(reefd.grow.practice.checks:first_number, the verifier reefd runs in its sandbox; the bare arm calls it directly).
-Held-out accuracy: the 24 held-out tasks x 2 answers at temperature 1.0, 8 new tokens at most, scored the same way,
+the other 76 are the practice set. An answer is right when its last number is A + B ("3 + 4 = 7")
+(reefd.grow.practice.checks:last_number, the verifier reefd runs in its sandbox; the bare arm calls it directly).
+Sampling is at temperature 0.5 (at 1.0 on the whole vocabulary the base model is right 1 time in 10, too rarely
+to learn from), 16 new tokens at most (SmolLM2 spends a token per digit).
+Held-out accuracy: the 24 held-out tasks x 2 answers, sampled so, scored the same way,
 by one evaluator in this process for both arms (HF generate on SmolLM2 with the arm's LoRA adapter), with every
 arm's clock stopped.
 - Bare (bench/learning_bare.py): LoRA r 8 on q/k/v/o, AdamW lr 5e-4; per iteration 8 practice tasks x 2 samples,
@@ -35,9 +37,9 @@ from learning import model_folder
 from learning_bare import Bare
 
 from reefd.commit.chain import ReleaseChain
-from reefd.grow.practice.checks import first_number
+from reefd.grow.practice.checks import last_number
 
-NAME, LR, MAX_TOKENS, TEMPERATURE, PER_ROUND, SAMPLES = "add", 5e-4, 8, 1.0, 8, 2
+NAME, LR, MAX_TOKENS, TEMPERATURE, PER_ROUND, SAMPLES = "add", 5e-4, 16, 0.5, 8, 2
 ROUNDS_PER_HOUR = 400  # a round of 16 answers about every 9 s: about one per Grow job (train, gate, publish, swap)
 PNG = ROOT / "bench" / "out" / "practice.png"
 
@@ -53,7 +55,7 @@ def split(seed: int = 0) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
 
 
 def right(text: str, a: int, b: int) -> float:
-    return float(first_number(text, {"answer": a + b}))
+    return float(last_number(text, {"answer": a + b}))
 
 
 class Evaluator:
@@ -120,7 +122,7 @@ def scenario(tmp: Path, practice: list[tuple[int, int]]) -> dict[str, str]:
         f"recipe: {{params: {{batch_size: {batch}, micro_batch: {batch}, epochs: 1, lr: {LR}, lora_r: 8, "
         "lora_alpha: 16, max_grad_norm: 1.0, target_modules: [q_proj, k_proj, v_proj, o_proj]}}\n"
         f"trigger: {{every_n_records: {batch}}}\n"
-        f"practice: {{tasks: add-practice.jsonl, verifier: {{function: 'reefd.grow.practice.checks:first_number'}}, "
+        f"practice: {{tasks: add-practice.jsonl, verifier: {{function: 'reefd.grow.practice.checks:last_number'}}, "
         f"tasks_per_round: {PER_ROUND}, samples: {SAMPLES}, rounds_per_hour: {ROUNDS_PER_HOUR}, "
         f"concurrency: {batch}, "
         f"max_tokens: {MAX_TOKENS}, temperature: {TEMPERATURE}}}\n")}
@@ -146,11 +148,11 @@ def daemon_arm(practice: list[tuple[int, int]], budget_s: float) -> tuple[list[t
         start, seen, releases = time.time(), set(), []
         while time.time() - start < budget_s:
             for rel in get(d, f"/reef/scenarios/{NAME}/releases")["data"]:
-                if rel["id"] not in seen and rel.get("kind") == "adapter":
+                if rel["id"] not in seen and rel.get("kind") == "adapter":  # first seen: within 0.2 s of its swap
                     seen.add(rel["id"])
-                    releases.append((rel["created_at"] - start, rel["id"]))
-                    print(f"reefd: {rel['id']} at {rel['created_at'] - start:.1f} s", flush=True)
-            time.sleep(0.5)
+                    releases.append((time.time() - start, rel["id"]))
+                    print(f"reefd: {rel['id']} at {releases[-1][0]:.1f} s", flush=True)
+            time.sleep(0.2)
         status = next(s for s in get(d, "/reef/status")["scenarios"] if s["name"] == NAME)["practice"]
     finally:
         d.stop()

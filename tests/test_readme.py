@@ -169,5 +169,6 @@ def test_every_scenario_file_the_guides_show_composes(tmp_path: Path, page: str,
 
 
 def test_the_readme_shows_a_scenario_to_copy() -> None:
-    assert {name for page, name, _ in scenario_blocks() if page == "README.md"} == {"learn.yaml"}
+    """One that learns from reports, and one that learns from practice alone."""
+    assert {name for page, name, _ in scenario_blocks() if page == "README.md"} == {"learn.yaml", "add.yaml"}
     assert len(scenario_blocks()) >= 10, "too few scenario files in the guides: is the extraction broken?"

@@ -15,6 +15,7 @@ from reefd.api import access
 from reefd.api.errors import ApiError, json_response, shown
 from reefd.engines import Replicated
 from reefd.loop import ATTEMPTS, CHAIN, CONVERSATIONS, JUDGES, RECONCILER, RECORDS, REGISTRY, STARTED_AT, TRIALS
+from reefd.observe.records import PRACTICE_FILTERS
 from reefd.ops.auth import AUTHENTICATED
 
 MAX_LIMIT = 1000
@@ -78,6 +79,14 @@ async def get_record(request: web.Request) -> web.Response:
     return json_response(record)
 
 
+def practice_filter(request: web.Request) -> str:
+    """The `practice` query of a records listing: include (the default), exclude or only."""
+    raw = request.query.get("practice") or "include"
+    if raw not in PRACTICE_FILTERS:
+        raise ApiError(400, f"practice: {shown(raw)} is not one of {', '.join(PRACTICE_FILTERS)}", param="practice")
+    return raw
+
+
 def _limit(raw: str | None) -> int:
     if raw is None or raw == "":
         return 50
@@ -98,7 +107,8 @@ async def list_records(request: web.Request) -> web.Response:
         raise ApiError(400, "after: not a receipt", param="after")
     # unpacking up to a thousand records is off the event loop, so streams keep flowing
     rows = await asyncio.to_thread(request.app[RECORDS].list_records, scenario.name, after=after,
-                                   limit=limit + 1, session=request.query.get("session") or None)
+                                   limit=limit + 1, session=request.query.get("session") or None,
+                                   practice=practice_filter(request))
     data = rows[:limit]
     return json_response({"object": "list", "data": data, "has_more": len(rows) > limit,
                               "last_id": data[-1]["id"] if data else None})

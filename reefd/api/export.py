@@ -18,6 +18,7 @@ import orjson
 from aiohttp import web
 
 from reefd.api import access
+from reefd.api.admin import practice_filter
 from reefd.api.errors import ApiError, shown
 from reefd.commit.chain import ReleaseChain, UnknownRelease, WrongScenario
 from reefd.loop import CHAIN, RECORDS
@@ -70,14 +71,16 @@ def _flag(raw: str | None, name: str) -> bool:
     raise ApiError(400, f"{name}: {shown(raw)} is not true or false", param=name)
 
 
-def _page(store: RecordStore, scenario: str, after: str | None, reported_only: bool) -> tuple[bytes, str | None]:
-    records, cursor = store.export_page(scenario, after, limit=PAGE, reported_only=reported_only)
+def _page(store: RecordStore, scenario: str, after: str | None, reported_only: bool,
+          practice: str) -> tuple[bytes, str | None]:
+    records, cursor = store.export_page(scenario, after, limit=PAGE, reported_only=reported_only, practice=practice)
     return b"".join(orjson.dumps(r) + b"\n" for r in records), cursor
 
 
 async def export(request: web.Request) -> web.StreamResponse:
     scenario = access.scenario(request, request.match_info["name"], param="name")
     reported_only = _flag(request.query.get("reported_only"), "reported_only")
+    practice = practice_filter(request)
     since = request.query.get("since", "")
     if len(since) > 64:
         raise ApiError(400, f"since: expected {SINCE_HELP}", param="since")
@@ -88,7 +91,7 @@ async def export(request: web.Request) -> web.StreamResponse:
     await response.prepare(request)
     try:
         while True:
-            chunk, after = await asyncio.to_thread(_page, store, scenario.name, after, reported_only)
+            chunk, after = await asyncio.to_thread(_page, store, scenario.name, after, reported_only, practice)
             if chunk:
                 await response.write(chunk)
             if after is None:

@@ -18,6 +18,7 @@ from reefd.api.openapi_schemas import ID, OBJ, SCHEMAS, STR, ref
 from reefd.api.turns import RECEIPT_HEADER, RELEASE_HEADER, SESSION_HEADERS, TURN_HEADER
 from reefd.harness.installer import ADAPTERS
 from reefd.loop import REGISTRY
+from reefd.observe.records import PRACTICE_FILTERS
 from reefd.ops.auth import ANY, ROUTE_SCOPES
 
 JSON = "application/json"
@@ -174,6 +175,8 @@ def _text(media: str, description: str) -> dict[str | int, dict[str, Any]]:
 def _reef_ops(names: list[str]) -> dict[str, dict[str, Any]]:
     """The report route and the operator's API (records, releases, jobs, attempts, harness, health)."""
     name = _name_param(names)
+    practice = _param("practice", "query", {"enum": list(PRACTICE_FILTERS)},
+                      "reefd's practice records: include them (the default), exclude them, or only them.")
     header = _param(SCENARIO_HEADER, "header", _scenario_schema(names), "The scenario.")
     by_query = _param("scenario", "query", _scenario_schema(names), "The scenario (or the x-reef-scenario header; "
                       "default: the only scenario with a harness).")
@@ -200,14 +203,14 @@ def _reef_ops(names: list[str]) -> dict[str, dict[str, Any]]:
             (400, 404), params=(name, _param("limit", "query", {"type": "integer", "minimum": 1,
                                                                  "maximum": admin.MAX_LIMIT}, "Page size."),
                                 _param("after", "query", {"type": "string", "maxLength": 64}, "The last receipt seen."),
-                                _param("session", "query", STR, "Only this conversation's turns.")))},
+                                _param("session", "query", STR, "Only this conversation's turns."), practice))},
         "/reef/scenarios/{name}/export": {"get": _op(
             "export", "A scenario's records, each with its reports, as JSON lines in receipt order", "observe",
             _text("application/x-ndjson", "One record a line."), (400, 404),
             params=(name, _param("since", "query", {"type": "string", "maxLength": 64}, "A receipt, a release id, a "
                                  "duration (90s, 30m, 24h, 7d) or an RFC 3339 time: the records after it."),
                     _param("reported_only", "query", {"enum": ["true", "false", "1", "0", "yes", "no"]},
-                           "Only the records that have reports.")))},
+                           "Only the records that have reports."), practice))},
         "/reef/status": {"get": _op("status", "Scenarios, engines, releases and counts", "observe",
                                     _ok("Status", "The daemon's status."))},
         "/reef/scenarios/{name}/releases": {

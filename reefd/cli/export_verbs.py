@@ -173,6 +173,8 @@ def _export_args(p: argparse.ArgumentParser) -> None:
                    help="only records after a receipt, since a release was published (r3-1a2b3c4), from a recent "
                         "duration (90s, 30m, 24h, 7d) or from a time (2025-01-31T00:00:00Z)")
     p.add_argument("--reported-only", action="store_true", help="only records that have a report")
+    p.add_argument("--practice", choices=["include", "exclude", "only"], default="include",
+                   help="reefd's own practice records: include (default), exclude or only them")
     p.add_argument("-o", "--out", metavar="FILE", help="write to FILE instead of stdout (required for parquet "
                                                        "on a terminal)")
 
@@ -188,6 +190,8 @@ def cmd_export(client: Client, args: argparse.Namespace) -> int:
         query["since"] = args.since
     if args.reported_only:
         query["reported_only"] = "true"
+    if args.practice != "include":
+        query["practice"] = args.practice
     lines = client.lines(f"/reef/scenarios/{urllib.parse.quote(args.name, safe='')}/export", query=query)
     with _destination(args.out) as out:
         if args.format == "parquet":

@@ -262,7 +262,7 @@ def _record_printer(output: str | None, turns: bool = False) -> Emit:
 
 
 def _pages(client: Client, scenario: str, after: str | None, limit: int | None,
-           session: str | None = None) -> Iterator[list[dict[str, Any]]]:
+           session: str | None = None, practice: str = "include") -> Iterator[list[dict[str, Any]]]:
     """Yield pages of records after `after`: one page of `limit`, or every page while has_more."""
     path = f"/reef/scenarios/{urllib.parse.quote(scenario, safe='')}/records"
     while True:
@@ -271,6 +271,8 @@ def _pages(client: Client, scenario: str, after: str | None, limit: int | None,
             query["limit"] = limit
         if session:
             query["session"] = session
+        if practice != "include":
+            query["practice"] = practice
         page = client.call("GET", path, query=query)
         data = page.get("data") or []
         yield data
@@ -287,6 +289,8 @@ def _records_args(p: argparse.ArgumentParser) -> None:
                    "index, the turn that follows it and the judge's verdict")
     p.add_argument("--limit", metavar="N", type=number(int, positive=True),
                    help="show one page of at most N records (default: every page)")
+    p.add_argument("--practice", choices=["include", "exclude", "only"], default="include",
+                   help="reefd's own practice records (API `practice`): include (default), exclude or only them")
     p.add_argument("-f", "--follow", action="store_true", help="keep printing new records until Ctrl-C")
     p.add_argument("--interval", type=number(float, positive=True), default=1.0, help=argparse.SUPPRESS)
     p.add_argument("-o", "--output", choices=["json", "wide", "name"],
@@ -298,7 +302,7 @@ def cmd_records(client: Client, args: argparse.Namespace) -> int:
     emit = _record_printer(args.output, turns=bool(args.session))
     cursor = args.after
     try:
-        pages = _pages(client, args.name, cursor, args.limit, args.session)
+        pages = _pages(client, args.name, cursor, args.limit, args.session, args.practice)
         if args.output in (None, "wide"):  # a table is aligned over the whole listing
             pages = iter([[r for page in pages for r in page]])
         for batch in pages:
@@ -320,7 +324,7 @@ def _follow(client: Client, args: argparse.Namespace, emit: Emit, cursor: str | 
     while True:
         time.sleep(args.interval)
         try:
-            for batch in _pages(client, args.name, cursor, None, args.session):
+            for batch in _pages(client, args.name, cursor, None, args.session, args.practice):
                 emit(batch)
                 cursor = batch[-1]["id"] if batch else cursor
             down = False

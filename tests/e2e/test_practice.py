@@ -53,8 +53,8 @@ def practice_status(d: Daemon, name: str, key: str, at_least: int, timeout_s: fl
     raise AssertionError(f"practice {key} never reached {at_least}: {status(d, name)}\n{d.logs()}")
 
 
-def records(d: Daemon, name: str) -> list[dict[str, Any]]:
-    code, body = d.get(f"/reef/scenarios/{name}/records?limit=1000")
+def records(d: Daemon, name: str, practice: str = "include") -> list[dict[str, Any]]:
+    code, body = d.get(f"/reef/scenarios/{name}/records?limit=1000&practice={practice}")
     assert code == 200, body
     return list(json.loads(body)["data"])
 
@@ -93,6 +93,27 @@ def test_practice_answers_are_verified_into_records_apart_from_traffic(d: Daemon
         assert report["metadata"]["verifier"] == EVEN and report["metadata"]["task"] == rec["practice"]["task"]
     per_task = Counter((r["practice"]["round"], r["practice"]["task"]) for r in practice)
     assert max(per_task.values()) == 2  # two samples of a task in a round: a group of the same prompt
+
+
+def test_listings_and_exports_keep_practice_apart(d: Daemon, practising: Callable[..., str]) -> None:
+    name = practising()
+    practice_status(d, name, "answers", 4)
+    c = sdk(openai.OpenAI(base_url=d.url + "/v1", api_key=d.token, max_retries=0,
+                          default_headers={"x-reef-scenario": name}))
+    served = c.chat.completions.with_raw_response.create(model=name, max_tokens=4,
+                                                         messages=[{"role": "user", "content": "hello"}])
+    receipt = served.headers["x-reef-agent-record-id"]
+    assert [r["id"] for r in records(d, name, "exclude")] == [receipt]
+    only = records(d, name, "only")
+    assert only and {r["turn_kind"] for r in only} == {"practice"}
+    assert len(records(d, name)) >= len(only) + 1
+    code, body = d.get(f"/reef/scenarios/{name}/export?practice=only")
+    lines = [json.loads(line) for line in body.splitlines() if line.strip()]
+    assert code == 200 and lines and {r["turn_kind"] for r in lines} == {"practice"}
+    code, body = d.get(f"/reef/scenarios/{name}/records?practice=some")
+    assert code == 400 and json.loads(body)["error"]["param"] == "practice", body
+    shown = reefctl(d, "records", name, "--practice", "exclude", "-o", "name")
+    assert shown.returncode == 0 and shown.stdout.split() == [f"record/{receipt}"], shown.stderr
 
 
 @pytest.mark.parametrize("verifier", ["    command: 'sleep 30'\n    timeout_s: 0.5\n",

@@ -39,6 +39,24 @@ def test_right_wrong_and_partial_answers(tmp_path: Path) -> None:
     assert partial.output["stdout"].startswith("checking")
 
 
+def test_a_verifier_that_never_reads_its_stdin(tmp_path: Path) -> None:
+    """It exits before the answer is written to it (a megabyte, past any pipe's buffer): still a verdict, on
+    asyncio's loop and on uvloop, reefd's (which says so with another exception)."""
+    import uvloop
+
+    assert verify("exit 0", "x" * (1 << 20), scenarios=tmp_path).passed
+
+    async def late() -> None:  # the answer is written only after the command is gone, as on a busy loop
+        proc = await asyncio.create_subprocess_exec("true", stdin=asyncio.subprocess.PIPE)
+        await proc.wait()
+        await asyncio.sleep(0.1)
+        assert proc.stdin is not None
+        await sandbox._feed(proc.stdin, b"x" * (1 << 20))
+
+    asyncio.run(late())
+    uvloop.run(late())
+
+
 def test_a_script_in_the_scenarios_folder(tmp_path: Path) -> None:
     (tmp_path / "check_sum.py").write_text(
         "import json, sys\ntask = json.load(open('task.json'))\n"
@@ -144,6 +162,9 @@ def test_function_verifiers_run_in_the_sandbox(tmp_path: Path) -> None:
     assert verify(function=shipped, answer="It is 7.0, I think 8", task={"answer": "7"}, scenarios=tmp_path).passed
     assert verify(function=shipped, answer="8", task={"answer": 7}, scenarios=tmp_path).score == 0.0
     assert verify(function=shipped, answer="none", task={"answer": "7"}, scenarios=tmp_path).score == 0.0
+    last = "reefd.grow.practice.checks:last_number"
+    assert verify(function=last, answer="3 + 4 = 7", task={"answer": 7}, scenarios=tmp_path).passed
+    assert verify(function=last, answer="3 + 4 = 8", task={"answer": 7}, scenarios=tmp_path).score == 0.0
 
 
 def test_verifiers_run_side_by_side_without_waiting_on_each_other(tmp_path: Path) -> None:

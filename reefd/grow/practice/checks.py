@@ -15,6 +15,12 @@ def first_number(answer: str, task: dict[str, Any]) -> bool:
     return found is not None and float(found.group()) == float(task["answer"])
 
 
+def last_number(answer: str, task: dict[str, Any]) -> bool:
+    """Right when the answer's last number equals the task's `answer` ("3 + 4 = 7" is right for 7)."""
+    found = _NUMBER.findall(answer)
+    return bool(found) and float(found[-1]) == float(task["answer"])
+
+
 def exact(answer: str, task: dict[str, Any]) -> bool:
     """Right when the answer, stripped, is the task's `answer`."""
     return answer.strip() == str(task["answer"]).strip()

@@ -92,7 +92,7 @@ class Practice:
             scenario = self.registry.scenarios.get(name)
             if scenario is None:  # removed by a reload: sync() ends this task
                 return
-            if scenario.binding is None:  # no release serves yet
+            if scenario.binding is None or not scenario.engine.ready:  # no release serves yet, or no engine
                 await asyncio.sleep(BIND_POLL_S)
                 continue
             picked = [tasks[order[(cursor + i) % len(order)]] for i in range(cfg.tasks_per_round)]
@@ -113,7 +113,13 @@ class Practice:
 
         async def one(task: Task, sample: int) -> Verdict | None:
             async with gate:
-                return await self._practise(scenario, cfg, verifier, task, round_no, sample)
+                try:
+                    return await self._practise(scenario, cfg, verifier, task, round_no, sample)
+                except Exception as exc:  # a bug in one answer's path must not take the round's others with it
+                    log.exception("%s: practice on %s failed", scenario.name, task.where)
+                    stats["answer_errors"] += 1
+                    self._failed(scenario.name, f"practice on {task.where} failed: {exc!r}")
+                    return None
 
         verdicts = await asyncio.gather(*(one(t, k) for t in tasks for k in range(cfg.samples)))
         stats["rounds"] += 1

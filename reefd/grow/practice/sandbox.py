@@ -213,9 +213,12 @@ async def _read(stream: asyncio.StreamReader, limit: int) -> str:
 
 
 async def _feed(pipe: asyncio.StreamWriter, data: bytes) -> None:
-    with contextlib.suppress(BrokenPipeError, ConnectionResetError):
-        pipe.write(data)
-        await pipe.drain()
+    """The command's stdin; one that exits (or closes it) without reading it all is fine. uvloop says so with a
+    RuntimeError on a transport it has closed, asyncio with BrokenPipeError."""
+    with contextlib.suppress(BrokenPipeError, ConnectionResetError, RuntimeError):
+        if not pipe.is_closing():
+            pipe.write(data)
+            await pipe.drain()
         pipe.close()
 
 
