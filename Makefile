@@ -102,6 +102,7 @@ bench: venv vllm-venv
 	$(BIN)/python bench/trainer_backends.py --model tiny
 	$(BIN)/python bench/judge_throughput.py
 	$(BIN)/python bench/canary.py
+	$(BIN)/python bench/practice_cost.py
 	$(BIN)/python bench/replicas.py --model tiny
 	$(BIN)/python bench/replicas.py --model smollm2 --requests 32
 	$(BIN)/python bench/trainer.py --model smollm2

@@ -11,9 +11,11 @@ by one evaluator in this process for both arms (HF generate on SmolLM2 with the 
 arm's clock stopped.
 - Bare (bench/learning_bare.py): LoRA r 8 on q/k/v/o, AdamW lr 5e-4; per iteration 8 practice tasks x 2 samples,
   batch-normalised advantages, one REINFORCE step; held-out after every iteration.
-- reefd: a real reefd serving scenario `add` (SmolLM2, max_batch 32): practice (8 tasks x 2 samples per round,
-  400 rounds an hour, 16 answers at once on idle turns) with the verifier above; recipe sao (the same LoRA, lr and
-  clipping, one step per batch of 16); trigger every 16 records; gate always. Nobody sends a request or a report.
+- reefd: a real reefd serving scenario `add` (SmolLM2, max_batch 32): practice (32 tasks x 2 samples per round,
+  32 answers at once on an idle engine; the next round waits while the last one's 64 records wait for their job:
+  `max_waiting`) with the verifier above; recipe sao (the same LoRA, lr and clipping; a job's batch of 64 is 4
+  steps of 16, the bare arm's step, with the ratio band narrowed to 1 +- 0.3, as its later steps are off-policy);
+  trigger every 64 records; gate always. Nobody sends a request or a report.
   It runs for --budget-x times the bare arm's clock; each release's adapter is then taken from the chain and
   evaluated, its clock being the time from reefd's first practice answer to the release.
 Goal: held-out accuracy rises by at least 0.3, and reefd reaches the bare script's final level within 1.2x of the
@@ -40,7 +42,9 @@ from reefd.commit.chain import ReleaseChain
 from reefd.grow.practice.checks import last_number
 
 NAME, LR, MAX_TOKENS, TEMPERATURE, PER_ROUND, SAMPLES = "add", 5e-4, 16, 0.5, 8, 2
-ROUNDS_PER_HOUR = 400  # a round of 16 answers about every 9 s: about one per Grow job (train, gate, publish, swap)
+# reefd's arm: a round of 32 tasks x 2 answers is one job's batch, trained as 4 steps of 16 (the bare arm's step);
+# the next round waits until the job took it (max_waiting), so it answers with the release just trained
+REEFD_TASKS, MICRO = 32, 16
 PNG = ROOT / "bench" / "out" / "practice.png"
 
 
@@ -114,18 +118,17 @@ def scenario(tmp: Path, practice: list[tuple[int, int]]) -> dict[str, str]:
     with (tmp / "scenarios" / "add-practice.jsonl").open("w") as f:
         for a, b in practice:
             f.write(json.dumps({"prompt": prompt(a, b), "answer": a + b}) + "\n")
-    batch = PER_ROUND * SAMPLES
+    batch = REEFD_TASKS * SAMPLES
     return {NAME: (
         "defaults: [{model: smollm2}, {recipe: sao}, {trigger: count}, {gate: always}, {release: follow}, _self_]\n"
         "description: bench/practice_demo.py, single-digit addition learned from practice alone.\n"
         "model: {max_batch: 32}\n"
-        f"recipe: {{params: {{batch_size: {batch}, micro_batch: {batch}, epochs: 1, lr: {LR}, lora_r: 8, "
-        "lora_alpha: 16, max_grad_norm: 1.0, target_modules: [q_proj, k_proj, v_proj, o_proj]}}\n"
+        f"recipe: {{params: {{batch_size: {batch}, micro_batch: {MICRO}, epochs: 1, lr: {LR}, lora_r: 8, "
+        "lora_alpha: 16, max_grad_norm: 1.0, eps_high: 0.3, target_modules: [q_proj, k_proj, v_proj, o_proj]}}\n"
         f"trigger: {{every_n_records: {batch}}}\n"
         f"practice: {{tasks: add-practice.jsonl, verifier: {{function: 'reefd.grow.practice.checks:last_number'}}, "
-        f"tasks_per_round: {PER_ROUND}, samples: {SAMPLES}, rounds_per_hour: {ROUNDS_PER_HOUR}, "
-        f"concurrency: {batch}, "
-        f"max_tokens: {MAX_TOKENS}, temperature: {TEMPERATURE}}}\n")}
+        f"tasks_per_round: {REEFD_TASKS}, samples: {SAMPLES}, rounds_per_hour: 3600, max_waiting: {batch}, "
+        f"concurrency: 32, max_tokens: {MAX_TOKENS}, temperature: {TEMPERATURE}}}\n")}
 
 
 def get(d: Daemon, path: str) -> dict[str, Any]:

@@ -215,9 +215,10 @@ def scrape_state(app: web.Application) -> metrics.State:
     lines = {name: line.describe() for name, s in scenarios.items()
              if (line := registry.admissions.get(id(s.engine))) is not None}
     m = of(app)
+    practice = {name: found for name in scenarios if (found := app[PRACTICE].status(name)) is not None}
     return metrics.State(scenarios, lines, {name: s.engine.describe() for name, s in scenarios.items()},
                          app[RECORDS].counts, app[RECORDS].path, [copy.copy(j) for j in app[RUNNER].jobs.list()],
-                         copy.deepcopy(m.turns) if m is not None else None)
+                         copy.deepcopy(m.turns) if m is not None else None, practice)
 
 
 def of(app: web.Application) -> metrics.Metrics | None:

@@ -20,7 +20,8 @@ BACKENDS = {"local": "reefd.grow.backends.local:LocalTrainers", "ray": "reefd.gr
 RECIPES = {"record": "reefd.grow.recipes:RecordOnly", "sao": "recipes.sao.recipe:SAO",
            "grpo": "recipes.sao.recipe:GRPO",
            "skillclaw": "recipes.skillclaw.recipe:SkillClaw", "openclaw-rl": "recipes.openclaw_rl.recipe:OpenClawRL",
-           "ttt-discover": "recipes.ttt_discover.recipe:TTTDiscover", "gepa": "recipes.gepa.recipe:GEPA"}
+           "ttt-discover": "recipes.ttt_discover.recipe:TTTDiscover", "gepa": "recipes.gepa.recipe:GEPA",
+           "composite": "recipes.composite.recipe:Composite"}
 
 DOTTED = r"^[A-Za-z_][\w.]*:[A-Za-z_][\w.]*$"
 _DOTTED_RE = re.compile(DOTTED)

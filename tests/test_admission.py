@@ -194,3 +194,35 @@ def test_background_work_takes_only_idle_turns_and_requests_go_first() -> None:
         assert line.describe()["background"] == 1
 
     asyncio.run(main())
+
+
+def test_preempting_background_work_takes_only_an_idle_engine_and_stops_for_a_request() -> None:
+    """Practice with `preempt`: it starts only while no request holds a turn, and the next request to ask tells
+    every preemptible holder to stop (at once, whether or not a turn is free), counted once each."""
+
+    async def main() -> None:
+        line = Admission("engine", limit=4, max_queue=10, max_wait_s=5)
+        first = await line.enter_background(preempt=True)
+        plain = await line.enter_background()  # one that does not preempt is never told to stop
+        assert (line.running, line.background) == (2, 2) and not first.is_set()
+        more = [await asyncio.wait_for(line.enter_background(preempt=True), 1) for _ in range(2)]
+        assert line.running == 4  # on an idle engine, preempting work may take every turn
+        for stop in more:
+            line.leave(background=True, stop=stop)
+        await line.enter()  # a request: a turn is free, and the preemptible practice answer is told to stop
+        assert first.is_set() and not plain.is_set() and line.describe()["preempted"] == 1
+        await line.enter()
+        assert line.describe()["preempted"] == 1  # told once
+        line.leave(background=True, stop=first)
+        line.leave(background=True, stop=plain)
+        later = asyncio.create_task(line.enter_background(preempt=True))
+        await asyncio.sleep(0.3)
+        assert not later.done()  # two requests still hold turns (under half would do without preempt)
+        line.leave()
+        await asyncio.sleep(0.3)
+        assert not later.done()  # one still does
+        line.leave()
+        stop = await asyncio.wait_for(later, 1)  # the engine is idle
+        assert not stop.is_set() and (line.running, line.background) == (1, 1)
+
+    asyncio.run(main())

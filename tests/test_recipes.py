@@ -60,8 +60,8 @@ def test_shipped_names_and_dotted_paths() -> None:
     ("sao", {"batch_size": 0}, "recipe.params.batch_size: 0 is less than the minimum of 1"),
     ("sao", {"batchsize": 4}, "recipe.params: Additional properties are not allowed ('batchsize' was unexpected)"),
     ("sao", {"lr": "fast"}, "recipe.params.lr: 'fast' is not of type 'number'"),
-    ("nope", {}, "unknown recipe 'nope': use one of gepa, grpo, openclaw-rl, record, sao, skillclaw, ttt-discover "
-                 "or pkg.mod:Class"),
+    ("nope", {}, "unknown recipe 'nope': use one of composite, gepa, grpo, openclaw-rl, record, sao, skillclaw, "
+                 "ttt-discover or pkg.mod:Class"),
     ("no.such.module:X", {}, "recipe 'no.such.module:X' cannot be imported: No module named 'no'"),
     ("tests.test_recipes:EchoConfig", {}, "recipe 'tests.test_recipes:EchoConfig' has no 'Config'"),
 ])

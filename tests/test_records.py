@@ -51,6 +51,12 @@ def record(scenario: str = "s1", **fields: Any) -> dict[str, Any]:
             "completion_token_ids": [1, 2, 3], "completion_logprobs": [-0.5, -0.25, -0.125], **fields}
 
 
+def counted(records: int, reports: int, practice_records: int = 0, practice_reports: int = 0) -> dict[str, int]:
+    """A scenario's entry of `RecordStore.counts()`."""
+    return {"records": records, "reports": reports, "practice_records": practice_records,
+            "practice_reports": practice_reports}
+
+
 def reports_of(store: RecordStore, receipt: str) -> list[dict[str, Any]]:
     found = store.get_record(receipt)
     assert found is not None
@@ -116,7 +122,7 @@ def test_put_get_round_trip_and_reopen(tmp_path: Path) -> None:
 
     async def read(store: RecordStore) -> None:
         assert store.get_record(rec["id"]) == {**rec, "reports": []}
-        assert store.counts() == {"s1": {"records": 1, "reports": 0}}
+        assert store.counts() == {"s1": counted(1, 0)}
 
     with_store(tmp_path / "db", read)
 
@@ -157,7 +163,7 @@ def test_list_records_pages_one_scenario_in_receipt_order(tmp_path: Path) -> Non
         assert [r["id"] for r in store.list_records("b", after=written["b"][20])] == written["b"][21:]
         assert store.list_records("nobody") == []
         assert store.list_records("a", limit=0) == []
-        assert store.counts() == {s: {"records": 25, "reports": 0} for s in written}
+        assert store.counts() == {s: counted(25, 0) for s in written}
 
     with_store(tmp_path / "db", body)
 
@@ -244,7 +250,26 @@ def test_put_report_attaches_to_each_reference(tmp_path: Path) -> None:
         assert store.get_report("s1", "client-7") == later
         assert store.get_report("s1", "missing") is None
         assert store.get_report("s2", "client-7") is None  # report ids are per scenario
-        assert store.counts() == {"s1": {"records": 2, "reports": 2}}
+        assert store.counts() == {"s1": counted(2, 2)}
+
+    with_store(tmp_path / "db", body)
+
+
+def test_practice_records_and_verdicts_are_counted_apart_and_uncounted_when_deleted(tmp_path: Path) -> None:
+    async def body(store: RecordStore) -> None:
+        served, practice = record(), [record(turn_kind="practice") for _ in range(3)]
+        for rec in (served, *practice):
+            await store.put_record(rec)
+        await store.put_report("s1", {"references": [served["id"]], "score": 1.0})
+        for rec in practice:
+            await store.put_report("s1", {"references": [rec["id"]], "score": 0.0,
+                                          "report_id": f"verifier-{rec['id']}"}, source="verifier")
+        assert store.counts() == {"s1": counted(4, 4, 3, 3)}  # of every record and report, those of practice
+        assert store.waiting("s1", 10) == 4 and store.waiting("s1", 2) == 2  # scored, not consumed yet
+        await store.mark_consumed("s1", [practice[1]["id"]], "j-1")
+        assert store.waiting("s1", 10) == 3
+        assert await store.delete_records("s1", [practice[0]["id"], served["id"]]) == 2
+        assert store.counts() == {"s1": counted(2, 2, 2, 2)} and store.waiting("s1", 10) == 1
 
     with_store(tmp_path / "db", body)
 
@@ -260,7 +285,7 @@ def test_report_with_unknown_or_foreign_receipt_writes_nothing(tmp_path: Path) -
             assert info.value.receipt == bad
         assert store.get_report("s1", "r1") is None
         assert reports_of(store, mine["id"]) == []
-        assert store.counts() == {"s1": {"records": 1, "reports": 0}, "s2": {"records": 1, "reports": 0}}
+        assert store.counts() == {"s1": counted(1, 0), "s2": counted(1, 0)}
 
     with_store(tmp_path / "db", body)
 
@@ -368,7 +393,7 @@ def test_a_failing_op_fails_alone_in_its_batch(tmp_path: Path) -> None:
         assert all(x is False for x in results[:25] + results[29:])  # stored (no turn to link)
         assert store.stats["commits"] - commits < 10  # they shared batches: the failures stayed their own
         assert all(store.get_record(r["id"]) is not None for r in good)
-        assert store.counts() == {"s1": {"records": 51, "reports": 1}}
+        assert store.counts() == {"s1": counted(51, 1)}
 
     with_store(tmp_path / "db", body)
 
@@ -389,8 +414,8 @@ def test_concurrent_puts_are_durable_and_grouped(tmp_path: Path) -> None:
 
     async def check(store: RecordStore) -> None:  # a fresh env: what was acknowledged is on disk
         assert all(store.get_record(r["id"]) == {**r, "reports": []} for r in recs)
-        assert store.counts() == {"s0": {"records": 334, "reports": 0}, "s1": {"records": 333, "reports": 0},
-                                  "s2": {"records": 333, "reports": 0}}
+        assert store.counts() == {"s0": counted(334, 0), "s1": counted(333, 0),
+                                  "s2": counted(333, 0)}
 
     with_store(tmp_path / "db", check)
 
@@ -428,7 +453,7 @@ def test_full_map_grows_and_keeps_every_write(tmp_path: Path) -> None:
     async def counts(store: RecordStore) -> dict[str, dict[str, int]]:
         return store.counts()
 
-    assert with_store(tmp_path / "db", counts) == {"s1": {"records": 801, "reports": 0}}
+    assert with_store(tmp_path / "db", counts) == {"s1": counted(801, 0)}
 
 
 def test_storage_error_when_the_map_cannot_grow_and_reads_still_work(tmp_path: Path) -> None:

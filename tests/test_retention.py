@@ -90,8 +90,8 @@ def test_old_records_go_but_lineage_and_a_running_batch_stay(tmp_path: Path) -> 
         assert [r["id"] for r in store.list_records("s1", limit=100)] == [o[0], o[1], o[3], *y]
         for gone in (o[2], o[4], o[5]):
             assert store.get_record(gone) is None
-        assert store.counts()["s1"] == {"records": 6, "reports": 2}
-        assert store.counts()["s2"] == {"records": 2, "reports": 0}
+        assert store.counts()["s1"] == {"records": 6, "reports": 2, "practice_records": 0, "practice_reports": 0}
+        assert store.counts()["s2"] == {"records": 2, "reports": 0, "practice_records": 0, "practice_reports": 0}
         assert [r["score"] for r in store.get_record(y[0])["reports"]] == [1.0]  # as reported: both references
         assert store.get_record(y[0])["reports"][0]["references"] == [o[2], y[0]]
         assert [r["id"] for r in store.list_records("s1", session="sess", limit=100)] == [o[0], o[1], o[3]]

@@ -181,3 +181,24 @@ def test_the_hashes_records_keep_are_those_of_the_canonical_json() -> None:
         written = json.dumps([[t.strip() for t in (m["content"] for m in messages if m["role"] == "system")],
                               sorted(t["function"]["name"] for t in named)])
         assert fingerprint(messages, named) == hashlib.blake2b(written.encode(), digest_size=8).hexdigest()
+
+
+def test_the_owner_of_a_call_that_names_no_scenario_is_the_scenario_of_its_session() -> None:
+    """By the session header; else by a transcript extending a served turn (a bare repeat is no evidence); never
+    a guess: no scenario, or two, is None; and an expired session no longer owns anything."""
+    clock = Clock()
+    c = Conversations(lambda _: 900.0, clock)
+    for name in ("a", "b"):
+        p = c.place(name, f"{name}0", None, [SYSTEM, user(f"hi {name}")], [])
+        c.served(name, f"{name}0", p, chain(p.request, said("Hello!")))
+    p = c.place("a", "a1", "sess-1", [user("start")], [])
+    c.served("a", "a1", p, chain(p.request, said("ok")))
+    assert c.owner("sess-1", []) == "a" and c.owner("sess-2", []) is None
+    assert c.owner(None, [SYSTEM, user("hi b"), said("Hello!"), user("more")]) == "b"  # extends b0
+    assert c.owner(None, [SYSTEM, user("hi a")]) is None  # a repeat of a0's request: anyone may open so
+    assert c.owner(None, [SYSTEM, user("hi c")]) is None
+    p = c.place("b", "b1", "sess-1", [user("start")], [])  # the same session id in two scenarios
+    c.served("b", "b1", p, chain(p.request, said("ok")))
+    assert c.owner("sess-1", []) is None
+    clock.now += 901
+    assert c.owner(None, [SYSTEM, user("hi b"), said("Hello!"), user("more")]) is None

@@ -59,12 +59,16 @@ async def status(request: web.Request) -> web.Response:
                           "releases": {"declared": s.cfg.release.pin, "head": head.id if head else None,
                                        "serving": s.release, "adapter": s.binding.adapter if s.binding else None,
                                        "drift": drift},
-                          "records": c.get("records", 0), "reports": c.get("reports", 0),
+                          # served traffic's; practice's are counted in its own section
+                          "records": c.get("records", 0) - c.get("practice_records", 0),
+                          "reports": c.get("reports", 0) - c.get("practice_reports", 0),
                           "sessions": request.app[CONVERSATIONS].counts(name),
                           **({"judge": request.app[JUDGES].status(name)}
                              if request.app[JUDGES].settings(s) is not None else {}),
                           **({"search": search} if (search := request.app[ATTEMPTS].summary(name)) else {}),
-                          **({"practice": p} if (p := request.app[loop.PRACTICE].status(name)) is not None else {}),
+                          **({"practice": {**p, "records": c.get("practice_records", 0),
+                                           "reports": c.get("practice_reports", 0)}}
+                             if (p := request.app[loop.PRACTICE].status(name)) is not None else {}),
                           **({"canary": trial} if (trial := request.app[TRIALS].describe(name)) else {})})
     return json_response({"version": __version__, "ready": registry.ready,
                               "uptime_s": round(time.time() - request.app[STARTED_AT], 3),

@@ -231,10 +231,10 @@ class AnthropicWire:
 
 
 async def messages(request: web.Request) -> web.StreamResponse:
-    scenario = scenario_of(request)
     body = await read_json(request)
     _BODY.check(body)
     chat = to_chat_request(body)
+    scenario = scenario_of(request, body, lambda: chat.messages)
     return await serve_turn(request, scenario, request.app[RECORDS],
                             lambda receipt: AnthropicWire(receipt, scenario.name), body, chat, bool(body.get("stream")))
 

@@ -87,7 +87,8 @@ def _text(content: Any, where: str) -> str | None:
     return "".join(parts)
 
 
-def to_chat_request(body: dict[str, Any], cfg: ScenarioConfig) -> ChatRequest:
+def chat_messages(body: dict[str, Any]) -> list[dict[str, Any]]:
+    """A body's messages as reefd's chat messages (the body checked first: a bad one is its 400)."""
     _BODY.check(body)
     if body.get("logprobs") or body.get("top_logprobs"):
         raise ApiError(400, "logprobs: per-token logprobs in answers are not supported yet; "
@@ -100,6 +101,11 @@ def to_chat_request(body: dict[str, Any], cfg: ScenarioConfig) -> ChatRequest:
             if m.get(key):
                 msg[key] = m[key]
         messages.append(msg)
+    return messages
+
+
+def to_chat_request(body: dict[str, Any], cfg: ScenarioConfig) -> ChatRequest:
+    messages = chat_messages(body)
     stop = body.get("stop")
     return ChatRequest(
         messages=messages,
@@ -164,8 +170,8 @@ class OpenAIWire:
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
-    scenario = scenario_of(request)
     body = await read_json(request)
+    scenario = scenario_of(request, body, lambda: chat_messages(body))
     chat = to_chat_request(body, scenario.cfg)
     stream = bool(body.get("stream"))
     include_usage = bool((body.get("stream_options") or {}).get("include_usage"))

@@ -106,7 +106,10 @@ def _agent_ops(names: list[str], by_path: bool) -> dict[str, dict[str, Any]]:
     """The agent APIs, the scenario named by the x-reef-scenario header or (`by_path`) by the path."""
     about = "The scenario that serves the request."
     scenario = (_param("scenario", "path", _scenario_schema(names), about) if by_path
-                else _param(SCENARIO_HEADER, "header", _scenario_schema(names), about, required=True))
+                else _param(SCENARIO_HEADER, "header", _scenario_schema(names), about + " A later call of a "
+                            "session may leave it out: it goes to the scenario of the session it continues (its "
+                            "session header, its transcript, or previous_response_id); one that continues none "
+                            "is a 400."))
     named = {f"{scenario['in']}.{scenario['name']}": f"$request.{scenario['in']}.{scenario['name']}"}
     session = _param(SESSION_HEADERS[0], "header", STR, "The conversation this turn belongs to.")
     turn = _param(TURN_HEADER, "header", {"enum": ["side"]}, "`side`: a call that is not a turn of the "
@@ -192,7 +195,8 @@ def _reef_ops(names: list[str]) -> dict[str, dict[str, Any]]:
         "/reef/report": {"post": _op(
             "report", "Feedback on receipts, idempotent by report_id", "observe", _ok("Report", "The stored report."),
             (400, 404, 409, 413, 503),
-            params=(_param(SCENARIO_HEADER, "header", _scenario_schema(names), "The scenario.", required=True),),
+            params=(_param(SCENARIO_HEADER, "header", _scenario_schema(names), "The scenario; without it, the "
+                           "scenario of the first referenced record."),),
             body=_body("ReportRequest", report={
                 "references": ["01JD3Q8C7RZ5W6N0M4X2Y9A1BC"], "score": 1.0, "feedback": "Correct."}))},
         "/reef/records/{receipt}": {"get": _op(

@@ -5,15 +5,18 @@ Knows the report body's schema; storage rules live in records.py, and its errors
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 import orjson
 from aiohttp import web
 
-from reefd.api.errors import ApiError, BodySchema, json_response, read_json
+from reefd.api import access
+from reefd.api.errors import SCENARIO_HEADER, ApiError, BodySchema, json_response, read_json
 from reefd.api.turns import scenario_of
 from reefd.loop import ATTEMPTS, RECORDS
 from reefd.observe.report_store import MAX_REPORT_FIELD_BYTES, MAX_SCORE
+from reefd.serve.scenarios import Scenario
 
 MAX_REFERENCES = 10_000  # a report's records; each one checked in the write transaction, and again by retention
 
@@ -33,9 +36,10 @@ _BODY = BodySchema(REPORT_SCHEMA)
 
 
 async def report(request: web.Request) -> web.Response:
-    scenario = scenario_of(request)
     body = await read_json(request)
     _BODY.check(body)
+    named = request.match_info.get("scenario") or request.headers.get(SCENARIO_HEADER)
+    scenario = scenario_of(request) if named else await asyncio.to_thread(_of_references, request, body)
     for field in ("metadata", "feedback"):
         if field in body and len(orjson.dumps(body[field])) > MAX_REPORT_FIELD_BYTES:
             raise ApiError(413, f"{field}: more than {MAX_REPORT_FIELD_BYTES // 1024} KiB as JSON; a report's "
@@ -47,3 +51,15 @@ async def report(request: web.Request) -> web.Response:
     else:
         stored, _created = await request.app[RECORDS].put_report(scenario.name, body)
     return json_response({"object": "reef.report", **stored})
+
+
+def _of_references(request: web.Request, body: dict[str, Any]) -> Scenario:
+    """For a report that names no scenario: the scenario that served the record it references first (the store
+    then checks that every reference is one of its records); else the 400 (blocking)."""
+    references = body.get("references") or []
+    record = request.app[RECORDS].get_record(references[0]) if references and isinstance(references[0], str) \
+        else None
+    name = record.get("scenario") if isinstance(record, dict) else None
+    if isinstance(name, str) and access.covers(request, name):
+        return access.scenario(request, name)
+    return scenario_of(request)

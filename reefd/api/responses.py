@@ -14,7 +14,17 @@ from typing import Any
 import orjson
 from aiohttp import web
 
-from reefd.api.errors import ApiError, BodySchema, json_response, openai_body, read_json, shown, shown_text
+from reefd.api import access
+from reefd.api.errors import (
+    SCENARIO_HEADER,
+    ApiError,
+    BodySchema,
+    json_response,
+    openai_body,
+    read_json,
+    shown,
+    shown_text,
+)
 from reefd.api.turns import scenario_of, serve_turn
 from reefd.config import ScenarioConfig
 from reefd.loop import RECORDS
@@ -140,8 +150,9 @@ def _tool_choice(choice: Any) -> Any:
 def to_chat_request(body: dict[str, Any], cfg: ScenarioConfig,
                     prior: list[dict[str, Any]] | None = None) -> ChatRequest:
     """A validated body as a ChatRequest; `prior` is the conversation of `previous_response_id`."""
-    messages = [{"role": "system", "content": body["instructions"]}] if body.get("instructions") else []
-    messages += [*(prior or []), *input_messages(body["input"])]
+    own = _own_messages(body)
+    system = own[:1] if body.get("instructions") else []
+    messages = [*system, *(prior or []), *own[len(system):]]
     if not messages:
         raise ApiError(400, "input: the conversation is empty", param="input")
     return ChatRequest(messages=messages, max_tokens=body.get("max_output_tokens") or cfg.serve.default_max_tokens,
@@ -159,6 +170,22 @@ def stored(store: RecordStore, scenario: Scenario, response_id: str) -> dict[str
             or record["request"].get("store") is False or "response" not in record):
         return None
     return record
+
+
+def _own_messages(body: dict[str, Any]) -> list[dict[str, Any]]:
+    """The conversation a body sends itself (its instructions, then its input), `previous_response_id` aside."""
+    system = [{"role": "system", "content": body["instructions"]}] if body.get("instructions") else []
+    return [*system, *input_messages(body["input"])]
+
+
+def _continued(request: web.Request, store: RecordStore, body: dict[str, Any]) -> Scenario:
+    """The scenario of the response `previous_response_id` names, for a call that names none (blocking)."""
+    response_id = str(body.get("previous_response_id") or "")
+    record = store.get_record(response_id.removeprefix("resp_")) if response_id.startswith("resp_") else None
+    name = record.get("scenario") if isinstance(record, dict) else None
+    if isinstance(name, str) and access.covers(request, name):
+        return access.scenario(request, name)
+    return scenario_of(request, body, lambda: _own_messages(body))
 
 
 def _prior(store: RecordStore, scenario: Scenario, body: dict[str, Any]) -> list[dict[str, Any]]:
@@ -290,10 +317,14 @@ class ResponsesWire:
 
 
 async def create(request: web.Request) -> web.StreamResponse:
-    scenario = scenario_of(request)
     body = await read_json(request)
     _BODY.check(body)
     store = request.app[RECORDS]
+    if request.match_info.get("scenario") or request.headers.get(SCENARIO_HEADER) or \
+            not body.get("previous_response_id"):
+        scenario = scenario_of(request, body, lambda: _own_messages(body))
+    else:  # the response it continues was served by a scenario
+        scenario = await asyncio.to_thread(_continued, request, store, body)
     chat = to_chat_request(body, scenario.cfg, await asyncio.to_thread(_prior, store, scenario, body))
     return await serve_turn(request, scenario, store, lambda receipt: ResponsesWire(receipt, scenario.name, body, chat),
                             body, chat, bool(body.get("stream")))

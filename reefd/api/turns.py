@@ -67,13 +67,20 @@ def engine_failure(exc: EngineUnavailable | EngineError | StorageError) -> ApiEr
     return err
 
 
-def scenario_of(request: web.Request) -> Scenario:
-    """The scenario a request names: by path (/scenarios/NAME/...), else by the x-reef-scenario header."""
+def scenario_of(request: web.Request, body: dict[str, Any] | None = None,
+                messages: Callable[[], list[dict[str, Any]]] | None = None) -> Scenario:
+    """The scenario a request names: by path (/scenarios/NAME/...), else by the x-reef-scenario header; else, for
+    an agent turn (`body`, and its chat `messages`), the scenario of the session it continues (by its session
+    header, or a transcript extending a served turn), so an agent need name the scenario on its first call only."""
     name = request.match_info.get("scenario") or request.headers.get(SCENARIO_HEADER)
+    if not name and body is not None:
+        found = request.app[CONVERSATIONS].owner(session_of(request, body), messages() if messages else [])
+        name = found if found is not None and access.covers(request, found) else None
     if not name:
         known = access.visible(request, request.app[REGISTRY].scenarios)
         raise ApiError(400, f"missing the {SCENARIO_HEADER} header: it names the scenario that serves this "
-                       f"request (known: {', '.join(known)})", param=SCENARIO_HEADER, code="scenario_missing")
+                       f"request (known: {', '.join(known)}); a later call of the same session may leave it out",
+                       param=SCENARIO_HEADER, code="scenario_missing")
     return access.scenario(request, name.strip())
 
 

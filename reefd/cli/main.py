@@ -123,7 +123,9 @@ def _practice_lines(sc: Mapping[str, Any]) -> list[str]:
     out = [printable(f"scenario {sc.get('name')}: practice ({p.get('tasks')}, verifier {p.get('verifier')}): "
                      f"{p.get('rounds', 0)} rounds, {p.get('answers', 0)} answers, {p.get('passed', 0)} passed, "
                      f"{p.get('failed', 0)} failed, {p.get('verifier_errors', 0)} verifier errors, "
-                     f"{p.get('answer_errors', 0)} without an answer, {p.get('generating', 0)} generating")]
+                     f"{p.get('answer_errors', 0)} without an answer, {p.get('yielded', 0)} stopped for requests, "
+                     f"{p.get('generating', 0)} generating; "
+                     f"{p.get('records', 0)} records stored")]
     last = p.get("last_error") if isinstance(p.get("last_error"), dict) else None
     if last is not None:
         out.append(printable(f"scenario {sc.get('name')}: practice: last error: {last.get('message')}"))

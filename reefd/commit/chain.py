@@ -20,7 +20,9 @@ import pygit2
 
 from reefd.commit.trees import GITATTRIBUTES, METADATA, Trees
 
-ARTIFACT_FOLDER = {"base": "weights", "adapter": "adapter", "weights": "weights", "harness": "harness"}
+ARTIFACT_FOLDER = {"base": "weights", "adapter": "adapter", "weights": "weights", "harness": "harness",
+                   "bundle": None}
+BUNDLE_FOLDERS = ("adapter", "harness")  # what a bundle's artifact folder holds, each as a folder of its own
 COPIES = ("rollback", "promote")
 FAULT_ENV = "REEF_RELEASE_FAULT"  # after_lfs | after_commit | before_ref: os._exit(137) there (crash tests)
 _NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
@@ -249,19 +251,37 @@ class ReleaseChain:
         if kind not in ARTIFACT_FOLDER:
             raise ValueError(f"kind must be one of {sorted(ARTIFACT_FOLDER)}; rollback/promote have their own calls")
         parent = self._expect(scenario, expected_head)
+        entries = self._bring(scenario, parent, kind, artifact_dir, meta, folder)
+        return self._append(scenario, parent, kind, entries, meta)
+
+    def _bring(self, scenario: str, parent: Release | None, kind: str, artifact_dir: Path | None,
+               meta: dict[str, Any], folder: str | None = None, check: bool = True
+               ) -> dict[str, tuple[pygit2.Oid, int]]:
+        """The tree of a new release of `kind` on `parent`: the parent's, with the artifact's folder(s) replaced (a
+        bundle's artifact holds an adapter/ and a harness/ folder, both replaced together). `check`: an adapter
+        must name the weights it was trained on (BaseMismatch)."""
         entries = self._entries(parent)
         if kind == "weights":  # an adapter trained on the old weights does not apply to the new ones
             entries.pop("adapter", None)
-        elif kind == "adapter" and parent is not None:
+        elif kind in ("adapter", "bundle") and parent is not None and check:
             claim = trained_on(meta)
             have = str(entries["weights"][0]) if "weights" in entries else None
             if claim is not None and claim.get("tree") != have:
                 raise BaseMismatch(scenario, claim.get("release") if claim.get("tree") else None,
                                    self.weights(parent.id)["release"] if have else None)
-        if artifact_dir is not None:
-            name = folder or ARTIFACT_FOLDER[kind]
-            entries[name] = (self.trees.store(Path(artifact_dir)), pygit2.enums.FileMode.TREE)
-        return self._append(scenario, parent, kind, entries, meta)
+        if artifact_dir is None:
+            return entries
+        if kind == "bundle":
+            present = [name for name in BUNDLE_FOLDERS if (Path(artifact_dir) / name).is_dir()]
+            if present != list(BUNDLE_FOLDERS):
+                raise ValueError(f"a bundle holds {' and '.join(f'{n}/' for n in BUNDLE_FOLDERS)}; "
+                                 f"{artifact_dir} has {', '.join(present) or 'neither'}")
+            for name in BUNDLE_FOLDERS:
+                entries[name] = (self.trees.store(Path(artifact_dir) / name), pygit2.enums.FileMode.TREE)
+        else:
+            entries[folder or str(ARTIFACT_FOLDER[kind])] = (self.trees.store(Path(artifact_dir)),
+                                                             pygit2.enums.FileMode.TREE)
+        return entries
 
     @_locked
     def rollback(self, scenario: str, to: str | None = None, *, expected_head: str | None,
@@ -309,11 +329,8 @@ class ReleaseChain:
         if kind not in ARTIFACT_FOLDER:
             raise ValueError(f"kind must be one of {sorted(ARTIFACT_FOLDER)}")
         parent = self.get(built_on) if built_on is not None else None
-        entries = self._entries(parent)
-        if kind == "weights":  # as publish: the old weights' adapter does not come with new weights
-            entries.pop("adapter", None)
-        if artifact_dir is not None:
-            entries[ARTIFACT_FOLDER[kind]] = (self.trees.store(Path(artifact_dir)), pygit2.enums.FileMode.TREE)
+        # as publish would have made it, kept for the record even on weights it was not trained on
+        entries = self._bring(scenario, parent, kind, artifact_dir, meta, check=False)
         oid = self._commit(scenario, parent, kind, entries, meta)
         rel = dataclasses.replace(self._release(self.repo[oid].peel(pygit2.Commit)), status="rejected")
         self.repo.references.create(rejected_prefix(scenario) + rel.id, oid, force=False)

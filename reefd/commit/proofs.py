@@ -109,19 +109,22 @@ def stamped(fp: Fingerprint, probe: dict[str, Any]) -> dict[str, Any]:
 
 async def stamp(ref: Reference, cand: Candidate, cfg: Any, engine: Engine) -> None:
     """Put a new adapter's or weights' fingerprint in its meta (`proof`), from its own files: weights alone, an
-    adapter on the weights it serves on, and only while the engine serves those (else its first load computes
-    it). Not for a candidate refused (never loaded), one that has it (its trainer's), or an engine that does not
-    prove, or whose model is on another machine (the reference reads the files). When the reference fails, the
-    release is written without one, and its first load computes it (and refuses to serve it if it fails again)."""
+    adapter (a bundle's included) on the weights it serves on, and only while the engine serves those (else its
+    first load computes it). Not for a candidate refused (never loaded), one that has it (its trainer's), or an
+    engine that does not prove, or whose model is on another machine (the reference reads the files). When the
+    reference fails, the release is written without one, and its first load computes it (and refuses to serve it
+    if it fails again)."""
     base, serving = engine.model_folder(), engine.weights.path if isinstance(engine, WeightSwap) else None
     passed = cand.verdict is None or cand.verdict.get("verdict") == "pass"
-    if cand.kind not in ("adapter", "weights") or not cfg.enabled or "proof" in cand.meta or not passed or \
+    kind = "adapter" if cand.kind == "bundle" else cand.kind  # a bundle's adapter is what the engine loads
+    if kind not in ("adapter", "weights") or not cfg.enabled or "proof" in cand.meta or not passed or \
             cand.artifact is None or not isinstance(engine, Proves) or base is None or not base.is_dir():
         return
-    if cand.kind == "adapter" and (cand.meta.get("weights") or {}).get("tree") != (serving.name if serving else None):
+    if kind == "adapter" and (cand.meta.get("weights") or {}).get("tree") != (serving.name if serving else None):
         return
     probe = probe_of(cfg)
-    model, adapter = (cand.artifact, None) if cand.kind == "weights" else (serving or base, cand.artifact)
+    artifact = cand.artifact / "adapter" if cand.kind == "bundle" else cand.artifact
+    model, adapter = (artifact, None) if kind == "weights" else (serving or base, artifact)
     log.info("computing the reference fingerprint of a new %s candidate", cand.kind)
     try:
         cand.meta["proof"] = stamped(await ref.fingerprint(model, adapter, probe, base), probe)

@@ -444,7 +444,8 @@ class Trials:
             return {"canary": {**evidence, "mode": current.mode, "release": head.id, "stable_release": current.stable,
                                "decision": decision, "reason": "decided by an operator"}}
         mode = declared_mode(release)
-        if mode is None or release.pin is not None or cand.kind not in ("adapter", "harness", "promote", "weights"):
+        trialled = ("adapter", "bundle", "harness", "promote", "weights")
+        if mode is None or release.pin is not None or cand.kind not in trialled:
             return {}
         if cand.kind == "weights" and replicas < 2:
             raise TrialRefused(scenario, mode, replicas)

@@ -42,6 +42,7 @@ class Job:
     skipped: list[str] = field(default_factory=list)  # records not trained on: nothing in them, or past max_staleness
     staleness: dict[str, Any] | None = None  # a weight job's batch: releases behind its base (grow/staleness.py)
     detachable: bool = False  # its trainer runs on a cluster that outlives reefd: a restart follows it
+    job_kind: str | None = None  # what its recipe's candidate is made by (weights, harness, search, bundle)
 
     def as_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

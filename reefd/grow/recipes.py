@@ -19,7 +19,8 @@ if TYPE_CHECKING:
     from reefd.grow.staleness import Policy
     from reefd.harness import Harness
 
-PRODUCES = ("weights", "harness", "nothing")
+PRODUCES = ("weights", "harness", "both", "nothing")
+TRAINS = ("weights", "both")  # what a recipe that trains weights produces
 
 
 class RecipeError(ValueError):
@@ -119,6 +120,19 @@ Search = Generator[list[Ask], list[str], Found]
 
 
 @dataclass
+class Bundle:
+    """A candidate holding an adapter and a harness, made from one batch: `weights` is trained (its target must
+    be lora) and `harness` proposed (None: the serving harness is carried unchanged); the pair is gated once,
+    against what serves, and released, swapped and rolled back as one release (kind `bundle`). `samples` is the
+    batch; reefd trains `weights` on it as the runner marked it (staleness)."""
+
+    kind: ClassVar[str] = "bundle"
+    weights: WeightJob
+    harness: HarnessJob | None
+    samples: list[Sample]
+
+
+@dataclass
 class HarnessSearch:
     """A harness job that needs rounds of model answers (GEPA). `run(ctx)` is a generator: it yields lists of Ask
     and is sent their answers (texts, in order), and returns Found. It stays pure: the runner makes every call.
@@ -135,8 +149,9 @@ class Recipe(Protocol):
     """A way of growing a scenario. `Config` is a dataclass (`recipe.params` is validated into it) and reefd builds
     a recipe as `Class(config)`; `produces` says what its candidates are: "weights" (a WeightJob, trained by the
     scenario's trainer backend), "harness" (a HarnessJob, proposed by a model, or a HarnessSearch, rounds of
-    answers) or "nothing" (no jobs run). What else it asks of reefd, it declares: Unbatched, Ages, CapturesTopK,
-    Judged (below), and a grid of attempts (reefd/grow/attempts.py's Search).
+    answers), "both" (a Bundle: an adapter and a harness in one candidate) or "nothing" (no jobs run). What else
+    it asks of reefd, it declares: Unbatched, Ages, CapturesTopK, Judged (below), and a grid of attempts
+    (reefd/grow/attempts.py's Search).
 
     Guarantees reefd gives a recipe: `sample` sees each record with all its reports (oldest first) and is never
     shown a record already consumed by a published or rejected candidate; `candidate` gets the samples in
@@ -158,7 +173,7 @@ class Recipe(Protocol):
         ...
 
     def candidate(self, samples: list[Sample], harness: Harness | None = None
-                  ) -> WeightJob | HarnessJob | HarnessSearch: ...
+                  ) -> WeightJob | HarnessJob | HarnessSearch | Bundle: ...
 
 
 @runtime_checkable

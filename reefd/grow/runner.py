@@ -26,10 +26,11 @@ from reefd.engines import EngineError, EngineUnavailable
 from reefd.grow import staleness
 from reefd.grow.backends import Backends
 from reefd.grow.job_kinds import JobFailed, JobKind, Made, no_generate, until_ready
+from reefd.grow.job_kinds.bundle_job import BundleKind
 from reefd.grow.job_kinds.harness_job import HarnessKind, SearchKind
 from reefd.grow.job_kinds.weight_job import WeightsKind, serving_key
 from reefd.grow.job_store import CANDIDATE, Job, JobStore
-from reefd.grow.recipes import Ages, Recipe, RecipeError, Sample, Unbatched, build
+from reefd.grow.recipes import TRAINS, Ages, Recipe, RecipeError, Sample, Unbatched, build
 from reefd.observe.records import RecordStore
 from reefd.ops.files import write_json
 from reefd.serve.scenarios import Registry, Scenario
@@ -77,9 +78,10 @@ class Runner:
         self.write, self.swap = write, swap
         self.scores = ScoreMemory(self._meta_of)
         self.cancelling: set[str] = set()  # jobs an operator cancelled: their task's CancelledError is that
-        self.weights = WeightsKind(self)
-        self.kinds: dict[str, JobKind] = {"weights": self.weights, "harness": HarnessKind(self),
-                                          "search": SearchKind(self)}
+        self.weights, harness = WeightsKind(self), HarnessKind(self)
+        self.bundles = BundleKind(self, self.weights, harness)
+        self.kinds: dict[str, JobKind] = {"weights": self.weights, "harness": harness, "search": SearchKind(self),
+                                          "bundle": self.bundles}
 
     def _meta_of(self, release: str) -> dict[str, Any] | None:
         try:
@@ -90,7 +92,7 @@ class Runner:
     def prewarm(self) -> None:
         """Get the trainer backends of the scenarios that train weights ready ahead of their first job."""
         self.backends.prewarm(s.cfg.recipe.backend for s in self.registry.scenarios.values()
-                              if s.recipe is not None and s.recipe.produces == "weights")
+                              if s.recipe is not None and s.recipe.produces in TRAINS)
 
     async def close(self) -> None:
         await self.backends.close()
@@ -198,7 +200,7 @@ class Runner:
         async with self.store.selecting(job.scenario):  # retention deletes none of them until job.receipts is set
             samples = await asyncio.to_thread(eligible, self.store, recipe, job.scenario)
             aged = None
-            if recipe.produces == "weights" and head is not None:
+            if recipe.produces in TRAINS and head is not None:
                 samples, aged = await self._aged(job, recipe, head, samples)
             needs_records = not isinstance(recipe, Unbatched) or recipe.needs_records
             if (not samples and needs_records) or (job.reason != "manual" and not recipe.ready(samples)):
@@ -215,7 +217,7 @@ class Runner:
             job.receipts = [s.receipt for s in spec.samples]
         if head is None:
             raise JobFailed("the scenario has no base release yet")
-        job.built_on = head.id
+        job.built_on, job.job_kind = head.id, spec.kind
         await self.save(job)
         kind = self.kinds[spec.kind]
         await self._walk(job, spec.kind, lambda stack: kind.make(job, scenario, spec, stack))
@@ -239,7 +241,7 @@ class Runner:
         cluster that outlived reefd: follow the same trainer job, found by the job's id, so nothing is trained
         twice; here: train again from the start on the same batch, its spec), gating (the gate again, on the
         candidate it saved), or publishing (the commit, once: a release this job already wrote is taken)."""
-        scenario = self.scenario(job)
+        scenario = await self._served(job)
         job.error = None
         if job.stage != "train":
             made, key = await asyncio.to_thread(self._saved_candidate, job)
@@ -247,7 +249,6 @@ class Runner:
             log.info("%s %s: resuming its %s stage on the candidate it saved, after a restart", job.scenario, job.id,
                      job.stage)
             if job.stage == "gate" or job.verdict is None:
-                await until_ready(scenario.engine, scenario.cfg.model.startup_timeout_s, "scenario's")  # it gates
                 await self._walk(job, key, lambda stack: _ready(made))
             else:
                 await self._publish(job, made, job.verdict, resumed=True)
@@ -261,7 +262,21 @@ class Runner:
             log.info("%s %s: training again on the same batch after a restart", job.scenario, job.id)
             job.progress, job.metrics = {}, {}
             await asyncio.to_thread(shutil.rmtree, spec_path.parent / "candidate", True)  # what the last run left
-        await self._walk(job, "weights", lambda stack: self.weights.train(job, scenario, spec_path, stack))
+        trainer = self.bundles if job.job_kind == "bundle" else self.weights  # a bundle trains beside its proposal
+        await self._walk(job, job.job_kind or "weights", lambda stack: trainer.train(job, scenario, spec_path, stack))
+
+    async def _served(self, job: Job) -> Scenario:
+        """The job's scenario once its engine is up and the reconciler has served its release after the restart
+        (what a resumed candidate is judged against, and the harness it was proposed on)."""
+        scenario = self.scenario(job)
+        await until_ready(scenario.engine, scenario.cfg.model.startup_timeout_s, "scenario's")
+        deadline = time.monotonic() + scenario.cfg.model.startup_timeout_s
+        while not (scenario.settled and scenario.binding is not None):
+            if time.monotonic() > deadline:
+                raise JobFailed(f"the scenario serves no release yet: {scenario.error or 'not reconciled'}")
+            await asyncio.sleep(0.25)
+            scenario = self.scenario(job)
+        return scenario
 
     async def _walk(self, job: Job, key: str,
                     make: Callable[[contextlib.AsyncExitStack], Awaitable[Made | None]]) -> None:

@@ -317,6 +317,25 @@ class Conversations:
         return Placement(request=request, length=len(convo), fingerprint=frame, explicit=header is not None,
                          **_decide(s, receipt, header, convo, hashes, frame, side))
 
+    def owner(self, header: str | None, messages: list[dict[str, Any]]) -> str | None:
+        """The scenario of the open session a call continues, for a call that names none: the one whose open
+        sessions hold its session header, or (without one) a served turn whose reply its transcript holds. A bare
+        repeat of a first message is no evidence (two agents may both open with "hi"). None when no scenario's,
+        or more than one's, does."""
+        found = set()
+        if header is not None:
+            for name, s in self._open.items():
+                self.expire(name)
+                if header in s.last:
+                    found.add(name)
+        else:
+            hashes = prefix_hashes(conversation(messages))
+            for name, s in self._open.items():
+                self.expire(name)
+                if any(h in s.by_reply for h in hashes[:-1]):
+                    found.add(name)
+        return found.pop() if len(found) == 1 else None
+
     def served(self, scenario: str, receipt: str, placement: Placement, reply: str,
                at: float | None = None, release: str | None = None) -> None:
         """A main or retry turn's record is durable: it is open for a continuation. `reply`: the hash of its

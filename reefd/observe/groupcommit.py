@@ -21,6 +21,12 @@ log = logging.getLogger("reefd.observe.records")
 
 LOW_DISK = 64 << 20  # free bytes under which a failed write is taken for a full disk
 COUNTS = struct.Struct(">QQ")  # records, reports
+PRACTICE = b"\0practice"  # a counts key: the scenario's name, then this, counts its practice records and reports
+
+
+def practice_key(scenario: bytes) -> bytes:
+    """The counts key of a scenario's practice records and verdicts (a scenario name never holds a NUL)."""
+    return scenario + PRACTICE
 _STOP = object()
 Outcome = tuple[bool, Any]  # (True, result) or (False, exception)
 Op = tuple[Callable[..., Any], tuple[Any, ...], asyncio.Future[Any]]
@@ -266,10 +272,16 @@ class GroupCommit:
                 yield txn
 
     def counts(self) -> dict[str, dict[str, int]]:
-        """{scenario: {"records": n, "reports": m}}, kept by the write transactions (no scan of records)."""
+        """{scenario: {"records": n, "reports": m, "practice_records": p, "practice_reports": q}}, kept by the write
+        transactions (no scan of records): every record and report, and of them those of practice."""
+        out: dict[str, dict[str, int]] = {}
         with self._reading() as txn:
-            return {key.decode(): dict(zip(("records", "reports"), COUNTS.unpack(raw), strict=True))
-                    for key, raw in txn.cursor(db=self._dbs["counts"])}
+            for key, raw in txn.cursor(db=self._dbs["counts"]):
+                name, practice = (key[:-len(PRACTICE)], "practice_") if key.endswith(PRACTICE) else (key, "")
+                mine = out.setdefault(name.decode(), {"records": 0, "reports": 0, "practice_records": 0,
+                                                      "practice_reports": 0})
+                mine[f"{practice}records"], mine[f"{practice}reports"] = COUNTS.unpack(raw)
+        return out
 
 
 def _settle(futures: list[asyncio.Future[Any]], outcomes: list[Outcome]) -> None:

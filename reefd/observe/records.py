@@ -13,7 +13,7 @@ from typing import Any
 
 import lmdb
 
-from reefd.observe.groupcommit import COUNTS, StorageError, StoreClosed, scenario_key
+from reefd.observe.groupcommit import COUNTS, StorageError, StoreClosed, practice_key, scenario_key
 from reefd.observe.receipts import is_receipt, new_receipt, receipt_ms
 from reefd.observe.recordcodec import pack, unpack
 from reefd.observe.report_store import ClaimTaken, ReportConflict, Reports, UnknownReceipt
@@ -79,6 +79,8 @@ class RecordStore(Reports):
         if isinstance(record.get("session"), str):
             txn.put(_session_prefix(scenario, record["session"]) + receipt, b"", db=self._dbs["by_session"])
         deltas.setdefault(scenario, [0, 0])[0] += 1
+        if record.get("turn_kind") == "practice":
+            deltas.setdefault(practice_key(scenario), [0, 0])[0] += 1
         if link is not None and txn.get(link[0], db=self._dbs["records"]) is not None:
             return bool(txn.put(link[0], link[1], overwrite=False, db=self._dbs["links"]))
         return False
@@ -112,6 +114,13 @@ class RecordStore(Reports):
                     if record is not None and record.get("turn_kind") != "shadow":  # never served: never trained on
                         out.append(record)
         return out
+
+    def waiting(self, scenario: str, at_most: int) -> int:
+        """How many of the scenario's records have a report that no candidate consumed yet, counting at most
+        `at_most` (the `reported` index): the scored experience waiting for a Grow job."""
+        prefix = scenario_key(scenario) + b"\0"
+        with self._reading() as txn:
+            return sum(1 for _ in islice(self._newest(txn, "reported", prefix), at_most))
 
     # --- retention: records deleted in bounded batches ----------------------------------------
 
@@ -160,21 +169,24 @@ class RecordStore(Reports):
         db, prefix = self._dbs, scenario + b"\0"
         # First read everything the deletion needs, so that a value that cannot be read fails the op before any
         # write (the writer's rule for op errors); each report is read once however many of its records go.
-        rows: list[tuple[bytes, Any]] = []  # (receipt, session)
-        reports: dict[bytes, list[Any]] = {}  # report key -> its references
+        rows: list[tuple[bytes, Any, bool]] = []  # (receipt, session, practice)
+        reports: dict[bytes, tuple[list[Any], bool]] = {}  # report key -> its references, a verifier's
         for receipt in dict.fromkeys(receipts):
             key = receipt.encode()
             raw = txn.get(key, db=db["records"])
             if raw is None or txn.get(prefix + key, db=db["by_scenario"]) is None:
                 continue
-            rows.append((key, unpack(raw).get("session")))
+            record = unpack(raw)
+            rows.append((key, record.get("session"), record.get("turn_kind") == "practice"))
             with txn.cursor(db=db["report_index"]) as cursor:  # receipt + seq -> report key
                 for index_key, report_key in cursor if cursor.set_range(key) else ():
                     if not index_key.startswith(key):
                         break
                     if report_key not in reports and (stored := txn.get(report_key, db=db["reports"])) is not None:
-                        reports[report_key] = list(unpack(stored).get("references") or [])
-        for key, session in rows:
+                        report = unpack(stored)
+                        reports[report_key] = (list(report.get("references") or []),
+                                               report.get("source") == "verifier")
+        for key, session, _ in rows:
             txn.delete(prefix + key, db=db["by_scenario"])
             if isinstance(session, str):
                 txn.delete(_session_prefix(scenario, session) + key, db=db["by_session"])
@@ -186,12 +198,14 @@ class RecordStore(Reports):
                 found = cursor.set_range(key)
                 while found and cursor.key().startswith(key):
                     found = cursor.delete()  # moves on to the next entry
-        delta = deltas.setdefault(scenario, [0, 0])
-        for report_key, refs in reports.items():  # a report goes with the last record it references
+        delta, practice = deltas.setdefault(scenario, [0, 0]), deltas.setdefault(practice_key(scenario), [0, 0])
+        for report_key, (refs, verdict) in reports.items():  # a report goes with the last record it references
             if not any(txn.get(str(ref).encode(), db=db["records"]) for ref in refs):
                 txn.delete(report_key, db=db["reports"])
                 delta[1] -= 1
+                practice[1] -= verdict
         delta[0] -= len(rows)
+        practice[0] -= sum(p for _, _, p in rows)
         return len(rows)
 
     # --- reads: synchronous, short read transactions ----------------------------------------

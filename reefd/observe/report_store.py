@@ -15,7 +15,7 @@ from typing import Any
 
 import lmdb
 
-from reefd.observe.groupcommit import GroupCommit, Refused, scenario_key
+from reefd.observe.groupcommit import GroupCommit, Refused, practice_key, scenario_key
 from reefd.observe.receipts import is_receipt, new_receipt
 from reefd.observe.recordcodec import pack, unpack
 
@@ -144,6 +144,8 @@ class Reports(GroupCommit):
             if txn.get(key, db=db["consumed"]) is None:
                 txn.put(key, b"", db=db["reported"])
         deltas.setdefault(scenario, [0, 0])[1] += 1
+        if report.get("source") == "verifier":  # practice's verdicts, counted apart
+            deltas.setdefault(practice_key(scenario), [0, 0])[1] += 1
         return report, True
 
     def get_report(self, scenario: str, report_id: str) -> dict[str, Any] | None:

@@ -16,7 +16,7 @@ import itertools
 import os
 import threading
 from collections import Counter
-from collections.abc import Callable, Collection, Iterator, Mapping
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -126,7 +126,7 @@ class State:
 
     def __init__(self, scenarios: dict[str, Any], lines: dict[str, dict[str, Any]], engines: dict[str, Any],
                  counts: Callable[[], dict[str, dict[str, int]]], lmdb_path: str, jobs: list[Any],
-                 turns: Turns | None = None):
+                 turns: Turns | None = None, practice: dict[str, dict[str, Any]] | None = None):
         self.scenarios = scenarios  # name -> Scenario
         self.lines = lines  # name -> its engine line's describe(), for scenarios with one
         self.engines = engines  # name -> its engine's describe()
@@ -134,6 +134,7 @@ class State:
         self.lmdb_path = lmdb_path
         self.jobs = jobs
         self.turns = turns or Turns()  # a copy of Metrics.turns
+        self.practice = practice or {}  # name -> what its practice did (Practice.status), for scenarios with one
 
 
 class _Live(Collector):
@@ -158,10 +159,11 @@ class _Live(Collector):
                        for why in ("queue_full", "queue_timeout")})
         yield _family(CounterMetricFamily, "reef_engine_restarts", "Times reefd restarted an engine process.",
                       ["scenario"], {(name,): e.get("restarts") or 0 for name, e in state.engines.items()})
-        yield _family(CounterMetricFamily, "reef_records", "Records stored.", ["scenario"],
-                      {(name,): c.get("records", 0) for name, c in counts})
-        yield _family(CounterMetricFamily, "reef_reports", "Reports stored.", ["scenario"],
-                      {(name,): c.get("reports", 0) for name, c in counts})
+        yield _family(CounterMetricFamily, "reef_records", "Records of served turns stored.", ["scenario"],
+                      {(name,): c.get("records", 0) - c.get("practice_records", 0) for name, c in counts})
+        yield _family(CounterMetricFamily, "reef_reports", "Reports on served turns stored.", ["scenario"],
+                      {(name,): c.get("reports", 0) - c.get("practice_reports", 0) for name, c in counts})
+        yield from _practice(state.practice, counts)
         size = GaugeMetricFamily("reef_lmdb_size_bytes", "Size of the record store's LMDB file.")
         data = Path(state.lmdb_path) / "data.mdb"
         size.add_metric([], os.path.getsize(data) if data.exists() else 0)
@@ -181,6 +183,22 @@ class _Live(Collector):
         yield _family(GaugeMetricFamily, "reef_release_info", "The release each scenario serves (value 1).",
                       ["scenario", "release"], {(name, s.release): 1 for name, s in state.scenarios.items()
                                                 if s.release is not None})
+
+
+def _practice(practice: dict[str, dict[str, Any]], counts: Iterable[tuple[str, dict[str, int]]]) -> Iterator[Any]:
+    """Practice, apart from served traffic: its stored records and verdicts, and what its rounds did since start."""
+    stored = list(counts)
+    yield _family(CounterMetricFamily, "reef_practice_records", "Practice records stored.", ["scenario"],
+                  {(name,): c.get("practice_records", 0) for name, c in stored if c.get("practice_records")})
+    yield _family(CounterMetricFamily, "reef_practice_answers", "Practice answers generated since start.",
+                  ["scenario"], {(name,): p.get("answers", 0) for name, p in practice.items()})
+    yield _family(CounterMetricFamily, "reef_practice_verdicts", "Practice verifications since start: passed, "
+                  "failed (a wrong answer), error (the verifier's own failure, also counted as failed).",
+                  ["scenario", "verdict"], {(name, v): p.get(key, 0) for name, p in practice.items()
+                                            for v, key in (("passed", "passed"), ("failed", "failed"),
+                                                           ("error", "verifier_errors"))})
+    yield _family(GaugeMetricFamily, "reef_practice_generating", "Practice answers holding an engine turn.",
+                  ["scenario"], {(name,): p.get("generating", 0) for name, p in practice.items()})
 
 
 def _family(kind: Any, name: str, doc: str, labels: list[str], values: Mapping[Any, float]) -> Any:

@@ -6,7 +6,9 @@ cannot tell a slow answer from a stuck one. Here at most `limit` requests hold t
 more wait their turn in arrival order, each for at most `max_wait_s`. Beyond the line a request is refused at
 once (429); one that waited too long is refused then (503); both carry Retry-After, so the providers' SDKs retry
 by themselves. Background work (practice) takes a turn only from the idle half of the engine and never while a
-request waits, so requests always go first and a burst of them pauses it. Knows nothing about HTTP or engines.
+request waits, so requests always go first and a burst of them pauses it; background work that preempts takes
+one only from an engine serving no request, and is told to stop by the next request that asks. Knows nothing
+about HTTP or engines.
 """
 
 from __future__ import annotations
@@ -46,6 +48,8 @@ class Admission:
         self._waiting: deque[asyncio.Future[None]] = deque()
         self.refused: Counter[str] = Counter()  # "queue_full" (429) and "queue_timeout" (503)
         self.background = 0  # of `running`: background work's turns
+        self.preempted = 0  # background turns told to stop by a request
+        self._yielding: set[asyncio.Event] = set()  # preemptible background turns: set when a request asks
 
     @property
     def waiting(self) -> int:
@@ -59,7 +63,11 @@ class Admission:
 
     async def enter(self, left: Callable[[], bool] | None = None) -> None:
         """Hold one of the engine's turns (Overloaded when there is none to wait for) until `leave`. `left()` says
-        whether the client went away: checked while waiting, it gives the place up (Left)."""
+        whether the client went away: checked while waiting, it gives the place up (Left). Preemptible background
+        turns are told to stop at once."""
+        for stop in self._yielding:
+            self.preempted += not stop.is_set()
+            stop.set()
         if self.running < self.limit and not self._waiting:
             self.running += 1
             return
@@ -86,13 +94,20 @@ class Admission:
             raise Overloaded(f"{self.name} is busy: no turn came within {self.max_wait_s:g} s "
                              f"(model.max_queue_wait_s); retry shortly", 503, retry_after=2)
 
-    async def enter_background(self) -> None:
-        """Hold a turn for background work until `leave(background=True)`: once nobody waits and fewer than half
-        the turns (at least one) are taken; until then it waits, however long."""
-        while self._waiting or self.running >= max(1, self.limit // 2):
+    async def enter_background(self, preempt: bool = False) -> asyncio.Event:
+        """Hold a turn for background work until `leave(background=True, stop=...)`: once nobody waits and fewer
+        than half the turns (at least one) are taken; with `preempt`, once no request holds one, up to every turn.
+        Until then it waits, however long. The event returned is set when a request asks for a turn (with
+        `preempt`): the holder should stop and leave, and the request takes its turn."""
+        share = self.limit if preempt else max(1, self.limit // 2)
+        while self._waiting or self.running >= share or (preempt and self.running > self.background):
             await asyncio.sleep(BACKGROUND_POLL_S)
         self.running += 1
         self.background += 1
+        stop = asyncio.Event()
+        if preempt:
+            self._yielding.add(stop)
+        return stop
 
     def _forfeit(self, turn: asyncio.Future[None]) -> None:
         """Give up a place in the line; a turn granted meanwhile goes to the next in line."""
@@ -103,9 +118,11 @@ class Admission:
         with contextlib.suppress(ValueError):
             self._waiting.remove(turn)
 
-    def leave(self, background: bool = False) -> None:
+    def leave(self, background: bool = False, stop: asyncio.Event | None = None) -> None:
         self.running -= 1
         self.background -= background
+        if stop is not None:
+            self._yielding.discard(stop)
         while self._waiting and self.running < self.limit:
             self._grant()
 
@@ -117,5 +134,5 @@ class Admission:
 
     def describe(self) -> dict[str, Any]:
         return {"running": self.running, "waiting": len(self._waiting), "background": self.background,
-                "limit": self.limit,
+                "preempted": self.preempted, "limit": self.limit,
                 "max_queue": self.max_queue, "max_queue_wait_s": self.max_wait_s, "refused": dict(self.refused)}

@@ -145,17 +145,23 @@ class Serving:
     counted in flight so neither a reload nor a release swap takes its engine, adapter or weights away mid-answer.
     A class, not a generator: it runs on every turn."""
 
-    __slots__ = ("background", "held", "left", "line", "registry", "route", "scenario")
+    __slots__ = ("background", "held", "left", "line", "preempt", "registry", "route", "scenario", "stop")
 
     def __init__(self, registry: Registry, scenario: Scenario, line: Admission | None,
-                 left: Callable[[], bool] | None, route: Route | None, background: bool = False) -> None:
+                 left: Callable[[], bool] | None, route: Route | None, background: bool = False,
+                 preempt: bool = False) -> None:
         self.registry, self.scenario, self.line, self.left, self.route = registry, scenario, line, left, route
         self.background = background  # practice: a turn only from the idle part of the engine (Admission)
+        self.preempt = preempt  # background: only on an idle engine, and `stop` is set when a request asks
+        self.stop: asyncio.Event | None = None
         self.held: tuple[int, str | None, str | None] | None = None  # engine (by id), adapter, weights
 
     async def __aenter__(self) -> Binding:
         if self.line is not None:
-            await (self.line.enter_background() if self.background else self.line.enter(self.left))
+            if self.background:
+                self.stop = await self.line.enter_background(self.preempt)
+            else:
+                await self.line.enter(self.left)
         try:
             if self.scenario.admits is not None:
                 await self.scenario.admits.admit()
@@ -164,7 +170,7 @@ class Serving:
                 raise NotServing(self.scenario.name, self.scenario.error)
         except BaseException:
             if self.line is not None:
-                self.line.leave(self.background)
+                self.line.leave(self.background, self.stop)
             raise
         trial, route = self.scenario.trial, self.route
         if trial is not None and trial.mode == "canary" and route is not None and \
@@ -178,7 +184,7 @@ class Serving:
         if self.held is not None:
             self.registry.count(*self.held, -1)
         if self.line is not None:
-            self.line.leave(self.background)
+            self.line.leave(self.background, self.stop)
 
 
 class Registry:
@@ -248,10 +254,11 @@ class Registry:
         canary when `route` falls on its side, else the scenario's binding (see Serving)."""
         return Serving(self, scenario, self.admissions.get(id(scenario.engine)), left, route)
 
-    def practicing(self, scenario: Scenario) -> Serving:
-        """As `serving`, for practice: a background turn (requests go first), on the scenario's binding, never a
-        release on trial."""
-        return Serving(self, scenario, self.admissions.get(id(scenario.engine)), None, None, background=True)
+    def practicing(self, scenario: Scenario, preempt: bool) -> Serving:
+        """As `serving`, for practice: a background turn (requests go first; with `preempt`, only on an idle engine,
+        and its `stop` is set when a request asks), on the scenario's binding, never a release on trial."""
+        return Serving(self, scenario, self.admissions.get(id(scenario.engine)), None, None, background=True,
+                       preempt=preempt)
 
     def count(self, engine: int, adapter: str | None, weights: str | None, n: int) -> None:
         """`n` more requests in flight on `engine` (by id), with `adapter` and `weights` (see Serving)."""

@@ -97,7 +97,8 @@ def test_agent_routes_take_the_scenario_by_header_or_path_and_answer_with_the_re
                                                                                       ) -> None:
     ops = operations(doc)
     header = {p["name"]: p for p in ops[("POST", "/v1/chat/completions")]["parameters"]}["x-reef-scenario"]
-    assert header["in"] == "header" and header["required"] and header["schema"]["enum"] == NAMES
+    assert header["in"] == "header" and header["schema"]["enum"] == NAMES
+    assert not header.get("required") and "later call of a session may leave it out" in header["description"]
     path = {p["name"]: p for p in ops[("POST", "/scenarios/{scenario}/v1/messages")]["parameters"]}["scenario"]
     assert path["in"] == "path" and path["schema"]["enum"] == NAMES
     for key in (("POST", "/v1/chat/completions"), ("POST", "/v1/messages"), ("POST", "/v1/responses")):

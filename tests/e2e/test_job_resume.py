@@ -13,8 +13,12 @@ from pathlib import Path
 from typing import Any
 
 from reefd.grow.runner import FAULT_KILL_AT
-from tests.conftest import Daemon
+from tests.conftest import Daemon, make_scenarios
 from tests.e2e.test_grow import client, daemon, jobs, stop, turn, wait_job
+from tests.e2e.test_harness import harness_dir
+from tests.e2e.test_practice import SKILL_NOTE
+from tests.fake_upstream import SEEN, build
+from tests.served import aiohttp_in_thread
 
 
 def on_disk(d: Daemon, job_id: str) -> dict[str, Any]:
@@ -92,3 +96,63 @@ def test_reefd_killed_at_each_stage_boundary_resumes_the_job_which_publishes_onc
         assert made[0] in json.dumps(files), files
     finally:
         stop(d)
+
+
+BUNDLE = """defaults: [{{model: tiny}}, {{recipe: composite}}, {{trigger: manual}}, {{gate: always}},
+           {{release: follow}}, _self_]
+recipe:
+  fault: {{kind: hold, hold: {hold}}}
+  params:
+    weights_params: {{batch_size: 4}}
+    harness_params:
+      batch_size: 4
+      proposer: {{engine: upstream, url: "{url}", api_key_env: UP_KEY, upstream_model: proposer}}
+harness: {{dir: bundle-harness}}
+serve: {{default_max_tokens: 8}}
+"""
+
+
+def test_a_bundle_killed_mid_training_trains_again_beside_the_proposal_it_kept(tmp_path: Path) -> None:
+    """The composite's job proposes, then trains: killed while training, the restart trains again beside the
+    proposal it kept (the proposer is not asked again); killed at its gate, the gate runs again on the saved
+    pair; one bundle release, with the adapter and the skill."""
+    hold, answer = tmp_path / "hold", tmp_path / "answer.txt"
+    hold.touch()
+    answer.write_text(json.dumps(SKILL_NOTE))
+    proposer = build(str(answer))
+    with aiohttp_in_thread(proposer) as url:
+        scen = make_scenarios(tmp_path / "scenarios", names=(), extra={"learn": BUNDLE.format(hold=hold,
+                                                                                              url=f"{url}/v1")})
+        harness_dir(scen / "bundle-harness")
+        d = Daemon(scenarios=scen, state=tmp_path / "state", log_path=tmp_path / "reefd.log", env={"UP_KEY": "up-key"})
+        d.start()
+        try:
+            c = client(d)
+            for i in range(4):
+                turn(d, c, f"task {i}", score=0.0)
+            code, job, _ = d.post("/reef/scenarios/learn/train", {})
+            assert code == 202, job
+            work = d.state / "jobs" / job["id"]
+            deadline = time.monotonic() + 120
+            while not (work / "spec.json").is_file() and time.monotonic() < deadline:
+                time.sleep(0.1)
+            assert d.proc is not None
+            d.proc.kill()  # mid-training (the trainer holds)
+            d.proc.wait()
+            left = on_disk(d, job["id"])
+            assert (left["stage"], left["job_kind"]) == ("train", "bundle")
+            assert (work / "proposal" / "skills" / "even-answers" / "SKILL.md").is_file()
+            asked = len(proposer[SEEN])
+            hold.unlink()
+            assert killed_at(d, "gate", job["id"])["stage"] == "gate"  # trained again; the pair saved
+            d.env.pop(FAULT_KILL_AT)
+            d.start()
+            after = wait_job(d, ("published", "failed"))
+            assert after["id"] == job["id"] and after["state"] == "published", (after["error"], d.logs())
+            assert len(proposer[SEEN]) == asked == 1  # proposed once
+            rel = json.loads(d.get(f"/reef/releases/{after['release']}")[1])
+            paths = {f["path"] for f in rel["files"]}
+            assert rel["kind"] == "bundle" and "adapter/adapter_model.safetensors" in paths
+            assert "harness/skills/even-answers/SKILL.md" in paths and rel["meta"]["receipts"] == after["receipts"]
+        finally:
+            stop(d)

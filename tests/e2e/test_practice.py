@@ -1,7 +1,8 @@
 """Practice through the real daemon on the tiny model: reefd answers its practice set with the serving release,
 a sandboxed verifier checks each answer, and both are kept as practice records with `source: verifier` reports,
-apart from served traffic; SAO trains on them with no client report at all; a verifier that hangs or crashes is
-a failed verification shown in status, and serving goes on."""
+apart from served traffic; SAO trains on them with no client report at all; the composite recipe makes one
+candidate of an adapter and a skill from the same verdicts, released, served and rolled back together; a verifier
+that hangs or crashes is a failed verification shown in status, and serving goes on."""
 
 from __future__ import annotations
 
@@ -16,22 +17,28 @@ import pytest
 
 from tests.conftest import Daemon, sdk, shared_daemon
 from tests.e2e.test_grow import status, wait_job
+from tests.e2e.test_harness import harness_dir
+from tests.e2e.test_metrics import scrape, value
 from tests.e2e.test_reefctl import reefctl
+from tests.fake_upstream import build
+from tests.served import aiohttp_in_thread
 
 TASKS = "".join(json.dumps({"prompt": f"Say a word with {n} letters.", "letters": n}) + "\n" for n in range(2, 6))
 EVEN = "test $(( $(wc -c < answer.txt) % 2 )) -eq 0"  # right when the answer has an even number of bytes
 
 
-def practice_yaml(verifier: str, recipe: str = "record", extra: str = "", samples: int = 2) -> str:
+def practice_yaml(verifier: str, recipe: str = "record", extra: str = "", samples: int = 2,
+                  max_waiting: str = "null") -> str:
     return (f"defaults:\n  - model: tiny\n  - recipe: {recipe}\n  - release: follow\n  - _self_\n"
             f"serve:\n  default_max_tokens: 8\n{extra}"
             f"practice:\n  tasks: practice-tasks.jsonl\n  verifier:\n{verifier}"
-            f"  tasks_per_round: 4\n  samples: {samples}\n  rounds_per_hour: 3600\n  max_tokens: 6\n")
+            f"  tasks_per_round: 4\n  samples: {samples}\n  rounds_per_hour: 3600\n  max_tokens: 6\n"
+            f"  max_waiting: {max_waiting}\n")
 
 
 @pytest.fixture(scope="module")
 def d(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
-    yield from shared_daemon(tmp_path_factory.mktemp("practice"))
+    yield from shared_daemon(tmp_path_factory.mktemp("practice"), env={"UP_KEY": "up-key"})
 
 
 @pytest.fixture
@@ -94,6 +101,18 @@ def test_practice_answers_are_verified_into_records_apart_from_traffic(d: Daemon
     per_task = Counter((r["practice"]["round"], r["practice"]["task"]) for r in practice)
     assert max(per_task.values()) == 2  # two samples of a task in a round: a group of the same prompt
 
+    shown = status(d, name)  # status and metrics count served traffic and practice apart
+    assert shown["records"] == 1 and shown["reports"] == 0
+    assert shown["practice"]["records"] >= len(practice) and shown["practice"]["reports"] >= 8
+    families = scrape(d.url + "/metrics", d.token)
+    assert value(families, "reef_records_total", scenario=name) == 1
+    assert value(families, "reef_reports_total", scenario=name) == 0
+    assert value(families, "reef_practice_records_total", scenario=name) >= len(practice)
+    assert value(families, "reef_practice_answers_total", scenario=name) >= 8
+    verdicts = {v: value(families, "reef_practice_verdicts_total", scenario=name, verdict=v)
+                for v in ("passed", "failed", "error")}
+    assert verdicts["passed"] + verdicts["failed"] >= 8 and verdicts["error"] == 0
+
 
 def test_listings_and_exports_keep_practice_apart(d: Daemon, practising: Callable[..., str]) -> None:
     name = practising()
@@ -114,6 +133,15 @@ def test_listings_and_exports_keep_practice_apart(d: Daemon, practising: Callabl
     assert code == 400 and json.loads(body)["error"]["param"] == "practice", body
     shown = reefctl(d, "records", name, "--practice", "exclude", "-o", "name")
     assert shown.returncode == 0 and shown.stdout.split() == [f"record/{receipt}"], shown.stderr
+
+
+def test_max_waiting_holds_rounds_while_a_batch_waits_for_its_job(d: Daemon, practising: Callable[..., str]) -> None:
+    """Nothing consumes this scenario's records (it only records): once 4 scored records wait, no round starts."""
+    name = practising(samples=1, extra="", max_waiting="4")
+    found = practice_status(d, name, "verified", 4)
+    time.sleep(3)  # 3 more rounds' worth (a round a second), none started
+    later = status(d, name)["practice"]
+    assert later["rounds"] == found["rounds"] == 1 and later["answers"] == 4, later
 
 
 @pytest.mark.parametrize("verifier", ["    command: 'sleep 30'\n    timeout_s: 0.5\n",
@@ -146,3 +174,86 @@ def test_sao_trains_on_practice_alone(d: Daemon, practising: Callable[..., str])
     for entry in trained:
         rec = json.loads(d.get(entry["record"])[1])
         assert rec["turn_kind"] == "practice" and [r["source"] for r in rec["reports"]] == ["verifier"]
+
+
+SKILL_NOTE = {"summary": "odd-length answers fail", "decisions": [
+    {"skill": "even-answers", "action": "create_skill", "description": "Give answers of an even length.",
+     "body": "Count the characters of your answer; add one if the count is odd.", "reason": "failed verdicts"}]}
+COMPOSITE = """recipe:
+  name: composite
+  params:
+    weights: sao
+    weights_params: {{batch_size: 4}}
+    harness: skillclaw
+    harness_params:
+      batch_size: 4
+      proposer: {{engine: upstream, url: "{url}", api_key_env: UP_KEY, upstream_model: proposer}}
+gate:
+  kind: paired
+  tasks: gate-tasks.jsonl
+  min_tasks: 2
+  max_tokens: 4
+  scorer: tests.e2e.test_harness:length_parity
+  min_win_margin: -100
+harness:
+  dir: {harness}
+"""
+
+
+def served(d: Daemon, name: str) -> dict[str, Any]:
+    """The record of one served turn, now."""
+    c = sdk(openai.OpenAI(base_url=d.url + "/v1", api_key=d.token, max_retries=0,
+                          default_headers={"x-reef-scenario": name}))
+    raw = c.chat.completions.with_raw_response.create(model=name, max_tokens=4,
+                                                      messages=[{"role": "user", "content": "hi"}])
+    return dict(json.loads(d.get(f"/reef/records/{raw.headers['x-reef-agent-record-id']}")[1]))
+
+
+def test_composite_releases_an_adapter_and_a_skill_together(d: Daemon, own_scenario: Callable[..., str],
+                                                            tmp_path: Any) -> None:
+    """Practice verdicts feed both halves: SAO trains the adapter on the batch, SkillClaw (a scripted proposer,
+    as hosted models are unreachable here) writes a skill from its failed answers; one gate, one `bundle` release
+    holding adapter/ and harness/, served at once, explained, delivered, and rolled back in one step."""
+    answer = tmp_path / "answer.txt"
+    answer.write_text(json.dumps(SKILL_NOTE))
+    with aiohttp_in_thread(build(str(answer))) as url:
+        harness_dir(d.scenarios / "bundle-harness")
+        name = own_scenario(d, practice_yaml(f"    command: '{EVEN}'\n", samples=1, extra=COMPOSITE.format(
+            url=f"{url}/v1", harness="bundle-harness")), prefix="bundle", files={
+            "practice-tasks.jsonl": TASKS, "gate-tasks.jsonl": "".join(
+                json.dumps({"prompt": f"task {i}", "answer": ""}) + "\n" for i in range(2))})
+        found = practice_status(d, name, "failed", 1)
+        practice_status(d, name, "verified", 4)
+        assert found["tasks"] == "practice-tasks.jsonl"
+        before = served(d, name)
+        started = reefctl(d, "train", name)
+        assert started.returncode == 0, started.stderr
+        job = wait_job(d, ("published", "rejected", "failed", "skipped"), name=name)
+    assert job["state"] == "published", job
+    code, body = d.get(f"/reef/releases/{job['release']}")
+    rel = json.loads(body)
+    assert code == 200 and rel["kind"] == "bundle", rel
+    paths = {f["path"] for f in rel["files"]}
+    assert "adapter/adapter_model.safetensors" in paths and "harness/skills/even-answers/SKILL.md" in paths
+    assert rel["meta"]["gate"]["verdict"] == "pass" and rel["meta"]["gate"]["tasks"] == 2  # gated once
+    assert [m["id"] for m in rel["meta"]["mutations"]] == ["even-answers"] and rel["meta"]["metrics"]["steps"]
+
+    after = served(d, name)  # one release serves both: its adapter, and its skill in the system prompt
+    assert after["release"] == job["release"] and after["adapter"] == job["release"]
+    assert "Give answers of an even length." in after["messages"][0]["content"]
+    assert before["adapter"] is None and "even length" not in before["messages"][0]["content"]
+
+    shown = reefctl(d, "explain", job["release"])
+    assert shown.returncode == 0, shown.stderr
+    assert f"release/{job['release']}  bundle  released" in shown.stdout
+    assert "Mutation: create skill even-answers" in shown.stdout and "Learned from 4 records" in shown.stdout
+    code, body = d.get(f"/reef/harness/releases?scenario={name}")
+    assert code == 200 and json.loads(body)["current"] == job["release"], body
+    code, script = d.get(f"/reef/harness/install?adapter=claude&scenario={name}")
+    assert code == 200 and job["release"].encode() in script and b"even-answers" in script
+
+    back = reefctl(d, "rollback", name)
+    assert back.returncode == 0, back.stderr
+    undone = served(d, name)  # both halves go back at once
+    assert undone["release"] != job["release"] and undone["adapter"] is None
+    assert "even length" not in undone["messages"][0]["content"]

@@ -24,8 +24,9 @@ def scenario(tmp_path: Path, practice: str, tasks: str = GOOD) -> Path:
 
 def test_a_practice_set_and_its_verifier_load(tmp_path: Path) -> None:
     cfg = config.compose(scenario(tmp_path, "  tasks: tasks.jsonl\n  verifier:\n    command: [sh, -c, 'exit 0']\n"
-                                            "    timeout_s: 2\n  samples: 4\n"))
+                                            "    timeout_s: 2\n  samples: 4\n  max_waiting: 8\n  preempt: false\n"))
     assert cfg.practice.tasks == "tasks.jsonl" and cfg.practice.samples == 4
+    assert cfg.practice.max_waiting == 8 and cfg.practice.preempt is False
     assert cfg.practice.verifier.command == ["sh", "-c", "exit 0"] and cfg.practice.verifier.timeout_s == 2
     assert config.compose(scenario(tmp_path / "none", "  tasks: null\n")).practice.tasks is None
 
@@ -38,6 +39,8 @@ def test_a_practice_set_and_its_verifier_load(tmp_path: Path) -> None:
     ("  tasks: tasks.jsonl\n", GOOD, r"practice\.verifier: set exactly one of command and function"),
     ("  tasks: tasks.jsonl\n  verifier: {function: nope}\n", GOOD, r"'nope' is not pkg\.mod:fn"),
     ("  tasks: tasks.jsonl\n  verifier: {command: 'true'}\n  samples: 0\n", GOOD, r"practice\.samples: .*minimum"),
+    ("  tasks: tasks.jsonl\n  verifier: {command: 'true'}\n  max_waiting: 0\n", GOOD,
+     r"practice\.max_waiting: .*minimum"),
     ("  tasks: tasks.jsonl\n  verifier: {command: 'true', timeout: 3}\n", GOOD, r"practice\.verifier.*timeout"),
 ])
 def test_mistakes_are_refused_at_load_naming_the_file_and_line(tmp_path: Path, practice: str, tasks: str,

@@ -37,6 +37,10 @@ def test_right_wrong_and_partial_answers(tmp_path: Path) -> None:
     partial = verify('echo checking; echo \'{"score": 0.25}\'', scenarios=tmp_path)
     assert partial.score == 0.25 and partial.error is None
     assert partial.output["stdout"].startswith("checking")
+    assert partial.feedback == "checking"  # what it said besides its verdict: the report's feedback
+    said = verify('echo "expected 5, got $(cat answer.txt)"; exit 1', "6", scenarios=tmp_path)
+    assert not said.passed and said.feedback == "expected 5, got 6" and right.feedback == ""
+    assert verify("echo oops; exit 7", scenarios=tmp_path).feedback == ""  # a failed verifier is no feedback
 
 
 def test_a_verifier_that_never_reads_its_stdin(tmp_path: Path) -> None:

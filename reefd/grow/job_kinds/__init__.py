@@ -28,7 +28,8 @@ class JobFailed(Exception):
 
 @dataclass
 class Made:
-    """A candidate not judged yet: what the chain keeps (`kind`: adapter, weights, harness) and what its gate needs."""
+    """A candidate not judged yet: what the chain keeps (`kind`: adapter, weights, harness, bundle) and what its gate
+    needs."""
 
     kind: str
     meta: dict[str, Any]

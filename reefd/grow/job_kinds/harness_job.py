@@ -94,12 +94,30 @@ class HarnessProduct:
                                        concurrency=max(2, scenario.cfg.model.max_batch))
 
 
+@dataclasses.dataclass
+class Proposal:
+    """A proposer's edit: the harness it makes (None: nothing to publish, `reason` says why) and what a release
+    keeps of it (summary, metrics, mutations, params, the proposer's answer, the reports it read)."""
+
+    harness: Harness | None
+    reason: str = ""
+    meta: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+
 class HarnessKind(HarnessProduct):
     async def make(self, job: Job, scenario: Scenario, spec: HarnessJob, stack: contextlib.AsyncExitStack
                    ) -> Made | None:
-        """Propose (the scenario's own engine and release, or the recipe's proposer model) and validate."""
         current = self.serving(scenario)
         await self.runner.save(job, "propose")
+        found = await self.propose(job, scenario, spec, current)
+        if found.harness is None:
+            job.state, job.error = "skipped", found.reason
+            return None
+        return await self.made(job, current, found.harness, {**found.meta, "receipts": job.receipts})
+
+    async def propose(self, job: Job, scenario: Scenario, spec: HarnessJob, current: Harness) -> Proposal:
+        """Ask the proposer (the scenario's own engine and release, or the recipe's proposer model) and validate its
+        answer into an edit of `current`."""
         async with contextlib.AsyncExitStack() as proposer:
             engine, adapter = await self.engine(proposer, scenario, spec.proposer, "proposer", "proposer")
             said = await answer(scenario, engine, adapter, spec.messages, spec.max_tokens, spec.temperature)
@@ -108,14 +126,12 @@ class HarnessKind(HarnessProduct):
             mutations = spec.edit(said, current)
             proposed = current.apply(mutations)
         except (RecipeError, HarnessError) as exc:
-            job.state, job.error = "skipped", f"proposal refused: {exc}"
-            return None
+            return Proposal(None, f"proposal refused: {exc}")
         if not mutations or proposed.files() == current.files():
-            job.state, job.error = "skipped", "the proposer proposed no change"
-            return None
+            return Proposal(None, "the proposer proposed no change")
         job.metrics = {"mutations": len(mutations), "proposer_answer": said[:4000]}
-        return await self.made(job, current, proposed, {
-            "summary": proposed.summary(current), "metrics": {"mutations": len(mutations)}, "receipts": job.receipts,
+        return Proposal(proposed, meta={
+            "summary": proposed.summary(current), "metrics": {"mutations": len(mutations)},
             "reports": sorted({r for s in spec.samples for r in s.reports}), "mutations": mutations,
             "params": {**recipe_params(scenario), "max_tokens": spec.max_tokens, "temperature": spec.temperature},
             "proposal": clipped(said)})

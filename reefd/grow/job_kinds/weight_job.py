@@ -48,9 +48,9 @@ class WeightsKind:
                    ) -> Made | None:
         job.skipped = [*spec.skipped, *job.skipped]  # the recipe's, then those past max_staleness
         await self.runner.save(job, "train")
-        return await self.train(job, scenario, await self._write_spec(job, scenario, spec), stack)
+        return await self.train(job, scenario, await self.write_spec(job, scenario, spec), stack)
 
-    async def _write_spec(self, job: Job, scenario: Scenario, spec: WeightJob) -> Path:
+    async def write_spec(self, job: Job, scenario: Scenario, spec: WeightJob) -> Path:
         """The job's folder with its trainer spec (and the weights it trains on, when a weights release serves)."""
         assert job.built_on is not None
         chain, model_dir = self.runner.chain, scenario.engine.model_folder()
@@ -170,10 +170,12 @@ class WeightsKind:
 
     async def gate(self, job: Job, scenario: Scenario, made: Made, gate: gates.Gate) -> gates.Verdict:
         return await (self._gate_full(job, scenario, made, gate) if made.kind == "weights"
-                      else self._gate_adapter(job, scenario, made.artifact, gate))
+                      else self.gate_adapter(job, scenario, made.artifact, gate))
 
-    async def _gate_adapter(self, job: Job, scenario: Scenario, out: Path, gate: gates.Gate) -> gates.Verdict:
-        """The adapter candidate loaded beside the serving one; both answered by the scenario's engine."""
+    async def gate_adapter(self, job: Job, scenario: Scenario, out: Path, gate: gates.Gate,
+                           systems: tuple[str, str] | None = None) -> gates.Verdict:
+        """The adapter candidate loaded beside the serving one; both answered by the scenario's engine. `systems`:
+        the serving side's system text and the candidate's (a bundle's harnesses); their scores are not kept."""
         assert gate.sampling is not None
         binding, registry, scores = scenario.binding, self.runner.registry, self.runner.scores
         serving = binding.adapter if binding else None
@@ -181,14 +183,16 @@ class WeightsKind:
 
         async def generate(messages: list[dict[str, Any]], adapter: str | None, sampling: gates.Sampling,
                            seed: int) -> str:
-            return await answer(scenario, engine, adapter, messages, sampling.max_tokens, sampling.temperature, seed)
+            system = None if systems is None else systems[1] if adapter == name else systems[0]
+            return await answer(scenario, engine, adapter, messages, sampling.max_tokens, sampling.temperature, seed,
+                                system)
 
         model = {k: v for k, v in dataclasses.asdict(scenario.cfg.model).items() if k != "max_batch"}
         known: gates.KnownScores | None = None
         # reused scores stand for re-generated ones only where sampling is reproducible: greedy, or an engine
         # that samples each request with its own seeded generator
-        if gate.reuse_current and binding is not None and (gate.sampling.temperature == 0 or
-                                                           seeded_sampling(scenario.cfg.model)):
+        if systems is None and gate.reuse_current and binding is not None and (
+                gate.sampling.temperature == 0 or seeded_sampling(scenario.cfg.model)):
             key, release = serving_key(binding), binding.release if binding.artifact is not None else None
 
             async def remembered(digest: str) -> list[float] | None:
@@ -205,7 +209,7 @@ class WeightsKind:
             finally:
                 with contextlib.suppress(EngineError, EngineUnavailable):
                     await engine.unload_adapter(name)
-        if binding is not None and not verdict.current_reused and verdict.current_mean is not None:
+        if systems is None and binding is not None and not verdict.current_reused and verdict.current_mean is not None:
             scores.remember(serving_key(binding), verdict.fingerprint, [p["current"] for p in verdict.per_task])
         return verdict
 

@@ -1,9 +1,10 @@
 """Practice rounds: for each scenario with a practice set, a background task answers `tasks_per_round` tasks
-(`samples` answers each) with the serving release, on idle engine turns only, then has the verifier check every
-answer. Each answer is a practice record (`turn_kind: practice`, never part of a conversation or a canary) and its
-verdict a `source: verifier` report, so recipes train on them as on any scored record. A verifier that fails, an
-engine that is down or a store that refuses never stops the rounds: it is counted, logged and shown in status.
-Knows nothing about HTTP, recipes or the chain.
+(`samples` answers each) with the serving release, on idle engine turns only (with `preempt`, an answer a request
+comes in on is stopped and asked again later), then has the verifier check every answer. Each answer is a practice
+record (`turn_kind: practice`, never part of a conversation or a canary) and its verdict a `source: verifier`
+report, so recipes train on them as on any scored record. A verifier that fails, an engine that is down or a store
+that refuses never stops the rounds: it is counted, logged and shown in status. Knows nothing about HTTP, recipes
+or the chain.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import logging
 import random
 import time
 from collections import Counter
+from collections.abc import Awaitable
 from pathlib import Path
 from typing import Any
 
@@ -32,8 +34,9 @@ from reefd.serve.turn_record import asked, finish_record, served_by
 log = logging.getLogger("reefd.grow.practice")
 
 BIND_POLL_S = 1.0  # how often a scenario that serves no release yet is looked at again
+WAITING_POLL_S = 0.25  # how often a round held by max_waiting looks again
 _SEEDS = random.SystemRandom()
-COUNTS = ("rounds", "answers", "verified", "passed", "failed", "verifier_errors", "answer_errors")
+COUNTS = ("rounds", "answers", "verified", "passed", "failed", "verifier_errors", "answer_errors", "yielded")
 
 
 class Practice:
@@ -95,6 +98,10 @@ class Practice:
             if scenario.binding is None or not scenario.engine.ready:  # no release serves yet, or no engine
                 await asyncio.sleep(BIND_POLL_S)
                 continue
+            if cfg.max_waiting is not None and \
+                    await asyncio.to_thread(self.store.waiting, name, cfg.max_waiting) >= cfg.max_waiting:
+                await asyncio.sleep(WAITING_POLL_S)  # a batch waits for its job: practise once it is taken
+                continue
             picked = [tasks[order[(cursor + i) % len(order)]] for i in range(cfg.tasks_per_round)]
             cursor = (cursor + cfg.tasks_per_round) % len(order)
             round_no += 1
@@ -133,7 +140,12 @@ class Practice:
                         round_no: int, sample: int) -> Verdict | None:
         stats = self.stats.setdefault(scenario.name, Counter())
         try:
-            record = await self._answer(scenario, cfg, task, round_no, sample)
+            while True:  # asked again, on the next idle turn, while requests stop it
+                try:
+                    record = await self._answer(scenario, cfg, task, round_no, sample)
+                    break
+                except Yielded:
+                    stats["yielded"] += 1
             await self.store.put_record(record, link=False)
         except (EngineUnavailable, EngineError, NotServing, StorageError) as exc:  # the engine or the store
             stats["answer_errors"] += 1
@@ -149,6 +161,8 @@ class Practice:
         body = {"references": [record["id"]], "score": verdict.score, "report_id": f"verifier-{record['id']}",
                 "metadata": {"verifier": verifier.describe(), "task": task.where, "error": verdict.error,
                              **verdict.output}}
+        if verdict.feedback:  # what the verifier said of the answer, as a user's feedback reads (SkillClaw reads it)
+            body["feedback"] = verdict.feedback
         with contextlib.suppress(UnknownReceipt):  # retention took the record meanwhile
             try:
                 await self.store.put_report(scenario.name, body, source="verifier")
@@ -163,7 +177,8 @@ class Practice:
         chat = ChatRequest(messages=copy.deepcopy(task.messages), max_tokens=cfg.max_tokens,
                            temperature=cfg.temperature, seed=seed)
         chat.top_logprobs = scenario.capture_top_k
-        async with self.registry.practicing(scenario) as binding:
+        serving = self.registry.practicing(scenario, cfg.preempt)
+        async with serving as binding:
             if binding.harness is not None and scenario.cfg.harness.inject:
                 add_system_text(chat, binding.harness.prompt_block(inline_skills=scenario.cfg.harness.inline_skills))
             receipt = new_receipt()
@@ -177,13 +192,8 @@ class Practice:
             started = time.monotonic()
             events = scenario.engine.generate(chat, stream=False, timeout_s=scenario.cfg.serve.request_timeout_s,
                                               adapter=binding.adapter, **on_weights)
-            try:
-                completion = None
-                async for event in events:
-                    if isinstance(event, Completion):
-                        completion = event
-            finally:
-                await events.aclose()  # type: ignore[attr-defined]
+            assert serving.stop is not None
+            completion = await _unless(serving.stop, _completion(events))
         if completion is None:
             raise EngineError("the engine ended without a completion")
         finish_record(record, completion, {"text": completion.text or ""}, started, None)
@@ -192,3 +202,35 @@ class Practice:
     def _failed(self, name: str, message: str) -> None:
         log.warning("%s: %s", name, message)
         self.last[name] = {**self.last.get(name, {}), "last_error": {"at": time.time(), "message": message}}
+
+
+class Yielded(Exception):
+    """A request asked for the engine while a practice answer generated: the answer was stopped, to be asked again."""
+
+
+async def _completion(events: Any) -> Completion | None:
+    try:
+        completion = None
+        async for event in events:
+            if isinstance(event, Completion):
+                completion = event
+        return completion
+    finally:
+        await events.aclose()
+
+
+async def _unless(stop: asyncio.Event, work: Awaitable[Completion | None]) -> Completion | None:
+    """`work`'s result, unless `stop` is set first: then it is cancelled (its engine request goes with it) and
+    Yielded is raised."""
+    task, stopped = asyncio.ensure_future(work), asyncio.ensure_future(stop.wait())
+    try:
+        await asyncio.wait({task, stopped}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        stopped.cancel()
+        if not task.done():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+    if task.cancelled():
+        raise Yielded
+    return task.result()

@@ -36,6 +36,15 @@ class PracticeConfig:
     concurrency: int = field(default=1, metadata={"minimum": 1, "maximum": 64,
                                                   "description": "Practice answers generating at once; they take "
                                                                  "only idle engine turns."})
+    max_waiting: int | None = field(default=None, metadata={
+        "minimum": 1, "description": "A round waits while this many of the scenario's scored records (practice or "
+                                     "not) wait for a Grow job: practice then answers with the release the next job "
+                                     "builds on, not ahead of the trainer, and leaves the CPU to it meanwhile. "
+                                     "null: no bound."})
+    preempt: bool = field(default=True, metadata={
+        "description": "true: practice generates only while the engine serves no request, and a request that "
+                       "comes stops the practice answers generating (each is asked again once the engine is idle); "
+                       "false: it takes up to half the engine's turns beside requests, while none waits."})
     max_tokens: int = field(default=64, metadata={"minimum": 1, "maximum": 32_768,
                                                   "description": "Answer length."})
     temperature: float = field(default=1.0, metadata={"minimum": 0, "maximum": 2,

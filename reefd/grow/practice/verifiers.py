@@ -21,6 +21,7 @@ from reefd.grow.practice.sandbox import Limits, Outcome
 ROOT = Path(__file__).resolve().parents[3]  # where reefd and recipes import from, inside the sandbox too
 PASSED, FAILED = 0, 1  # exit statuses with a meaning (as pytest's); any other is the verifier's own failure
 TAIL = 2000  # characters of stdout and stderr kept in a verdict
+FEEDBACK = 1000  # characters of what a verifier printed kept as its report's feedback
 
 
 class VerifierError(ValueError):
@@ -56,6 +57,17 @@ class Verdict:
     score: float
     error: str | None
     output: dict[str, Any]
+
+    @property
+    def feedback(self) -> str:
+        """What the verifier printed about the answer: its stdout without the verdict line, at most FEEDBACK chars
+        (empty when it failed, or said nothing else)."""
+        if self.error is not None:
+            return ""
+        lines = str(self.output.get("stdout") or "").strip().splitlines()
+        if lines and lines[-1].strip().startswith("{"):
+            lines = lines[:-1]
+        return "\n".join(lines).strip()[-FEEDBACK:]
 
     @property
     def passed(self) -> bool:
