@@ -130,6 +130,11 @@ class HarnessConfig:
     )
     inline_skills: bool = field(
         default=False, metadata={"description": "Inject whole skill bodies, not only names and descriptions."})
+    prompt: str | None = field(
+        default=None, metadata={"pattern": r"^[a-z0-9][a-z0-9_-]{0,63}$", "description": (
+            "A prompt of the harness (prompts/<id>.md) applied to every request it serves: its body opens the "
+            "text reefd adds to the system prompt, before the rules (with inject). It is a release's text like any "
+            "other, so GEPA can evolve it (components: [prompt/<id>]). null: prompts are only delivered.")})
 
 
 RELEASE_ID_PATTERN = r"^r(0|[1-9][0-9]{0,8})-[0-9a-f]{7}$"
@@ -384,6 +389,11 @@ def _grow_problem(cfg: ScenarioConfig, scenarios_dir: Path) -> str | None:
             return f"harness.dir: {exc}"
         if (problem := harness.config_problem()) is not None:
             return f"harness.dir: {problem}"
+        if cfg.harness.prompt is not None and ("prompt", cfg.harness.prompt) not in harness:
+            return (f"harness.prompt: {cfg.harness.dir}/prompts/{cfg.harness.prompt}.md does not exist (prompts: "
+                    f"{', '.join(e.id for e in harness.of_kind('prompt')) or 'none'})")
+    elif cfg.harness.prompt is not None:
+        return "harness.prompt: set harness.dir, the harness folder the prompt is in"
     return practice.problem(cfg.practice, scenarios_dir)
 
 

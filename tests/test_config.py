@@ -128,6 +128,10 @@ def test_replicas_are_checked_at_load(tmp_path: Path, monkeypatch: pytest.Monkey
      "recipe.params.rollouts: 2 attempts per group; TTT-Discover needs at least 3 (with 2, the leave-one-out"),
     ("gate:\n  kind: holdout\n", "gate.tasks: "),
     ("gate:\n  kind: holdout\n  tasks: missing.jsonl\n", "gate.tasks: "),
+    ("harness:\n  prompt: lead\n", "harness.prompt: set harness.dir, the harness folder the prompt is in"),
+    ("harness:\n  dir: coder-harness\n  prompt: lead\n",
+     "harness.prompt: coder-harness/prompts/lead.md does not exist (prompts: review)"),
+    ("harness:\n  prompt: Lead\n", "harness.prompt: 'Lead' does not match"),
 ])
 def test_grow_settings_are_checked_at_load(tmp_path: Path, body: str, message: str) -> None:
     scen = make_scenarios(tmp_path, names=(), extra={"bad": "defaults:\n  - model: tiny\n  - _self_\n" + body})

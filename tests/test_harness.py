@@ -202,7 +202,7 @@ def test_config_shapes() -> None:
         Entry("x", "rules", ["b"])  # type: ignore[arg-type]
     with error("config settings: the config entry's id must be 'config'"):
         Entry("settings", "config", {})
-    with error("tool x: unknown kind tool (expected rules|skill|prompt|config)"):
+    with error("tool x: unknown kind tool (expected rules|skill|prompt|role|extension|config)"):
         Entry("x", "tool", {})
     with error("config config: config.a[1]: nan is not a finite number"):
         Entry("config", "config", {"a": [1, float("nan")]})
@@ -372,7 +372,7 @@ def test_apply_is_atomic_and_names_the_first_bad_mutation() -> None:
         ),
         (
             create("tool", "x", body="x"),
-            "mutation 1 (create tool x): unknown kind tool (expected rules|skill|prompt|config)",
+            "mutation 1 (create tool x): unknown kind tool (expected rules|skill|prompt|role|extension|config)",
         ),
         ({"op": "create", "kind": "rules", "id": "x"}, "mutation 1 (create rules x): create needs a config"),
         (
@@ -463,3 +463,14 @@ def test_prompt_block() -> None:
     assert Harness([Entry("review", "prompt", {"body": "b"})]).prompt_block() == ""
     rules_only = Harness([Entry("a", "rules", {"body": "Be brief."})])
     assert rules_only.prompt_block(inline_skills=True) == "# Harness\n\n## Rules\n\nBe brief.\n"
+
+
+def test_the_applied_prompt_opens_the_block() -> None:
+    """The scenario's harness.prompt: that prompt's body first, then the rules and skills; a prompt the harness
+    does not hold adds nothing."""
+    h = sample()
+    review = h[("prompt", "review")].config["body"]
+    assert h.prompt_block(prompt="review") == f"{review}\n\n" + h.prompt_block()
+    assert h.prompt_block(prompt="missing") == h.prompt_block()
+    alone = Harness([Entry("lead", "prompt", {"body": "Start plainly."})])
+    assert alone.prompt_block(prompt="lead") == "Start plainly.\n" and alone.prompt_block() == ""

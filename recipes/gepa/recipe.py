@@ -1,6 +1,6 @@
 """GEPA as a Reef recipe: reflective evolution of the harness's texts against labelled tasks.
 
-A candidate maps each evolved component of the harness (the body of a rules file or of a skill) to its text. One
+A candidate maps each evolved component of the harness (the body of a rules file, a skill or a prompt) to its text. One
 job runs `iterations` GEPA iterations as a search (reefd/grow/recipes.py HarnessSearch): choose a parent by its share of
 the per-task Pareto fronts over the validation tasks, a component round-robin, and a minibatch of training tasks;
 answer the minibatch under the parent; show the reflection model the component's text with those examples
@@ -37,7 +37,8 @@ from reefd.grow.recipes import (
 if TYPE_CHECKING:
     from reefd.harness import Harness
 
-KINDS = ("rules", "skill")
+KINDS = ("rules", "skill")  # what evolves when components names nothing
+NAMED = (*KINDS, "prompt")  # what components may name: a prompt matters once the scenario applies it (harness.prompt)
 FENCE_RE = re.compile(r"```[^\n`]*\n(.*?)```", re.S)
 EXAMPLE_CHARS = 1200
 REFLECTION_CHARS = 16_000  # of the reflection that made a candidate, kept in the archive
@@ -71,7 +72,8 @@ class GEPAConfig:
         "description": "JSONL validation tasks (the Pareto fronts and the serving rule); null: the trainset."})
     scorer: str = field(default="exact", metadata={"description": "exact, regex or pkg.mod:fn(text, task)."})
     components: list[str] = field(default_factory=list, metadata={
-        "description": "What evolves, as `rules/ID` or `skill/ID`; empty: every rules file and skill."})
+        "description": "What evolves, as `rules/ID`, `skill/ID` or `prompt/ID` (the prompt the scenario applies, "
+                       "harness.prompt); empty: every rules file and skill."})
     minibatch: int = field(default=3, metadata={"minimum": 1, "description": "Training tasks per iteration."})
     iterations: int = field(default=1, metadata={"minimum": 1, "description": "GEPA iterations per job."})
     max_tokens: int = field(default=64, metadata={"minimum": 1, "description": "Per task answer."})
@@ -98,8 +100,8 @@ class GEPA:
             raise RecipeError("recipe.params.trainset: required (a JSONL task file with prompt and answer)")
         for i, comp in enumerate(cfg.components):
             kind, _, ident = comp.partition("/")
-            if kind not in KINDS or not ident:
-                raise RecipeError(f"recipe.params.components[{i}]: {comp!r} is not rules/ID or skill/ID")
+            if kind not in NAMED or not ident:
+                raise RecipeError(f"recipe.params.components[{i}]: {comp!r} is not rules/ID, skill/ID or prompt/ID")
         check_model_or_function(cfg.reflector, "recipe.params.reflector", "reflector")
         try:
             self.score = scorer(cfg.scorer)

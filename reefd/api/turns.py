@@ -183,7 +183,7 @@ async def _serve_bound(request: web.Request, scenario: Scenario, binding: Bindin
     wire = wire_for(receipt)
     chat.routing_key = placement.session
     if binding.harness is not None and scenario.cfg.harness.inject:
-        add_system_text(chat, binding.harness.prompt_block(inline_skills=scenario.cfg.harness.inline_skills))
+        add_system_text(chat, scenario.harness_text(binding.harness))
     record = new_record(request, scenario, binding, receipt, wire.api, body, chat, stream, placement)
     turn = Served(request.app[CONVERSATIONS], store, record, placement, loop.of(request.app))
     headers = {RECEIPT_HEADER: record["id"], RELEASE_HEADER: binding.release}
@@ -221,7 +221,7 @@ async def _shadow(app: web.Application, scenario: Scenario, trial: Trial, chat: 
         sampling(scenario, binding, chat)
         chat.routing_key = served.get("session")
         if binding.harness is not None and scenario.cfg.harness.inject:
-            add_system_text(chat, binding.harness.prompt_block(inline_skills=scenario.cfg.harness.inline_skills))
+            add_system_text(chat, scenario.harness_text(binding.harness))
         receipt = new_receipt()
         record: dict[str, Any] = {
             **served_by(scenario, binding, receipt), "api": served.get("api"),

@@ -36,8 +36,9 @@ MAX_TOTAL_BYTES = 1024 * 1024  # all rendered files together
 MAX_ENTRIES = 200
 README = "README.md"  # allowed at the top of a harness folder, ignored
 
-_MD_FOLDERS = {"rules": "rules", "prompts": "prompt"}  # folder of <id>.md files -> kind
+_MD_FOLDERS = {"rules": "rules", "prompts": "prompt", "roles": "role"}  # folder of <id>.md files -> kind
 _FRONT_KEYS = ("name", "description")
+_ROLE_KEYS = ("name", "description", "tools")
 
 
 class Harness(Mapping[tuple[str, str], Entry]):
@@ -190,14 +191,17 @@ class Harness(Mapping[tuple[str, str], Entry]):
                 return f"config.yaml: {key}: {value!r} is not a number from {low:g} to {high:g}"
         return None
 
-    def prompt_block(self, inline_skills: bool = False) -> str:
-        """The text reefd adds to an agent's system prompt: a heading, the rules' bodies, then the skill catalog
-        ("- <id>: <description>"; with inline_skills, each skill's description and body under its own heading).
-        Prompts and config are not part of it. "" when there are no rules and no skills."""
+    def prompt_block(self, inline_skills: bool = False, prompt: str | None = None) -> str:
+        """The text reefd adds to an agent's system prompt: the body of the prompt `prompt` names (the scenario's
+        `harness.prompt`; none when this harness has no such prompt), then a heading, the rules' bodies and the
+        skill catalog ("- <id>: <description>"; with inline_skills, each skill's description and body under its
+        own heading). Other prompts and config are not part of it. "" when there is nothing to add."""
         rules, skills = self.of_kind("rules"), self.of_kind("skill")
+        applied = self.get(("prompt", prompt)) if prompt is not None else None
+        head = [applied.config["body"]] if applied is not None else []
         if not rules and not skills:
-            return ""
-        parts = ["# Harness"]
+            return "\n\n".join(head) + "\n" if head else ""
+        parts = [*head, "# Harness"]
         if rules:
             parts += ["## Rules", *(e.config["body"] for e in rules)]
         if skills and inline_skills:
@@ -282,6 +286,14 @@ def _read_tree(root: Path) -> list[Entry]:
                 if not child.is_file(follow_symlinks=False) or ident == child.name or not _ID_RE.fullmatch(ident):
                     raise HarnessError(_where(root, name), f"unexpected; {rel}/ holds <id>.md files, id {ID_PATTERN}")
                 entries.append(_parse(root, name, _MD_FOLDERS[rel], ident))
+        elif rel == "extensions" and item.is_dir(follow_symlinks=False):
+            for child in _list(root, root / rel):
+                name = f"{rel}/{child.name}"
+                ident = child.name.removesuffix(".yaml")
+                if not child.is_file(follow_symlinks=False) or ident == child.name or not _ID_RE.fullmatch(ident):
+                    raise HarnessError(_where(root, name), f"unexpected; extensions/ holds <id>.yaml files, id "
+                                       f"{ID_PATTERN}")
+                entries.append(_parse(root, name, "extension", ident))
         elif rel == "skills" and item.is_dir(follow_symlinks=False):
             for child in _list(root, root / rel):
                 name = f"{rel}/{child.name}"
@@ -295,7 +307,8 @@ def _read_tree(root: Path) -> list[Entry]:
                     raise HarnessError(_where(root, name), f"missing {_SKILL_FILE}")
                 entries.append(_parse(root, f"{name}/{_SKILL_FILE}", "skill", child.name))
         else:
-            raise HarnessError(_where(root, rel), "unexpected; a harness holds rules/, skills/, prompts/, config.yaml")
+            raise HarnessError(_where(root, rel), "unexpected; a harness holds rules/, skills/, prompts/, roles/, "
+                               "extensions/, config.yaml")
     return entries
 
 
@@ -317,12 +330,14 @@ def _where(root: Path, rel: str) -> str:
 def _parse(root: Path, rel: str, kind: str, ident: str) -> Entry:
     try:
         text = _read(root / rel)
-        if kind == "config":
+        if kind in ("config", "extension"):
             config = _yaml(text)
             if not isinstance(config, dict):
                 raise _Bad(f"must be a YAML mapping, got {type(config).__name__}")
         elif kind == "skill":
             config = _skill(text, ident)
+        elif kind == "role":
+            config = _front(text, ident, _ROLE_KEYS, required=_FRONT_KEYS)
         else:
             config = {"body": text}
         return Entry(ident, kind, config)
@@ -356,6 +371,12 @@ def _yaml(text: str) -> Any:
 
 def _skill(text: str, folder: str) -> dict[str, Any]:
     """{"description", "body"} of a SKILL.md: "---" line, YAML front matter {name, description}, "---" line, body."""
+    return _front(text, folder, _FRONT_KEYS)
+
+
+def _front(text: str, ident: str, keys: tuple[str, ...], required: tuple[str, ...] | None = None) -> dict[str, Any]:
+    """The config of a file with YAML front matter: `keys` (`required` of them: all by default; `name` must be
+    the entry's id), the rest as its body."""
     lines = text.split("\n")
     if lines[0] != "---":
         raise _Bad("must start with a '---' line (YAML front matter)")
@@ -365,7 +386,11 @@ def _skill(text: str, folder: str) -> dict[str, Any]:
     meta = _yaml("\n".join(lines[1:end]))
     if not isinstance(meta, dict):
         raise _Bad("front matter must be a YAML mapping")
-    _exact_keys(meta, _FRONT_KEYS, "front matter")
-    if meta["name"] != folder:
-        raise _Bad(f"name {_word(meta['name'])} does not match its folder {folder}")
-    return {"description": meta["description"], "body": "\n".join(lines[end + 1 :])}
+    for key in meta:
+        if key not in keys:
+            raise _Bad(f"unknown front matter key {_word(key)} (expected {', '.join(keys)})")
+    _exact_keys({k: v for k, v in meta.items() if k in (required or keys)}, required or keys, "front matter")
+    if meta["name"] != ident:
+        raise _Bad(f"name {_word(meta['name'])} does not match its {'folder' if required is None else 'file'} "
+                   f"{ident}")
+    return {**{k: v for k, v in meta.items() if k != "name"}, "body": "\n".join(lines[end + 1 :])}

@@ -1,5 +1,6 @@
-"""One harness entry (rules, skill, prompt or config): its id and config checked, made canonical and frozen, and its
-file rendered byte for byte. Knows nothing of a harness's other entries, its limits or how a folder is read."""
+"""One harness entry (rules, skill, prompt, role, extension or config): its id and config checked, made canonical
+and frozen, and its file rendered byte for byte. Knows nothing of a harness's other entries, its limits or how a
+folder is read."""
 
 from __future__ import annotations
 
@@ -12,11 +13,14 @@ from typing import Any
 
 import yaml
 
-KINDS = ("rules", "skill", "prompt", "config")
+from reefd.harness import declared
+
+KINDS = ("rules", "skill", "prompt", "role", "extension", "config")
 ID_PATTERN = r"^[a-z0-9][a-z0-9_-]{0,63}$"
 CONFIG_ID = "config"
 MAX_BODY_BYTES = 64 * 1024  # one body, UTF-8
 MAX_DESCRIPTION_CHARS = 1024  # one skill description, one line
+FOLDERS = {"rules": "rules", "prompt": "prompts", "role": "roles"}  # kinds kept as <folder>/<id>.md
 
 _ID_RE = re.compile(ID_PATTERN[1:-1])  # used with fullmatch: "$" alone would let "x\n" through
 _WORD_RE = re.compile(r"[A-Za-z0-9_-]{1,64}")
@@ -45,7 +49,8 @@ class _Bad(Exception):
 class Entry:
     """One entry; `config` is checked, made canonical and frozen (read-only mappings, tuples for lists) here.
 
-    rules, prompt: {"body"}; skill: {"description", "body"}; config: any JSON-like mapping, id "config".
+    rules, prompt: {"body"}; skill: {"description", "body"}; role: {"description", "body", "tools"?};
+    extension: an MCP server or a hook (declared.EXTENSION_SCHEMA); config: any JSON-like mapping, id "config".
     Bodies get LF line endings and lose leading and trailing blank lines; descriptions are stripped.
     Raises HarnessError naming "<kind> <id>".
     """
@@ -71,7 +76,9 @@ class Entry:
             return "config.yaml"
         if self.kind == "skill":
             return f"skills/{self.id}/{_SKILL_FILE}"
-        return f"{'rules' if self.kind == 'rules' else 'prompts'}/{self.id}.md"
+        if self.kind == "extension":
+            return f"extensions/{self.id}.yaml"
+        return f"{FOLDERS[self.kind]}/{self.id}.md"
 
     @property
     def file(self) -> bytes:
@@ -129,9 +136,18 @@ def _check_entry(kind: object, ident: object, config: object) -> Mapping[str, An
         raise _Bad(f"the config entry's id must be {CONFIG_ID!r}")
     if not isinstance(config, Mapping):
         raise _Bad(f"config must be a mapping, got {type(config).__name__}")
-    if kind == "config":
+    if kind in ("config", "extension", "role"):
         frozen: Mapping[str, Any] = _freeze(config, "config", [_MAX_VALUES], 0)
-        return frozen
+        if kind == "config":
+            return frozen
+        try:
+            (declared.check_extension if kind == "extension" else declared.check_role)(frozen)
+        except declared.Invalid as e:
+            raise _Bad(str(e)) from None
+        if kind == "extension":
+            return frozen
+        return MappingProxyType({**frozen, "description": _description(frozen["description"]),
+                                 "body": _body(frozen["body"])})
     _exact_keys(config, ("description", "body") if kind == "skill" else ("body",), "config")
     out = {"body": _body(config["body"])}
     if kind == "skill":
@@ -198,6 +214,10 @@ def _thaw(value: Any) -> Any:
 def _render(kind: str, ident: str, config: Mapping[str, Any]) -> bytes:
     if kind == "config":
         return yaml.safe_dump(_thaw(config), sort_keys=True, allow_unicode=True).encode("utf-8")
+    if kind == "extension":
+        return declared.extension_file(config)
+    if kind == "role":
+        return declared.role_file(ident, config)
     body = config["body"] + "\n"
     if kind != "skill":
         return body.encode("utf-8")

@@ -113,6 +113,13 @@ class Scenario:
         """The id of the release serving new requests."""
         return self.binding.release if self.binding else None
 
+    def harness_text(self, harness: Harness | None) -> str:
+        """What a request this scenario serves with `harness` gets in its system prompt: the applied prompt, the
+        rules and the skills, as its `harness:` settings say (Harness.prompt_block); "" without a harness."""
+        if harness is None:
+            return ""
+        return harness.prompt_block(inline_skills=self.cfg.harness.inline_skills, prompt=self.cfg.harness.prompt)
+
 
 def _recipe(cfg: ScenarioConfig) -> Recipe | None:
     try:

@@ -150,3 +150,34 @@ def test_a_candidate_that_beats_the_serving_harness_on_validation_is_published_a
         assert code == 202
         job2 = wait_job(d, seen=(job["id"],), name=name)
         assert job2["state"] == "skipped" and job2["metrics"]["serving"] == "c1", job2
+
+
+def test_gepa_evolves_the_prompt_the_scenario_applies(gepad: Daemon, own_scenario: Callable[..., str]) -> None:
+    """The scenario applies prompts/lead.md (harness.prompt) to what it serves; GEPA evolves that prompt alone
+    (components: [prompt/lead]), and the winner is what the next request's system prompt opens with. Contract test:
+    the engine is tests/fake_upstream.py in echo mode, a model that repeats its instructions."""
+    d = gepad
+    with aiohttp_in_thread(build(echo=True)) as url:
+        prefix = scenario(d, "lead", {"train.jsonl": (4, "q", "revised"), "val.jsonl": (3, "q", "revised")})
+        (d.scenarios / f"{prefix}-harness" / "prompts").mkdir()
+        (d.scenarios / f"{prefix}-harness" / "prompts" / "lead.md").write_text("Start plainly.\n")
+        text = SCENARIO.format(prefix=prefix).replace("  - model: tiny\n", "  - model: upstream\n").replace(
+            "scorer: tests.e2e.test_harness:length_parity", "scorer: regex").replace(
+            "iterations: 3", "iterations: 1\n    components: [prompt/lead]").replace(
+            f"  dir: {prefix}-harness\n", f"  dir: {prefix}-harness\n  prompt: lead\n")
+        text += f"model:\n  url: {url}/v1\n  api_key_env: UP_KEY\n  upstream_model: echo\n"
+        name = own_scenario(d, text, prefix=prefix)
+        c = sdk(openai.OpenAI(base_url=d.url + "/v1", api_key=d.token, max_retries=0,
+                              default_headers={"x-reef-scenario": name}))
+        before = c.chat.completions.create(model=name, messages=[{"role": "user", "content": "hi"}])
+        assert before.choices[0].message.content == "Start plainly.\n\n# Harness\n\n## Rules\n\nAnswer in one word.\n"
+        code, job, _ = d.post(f"/reef/scenarios/{name}/train", {}, headers={"x-reef-scenario": name})
+        assert code == 202, job
+        job = wait_job(d, name=name)
+        assert job["state"] == "published", job
+        assert (job["metrics"]["serving_val"], job["metrics"]["best_val"]) == (0.0, 1.0)
+        meta = json.loads(d.get(f"/reef/releases/{job['release']}")[1])["meta"]
+        assert [(m["op"], m["kind"], m["id"]) for m in meta["mutations"]] == [("update", "prompt", "lead")]
+        assert rule(d, name) == "Answer in one word."  # the rules did not change
+        after = c.chat.completions.create(model=name, messages=[{"role": "user", "content": "hi"}])
+        assert str(after.choices[0].message.content).startswith("Start plainly. (revised)\n\n# Harness")

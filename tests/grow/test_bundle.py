@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import os
 from collections.abc import AsyncIterator, Iterator
@@ -27,7 +28,7 @@ from reefd.grow.job_store import Job
 from reefd.grow.recipes import Bundle, RecipeError, build
 from reefd.harness import Harness
 from reefd.serve.chat import ChatRequest, Completion
-from reefd.serve.scenarios import Binding
+from reefd.serve.scenarios import Binding, Scenario
 
 SKILL = "---\nname: {id}\ndescription: {description}\n---\n\n{body}\n"
 
@@ -152,9 +153,10 @@ def test_the_gate_answers_each_side_with_its_own_adapter_and_harness(tmp_path: P
         "style": "Write well.", "even": "Give answers of an even length."})
     engine = RecordingEngine()
     cfg = SimpleNamespace(model=ModelConfig(name="tiny"), serve=SimpleNamespace(request_timeout_s=30),
-                          harness=SimpleNamespace(inline_skills=False))
+                          harness=SimpleNamespace(inline_skills=False, prompt=None))
     scenario = SimpleNamespace(engine=engine, cfg=cfg, binding=Binding("r1-abcdef0", "r1-abcdef0", "tree",
                                                                        harness=serving))
+    scenario.harness_text = functools.partial(Scenario.harness_text, scenario)  # the served text, as reefd makes it
     runner = SimpleNamespace(registry=SimpleNamespace(using=using), scores=None)
     kind = BundleKind(runner, WeightsKind(runner), None)  # type: ignore[arg-type]
     gate = gates.build({"kind": "paired", "tasks": "tasks.jsonl", "min_tasks": 2, "max_tokens": 4,

@@ -73,8 +73,7 @@ class BundleKind:
     async def gate(self, job: Job, scenario: Scenario, made: Made, gate: gates.Gate) -> gates.Verdict:
         """The candidate adapter with the proposed harness against the serving adapter with the serving harness."""
         assert made.harnesses is not None
-        inline = scenario.cfg.harness.inline_skills
-        current, proposed = (h.prompt_block(inline_skills=inline) for h in made.harnesses)
+        current, proposed = (scenario.harness_text(h) for h in made.harnesses)
         return await self.weights.gate_adapter(job, scenario, made.artifact / "adapter", gate, (current, proposed))
 
 

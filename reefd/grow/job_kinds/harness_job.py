@@ -80,9 +80,8 @@ class HarnessProduct:
         """Both sides answered by the scenario's engine and serving adapter; the harness is what differs."""
         assert made.harnesses is not None and gate.sampling is not None
         serving = scenario.binding.adapter if scenario.binding else None
-        inline = scenario.cfg.harness.inline_skills
-        blocks = {"current": made.harnesses[0].prompt_block(inline_skills=inline),
-                  "candidate": made.harnesses[1].prompt_block(inline_skills=inline)}
+        blocks = {"current": scenario.harness_text(made.harnesses[0]),
+                  "candidate": scenario.harness_text(made.harnesses[1])}
 
         async def generate(messages: list[dict[str, Any]], side: str | None, sampling: gates.Sampling,
                            seed: int) -> str:
@@ -191,14 +190,13 @@ class SearchKind(HarnessProduct):
     async def _answer_all(self, scenario: Scenario, asks: list[Ask], reflector: Reflector) -> list[str]:
         """Every Ask's answer, in order: at most the engine's batch at once."""
         engine, serving = scenario.engine, scenario.binding.adapter if scenario.binding else None
-        inline = scenario.cfg.harness.inline_skills
         limit = asyncio.Semaphore(max(2, scenario.cfg.model.max_batch))
 
         async def one(ask: Ask) -> str:
             async with limit:
                 if ask.reflect:
                     return await reflector(ask)
-                system = ask.harness.prompt_block(inline_skills=inline) if ask.harness is not None else None
+                system = scenario.harness_text(ask.harness) if ask.harness is not None else None
                 return await answer(scenario, engine, serving, ask.messages, ask.max_tokens, ask.temperature,
                                     ask.seed, system)
 

@@ -180,7 +180,7 @@ class Practice:
         serving = self.registry.practicing(scenario, cfg.preempt)
         async with serving as binding:
             if binding.harness is not None and scenario.cfg.harness.inject:
-                add_system_text(chat, binding.harness.prompt_block(inline_skills=scenario.cfg.harness.inline_skills))
+                add_system_text(chat, scenario.harness_text(binding.harness))
             receipt = new_receipt()
             record: dict[str, Any] = {
                 **served_by(scenario, binding, receipt), "api": "practice", "created_at": time.time(),
