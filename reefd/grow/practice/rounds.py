@@ -192,8 +192,8 @@ class Practice:
             started = time.monotonic()
             events = scenario.engine.generate(chat, stream=False, timeout_s=scenario.cfg.serve.request_timeout_s,
                                               adapter=binding.adapter, **on_weights)
-            assert serving.stop is not None
-            completion = await _unless(serving.stop, _completion(events))
+            # an engine without a line (no turn limits) has nobody to yield to: nothing ever stops the answer
+            completion = await _unless(serving.stop or asyncio.Event(), _completion(events))
         if completion is None:
             raise EngineError("the engine ended without a completion")
         finish_record(record, completion, {"text": completion.text or ""}, started, None)
