@@ -15,6 +15,7 @@ from reefd.harness.entry import (
     _ID_RE,
     _SKILL_FILE,
     CONFIG_ID,
+    FOLDERS,
     ID_PATTERN,
     KINDS,
     MAX_BODY_BYTES,
@@ -36,7 +37,7 @@ MAX_TOTAL_BYTES = 1024 * 1024  # all rendered files together
 MAX_ENTRIES = 200
 README = "README.md"  # allowed at the top of a harness folder, ignored
 
-_MD_FOLDERS = {"rules": "rules", "prompts": "prompt", "roles": "role"}  # folder of <id>.md files -> kind
+_MD_FOLDERS = {folder: kind for kind, folder in FOLDERS.items()}  # folder of <id>.md files -> kind
 _FRONT_KEYS = ("name", "description")
 _ROLE_KEYS = ("name", "description", "tools")
 
@@ -337,7 +338,7 @@ def _parse(root: Path, rel: str, kind: str, ident: str) -> Entry:
         elif kind == "skill":
             config = _skill(text, ident)
         elif kind == "role":
-            config = _front(text, ident, _ROLE_KEYS, required=_FRONT_KEYS)
+            config = _front(text, ident, "file", _ROLE_KEYS, required=_FRONT_KEYS)
         else:
             config = {"body": text}
         return Entry(ident, kind, config)
@@ -371,12 +372,13 @@ def _yaml(text: str) -> Any:
 
 def _skill(text: str, folder: str) -> dict[str, Any]:
     """{"description", "body"} of a SKILL.md: "---" line, YAML front matter {name, description}, "---" line, body."""
-    return _front(text, folder, _FRONT_KEYS)
+    return _front(text, folder, "folder", _FRONT_KEYS)
 
 
-def _front(text: str, ident: str, keys: tuple[str, ...], required: tuple[str, ...] | None = None) -> dict[str, Any]:
+def _front(text: str, ident: str, named_by: str, keys: tuple[str, ...], required: tuple[str, ...] | None = None
+           ) -> dict[str, Any]:
     """The config of a file with YAML front matter: `keys` (`required` of them: all by default; `name` must be
-    the entry's id), the rest as its body."""
+    the entry's id, which its `named_by`, its file or its folder, gives), the rest as its body."""
     lines = text.split("\n")
     if lines[0] != "---":
         raise _Bad("must start with a '---' line (YAML front matter)")
@@ -391,6 +393,5 @@ def _front(text: str, ident: str, keys: tuple[str, ...], required: tuple[str, ..
             raise _Bad(f"unknown front matter key {_word(key)} (expected {', '.join(keys)})")
     _exact_keys({k: v for k, v in meta.items() if k in (required or keys)}, required or keys, "front matter")
     if meta["name"] != ident:
-        raise _Bad(f"name {_word(meta['name'])} does not match its {'folder' if required is None else 'file'} "
-                   f"{ident}")
+        raise _Bad(f"name {_word(meta['name'])} does not match its {named_by} {ident}")
     return {**{k: v for k, v in meta.items() if k != "name"}, "body": "\n".join(lines[end + 1 :])}
