@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.installed
 # The daemon's default state folder (reefctl finds the API token there too).
 STATE  ?= $(or $(REEF_STATE),$(STATE_DIRECTORY),$(HOME)/.local/state/reefd)
 
-.PHONY: venv vllm-venv run test check lint fuzz bench demo clean
+.PHONY: venv vllm-venv agent-clis run test check lint fuzz bench demo clean
 
 # vLLM's CPU build in an environment of its own (engine: vllm launches its server from it): it pins its own torch
 # and transformers. Keyed by its requirements and the Python version, and kept outside the clone, so it is built
@@ -45,6 +45,25 @@ $(VLLM_STAMP):
 	$(VLLM_VENV)/bin/python -c 'import torch, vllm.entrypoints.openai.api_server; assert torch.__version__ == "2.13.0+cpu", torch.__version__'
 	touch $(VLLM_STAMP)
 
+# The coding agents' CLIs (Claude Code, Codex, opencode) for the tests that run them offline on what the harness
+# installer placed (tests/e2e/test_agent_clis.py). npm installs them (their install scripts link each one's native
+# binary from its platform package) into a folder
+# keyed by requirements/agent-clis.json (about 25 s and 1 GB, once); without npm they are skipped with a warning.
+AGENTS_REQ   := requirements/agent-clis.json
+AGENTS_KEY   := $(shell sha256sum $(AGENTS_REQ) | cut -c1-12)
+AGENTS_DIR   ?= $(HOME)/.cache/reef/agent-clis-$(AGENTS_KEY)
+AGENTS_STAMP := $(AGENTS_DIR)/.installed
+export REEF_AGENT_CLIS ?= $(AGENTS_DIR)/node_modules/.bin
+
+$(AGENTS_STAMP):
+	@if command -v npm >/dev/null 2>&1; then \
+	  mkdir -p $(AGENTS_DIR) && cp $(AGENTS_REQ) $(AGENTS_DIR)/package.json && \
+	  npm install --prefix $(AGENTS_DIR) --no-audit --no-fund --loglevel=error && \
+	  touch $(AGENTS_STAMP); \
+	else echo "make: warning: npm is missing, so the agents' CLIs are not installed and their tests are skipped" >&2; fi
+
+agent-clis: $(AGENTS_STAMP)
+
 vllm-venv: $(VLLM_STAMP)
 	@echo "vLLM's Python: $(VLLM_VENV)/bin/python (model.python, or REEF_VLLM_PYTHON)"
 
@@ -61,7 +80,7 @@ lint: venv
 # daemon it shares. TEST_WORKERS=0 runs everything in this process.
 TEST_WORKERS ?= auto
 
-test: venv vllm-venv lint
+test: venv vllm-venv agent-clis lint
 	@$(BIN)/python -m pytest -m "not slow" -n $(TEST_WORKERS) --dist loadfile --durations=25; rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "make: pytest collected no tests; that is a failure" >&2; exit 1; fi; \
 	exit $$rc

@@ -159,11 +159,12 @@ class Box:
                 shell: str = "sh") -> subprocess.CompletedProcess[str]:
         script = installer(adapter, SCENARIO, url, h)  # piped, as `curl ... | sh` runs it
         return subprocess.run([shell], input=script, env=self.env, capture_output=True, text=True, timeout=60,
-                              check=False)
+                              check=False, start_new_session=True)  # no terminal to ask on
 
     def wrapper(self, *args: str, **env: str) -> subprocess.CompletedProcess[str]:
         return subprocess.run([str(self.home / ".local/bin/reef-hello"), *args], env={**self.env, **env},
-                              stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=60, check=False)
+                              stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=60, check=False,
+                              start_new_session=True)
 
     def stub(self) -> dict[str, Any]:
         return json.loads((self.root / "stub.json").read_text())
@@ -195,7 +196,7 @@ def block(release: str, text: str) -> str:
     return f"<!-- reef:{SCENARIO} begin release={release} -->\n{text}<!-- reef:{SCENARIO} end -->\n"
 
 
-V1_TEXT = "Use tabs, not $SPACES.\n\nGreet with 'hi' \\o/\n"  # rules, then prompts, a blank line between
+V1_TEXT = "Use tabs, not $SPACES.\n"  # the rules, a blank line between (prompts go as the agent's commands)
 V2_TEXT = "Use four spaces.\n\nRun the tests first.\n"
 
 

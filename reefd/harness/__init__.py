@@ -102,6 +102,21 @@ class Harness(Mapping[tuple[str, str], Entry]):
         except HarnessError as e:
             raise HarnessError(str(root), e.reason) from None
 
+    @classmethod
+    def from_files(cls, files: Mapping[str, str]) -> Harness:
+        """Parse a harness from its files' texts by path (what GET /reef/harness lists), as from_dir would."""
+        entries = []
+        for path, text in sorted(files.items()):
+            try:
+                key = _file_key(path)
+                if key is not None:
+                    entries.append(_entry(text.replace("\r\n", "\n").replace("\r", "\n"), *key))
+            except _Bad as e:
+                raise HarnessError(path, str(e)) from None
+            except HarnessError as e:
+                raise HarnessError(path, e.reason) from None
+        return cls(entries)
+
     # -- JSON
 
     def to_json(self) -> list[dict[str, Any]]:
@@ -330,22 +345,42 @@ def _where(root: Path, rel: str) -> str:
 
 def _parse(root: Path, rel: str, kind: str, ident: str) -> Entry:
     try:
-        text = _read(root / rel)
-        if kind in ("config", "extension"):
-            config = _yaml(text)
-            if not isinstance(config, dict):
-                raise _Bad(f"must be a YAML mapping, got {type(config).__name__}")
-        elif kind == "skill":
-            config = _skill(text, ident)
-        elif kind == "role":
-            config = _front(text, ident, "file", _ROLE_KEYS, required=_FRONT_KEYS)
-        else:
-            config = {"body": text}
-        return Entry(ident, kind, config)
+        return _entry(_read(root / rel), kind, ident)
     except _Bad as e:
         raise HarnessError(_where(root, rel), str(e)) from None
     except HarnessError as e:
         raise HarnessError(_where(root, rel), e.reason) from None
+
+
+def _entry(text: str, kind: str, ident: str) -> Entry:
+    """The entry a file's text holds (raises _Bad or HarnessError)."""
+    if kind in ("config", "extension"):
+        config = _yaml(text)
+        if not isinstance(config, dict):
+            raise _Bad(f"must be a YAML mapping, got {type(config).__name__}")
+    elif kind == "skill":
+        config = _skill(text, ident)
+    elif kind == "role":
+        config = _front(text, ident, "file", _ROLE_KEYS, required=_FRONT_KEYS)
+    else:
+        config = {"body": text}
+    return Entry(ident, kind, config)
+
+
+def _file_key(path: str) -> tuple[str, str] | None:
+    """(kind, id) of a harness file by its path in the layout; None for the ignored README.md; _Bad otherwise."""
+    parts = path.split("/")
+    if parts == ["config.yaml"]:
+        return "config", CONFIG_ID
+    if parts == [README]:
+        return None
+    if len(parts) == 2 and parts[0] in _MD_FOLDERS and parts[1].endswith(".md"):
+        return _MD_FOLDERS[parts[0]], parts[1][:-3]
+    if len(parts) == 2 and parts[0] == "extensions" and parts[1].endswith(".yaml"):
+        return "extension", parts[1][:-5]
+    if len(parts) == 3 and parts[0] == "skills" and parts[2] == _SKILL_FILE:
+        return "skill", parts[1]
+    raise _Bad("unexpected; a harness holds rules/, skills/, prompts/, roles/, extensions/, config.yaml")
 
 
 def _read(path: Path) -> str:

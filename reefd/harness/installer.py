@@ -23,6 +23,8 @@ from dataclasses import dataclass
 from importlib import resources
 from typing import Any
 
+from reefd.harness import Harness, HarnessError, native
+
 ADAPTERS = ("claude", "codex", "opencode", "generic")
 
 _SCENARIO_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")  # reefd's scenario names
@@ -36,24 +38,35 @@ _SKILL_NAME_RE = re.compile(r"[a-z0-9]+(?:-[a-z0-9]+)*")  # the Agent Skills sta
 
 @dataclass(frozen=True)
 class _Agent:
+    """Where the agent reads each kind, as sh expressions (user-level folders; "" where it has none)."""
+
     title: str
-    instructions: str  # sh: the user-level instructions file Reef's block goes in
-    skills: str  # sh: the user-level skills folder
+    instructions: str  # the instructions file Reef's block goes in
+    skills: str  # the skills folder
+    commands: str = '""'  # the prompts, as its commands (native.py renders them)
+    agents: str = '""'  # the roles, as its subagents
+    toml: str = '""'  # Codex: the config.toml whose Reef block holds MCP servers and hooks
     # launch(), which runs the agent ("$@": its arguments; $SESSION: this run), is sh/launch_<adapter>.sh
 
 
+_CLAUDE = "${CLAUDE_CONFIG_DIR:-$HOME/.claude}"
+_CODEX = "${CODEX_HOME:-$HOME/.codex}"
+_OPENCODE = "${XDG_CONFIG_HOME:-$HOME/.config}/opencode"
 _AGENTS = {
-    # code.claude.com memory + skills docs: ~/.claude/CLAUDE.md, ~/.claude/skills/<name>/SKILL.md
-    "claude": _Agent("Claude Code", '"${CLAUDE_CONFIG_DIR:-$HOME/.claude}/CLAUDE.md"',
-                     '"${CLAUDE_CONFIG_DIR:-$HOME/.claude}/skills"'),
-    # developers.openai.com/codex: $CODEX_HOME/AGENTS.md (default ~/.codex); $HOME/.agents/skills
-    "codex": _Agent("Codex CLI", '"${CODEX_HOME:-$HOME/.codex}/AGENTS.md"', '"$HOME/.agents/skills"'),
-    # opencode.ai/docs rules + skills: ~/.config/opencode/AGENTS.md, ~/.config/opencode/skills
-    "opencode": _Agent("opencode", '"${XDG_CONFIG_HOME:-$HOME/.config}/opencode/AGENTS.md"',
-                       '"${XDG_CONFIG_HOME:-$HOME/.config}/opencode/skills"'),
+    # code.claude.com docs: memory, skills, slash commands, subagents under ~/.claude
+    "claude": _Agent("Claude Code", f'"{_CLAUDE}/CLAUDE.md"', f'"{_CLAUDE}/skills"', f'"{_CLAUDE}/commands"',
+                     f'"{_CLAUDE}/agents"'),
+    # developers.openai.com/codex: $CODEX_HOME (default ~/.codex) AGENTS.md, prompts/, agents/, config.toml;
+    # skills in $HOME/.agents/skills
+    "codex": _Agent("Codex CLI", f'"{_CODEX}/AGENTS.md"', '"$HOME/.agents/skills"', f'"{_CODEX}/prompts"',
+                    f'"{_CODEX}/agents"', f'"{_CODEX}/config.toml"'),
+    # opencode.ai/docs: rules, skills, commands and agents under ~/.config/opencode
+    "opencode": _Agent("opencode", f'"{_OPENCODE}/AGENTS.md"', f'"{_OPENCODE}/skills"', f'"{_OPENCODE}/commands"',
+                       f'"{_OPENCODE}/agents"'),
     "generic": _Agent("any OpenAI- or Anthropic-SDK agent", '"$ADATA/AGENTS.md"', '"$ADATA/harness/skills"'),
 }
 
+_NATIVE_FOLDERS = ("prompts/", "roles/", "extensions/")  # the kinds an agent loads itself (native.py)
 _HEADER = "# shellcheck shell=sh\n"  # the first line of a fragment's header (see the module's docstring)
 _DIRECTIVE_RE = re.compile(r"(?m)^[ \t]*# shellcheck [^\n]*\n")
 _FIELD_RE = re.compile(r"\{(scenario|release|title|adapter)\}")
@@ -94,12 +107,14 @@ def installer(adapter: str, scenario: str, base_url: str, harness: dict[str, Any
     agent = _AGENTS[adapter]
     consts = _consts(scenario=scenario, adapter=adapter, base_url=url)
     wrapper = "\n".join([_head("wrapper_head.sh", scenario=scenario, title=agent.title), consts, _paths(agent),
-                         _sh("common.sh"), _sh("wrapper.sh"), _sh(f"launch_{adapter}.sh"), 'main "$@"\n'])
+                         _sh("common.sh"), _sh("native.sh"), _sh("wrapper.sh"), _sh(f"launch_{adapter}.sh"),
+                         'main "$@"\n'])
     staged: list[tuple[str, str]] = [(f"release/harness/{path}", text) for path, _, text in files]
     staged.append(("release/instructions.md", _instructions(files)))
+    staged += _native(adapter, files)
     staged.append(("wrapper", wrapper))
     if adapter == "opencode":
-        staged.append(("opencode.json", _opencode_json(scenario, url)))
+        staged.append(("release/opencode.json", _opencode_json(scenario, url)))
     checks = {f"release/harness/{path}": sha for path, sha, _ in files}
     delim = _delimiter([text for _, text in staged])
     unpack = [_unpack(name, checks.get(name) or _sha(text), text, delim) for name, text in staged]
@@ -107,7 +122,7 @@ def installer(adapter: str, scenario: str, base_url: str, harness: dict[str, Any
              for p, _, _ in files if p.startswith("skills/") and not _SKILL_NAME_RE.fullmatch(p.split("/")[1])]
     return "\n".join([
         _head("installer_head.sh", scenario=scenario, release=release, title=agent.title, adapter=adapter),
-        consts + f"RELEASE={_q(release)}\n", _paths(agent), _sh("common.sh"), _sh("installer.sh"),
+        consts + f"RELEASE={_q(release)}\n", _paths(agent), _sh("common.sh"), _sh("native.sh"), _sh("installer.sh"),
         "stage_files() {\n" + "".join(unpack) + "}\n", "notes() {\n" + "".join(n + "\n" for n in notes) + "  :\n}\n",
         'main "$@"\n'])
 
@@ -126,15 +141,29 @@ def _files(harness: dict[str, Any]) -> list[tuple[str, str, str]]:
 
 
 def _instructions(files: list[tuple[str, str, str]]) -> str:
-    """What goes inside the marked block: the rules, then the prompts, a blank line between files.
+    """What goes inside the marked block: the rules, a blank line between files (prompts go as commands).
 
     A line that looks like a Reef marker gets a leading space (Markdown still reads it as a comment), so a block
     always ends at its own end marker.
     """
-    parts = [t if t.endswith("\n") else t + "\n" for folder in ("rules/", "prompts/")
-             for p, _, t in files if p.startswith(folder) and p.endswith(".md") and "/" not in p[len(folder):]]
+    parts = [t if t.endswith("\n") else t + "\n"
+             for p, _, t in files if p.startswith("rules/") and p.endswith(".md") and "/" not in p[len("rules/"):]]
     text = "\n".join(p for p in parts if p.strip())
     return re.sub(r"(?m)^(?=<!-- reef:)", " ", text)
+
+
+def _native(adapter: str, files: list[tuple[str, str, str]]) -> list[tuple[str, str]]:
+    """The release folder's place/ (commands, subagents) and ext/<id>/ (each extension as the agent takes it)."""
+    try:
+        parsed = Harness.from_files({path: text for path, _, text in files if path.startswith(_NATIVE_FOLDERS)})
+    except HarnessError as e:
+        raise ValueError(f"harness file {e}") from None
+    out = [(f"release/place/{p.place}/{p.name}", p.text) for p in native.placed(adapter, parsed)]
+    for x in native.extensions(adapter, parsed):
+        out.append((f"release/ext/{x.id}/shown", x.shown + "\n"))
+        text = x.text if x.form else x.why_not
+        out.append((f"release/ext/{x.id}/{x.form or 'none'}", text if text.endswith("\n") else text + "\n"))
+    return out
 
 
 def _opencode_json(scenario: str, url: str) -> str:
@@ -164,6 +193,7 @@ def _paths(agent: _Agent) -> str:
   DATA=$HOME/.local/share/reef/$SCENARIO BIN=$HOME/.local/bin
   ADATA=$DATA/$ADAPTER LEDGER=$HOME/.local/share/reef/created
   INSTR_DEFAULT={agent.instructions} SKILLS_DEFAULT={agent.skills}
+  COMMANDS_DEFAULT={agent.commands} AGENTS_DEFAULT={agent.agents} TOML_DEFAULT={agent.toml}
 }}
 """
 

@@ -46,12 +46,17 @@ def test_the_shipped_harness_example_installs_and_takes_effect(tmp_path: Path) -
         home = tmp_path / "home"
         home.mkdir()
         env = {"HOME": str(home), "PATH": os.environ["PATH"], "REEF_TOKEN": d.token}
-        out = subprocess.run(["sh"], input=script, env=env, capture_output=True, timeout=60)
+        out = subprocess.run(["sh"], input=script, env=env, capture_output=True, timeout=60,
+                             start_new_session=True)  # no terminal: no extension may be enabled
         assert out.returncode == 0, out.stderr.decode()
         assert rule in (home / ".claude" / "CLAUDE.md").read_text()
         skill = home / ".claude" / "skills" / "commit-messages" / "SKILL.md"
         assert skill.read_text() == (SHIPPED / "skills" / "commit-messages" / "SKILL.md").read_text()
         assert (home / ".local" / "bin" / "reef-coder").is_file()
+        assert "Review the diff for bugs first" in (home / ".claude" / "commands" / "review.md").read_text()
+        assert "name: reviewer\n" in (home / ".claude" / "agents" / "reviewer.md").read_text()
+        assert "not enabled, waiting for your yes: git lint" in out.stderr.decode()
+        assert not (home / ".local/share/reef/coder/claude/settings.json").exists()
     finally:
         d.stop()
 

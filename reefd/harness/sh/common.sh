@@ -2,7 +2,8 @@
 # common.sh: the functions the installer and the wrapper share (rollback and uninstall run the same code the
 # installer ran); installer.py puts it after the constants and paths(), before installer.sh or wrapper.sh.
 # Set elsewhere: SCENARIO, ADAPTER, BASE_URL, PROG (the constants installer.py writes first), DATA, BIN, ADATA,
-# LEDGER, INSTR_DEFAULT, SKILLS_DEFAULT (paths()), NEW and WORK (installer.sh's and wrapper.sh's commands).
+# LEDGER, INSTR_DEFAULT, SKILLS_DEFAULT, COMMANDS_DEFAULT, AGENTS_DEFAULT, TOML_DEFAULT (paths()), NEW and WORK
+# (installer.sh's and wrapper.sh's commands); check_placed, place_files, ext_decide, ext_apply (native.sh).
 
 say() { printf '%s\n' "$PROG: $*" >&2; }
 die() { say "$*"; exit 1; }
@@ -44,13 +45,16 @@ put_file() {  # put_file NEW DEST: DEST gets NEW's bytes unless equal; an existi
   else mv "$1" "$2"; fi
 }
 
-splice() {  # splice FILE MODE [BODY] [DROPNL]: FILE's text with Reef's block put (from BODY), removed or checked
+splice() {  # splice FILE MODE [BODY] [DROPNL] [STYLE]: FILE's text with Reef's block put (from BODY), removed or
+  # checked; STYLE md (the default: <!-- --> markers) or toml (# markers)
   sp_nl=1
   if [ -s "$1" ] && [ -n "$(tail -c 1 "$1")" ]; then sp_nl=0; fi
   sp_in=$1; [ -f "$sp_in" ] || sp_in=/dev/null
+  sp_open='<!-- ' sp_close=' -->'
+  if [ "${5:-md}" = toml ]; then sp_open='# ' sp_close=''; fi
   SP_MODE=$2 SP_BODY=${3:-/dev/null} SP_DROPNL=${4:-0} SP_NL=$sp_nl \
-  SP_BEGIN="<!-- reef:$SCENARIO begin " SP_HEAD="<!-- reef:$SCENARIO begin release=${REL_ID:-} -->" \
-  SP_END="<!-- reef:$SCENARIO end -->" awk '
+  SP_BEGIN="${sp_open}reef:$SCENARIO begin " SP_HEAD="${sp_open}reef:$SCENARIO begin release=${REL_ID:-}$sp_close" \
+  SP_END="${sp_open}reef:$SCENARIO end$sp_close" awk '
     function put(  l) { out[++m] = ENVIRON["SP_HEAD"]; while ((getline l < ENVIRON["SP_BODY"]) > 0) out[++m] = l
                         out[++m] = ENVIRON["SP_END"] }
     BEGIN { mode = ENVIRON["SP_MODE"]; begin = ENVIRON["SP_BEGIN"]; end = ENVIRON["SP_END"] }
@@ -66,14 +70,14 @@ splice() {  # splice FILE MODE [BODY] [DROPNL]: FILE's text with Reef's block pu
     }' "$sp_in"
 }
 
-block_state() {  # block_state FILE: "present", "absent" or "broken" (a begin marker without its end)
-  if splice "$1" check; then echo present; elif [ $? = 1 ]; then echo absent; else echo broken; fi
+block_state() {  # block_state FILE [STYLE]: "present", "absent" or "broken" (a begin marker without its end)
+  if splice "$1" check /dev/null 0 "${2:-md}"; then echo present; elif [ $? = 1 ]; then echo absent; else echo broken; fi
 }
 
-remove_block() {  # remove_block FILE DROPNL
+remove_block() {  # remove_block FILE DROPNL [STYLE]
   [ -f "$1" ] || return 0
-  [ "$(block_state "$1")" = present ] || return 0
-  splice "$1" remove /dev/null "$2" > "$WORK/text"
+  [ "$(block_state "$1" "${3:-md}")" = present ] || return 0
+  splice "$1" remove /dev/null "$2" "${3:-md}" > "$WORK/text"
   put_file "$WORK/text" "$1"
 }
 
@@ -87,10 +91,16 @@ skill_ids() {  # the skills of release folder $1, one id a line
 
 check_release() {  # check_release FOLDER: fails, changing nothing, when installing FOLDER would clobber anything
   [ "$ADAPTER" != generic ] || return 0
-  cr_old=$ADATA/manifest INSTR=$(mget instructions "$ADATA/manifest") SKILLS=$(mget skills "$ADATA/manifest")
-  INSTR=${INSTR:-$INSTR_DEFAULT} SKILLS=${SKILLS:-$SKILLS_DEFAULT}
+  cr_old=$ADATA/manifest INSTR=$(mget instructions "$cr_old") SKILLS=$(mget skills "$cr_old")
+  COMMANDS=$(mget commands "$cr_old") AGENTS=$(mget agents "$cr_old") TOML=$(mget toml "$cr_old")
+  INSTR=${INSTR:-$INSTR_DEFAULT} SKILLS=${SKILLS:-$SKILLS_DEFAULT} TOML=${TOML:-$TOML_DEFAULT}
+  COMMANDS=${COMMANDS:-$COMMANDS_DEFAULT} AGENTS=${AGENTS:-$AGENTS_DEFAULT}
   if [ "$(block_state "$INSTR")" = broken ]; then
     die "$INSTR has a '<!-- reef:$SCENARIO begin' line without its '<!-- reef:$SCENARIO end -->' line;" \
+      "fix or remove it, then install again (nothing was changed)"
+  fi
+  if [ -n "$TOML" ] && [ "$(block_state "$TOML" toml)" = broken ]; then
+    die "$TOML has a '# reef:$SCENARIO begin' line without its '# reef:$SCENARIO end' line;" \
       "fix or remove it, then install again (nothing was changed)"
   fi
   for cr_id in $(skill_ids "$1"); do
@@ -102,16 +112,25 @@ check_release() {  # check_release FOLDER: fails, changing nothing, when install
         "Rename or remove it, then install again (nothing was changed)"
     fi
   done
+  check_placed "$1" "$cr_old"
   [ -f "$cr_old" ] || return 0
   sed -n 's/^file //p' "$cr_old" > "$WORK/owned"
   while IFS= read -r cr_line; do  # a file of Reef's that the user changed, and that this release would change
-    cr_f=${cr_line#* } cr_new=$1/harness/skills/${cr_line#* "$SKILLS"/}
+    cr_f=${cr_line#* } cr_new=$(source_of "$1" "${cr_line#* }")
     if [ -f "$cr_f" ] && [ -f "$cr_new" ] && ! cmp -s "$cr_f" "$cr_new" &&
       [ "$(sha256_of "$cr_f")" != "${cr_line%% *}" ]; then
       die "$cr_f was changed after Reef installed it: Reef does not overwrite your changes." \
         "Save them elsewhere and undo them or delete the file, then install again (nothing was changed)"
     fi
   done < "$WORK/owned"
+}
+
+source_of() {  # source_of FOLDER PATH: the file of release FOLDER that the installed file PATH comes from
+  case $2 in
+    "$SKILLS"/*) echo "$1/harness/skills/${2#"$SKILLS"/}" ;;
+    "$COMMANDS"/*) echo "$1/place/commands/${2#"$COMMANDS"/}" ;;
+    "$AGENTS"/*) echo "$1/place/agents/${2#"$AGENTS"/}" ;;
+  esac
 }
 
 forget() {  # forget MANIFEST [KEEP]: deletes the files MANIFEST lists that KEEP does not, unless the user changed them
@@ -124,7 +143,40 @@ forget() {  # forget MANIFEST [KEEP]: deletes the files MANIFEST lists that KEEP
   done < "$WORK/owned"
 }
 
-apply_release() {  # apply_release ID: installs releases/ID (its block and skills) and writes the manifest
+apply_block() {  # apply_block FOLDER OLDMANIFEST: Reef's block in the instructions file; prints block-newline
+  ab_dropnl=$(mget block-newline "$2")
+  if [ -s "$1/instructions.md" ]; then
+    if [ "$(block_state "$INSTR")" = absent ]; then  # Reef's first block here: remember how the file ended
+      ab_dropnl=0
+      if [ -s "$INSTR" ] && [ -n "$(tail -c 1 "$INSTR")" ]; then ab_dropnl=1; fi
+      if [ ! -e "$INSTR" ]; then NEW="$NEW$INSTR
+"; fi
+    fi
+    mkdirs "$(dirname "$INSTR")"
+    splice "$INSTR" put "$1/instructions.md" > "$WORK/text"
+    put_file "$WORK/text" "$INSTR"
+  else
+    remove_block "$INSTR" "${ab_dropnl:-0}"; ab_dropnl=0
+  fi
+  AB_DROPNL=${ab_dropnl:-0}
+}
+
+apply_skills() {  # apply_skills FOLDER MANIFEST: the skills' files, listed in MANIFEST and $WORK/paths
+  for as_id in $(skill_ids "$1"); do
+    mkdirs "$SKILLS/$as_id"
+    echo "skill $SKILLS/$as_id" >> "$2"
+    (cd "$1/harness/skills/$as_id" && find . -type f) | sort > "$WORK/list"
+    while IFS= read -r as_f; do
+      as_f=${as_f#./} as_to=$SKILLS/$as_id/${as_f#./}
+      mkdirs "$(dirname "$as_to")"
+      cp "$1/harness/skills/$as_id/$as_f" "$WORK/text"; put_file "$WORK/text" "$as_to"
+      echo "file $(sha256_of "$1/harness/skills/$as_id/$as_f") $as_to" >> "$2"
+      echo "$as_to" >> "$WORK/paths"
+    done < "$WORK/list"
+  done
+}
+
+apply_release() {  # apply_release ID: installs releases/ID (block, skills, commands, subagents, extensions)
   REL_ID=$1 ar_rel=$ADATA/releases/$1 ar_old=$ADATA/manifest ar_new=$WORK/manifest
   check_release "$ar_rel"
   if [ "$ADAPTER" = generic ]; then
@@ -135,40 +187,20 @@ apply_release() {  # apply_release ID: installs releases/ID (its block and skill
     cp "$ar_rel/instructions.md" "$WORK/text"; put_file "$WORK/text" "$ADATA/AGENTS.md"
     { echo "release $1"; } > "$ar_new"
   else
-    ar_dropnl=$(mget block-newline "$ar_old")
-    if [ -s "$ar_rel/instructions.md" ]; then
-      if [ "$(block_state "$INSTR")" = absent ]; then  # Reef's first block here: remember how the file ended
-        ar_dropnl=0
-        if [ -s "$INSTR" ] && [ -n "$(tail -c 1 "$INSTR")" ]; then ar_dropnl=1; fi
-        if [ ! -e "$INSTR" ]; then NEW="$NEW$INSTR
-"; fi
-      fi
-      mkdirs "$(dirname "$INSTR")"
-      splice "$INSTR" put "$ar_rel/instructions.md" > "$WORK/text"
-      put_file "$WORK/text" "$INSTR"
-    else
-      remove_block "$INSTR" "${ar_dropnl:-0}"; ar_dropnl=0
-    fi
-    printf 'release %s\ninstructions %s\nskills %s\nblock-newline %s\n' "$1" "$INSTR" "$SKILLS" "${ar_dropnl:-0}" \
-      > "$ar_new"
+    apply_block "$ar_rel" "$ar_old"
+    printf 'release %s\ninstructions %s\nskills %s\nblock-newline %s\ncommands %s\nagents %s\n' "$1" "$INSTR" \
+      "$SKILLS" "$AB_DROPNL" "$COMMANDS" "$AGENTS" > "$ar_new"
     : > "$WORK/paths"
-    for ar_id in $(skill_ids "$ar_rel"); do
-      mkdirs "$SKILLS/$ar_id"
-      echo "skill $SKILLS/$ar_id" >> "$ar_new"
-      (cd "$ar_rel/harness/skills/$ar_id" && find . -type f) | sort > "$WORK/list"
-      while IFS= read -r ar_f; do
-        ar_f=${ar_f#./} ar_to=$SKILLS/$ar_id/${ar_f#./}
-        mkdirs "$(dirname "$ar_to")"
-        cp "$ar_rel/harness/skills/$ar_id/$ar_f" "$WORK/text"; put_file "$WORK/text" "$ar_to"
-        echo "file $(sha256_of "$ar_rel/harness/skills/$ar_id/$ar_f") $ar_to" >> "$ar_new"
-        echo "$ar_to" >> "$WORK/paths"
-      done < "$WORK/list"
-    done
+    apply_skills "$ar_rel" "$ar_new"
+    place_files "$ar_rel" "$ar_new"
     if [ -f "$ar_old" ]; then  # what the last release installed and this one does not
       forget "$ar_old" "$WORK/paths"
       sed -n 's/^skill //p' "$ar_old" | while IFS= read -r ar_d; do
         grep -qFx "skill $ar_d" "$ar_new" || prune "$ar_d"; done
     fi
+    ext_decide "$ar_rel"
+    ext_apply "$ar_rel" "$ar_new" "$ar_old"
+    ext_report "$ar_rel"
   fi
   put_file "$ar_new" "$ar_old"
   ledger_add

@@ -2,7 +2,7 @@
 # installer.sh: unpack, on_exit and main of the installer; installer.py puts it after common.sh and follows it
 # with stage_files() (one unpack heredoc a file), notes() and the line that runs main.
 # Set elsewhere: SCENARIO, ADAPTER, BASE_URL, PROG, RELEASE (the constants installer.py writes first), BIN, ADATA
-# (paths()), INSTR, SKILLS (common.sh's check_release).
+# (paths()), INSTR, SKILLS (common.sh's check_release); placed_targets, ext_enabled (native.sh).
 
 unpack() {  # unpack NAME SHA256 DROPNL <<TEXT: writes $STAGE/NAME, then checks it against SHA256
   mkdir -p "$(dirname "$STAGE/$1")"
@@ -44,7 +44,6 @@ main() {
     rm -rf "$kept.old"
   fi
   apply_release "$RELEASE"
-  if [ -f "$STAGE/opencode.json" ]; then put_file "$STAGE/opencode.json" "$ADATA/opencode.json"; fi
   if ! cmp -s "$STAGE/wrapper" "$BIN/$PROG"; then  # a new file, never rewritten in place: it may be running
     chmod 755 "$STAGE/wrapper"
     mv "$STAGE/wrapper" "$BIN/$PROG"
@@ -62,6 +61,10 @@ main() {
   else
     echo "  instructions: $INSTR (between the reef:$SCENARIO markers)"
     for id in $(skill_ids "$ADATA/releases/$RELEASE"); do echo "  skill: $SKILLS/$id"; done
+    placed_targets "$ADATA/releases/$RELEASE" | while IFS="$(printf '\t')" read -r src to; do
+      case $src in */place/commands/*) echo "  command: $to" ;; *) echo "  subagent: $to" ;; esac
+    done
+    for id in $(ext_enabled "$ADATA/releases/$RELEASE"); do echo "  extension: $id (enabled)"; done
   fi
   if [ "$ADAPTER" = codex ] && [ -s "$(dirname "$INSTR")/AGENTS.override.md" ]; then
     say "note: Codex reads $(dirname "$INSTR")/AGENTS.override.md instead of AGENTS.md while it is there"

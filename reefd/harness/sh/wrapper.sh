@@ -2,7 +2,7 @@
 # wrapper.sh: the reef-SCENARIO wrapper's commands (start, update, rollback, report, uninstall) and its main;
 # installer.py puts it after common.sh and follows it with the agent's launch() (launch_*.sh) and `main "$@"`.
 # Set elsewhere: SCENARIO, ADAPTER, BASE_URL, PROG (the constants installer.py writes first), DATA, BIN, ADATA,
-# LEDGER (paths()).
+# LEDGER (paths()); ext_* and claude_mcp_remove (native.sh).
 
 json_flat() {  # json_flat "PATHS": JSON on stdin -> "PATH<TAB>VALUE" lines for PATHS like ".data[].id"
   JF_WANT=" $1 " LC_ALL=C awk '
@@ -219,8 +219,10 @@ do_uninstall() {
   work
   for un_m in "$DATA"/*/manifest; do
     [ -f "$un_m" ] || continue
-    un_i=$(mget instructions "$un_m")
+    un_i=$(mget instructions "$un_m") un_t=$(mget toml "$un_m")
     if [ -n "$un_i" ]; then remove_block "$un_i" "$(mget block-newline "$un_m")"; fi
+    if [ -n "$un_t" ]; then remove_block "$un_t" "$(mget toml-newline "$un_m")" toml; fi
+    sed -n 's/^mcp //p' "$un_m" | while IFS= read -r un_k; do claude_mcp_remove "${un_k%% *}"; done
     forget "$un_m"
     sed -n 's/^skill //p' "$un_m" | while IFS= read -r un_d; do prune "$un_d"; done
   done
@@ -233,7 +235,34 @@ do_uninstall() {
       while IFS= read -r un_p; do [ ! -e "$un_p" ] || echo "$un_p"; done < "$WORK/ledger" > "$LEDGER"
     fi
   fi
-  echo "Removed Reef's harness of scenario $SCENARIO: its blocks, skills, data and $PROG. Your own files stay."
+  echo "Removed Reef's harness of scenario $SCENARIO: its blocks, skills, commands, subagents, extensions, data" \
+    "and $PROG. Your own files stay."
+}
+
+# shellcheck disable=SC2034  # NEW (reset here) is read by common.sh's mkdirs and ledger_add
+do_extensions() {  # extensions [enable|disable ID...]: what the installed harness extends the agent with
+  work; NEW=''
+  ex_rel=$(installed)
+  if [ -z "$ex_rel" ] || [ ! -d "$ADATA/releases/$ex_rel" ]; then die "no harness is installed for $ADAPTER"; fi
+  ex_dir=$ADATA/releases/$ex_rel
+  case ${1:-} in
+    enable | disable)
+      [ $# -ge 2 ] || die "usage: $PROG extensions [enable|disable ID...]"
+      ex_to=on; [ "$1" = enable ] || ex_to=off; shift
+      for ex_id in "$@"; do
+        [ -d "$ex_dir/ext/$ex_id" ] || die "release $ex_rel has no extension $ex_id (see: $PROG extensions)"
+        [ ! -f "$ex_dir/ext/$ex_id/none" ] || die "extension $ex_id: $(cat "$ex_dir/ext/$ex_id/none")"
+        ext_set "$ex_to" "$(ext_key "$ex_dir" "$ex_id")"
+      done ;;
+    "") ;;
+    *) die "usage: $PROG extensions [enable|disable ID...]" ;;
+  esac
+  apply_release "$ex_rel"
+  for ex_id in $(ext_ids "$ex_dir"); do
+    ex_state=$(ext_state "$(ext_key "$ex_dir" "$ex_id")")
+    [ ! -f "$ex_dir/ext/$ex_id/none" ] || ex_state=unsupported
+    printf '%-11s %s\n' "${ex_state:-not-asked}" "$(cat "$ex_dir/ext/$ex_id/shown")"
+  done
 }
 
 main() {
@@ -243,6 +272,7 @@ main() {
     rollback) [ $# -eq 1 ] || die "usage: $PROG rollback"; do_rollback ;;
     report) shift; do_report "$@" ;;
     uninstall) [ $# -eq 1 ] || die "usage: $PROG uninstall"; do_uninstall ;;
+    extensions) shift; do_extensions "$@" ;;
     --) shift; start "$@" ;;
     *) start "$@" ;;
   esac
