@@ -152,7 +152,25 @@ def test_settings_are_checked_at_load() -> None:
         recipe(components=["prompts/x"])
     with pytest.raises(RecipeError, match=r"recipe\.params\.reflector"):
         recipe(reflector="no.such.module:fn")
+    with pytest.raises(RecipeError, match=r"role/a, role/b: a search answers its tasks as one role's subagent"):
+        recipe(components=["role/a", "role/b"])
     assert proposed_text("a\n```text\nfirst\n```\nthen\n```\n second \n```") == "second"
     assert proposed_text("```\n\n```") is None
     assert proposed_text("Here:\n```\nstart with the city\nand stop") == "start with the city\nand stop"  # cut off
     assert proposed_text("```\n") is None
+
+
+def test_a_role_evolves_with_every_task_answered_as_its_subagent() -> None:
+    serving = Harness([*harness().values(), Entry("reviewer", "role", {"description": "Reviews.", "body": "Review.",
+                                                                       "tools": ["Read"]})])
+
+    def as_reviewer(ask: Ask) -> str:  # right once the role's instructions say '(revised)'
+        if ask.reflect:
+            return revise(ask.messages)
+        assert ask.harness is not None and ask.role == "reviewer"
+        return "yes" if "(revised)" in ask.harness[("role", "reviewer")].config["body"] else "no"
+
+    found, rounds = drive(recipe(components=["role/reviewer"], seed=1).candidate([]), context(serving), as_reviewer)
+    assert all(a.role == "reviewer" for r in rounds for a in r if not a.reflect)
+    assert found.mutations == [{"op": "update", "kind": "role", "id": "reviewer", "config": {
+        "description": "Reviews.", "body": "Review. (revised)", "tools": ["Read"]}}]

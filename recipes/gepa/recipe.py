@@ -1,6 +1,7 @@
 """GEPA as a Reef recipe: reflective evolution of the harness's texts against labelled tasks.
 
-A candidate maps each evolved component of the harness (the body of a rules file, a skill or a prompt) to its text. One
+A candidate maps each evolved component of the harness (the body of a rules file, a skill, a prompt or a role) to its
+text; a search that evolves a role answers its tasks as that role's subagent. One
 job runs `iterations` GEPA iterations as a search (reefd/grow/recipes.py HarnessSearch): choose a parent by its share of
 the per-task Pareto fronts over the validation tasks, a component round-robin, and a minibatch of training tasks;
 answer the minibatch under the parent; show the reflection model the component's text with those examples
@@ -38,7 +39,9 @@ if TYPE_CHECKING:
     from reefd.harness import Harness
 
 KINDS = ("rules", "skill")  # what evolves when components names nothing
-NAMED = (*KINDS, "prompt")  # what components may name: a prompt matters once the scenario applies it (harness.prompt)
+# What components may name: a prompt matters once the scenario applies it (harness.prompt); a role is judged as the
+# subagent it defines (its instructions as the system prompt, then the harness's text), so a search names one role.
+NAMED = (*KINDS, "prompt", "role")
 FENCE_RE = re.compile(r"```[^\n`]*\n(.*?)```", re.S)
 EXAMPLE_CHARS = 1200
 REFLECTION_CHARS = 16_000  # of the reflection that made a candidate, kept in the archive
@@ -72,8 +75,9 @@ class GEPAConfig:
         "description": "JSONL validation tasks (the Pareto fronts and the serving rule); null: the trainset."})
     scorer: str = field(default="exact", metadata={"description": "exact, regex or pkg.mod:fn(text, task)."})
     components: list[str] = field(default_factory=list, metadata={
-        "description": "What evolves, as `rules/ID`, `skill/ID` or `prompt/ID` (the prompt the scenario applies, "
-                       "harness.prompt); empty: every rules file and skill."})
+        "description": "What evolves, as `rules/ID`, `skill/ID`, `prompt/ID` (the prompt the scenario applies, "
+                       "harness.prompt) or `role/ID` (at most one: the tasks are answered as its subagent); empty: "
+                       "every rules file and skill."})
     minibatch: int = field(default=3, metadata={"minimum": 1, "description": "Training tasks per iteration."})
     iterations: int = field(default=1, metadata={"minimum": 1, "description": "GEPA iterations per job."})
     max_tokens: int = field(default=64, metadata={"minimum": 1, "description": "Per task answer."})
@@ -101,7 +105,13 @@ class GEPA:
         for i, comp in enumerate(cfg.components):
             kind, _, ident = comp.partition("/")
             if kind not in NAMED or not ident:
-                raise RecipeError(f"recipe.params.components[{i}]: {comp!r} is not rules/ID, skill/ID or prompt/ID")
+                raise RecipeError(f"recipe.params.components[{i}]: {comp!r} is not rules/ID, skill/ID, prompt/ID or "
+                                  "role/ID")
+        roles = [comp for comp in cfg.components if comp.startswith("role/")]
+        if len(roles) > 1:
+            raise RecipeError(f"recipe.params.components: {', '.join(roles)}: a search answers its tasks as one "
+                              "role's subagent, so it names one role")
+        self.role = roles[0].split("/", 1)[1] if roles else None
         check_model_or_function(cfg.reflector, "recipe.params.reflector", "reflector")
         try:
             self.score = scorer(cfg.scorer)
@@ -240,14 +250,15 @@ class GEPA:
             kind, ident = comp.split("/", 1)
             entry = harness[(kind, ident)]
             if entry.config["body"] != text:
-                out.append({"op": "update", "kind": kind, "id": ident, "config": {**dict(entry.config), "body": text}})
+                out.append({"op": "update", "kind": kind, "id": ident, "config": {**entry.to_json()["config"],
+                                                                                    "body": text}})
         return out
 
     def _harness(self, serving: Harness, texts: dict[str, str]) -> Harness:
         return serving.apply(self._mutations(serving, texts))
 
     def _asks(self, tasks: list[Task], harness: Harness) -> list[Ask]:
-        return [Ask(list(t.messages), harness=harness, max_tokens=self.cfg.max_tokens,
+        return [Ask(list(t.messages), harness=harness, role=self.role, max_tokens=self.cfg.max_tokens,
                     temperature=self.cfg.temperature, seed=self.cfg.seed) for t in tasks]
 
     def _score(self, task: Task, text: str) -> float:

@@ -86,6 +86,7 @@ class Ask:
 
     messages: list[dict[str, Any]]
     harness: Harness | None = None  # the scenario's engine and release, with this harness in the system prompt
+    role: str | None = None  # answered as this role's subagent (Scenario.harness_text with a role)
     reflect: bool = False  # the job's reflection model answers instead (no harness)
     max_tokens: int = 256
     temperature: float = 0.0

@@ -113,12 +113,18 @@ class Scenario:
         """The id of the release serving new requests."""
         return self.binding.release if self.binding else None
 
-    def harness_text(self, harness: Harness | None) -> str:
+    def harness_text(self, harness: Harness | None, role: str | None = None) -> str:
         """What a request this scenario serves with `harness` gets in its system prompt: the applied prompt, the
-        rules and the skills, as its `harness:` settings say (Harness.prompt_block); "" without a harness."""
+        rules and the skills, as its `harness:` settings say (Harness.prompt_block); "" without a harness.
+
+        With `role`, what a subagent of that role works under: the role's instructions (its agent sends them as the
+        subagent's system prompt), then the text reefd adds to every request. Gates and GEPA judge a role so."""
         if harness is None:
             return ""
-        return harness.prompt_block(inline_skills=self.cfg.harness.inline_skills, prompt=self.cfg.harness.prompt)
+        text = harness.prompt_block(inline_skills=self.cfg.harness.inline_skills, prompt=self.cfg.harness.prompt)
+        if role is None:
+            return text
+        return "\n\n".join(t for t in (harness[("role", role)].config["body"], text.rstrip("\n")) if t) + "\n"
 
 
 def _recipe(cfg: ScenarioConfig) -> Recipe | None:

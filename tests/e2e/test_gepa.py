@@ -181,3 +181,37 @@ def test_gepa_evolves_the_prompt_the_scenario_applies(gepad: Daemon, own_scenari
         assert rule(d, name) == "Answer in one word."  # the rules did not change
         after = c.chat.completions.create(model=name, messages=[{"role": "user", "content": "hi"}])
         assert str(after.choices[0].message.content).startswith("Start plainly. (revised)\n\n# Harness")
+
+
+def test_gepa_evolves_a_role_judged_as_its_subagent(gepad: Daemon, own_scenario: Callable[..., str]) -> None:
+    """components: [role/reviewer]: the tasks are answered as the reviewer's subagent (its instructions as the system
+    prompt, then the harness text), and the paired gate judges the candidate so too, since a role changes nothing
+    reefd adds to served requests. The winner is a release that updates the role alone, and served requests keep
+    their system prompt. Contract test: the engine is tests/fake_upstream.py in echo mode, as above."""
+    d = gepad
+    with aiohttp_in_thread(build(echo=True)) as url:
+        prefix = scenario(d, "crew", {"train.jsonl": (4, "q", "revised"), "val.jsonl": (3, "q", "revised")})
+        (d.scenarios / f"{prefix}-harness" / "roles").mkdir()
+        (d.scenarios / f"{prefix}-harness" / "roles" / "reviewer.md").write_text(
+            "---\nname: reviewer\ndescription: Reviews diffs\ntools: [Read]\n---\n\nReview plainly.\n")
+        text = SCENARIO.format(prefix=prefix).replace("  - model: tiny\n", "  - model: upstream\n").replace(
+            "scorer: tests.e2e.test_harness:length_parity", "scorer: regex").replace(
+            "iterations: 3", "iterations: 1\n    components: [role/reviewer]").replace(
+            "  - gate: always\n", "  - gate: paired\n")
+        text += (f"model:\n  url: {url}/v1\n  api_key_env: UP_KEY\n  upstream_model: echo\n"
+                 f"gate:\n  tasks: {prefix}-val.jsonl\n  scorer: regex\n  min_tasks: 3\n")
+        name = own_scenario(d, text, prefix=prefix)
+        code, job, _ = d.post(f"/reef/scenarios/{name}/train", {}, headers={"x-reef-scenario": name})
+        assert code == 202, job
+        job = wait_job(d, name=name)
+        assert job["state"] == "published", job
+        assert (job["metrics"]["serving_val"], job["metrics"]["best_val"]) == (0.0, 1.0)
+        assert job["verdict"]["reason"].startswith("as subagent reviewer: paired on 3 tasks: 3 wins, 0 losses")
+        meta = json.loads(d.get(f"/reef/releases/{job['release']}")[1])["meta"]
+        assert [(m["op"], m["kind"], m["id"]) for m in meta["mutations"]] == [("update", "role", "reviewer")]
+        assert meta["mutations"][0]["config"] == {"description": "Reviews diffs", "tools": ["Read"],
+                                                  "body": "Review plainly. (revised)"}
+        c = sdk(openai.OpenAI(base_url=d.url + "/v1", api_key=d.token, max_retries=0,
+                              default_headers={"x-reef-scenario": name}))
+        served = c.chat.completions.create(model=name, messages=[{"role": "user", "content": "hi"}])
+        assert served.choices[0].message.content == "# Harness\n\n## Rules\n\nAnswer in one word.\n"

@@ -77,20 +77,41 @@ class HarnessProduct:
         return dataclasses.replace(made, harnesses=(self.serving(scenario), proposed))
 
     async def gate(self, job: Job, scenario: Scenario, made: Made, gate: gates.Gate) -> gates.Verdict:
-        """Both sides answered by the scenario's engine and serving adapter; the harness is what differs."""
+        """Both sides answered by the scenario's engine and serving adapter; the harness is what differs. Each view
+        the candidate changes is judged (views()), and the candidate passes only if every one passes."""
         assert made.harnesses is not None and gate.sampling is not None
         serving = scenario.binding.adapter if scenario.binding else None
-        blocks = {"current": scenario.harness_text(made.harnesses[0]),
-                  "candidate": scenario.harness_text(made.harnesses[1])}
+        verdict: gates.Verdict | None = None
+        for view in views(scenario, *made.harnesses):
+            blocks = {side: scenario.harness_text(h, view) for side, h in zip(("current", "candidate"),
+                                                                               made.harnesses, strict=True)}
 
-        async def generate(messages: list[dict[str, Any]], side: str | None, sampling: gates.Sampling,
-                           seed: int) -> str:
-            return await answer(scenario, scenario.engine, serving, messages, sampling.max_tokens,
-                                sampling.temperature, seed, blocks[str(side)])
+            async def generate(messages: list[dict[str, Any]], side: str | None, sampling: gates.Sampling,
+                               seed: int, blocks: dict[str, str] = blocks) -> str:
+                return await answer(scenario, scenario.engine, serving, messages, sampling.max_tokens,
+                                    sampling.temperature, seed, blocks[str(side)])
 
-        with self.runner.registry.using(scenario.engine, serving):
-            return await gate.evaluate(generate, current="current", candidate="candidate",
-                                       concurrency=max(2, scenario.cfg.model.max_batch))
+            with self.runner.registry.using(scenario.engine, serving):
+                verdict = await gate.evaluate(generate, current="current", candidate="candidate",
+                                              concurrency=max(2, scenario.cfg.model.max_batch))
+            if view is not None:
+                verdict = dataclasses.replace(verdict, reason=f"as subagent {view}: {verdict.reason}")
+            if not verdict.passed:
+                break
+        assert verdict is not None
+        return verdict
+
+
+def views(scenario: Scenario, current: Harness, candidate: Harness) -> list[str | None]:
+    """What a gate judges a harness candidate as: None, the requests reefd serves, when the text it adds to them
+    changes; and each role the candidate creates or changes, as that role's subagent (Scenario.harness_text). A
+    candidate that changes neither (an extension, a prompt no request applies) is judged on served requests, where
+    both sides answer alike."""
+    out: list[str | None] = []
+    if scenario.harness_text(current) != scenario.harness_text(candidate):
+        out.append(None)
+    out += [e.id for e in candidate.of_kind("role") if current.get(("role", e.id)) != e]
+    return out or [None]
 
 
 @dataclasses.dataclass
@@ -196,7 +217,7 @@ class SearchKind(HarnessProduct):
             async with limit:
                 if ask.reflect:
                     return await reflector(ask)
-                system = scenario.harness_text(ask.harness) if ask.harness is not None else None
+                system = scenario.harness_text(ask.harness, ask.role) if ask.harness is not None else None
                 return await answer(scenario, engine, serving, ask.messages, ask.max_tokens, ask.temperature,
                                     ask.seed, system)
 
