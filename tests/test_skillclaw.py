@@ -1,5 +1,6 @@
-"""The SkillClaw recipe: which turns are eligible, the proposer prompt, and the answer -> exact skill mutations,
-with every malformed or unsafe answer refused by one clear RecipeError. Real harnesses, no daemon, no model."""
+"""The SkillClaw recipe: which turns are eligible, the proposer prompt, and the answer -> exact mutations of skills,
+prompts and roles, with every malformed or unsafe answer refused by one clear RecipeError. Real harnesses, no
+daemon, no model."""
 
 from __future__ import annotations
 
@@ -20,11 +21,17 @@ PATH = "recipes.skillclaw.recipe:SkillClaw"
 TESTS_BODY = "# Run tests\n\nRun `pytest -q`."
 
 
+REVIEWER = {"description": "Reviews a diff.", "body": "Read the diff; list bugs.", "tools": ["Read", "Grep"]}
+
+
 def pool() -> Harness:
     return Harness([
         Entry("run-tests", "skill", {"description": "Run the test suite.", "body": TESTS_BODY}),
         Entry("style", "skill", {"description": "House style for Python.", "body": "Use ruff."}),
         Entry("be-brief", "rules", {"body": "Answer briefly."}),
+        Entry("review", "prompt", {"body": "Review the staged changes."}),
+        Entry("reviewer", "role", REVIEWER),
+        Entry("planner", "role", {"description": "Plans a change.", "body": "Write a plan."}),
     ])
 
 
@@ -45,8 +52,8 @@ def answer(*decisions: dict[str, Any], summary: str = "what the batch shows") ->
     return json.dumps({"summary": summary, "decisions": list(decisions)})
 
 
-def decision(skill: str, action: str, **fields: Any) -> dict[str, Any]:
-    return {"skill": skill, "action": action, "reason": "the sessions show it", **fields}
+def decision(name: str, action: str, kind: str = "skill", **fields: Any) -> dict[str, Any]:
+    return {"kind": kind, "name": name, "action": action, "reason": "the sessions show it", **fields}
 
 
 # ---------------------------------------------------------------- eligibility
@@ -95,11 +102,12 @@ def test_ready_counts_the_batch() -> None:
 # ---------------------------------------------------------------- proposer prompt
 
 
-def test_prompt_shows_the_feedback_the_scores_and_the_pool_by_skill() -> None:
+def test_prompt_shows_the_feedback_the_scores_and_the_entries_by_kind() -> None:
     r = recipe(batch_size=2, max_edits=3, proposer={"engine": "upstream", "url": "http://x/v1"}, max_tokens=900,
                temperature=0.3)
     bad = r.sample(record(), [{"report_id": "rpt_1", "score": 0.0, "feedback": "it ran every test after each edit"}])
-    fb = r.sample(record("Fixed.", "rcpt_2"), [{"report_id": "rpt_2", "feedback": {"missing": "changelog entry"}}])
+    fb = r.sample(record("Fixed; /review found nothing.", "rcpt_2"),
+                  [{"report_id": "rpt_2", "feedback": {"missing": "changelog entry"}}])
     extra = r.sample(record(rid="rcpt_3"), [{"report_id": "rpt_3", "score": 0.1}])
     assert bad and fb and extra
     job = r.candidate([bad, fb, extra], pool())
@@ -107,16 +115,47 @@ def test_prompt_shows_the_feedback_the_scores_and_the_pool_by_skill() -> None:
     assert (job.max_tokens, job.temperature, job.proposer) == (900, 0.3, {"engine": "upstream", "url": "http://x/v1"})
     system, user = (m["content"] for m in job.messages)
     assert [m["role"] for m in job.messages] == ["system", "user"]
-    for action in ("improve_skill", "optimize_description", "create_skill", "skip"):
+    for action in ("- improve:", "- describe:", "- create:", "- skip:"):
         assert action in system
-    assert "At most 3 decisions" in system and '"decisions"' in system and "An example answer" in system
+    for kind in ("- skill:", "- prompt:", "- role:"):
+        assert kind in system
+    example = json.loads(system[system.index("An example answer"):].split("\n", 1)[1])
+    assert {d["kind"] for d in example["decisions"]} == {"skill", "prompt", "role"}
+    assert "At most 3 decisions" in system and '"decisions"' in system
     assert "it ran every test after each edit" in user and '{"missing": "changelog entry"}' in user
     assert "score: 0 (negative)" in user and "score: unscored" in user
+    assert "entries referred to: skill run-tests" in user and "entries referred to: prompt review" in user
     assert "Fix the failing test in parser.py" in user and "# Harness" not in user  # system prompts left out
+    assert user.index("# Skills (2)") < user.index("# Prompts (1)") < user.index("# Roles (2)")
     assert "## run-tests\ndescription: Run the test suite.\nsessions referring to it: 1" in user
     assert TESTS_BODY in user
     assert "## style\ndescription: House style for Python.\nsessions referring to it: none" in user
-    assert "be-brief" not in user  # rules are not skills
+    assert "## review\nsessions referring to it: 2\n<body>\nReview the staged changes.\n</body>" in user
+    assert "## reviewer\ndescription: Reviews a diff.\ntools: Read, Grep\nsessions referring to it: none" in user
+    assert "## planner\ndescription: Plans a change.\ntools: (no list: every tool)\n" in user
+    assert "be-brief" not in user  # rules are not evolved here
+
+
+@pytest.mark.parametrize("kinds", [["skill"], ["prompt"], ["role", "skill"]])
+def test_prompt_shows_only_the_kinds_it_may_change(kinds: list[str]) -> None:
+    r = recipe(batch_size=1, kinds=kinds)
+    s = r.sample(record(), [{"report_id": "rpt_1", "score": 0.0}])
+    assert s is not None
+    system, user = (m["content"] for m in r.candidate([s], pool()).messages)
+    for kind, heading in (("skill", "# Skills ("), ("prompt", "# Prompts ("), ("role", "# Roles (")):
+        assert (heading in user) == (kind in kinds) and (f"\n- {kind}:" in system) == (kind in kinds)
+    example = json.loads(system[system.index("An example answer"):].split("\n", 1)[1])
+    assert {d["kind"] for d in example["decisions"]} == set(kinds)
+    assert ('"tools"' in system) == ("role" in kinds)
+
+
+def test_an_empty_kind_says_only_create_applies() -> None:
+    r = recipe(batch_size=1)
+    s = r.sample(record(), [{"report_id": "rpt_1", "score": 0.0}])
+    assert s is not None
+    user = r.candidate([s], Harness([Entry("be-brief", "rules", {"body": "Answer briefly."})])).messages[1]["content"]
+    for heading, kind in (("Skills", "skill"), ("Prompts", "prompt"), ("Roles", "role")):
+        assert f"# {heading} (0)\n\n(no {kind} yet: only create applies)" in user
 
 
 def test_prompt_truncates_long_conversations_and_bodies() -> None:
@@ -137,62 +176,132 @@ def test_a_recipe_without_a_harness_is_refused() -> None:
         recipe().candidate([s], None)
 
 
-def test_config_validates_the_proposer_model() -> None:
+def test_config_validates_the_proposer_model_and_the_kinds() -> None:
     with pytest.raises(RecipeError, match=r"recipe.params.proposer.engine: 'gpt' is not one of"):
         build(PATH, {"proposer": {"engine": "gpt"}})
     with pytest.raises(RecipeError, match=r"recipe.params.max_edits: 0 is less than the minimum of 1"):
         build(PATH, {"max_edits": 0})
     assert SkillClaw.produces == "harness" and SkillClaw.Config is SkillClawConfig
+    assert recipe().kinds == ("skill", "prompt", "role") and recipe(kinds=["role", "skill"]).kinds == ("skill", "role")
+
+
+@pytest.mark.parametrize("kinds,message", [
+    ([], "recipe.params.kinds: empty; name at least one of skill, prompt, role"),
+    (["skill", "rules"], "recipe.params.kinds: unknown kind 'rules' (expected skill, prompt, role)"),
+    (["role", "prompt", "role"], "recipe.params.kinds: 'role' is listed twice"),
+])
+def test_kinds_are_checked_at_construction(kinds: list[str], message: str) -> None:
+    for make in (lambda: build(PATH, {"kinds": kinds}), lambda: SkillClaw(SkillClawConfig(kinds=kinds))):
+        with pytest.raises(RecipeError) as exc:
+            make()
+        assert str(exc.value) == message
 
 
 # ---------------------------------------------------------------- answers -> mutations
 
 
-def test_improve_skill_updates_the_body_and_keeps_the_description() -> None:
-    out = recipe().edit(answer(decision("run-tests", "improve_skill", body="\n# Run tests\n\nRun `pytest -x`.\n")),
-                        pool())
-    assert out == [{"op": "update", "id": "run-tests", "kind": "skill",
+def test_improve_updates_a_skills_body_and_keeps_the_description() -> None:
+    out = recipe().edit(answer(decision("run-tests", "improve", body="\n# Run tests\n\nRun `pytest -x`.\n")), pool())
+    assert out == [{"op": "update", "kind": "skill", "id": "run-tests",
                     "config": {"description": "Run the test suite.", "body": "# Run tests\n\nRun `pytest -x`."}}]
+    assert list(out[0]) == ["op", "kind", "id", "config"]
 
 
-def test_improve_skill_may_set_the_description_too() -> None:
-    out = recipe().edit(answer(decision("style", "improve_skill", description="Python style: ruff, types.",
+def test_improve_may_set_a_skills_description_too() -> None:
+    out = recipe().edit(answer(decision("style", "improve", description="Python style: ruff, types.",
                                         body="Use ruff and mypy.")), pool())
-    assert out == [{"op": "update", "id": "style", "kind": "skill",
+    assert out == [{"op": "update", "kind": "skill", "id": "style",
                     "config": {"description": "Python style: ruff, types.", "body": "Use ruff and mypy."}}]
 
 
-def test_optimize_description_changes_only_the_description() -> None:
-    out = recipe().edit(answer(decision("run-tests", "optimize_description",
+def test_describe_changes_only_a_skills_description() -> None:
+    out = recipe().edit(answer(decision("run-tests", "describe",
                                         description="  Run tests. Use after every code change.  ")), pool())
-    assert out == [{"op": "update", "id": "run-tests", "kind": "skill",
+    assert out == [{"op": "update", "kind": "skill", "id": "run-tests",
                     "config": {"description": "Run tests. Use after every code change.", "body": TESTS_BODY}}]
 
 
-def test_create_skill_creates_and_the_result_applies() -> None:
+def test_create_makes_a_skill_and_the_result_applies() -> None:
     h = pool()
-    out = recipe().edit(answer(decision("release", "create_skill", description="Cut a release.",
+    out = recipe().edit(answer(decision("release", "create", description="Cut a release.",
                                         body="1. Bump the version.\n2. Tag."),
                                decision("style", "skip")), h)
-    assert out == [{"op": "create", "id": "release", "kind": "skill",
+    assert out == [{"op": "create", "kind": "skill", "id": "release",
                     "config": {"description": "Cut a release.", "body": "1. Bump the version.\n2. Tag."}}]
     assert h.apply(out).files()["skills/release/SKILL.md"] == (
         b"---\nname: release\ndescription: Cut a release.\n---\n\n1. Bump the version.\n2. Tag.\n")
 
 
+def test_improve_a_role_keeps_its_tools_unless_given() -> None:
+    kept = recipe().edit(answer(decision("reviewer", "improve", "role", body="Read the diff; list bugs and risks.")),
+                         pool())
+    assert kept == [{"op": "update", "kind": "role", "id": "reviewer",
+                     "config": {**REVIEWER, "body": "Read the diff; list bugs and risks."}}]
+    tools = ["Read", "Bash(pytest:*)"]
+    replaced = recipe().edit(answer(decision("reviewer", "improve", "role", body="Run the tests; list bugs.",
+                                             description="Reviews and tests a diff.", tools=tools)), pool())
+    assert replaced == [{"op": "update", "kind": "role", "id": "reviewer", "config": {
+        "description": "Reviews and tests a diff.", "body": "Run the tests; list bugs.", "tools": tools}}]
+    assert b"tools:\n- Read\n- Bash(pytest:*)\n" in pool().apply(replaced).files()["roles/reviewer.md"]
+
+
+def test_describe_a_role_keeps_its_body_and_tools() -> None:
+    out = recipe().edit(answer(decision("reviewer", "describe", "role", description="Reviews a finished diff.")),
+                        pool())
+    assert out == [{"op": "update", "kind": "role", "id": "reviewer",
+                    "config": {**REVIEWER, "description": "Reviews a finished diff."}}]
+    no_tools = recipe().edit(answer(decision("planner", "describe", "role", description="Plans first.")), pool())
+    assert no_tools[0]["config"] == {"description": "Plans first.", "body": "Write a plan."}
+
+
+def test_create_a_role_with_tools() -> None:
+    h = pool()
+    out = recipe().edit(answer(decision("tester", "create", "role", description="Runs the tests of a change.",
+                                        body="Run only the tests of what changed.", tools=["Bash", "Read"])), h)
+    assert out == [{"op": "create", "kind": "role", "id": "tester", "config": {
+        "description": "Runs the tests of a change.", "body": "Run only the tests of what changed.",
+        "tools": ["Bash", "Read"]}}]
+    assert h.apply(out).files()["roles/tester.md"] == (
+        b"---\nname: tester\ndescription: Runs the tests of a change.\ntools:\n- Bash\n- Read\n---\n\n"
+        b"Run only the tests of what changed.\n")
+
+
+def test_create_and_improve_prompts() -> None:
+    h = pool()
+    out = recipe().edit(answer(decision("release", "create", "prompt", body="Cut a release: bump, tag, push.\n"),
+                               decision("review", "improve", "prompt", body="Review the staged changes; run ruff.")), h)
+    assert out == [{"op": "create", "kind": "prompt", "id": "release",
+                    "config": {"body": "Cut a release: bump, tag, push."}},
+                   {"op": "update", "kind": "prompt", "id": "review",
+                    "config": {"body": "Review the staged changes; run ruff."}}]
+    files = h.apply(out).files()
+    assert files["prompts/release.md"] == b"Cut a release: bump, tag, push.\n"
+    assert files["prompts/review.md"] == b"Review the staged changes; run ruff.\n"
+
+
+def test_the_same_name_in_two_kinds_is_two_entries() -> None:
+    out = recipe().edit(answer(decision("review", "improve", "prompt", body="Review it all."),
+                               decision("review", "create", "skill", description="How to review.", body="Be kind."),
+                               decision("review", "create", "role", description="Reviews.", body="Review.")), pool())
+    assert [(m["op"], m["kind"], m["id"]) for m in out] == [
+        ("update", "prompt", "review"), ("create", "skill", "review"), ("create", "role", "review")]
+
+
 def test_several_decisions_keep_their_order() -> None:
-    out = recipe().edit(answer(decision("style", "optimize_description", description="Style."),
-                               decision("new-one", "create_skill", description="New.", body="Body."),
-                               decision("run-tests", "improve_skill", body="Run `pytest -q` once.")), pool())
+    out = recipe().edit(answer(decision("style", "describe", description="Style."),
+                               decision("new-one", "create", description="New.", body="Body."),
+                               decision("run-tests", "improve", body="Run `pytest -q` once.")), pool())
     assert [(m["op"], m["id"]) for m in out] == [("update", "style"), ("create", "new-one"), ("update", "run-tests")]
 
 
-def test_skips_and_unchanged_skills_propose_nothing() -> None:
+def test_skips_and_unchanged_entries_propose_nothing() -> None:
     r = recipe()
-    assert r.edit(answer(decision("run-tests", "skip"), decision("anything at all", "skip")), pool()) == []
+    assert r.edit(answer(decision("run-tests", "skip"), decision("anything at all", "skip", "role")), pool()) == []
     assert r.edit(answer(), pool()) == []
-    same = decision("run-tests", "improve_skill", body=TESTS_BODY + "\n\n", description="Run the test suite.")
-    assert r.edit(answer(same), pool()) == []
+    same = decision("run-tests", "improve", body=TESTS_BODY + "\n\n", description="Run the test suite.")
+    same_role = decision("reviewer", "improve", "role", body=REVIEWER["body"], tools=["Read", "Grep"])
+    same_prompt = decision("review", "improve", "prompt", body="Review the staged changes.")
+    assert r.edit(answer(same, same_role, same_prompt), pool()) == []
 
 
 @pytest.mark.parametrize("text", [
@@ -203,7 +312,7 @@ def test_skips_and_unchanged_skills_propose_nothing() -> None:
 ])
 def test_fenced_or_wrapped_json_is_accepted(text: str) -> None:
     body = "Run:\n```bash\npytest -x\n```"  # a fence inside the body does not end the answer's fence
-    inner = answer(decision("run-tests", "improve_skill", body=body))
+    inner = answer(decision("run-tests", "improve", body=body))
     out = recipe().edit(text.format(answer=inner), pool())
     assert out[0]["config"]["body"] == body
 
@@ -211,9 +320,12 @@ def test_fenced_or_wrapped_json_is_accepted(text: str) -> None:
 def test_a_harness_from_a_folder_works_the_same(tmp_path: Path) -> None:
     pool().render(tmp_path / "h")
     h = Harness.from_dir(tmp_path / "h")
-    out = recipe().edit(answer(decision("style", "optimize_description", description="Style rules.")), h)
-    assert out == [{"op": "update", "id": "style", "kind": "skill",
-                    "config": {"description": "Style rules.", "body": "Use ruff."}}]
+    out = recipe().edit(answer(decision("style", "describe", description="Style rules."),
+                               decision("reviewer", "describe", "role", description="Reviews.")), h)
+    assert out == [{"op": "update", "kind": "skill", "id": "style",
+                    "config": {"description": "Style rules.", "body": "Use ruff."}},
+                   {"op": "update", "kind": "role", "id": "reviewer",
+                    "config": {**REVIEWER, "description": "Reviews."}}]
 
 
 # ---------------------------------------------------------------- refused answers
@@ -228,52 +340,84 @@ BAD = [
     ("no decisions", '{"summary": "x"}', "answer: 'decisions' is a required property"),
     ("extra key", '{"summary": "x", "decisions": [], "mood": "good"}',
      "answer: Additional properties are not allowed ('mood' was unexpected)"),
-    ("unknown action", answer(decision("run-tests", "delete_skill")),
-     "answer.decisions[0].action: unknown action 'delete_skill' (expected improve_skill, optimize_description, "
-     "create_skill, skip)"),
-    ("no reason", answer({"skill": "run-tests", "action": "skip"}),
+    ("unknown action", answer(decision("run-tests", "delete")),
+     "answer.decisions[0].action: unknown action 'delete' (expected improve, describe, create, skip)"),
+    ("old action name", answer(decision("run-tests", "improve_skill", body="b")),
+     "answer.decisions[0].action: unknown action 'improve_skill' (expected improve, describe, create, skip)"),
+    ("no reason", answer({"kind": "skill", "name": "run-tests", "action": "skip"}),
      "answer.decisions[0]: 'reason' is a required property"),
-    ("path escape", answer(decision("../x", "create_skill", description="d", body="b")),
-     "decisions[0].skill: '../x' is a path, not a skill name (it would escape skills/)"),
-    ("nested path", answer(decision("a/b", "create_skill", description="d", body="b")),
-     "decisions[0].skill: 'a/b' is a path, not a skill name"),
-    ("absolute path", answer(decision("/etc/passwd", "improve_skill", body="b")),
-     "decisions[0].skill: '/etc/passwd' is a path, not a skill name"),
-    ("bad name", answer(decision("Run Tests", "create_skill", description="d", body="b")),
-     "decisions[0].skill: invalid skill name 'Run Tests' (must match ^[a-z0-9][a-z0-9_-]{0,63}$)"),
-    ("trailing newline name", answer(decision("x\n", "create_skill", description="d", body="b")),
-     "decisions[0].skill: invalid skill name 'x\\n'"),
-    ("oversize body", answer(decision("run-tests", "improve_skill", body="é" * 60)),
+    ("no kind", answer({"name": "run-tests", "action": "skip", "reason": "r"}),
+     "answer.decisions[0]: 'kind' is a required property"),
+    ("old skill key", answer({"skill": "run-tests", "kind": "skill", "action": "skip", "reason": "r"}),
+     "answer.decisions[0]: 'name' is a required property"),
+    ("unknown kind", answer(decision("be-brief", "improve", "rules", body="b")),
+     "answer.decisions[0].kind: kind 'rules' is not evolved here (recipe.params.kinds: skill, prompt, role)"),
+    ("bad tool name", answer(decision("reviewer", "improve", "role", body="b", tools=["Read", "rm -rf"])),
+     "answer.decisions[0].tools[1]: 'rm -rf' does not match"),
+    ("path escape", answer(decision("../x", "create", description="d", body="b")),
+     "decisions[0].name: '../x' is a path, not a skill name (it would escape skills/)"),
+    ("nested path", answer(decision("a/b", "create", "role", description="d", body="b")),
+     "decisions[0].name: 'a/b' is a path, not a role name (it would escape roles/)"),
+    ("absolute path", answer(decision("/etc/passwd", "improve", "prompt", body="b")),
+     "decisions[0].name: '/etc/passwd' is a path, not a prompt name (it would escape prompts/)"),
+    ("bad name", answer(decision("Run Tests", "create", description="d", body="b")),
+     "decisions[0].name: invalid skill name 'Run Tests' (must match ^[a-z0-9][a-z0-9_-]{0,63}$)"),
+    ("trailing newline name", answer(decision("x\n", "create", "prompt", body="b")),
+     "decisions[0].name: invalid prompt name 'x\\n'"),
+    ("oversize body", answer(decision("run-tests", "improve", body="é" * 60)),
      "decisions[0].body: 120 bytes, over max_skill_bytes 100"),
-    ("empty body", answer(decision("run-tests", "improve_skill", body=" \n\n ")), "decisions[0].body: empty body"),
-    ("empty create body", answer(decision("new", "create_skill", description="d", body="")),
-     "decisions[0].body: empty body"),
-    ("no body", answer(decision("run-tests", "improve_skill", description="d")),
-     "decisions[0]: improve_skill 'run-tests' needs a body"),
-    ("create without description", answer(decision("new", "create_skill", body="b")),
-     "decisions[0]: create_skill 'new' needs a description and a body"),
-    ("multiline description", answer(decision("run-tests", "optimize_description", description="Run.\nAlso lint.")),
+    ("oversize role body", answer(decision("reviewer", "improve", "role", body="x" * 101)),
+     "decisions[0].body: 101 bytes, over max_skill_bytes 100"),
+    ("empty body", answer(decision("run-tests", "improve", body=" \n\n ")), "decisions[0].body: empty body"),
+    ("empty create body", answer(decision("new", "create", "prompt", body="")), "decisions[0].body: empty body"),
+    ("no body", answer(decision("run-tests", "improve", description="d")),
+     "decisions[0]: improve skill 'run-tests' needs a body"),
+    ("create without description", answer(decision("new", "create", body="b")),
+     "decisions[0]: create skill 'new' needs a description and a body"),
+    ("create a role without a body", answer(decision("new", "create", "role", description="d")),
+     "decisions[0]: create role 'new' needs a description and a body"),
+    ("create a prompt without a body", answer(decision("new", "create", "prompt")),
+     "decisions[0]: create prompt 'new' needs a body"),
+    ("multiline description", answer(decision("run-tests", "describe", description="Run.\nAlso lint.")),
      "decisions[0].description: multi-line description (it must be one line)"),
-    ("empty description", answer(decision("run-tests", "optimize_description", description="  ")),
+    ("empty description", answer(decision("reviewer", "describe", "role", description="  ")),
      "decisions[0].description: empty description"),
-    ("optimize with a body", answer(decision("run-tests", "optimize_description", description="d", body="b")),
-     "decisions[0]: optimize_description changes only the description; drop 'body' or use improve_skill"),
-    ("improve a missing skill", answer(decision("deploy", "improve_skill", body="b")),
-     "decisions[0]: improve_skill 'deploy': no such skill in the pool (create_skill makes new ones)"),
-    ("optimize a missing skill", answer(decision("deploy", "optimize_description", description="d")),
-     "decisions[0]: optimize_description 'deploy': no such skill in the pool"),
-    ("create an existing skill", answer(decision("style", "create_skill", description="d", body="b")),
-     "decisions[0]: create_skill 'style': the skill already exists (improve_skill it)"),
-    ("too many edits", answer(*(decision(f"s{i}", "create_skill", description="d", body="b") for i in range(3)),
+    ("describe without a description", answer(decision("reviewer", "describe", "role")),
+     "decisions[0]: describe role 'reviewer' needs a description"),
+    ("describe with a body", answer(decision("run-tests", "describe", description="d", body="b")),
+     "decisions[0]: describe skill 'run-tests' changes only the description; drop 'body' or use improve"),
+    ("describe with tools", answer(decision("reviewer", "describe", "role", description="d", tools=["Read"])),
+     "decisions[0]: describe role 'reviewer' changes only the description; drop 'tools' or use improve"),
+    ("describe a prompt", answer(decision("review", "describe", "prompt", description="d")),
+     "decisions[0]: describe prompt 'review': a prompt has no description (improve its body or skip it)"),
+    ("a description on a prompt improve", answer(decision("review", "improve", "prompt", description="d", body="b")),
+     "decisions[0]: improve prompt 'review': a prompt has no description (drop 'description')"),
+    ("a description on a prompt create", answer(decision("new", "create", "prompt", description="d", body="b")),
+     "decisions[0]: create prompt 'new': a prompt has no description (drop 'description')"),
+    ("tools on a skill", answer(decision("run-tests", "improve", body="b", tools=["Read"])),
+     "decisions[0]: improve skill 'run-tests': only a role has tools (drop 'tools')"),
+    ("improve a missing skill", answer(decision("deploy", "improve", body="b")),
+     "decisions[0]: improve skill 'deploy': no such skill in the harness (create makes new ones)"),
+    ("describe a missing role", answer(decision("deploy", "describe", "role", description="d")),
+     "decisions[0]: describe role 'deploy': no such role in the harness"),
+    ("improve a prompt that is a skill", answer(decision("style", "improve", "prompt", body="b")),
+     "decisions[0]: improve prompt 'style': no such prompt in the harness"),
+    ("create an existing skill", answer(decision("style", "create", description="d", body="b")),
+     "decisions[0]: create skill 'style': the skill already exists (improve it)"),
+    ("create an existing prompt", answer(decision("review", "create", "prompt", body="b")),
+     "decisions[0]: create prompt 'review': the prompt already exists (improve it)"),
+    ("too many edits", answer(*(decision(f"s{i}", "create", description="d", body="b") for i in range(3)),
                               decision("style", "skip")),
      "the answer makes 3 edits; max_edits is 2"),
-    ("duplicate skill", answer(decision("style", "optimize_description", description="d"),
-                               decision("style", "improve_skill", body="b")),
-     "decisions[1].skill: duplicate skill 'style' (decisions[0] names it too; one decision per skill)"),
-    ("truncated body copied back", answer(decision("run-tests", "improve_skill",
+    ("duplicate skill", answer(decision("style", "describe", description="d"), decision("style", "improve", body="b")),
+     "decisions[1].name: duplicate skill 'style' (decisions[0] names it too; one decision per kind and name)"),
+    ("duplicate role", answer(decision("reviewer", "describe", "role", description="d"),
+                              decision("reviewer", "improve", "role", body="b")),
+     "decisions[1].name: duplicate role 'reviewer' (decisions[0] names it too"),
+    ("truncated body copied back", answer(decision("run-tests", "improve",
                                                    body="a\n[... 900 characters not shown ...]\nb")),
      "decisions[0].body: holds the prompt's 'characters not shown' mark"),
-    ("front matter in body", answer(decision("run-tests", "improve_skill", body="---\nname: x\n---\nbody")),
+    ("front matter in body", answer(decision("reviewer", "improve", "role", body="---\nname: x\n---\nbody")),
      "decisions[0].body: starts with front matter"),
 ]
 
@@ -286,11 +430,22 @@ def test_malformed_or_unsafe_answers_are_refused_with_one_clear_line(text: str, 
     assert "\n" not in str(exc.value)
 
 
+@pytest.mark.parametrize("kind", ["skill", "prompt", "role"])
+def test_a_kind_not_in_kinds_is_refused(kind: str) -> None:
+    others = [k for k in ("skill", "prompt", "role") if k != kind]
+    r = recipe(kinds=others)
+    for action in ("improve", "skip"):
+        with pytest.raises(RecipeError) as exc:
+            r.edit(answer(decision("x", action, kind, body="b")), pool())
+        assert str(exc.value) == (f"answer.decisions[0].kind: kind {kind!r} is not evolved here "
+                                  f"(recipe.params.kinds: {', '.join(others)})")
+
+
 def test_harness_limits_become_recipe_errors() -> None:
     """What only the harness checks (here: a NUL byte in a body) is refused as a RecipeError too."""
     with pytest.raises(RecipeError, match=r"^the edits do not apply to the harness: mutation 0 \(update skill "
                                           r"run-tests\): body contains a NUL character$"):
-        recipe().edit(answer(decision("run-tests", "improve_skill", body="a\x00b")), pool())
+        recipe().edit(answer(decision("run-tests", "improve", body="a\x00b")), pool())
 
 
 # ---------------------------------------------------------------- the README's scenario

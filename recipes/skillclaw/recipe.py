@@ -1,7 +1,9 @@
-"""SkillClaw as a harness recipe: turns with low scores or feedback -> a proposer prompt -> skill-pool mutations.
+"""SkillClaw as a harness recipe: turns with low scores or feedback -> a proposer prompt -> mutations of the
+harness's skills, prompts and roles.
 
 Owns eligibility, the prompt and the answer's contract (schema, safety rules, mutations); it does not call the
-proposer, gate or publish (reefd/grow/runner.py), nor read harness files (reefd/harness). See README.md."""
+proposer, gate or publish (reefd/grow/runner.py), nor read harness files or check an entry's own schema
+(reefd/harness). See README.md."""
 
 from __future__ import annotations
 
@@ -16,87 +18,116 @@ import jsonschema
 
 from reefd.engines import ModelConfig
 from reefd.grow.recipes import HarnessJob, RecipeError, Sample
-from reefd.harness import ID_PATTERN, MAX_BODY_BYTES, MAX_DESCRIPTION_CHARS, Harness, HarnessError
+from reefd.harness import ID_PATTERN, MAX_BODY_BYTES, MAX_DESCRIPTION_CHARS, Entry, Harness, HarnessError
+from reefd.harness.declared import ROLE_SCHEMA
 from reefd.schema import dataclass_schema, first_error
 
-ACTIONS = ("improve_skill", "optimize_description", "create_skill", "skip")
+KINDS = ("skill", "prompt", "role")  # what SkillClaw may evolve, in the order the prompt shows them
+ACTIONS = ("improve", "describe", "create", "skip")
+HEADINGS = {"skill": "Skills", "prompt": "Prompts", "role": "Roles"}
+FOLDERS = {"skill": "skills", "prompt": "prompts", "role": "roles"}  # where a path-like name would escape from
 CUT_MARK = "characters not shown"  # the prompt's truncation mark; an answer's body must never contain it
 MESSAGE_CHARS = 800  # one conversation message in the prompt
 MESSAGES_SHOWN = 6  # the last non-system messages of a conversation
 FEEDBACK_CHARS = 1000  # one feedback text
-FULL_BODY_CHARS = 6000  # the body of a skill the batch refers to
-PREVIEW_CHARS = 600  # the body of a skill it does not
+FULL_BODY_CHARS = 6000  # the body of an entry the batch refers to
+PREVIEW_CHARS = 600  # the body of an entry it does not
+_TOOLS = ROLE_SCHEMA["properties"]["tools"]  # a role's tool list, as the harness checks it
 
-ANSWER_SCHEMA: dict[str, Any] = {
-    "type": "object", "required": ["summary", "decisions"], "additionalProperties": False,
-    "properties": {
-        "summary": {"type": "string"},
-        "decisions": {"type": "array", "items": {
-            "type": "object", "required": ["skill", "action", "reason"], "additionalProperties": False,
-            "properties": {
-                "skill": {"type": "string"},
-                "action": {"enum": list(ACTIONS)},
-                "description": {"type": "string"},
-                "body": {"type": "string"},
-                "reason": {"type": "string"},
-            },
-        }},
-    },
-}
-_VALIDATOR = jsonschema.Draft202012Validator(ANSWER_SCHEMA)
+
+def answer_schema(kinds: tuple[str, ...] = KINDS) -> dict[str, Any]:
+    """The answer's JSON schema when the proposer may change `kinds` (`tools` only when roles are among them)."""
+    return {
+        "type": "object", "required": ["summary", "decisions"], "additionalProperties": False,
+        "properties": {
+            "summary": {"type": "string"},
+            "decisions": {"type": "array", "items": {
+                "type": "object", "required": ["kind", "name", "action", "reason"], "additionalProperties": False,
+                "properties": {
+                    "kind": {"enum": list(kinds)},
+                    "name": {"type": "string"},
+                    "action": {"enum": list(ACTIONS)},
+                    "description": {"type": "string"},
+                    "body": {"type": "string"},
+                    **({"tools": _TOOLS} if "role" in kinds else {}),
+                    "reason": {"type": "string"},
+                },
+            }},
+        },
+    }
+
+
+ANSWER_SCHEMA = answer_schema()
 _PROPOSER = jsonschema.Draft202012Validator(dataclass_schema(ModelConfig))
 _NAME_RE = re.compile(ID_PATTERN[1:-1])  # fullmatch: "$" alone would let "x\n" through
 _THINK_RE = re.compile(r"<think>.*?</think>", re.S)
 _FENCE_RE = re.compile(r"^```(?:json|JSON)?[ \t]*\n(.*?)\n```[ \t]*$", re.S | re.M)
 
-EXAMPLE = {
-    "summary": "Sessions 1 and 3 ran the whole test suite and timed out; session 2 needed a release checklist.",
+EXAMPLE: dict[str, Any] = {
+    "summary": "Sessions 1 and 3 ran the whole test suite and timed out; in session 2 the user had to spell out "
+               "the release steps; the reviewer subagent was sent to write code.",
     "decisions": [
-        {"skill": "run-tests", "action": "improve_skill",
+        {"kind": "skill", "name": "run-tests", "action": "improve",
          "body": "# Run tests\n\nFirst run only the tests of what you changed: `pytest -x -q tests/test_x.py`.\n"
                  "Run the whole suite last, once, with `pytest -q -n auto`.",
          "reason": "two sessions timed out running every test after each edit"},
-        {"skill": "release", "action": "create_skill",
-         "description": "Cut a release: bump the version, update CHANGELOG.md, tag and push. Use when asked to "
-                        "release or tag a version.",
-         "body": "# Release\n\n1. Bump `version` in pyproject.toml.\n2. Add a CHANGELOG.md entry.\n"
-                 "3. `git tag vX.Y.Z && git push --tags`.",
+        {"kind": "role", "name": "reviewer", "action": "describe",
+         "description": "Reviews a finished diff for bugs and missing tests; never writes code. Use after a change "
+                        "is done, before committing.",
+         "reason": "the agent delegated writing code to the reviewer in session 3"},
+        {"kind": "prompt", "name": "release", "action": "create",
+         "body": "Cut a release of this project:\n\n1. Bump `version` in pyproject.toml.\n"
+                 "2. Add a CHANGELOG.md entry.\n3. `git tag vX.Y.Z && git push --tags`.",
          "reason": "the user had to spell out the release steps in session 2"},
-        {"skill": "style", "action": "skip", "reason": "no session contradicts it"},
+        {"kind": "skill", "name": "style", "action": "skip", "reason": "no session contradicts it"},
     ],
 }
 
-SYSTEM = """\
-You maintain the skill pool of an AI agent. A skill is a SKILL.md file: a name, a one-line description that \
-tells the agent when to use it, and a markdown body with the guidance. You are shown a batch of the agent's \
-recent sessions that got a low score or feedback from its user, and the current pool. Decide which skills to \
-change so that future sessions go better. Look at the failures and at what still worked: keep what works.
+KIND_TEXT = {
+    "skill": "- skill: a SKILL.md file the agent reads when a task calls for it: a one-line description that tells "
+             "the agent when to use it, and a markdown body with the guidance.",
+    "prompt": "- prompt: a named prompt template, a markdown body with no description; users run it as a slash "
+              "command (/<name>), and a scenario may apply one to every request.",
+    "role": "- role: a subagent the agent delegates to: a one-line description of when to use it, its instructions "
+            "as the body, and optionally `tools`, the names of the tools it may use (each matching {tools}; "
+            "without a list it may use every tool).",
+}
 
-Actions, one decision per skill:
-- improve_skill: the skill's guidance is wrong, missing or unclear for what the sessions show. Give the FULL \
-new body (it replaces the old one): targeted edits that keep the sections, facts and commands that work and \
-change only what the evidence contradicts. A new description is optional.
-- optimize_description: the body is fine, but the agent uses the skill for the wrong tasks or misses it when \
-it applies. Give only the new description.
-- create_skill: the sessions show a recurring, reusable procedure that no skill covers and that does not \
-belong in an existing one. Give a new name, a description and a body.
-- skip: the evidence is weak, the failure is the agent's own (the skill was right and it was not followed) \
-or the environment's, or the pool already covers it.
+SYSTEM = """\
+You maintain the harness of an AI agent: the text, besides the model, that tells it how to work. You may change \
+entries of these kinds, each entry named by a name:
+{kinds}
+
+You are shown a batch of the agent's recent sessions that got a low score or feedback from its user, then the \
+current entries of each kind. Decide which entries to change so that future sessions go better. Look at the \
+failures and at what still worked: keep what works.
+
+Actions, one decision per entry (a kind and a name):
+- improve: the entry's text is wrong, missing or unclear for what the sessions show. Give the FULL new body (it \
+replaces the old one): targeted edits that keep the sections, facts and commands that work and change only what \
+the evidence contradicts. A skill or a role may get a new description too (a prompt has none); a role's new \
+`tools` list, when given, replaces its old one.
+- describe: a skill's or a role's body is fine, but the agent uses it for the wrong tasks or misses it when it \
+applies. Give only the new description.
+- create: the sessions show a recurring, reusable need that no entry covers and that does not belong in an \
+existing one. Give a new name and a body; a skill or a role also needs a description, and a role may list tools.
+- skip: the evidence is weak, the failure is the agent's own (the entry was right and it was not followed) or \
+the environment's, or the harness already covers it.
 
 Rules:
-- When in doubt, skip. Never rewrite a skill from scratch or turn it into a different skill.
+- When in doubt, skip. Never rewrite an entry from scratch or turn it into a different one.
 - Write reusable guidance (commands, formats, checks, pitfalls), not a report on one session.
-- At most {max_edits} decisions that are not skip, and one decision per skill.
-- improve_skill and optimize_description name a skill of the pool; create_skill names a new one. A name \
-matches {pattern}: lowercase letters, digits, '-' and '_'; never a path.
-- A description is one line of at most {desc_chars} characters: what the skill does and when to use it.
+- At most {max_edits} decisions that are not skip, and one decision per kind and name.
+- improve and describe name an existing entry of that kind; create names a new one. A name matches {pattern}: \
+lowercase letters, digits, '-' and '_'; never a path.
+- A description is one line of at most {desc_chars} characters: what the entry does and when to use it.
 - A body is markdown without front matter, at most {max_bytes} bytes. A body shown with a "[... N {cut} ...]" \
-mark is incomplete: do not improve_skill that skill (optimize_description or skip it).
+mark is incomplete: do not improve that entry (describe or skip it).
 
 Answer with ONE JSON object and nothing else, valid under this JSON schema:
 {schema}
 
-An example answer (its skills are made up; it shows the shape):
+An example answer (its entries are made up; it shows the shape):
 {example}
 """
 
@@ -111,9 +142,12 @@ class SkillClawConfig:
         "description": "A report score at or below this counts as negative feedback."})
     max_skill_bytes: int = field(default=16384, metadata={
         "minimum": 1, "maximum": MAX_BODY_BYTES,
-        "description": "Largest skill body (UTF-8 bytes) an answer may write."})
+        "description": "Largest body (UTF-8 bytes) an answer may write, of any kind (skill, prompt or role); "
+                       "the name is kept from when only skills evolved."})
     max_edits: int = field(default=4, metadata={"minimum": 1,
                                                 "description": "Most decisions other than skip per answer."})
+    kinds: list[str] = field(default_factory=lambda: list(KINDS), metadata={
+        "description": "The kinds of harness entries the proposer may change: skill, prompt and role, each once."})
     proposer: dict[str, Any] | None = field(default=None, metadata={
         "description": "A `model:` config for the proposer (engine worker|upstream|sglang and its keys); "
                        "null: the scenario's own engine and release."})
@@ -123,7 +157,7 @@ class SkillClawConfig:
 
 
 class SkillClaw:
-    """Feedback on agent turns -> improve_skill / optimize_description / create_skill decisions on the pool."""
+    """Feedback on agent turns -> improve / describe / create decisions on the harness's skills, prompts and roles."""
 
     Config = SkillClawConfig
     produces = "harness"
@@ -134,7 +168,9 @@ class SkillClaw:
             if found is not None:
                 where = ".".join(p for p in ("recipe.params.proposer", found[0]) if p)
                 raise RecipeError(f"{where}: {found[1]}")
+        self.kinds = _check_kinds(cfg.kinds)
         self.cfg = cfg
+        self._validator = jsonschema.Draft202012Validator(answer_schema(self.kinds))
 
     # ------------------------------------------------------------ batch
 
@@ -162,9 +198,11 @@ class SkillClaw:
         if harness is None:
             raise RecipeError("skillclaw evolves a harness: set harness.dir in the scenario")
         batch = samples[: self.cfg.batch_size]
-        system = SYSTEM.format(max_edits=self.cfg.max_edits, pattern=ID_PATTERN, desc_chars=MAX_DESCRIPTION_CHARS,
-                               max_bytes=self.cfg.max_skill_bytes, cut=CUT_MARK,
-                               schema=json.dumps(ANSWER_SCHEMA), example=json.dumps(EXAMPLE, indent=1))
+        example = {**EXAMPLE, "decisions": [d for d in EXAMPLE["decisions"] if d["kind"] in self.kinds]}
+        kinds = "\n".join(KIND_TEXT[k].format(tools=_TOOLS["items"]["pattern"]) for k in self.kinds)
+        system = SYSTEM.format(kinds=kinds, max_edits=self.cfg.max_edits, pattern=ID_PATTERN,
+                               desc_chars=MAX_DESCRIPTION_CHARS, max_bytes=self.cfg.max_skill_bytes, cut=CUT_MARK,
+                               schema=json.dumps(answer_schema(self.kinds)), example=json.dumps(example, indent=1))
         return HarnessJob(messages=[{"role": "system", "content": system},
                                     {"role": "user", "content": self._evidence(batch, harness)}],
                           samples=batch, edit=self.edit, max_tokens=self.cfg.max_tokens,
@@ -172,28 +210,28 @@ class SkillClaw:
                           proposer=dict(self.cfg.proposer) if self.cfg.proposer is not None else None)
 
     def _evidence(self, batch: list[Sample], harness: Harness) -> str:
-        """The user message: the sessions (feedback, score, the conversation's end), then the pool by skill."""
-        skills = harness.of_kind("skill")
-        refs = [_referenced(s.context.get("messages") or [], [e.id for e in skills]) for s in batch]
+        """The user message: the sessions (feedback, score, the conversation's end), then the entries by kind."""
+        entries = [e for kind in self.kinds for e in harness.of_kind(kind)]
+        refs = [_referenced(s.context.get("messages") or [], entries) for s in batch]
         parts = [f"# Sessions ({len(batch)})"]
-        for i, (s, names) in enumerate(zip(batch, refs, strict=True), 1):
-            parts.append(self._session(i, s, names))
-        parts.append(f"# Skill pool ({len(skills)} skill{'' if len(skills) == 1 else 's'})")
-        if not skills:
-            parts.append("(empty: only create_skill applies)")
-        for e in skills:
-            cited = [str(i) for i, names in enumerate(refs, 1) if e.id in names]
-            body = _clip(e.config["body"], FULL_BODY_CHARS if cited else PREVIEW_CHARS)
-            parts.append(f"## {e.id}\ndescription: {e.config['description']}\n"
-                         f"sessions referring to it: {', '.join(cited) or 'none'}\n<body>\n{body}\n</body>")
+        for i, (s, keys) in enumerate(zip(batch, refs, strict=True), 1):
+            parts.append(self._session(i, s, keys))
+        for kind in self.kinds:
+            of_kind = harness.of_kind(kind)
+            parts.append(f"# {HEADINGS[kind]} ({len(of_kind)})")
+            if not of_kind:
+                parts.append(f"(no {kind} yet: only create applies)")
+            for e in of_kind:
+                parts.append(_shown(e, [str(i) for i, keys in enumerate(refs, 1) if (e.kind, e.id) in keys]))
         parts.append(f"Decide (at most {self.cfg.max_edits} edits) and answer with the JSON object.")
         return "\n\n".join(parts)
 
-    def _session(self, i: int, s: Sample, names: list[str]) -> str:
+    def _session(self, i: int, s: Sample, keys: list[tuple[str, str]]) -> str:
         score = s.context.get("score")
         verdict = ("unscored" if score is None else
                    f"{score:g} ({'negative' if score <= self.cfg.low_score else 'above low_score'})")
-        lines = [f"## Session {i}", f"score: {verdict}", f"skills referred to: {', '.join(names) or 'none'}"]
+        lines = [f"## Session {i}", f"score: {verdict}",
+                 f"entries referred to: {', '.join(f'{kind} {name}' for kind, name in keys) or 'none'}"]
         for fb in s.context.get("feedback") or []:
             text = fb if isinstance(fb, str) else json.dumps(fb, ensure_ascii=False, sort_keys=True)
             lines.append(f"feedback: {_clip(text, FEEDBACK_CHARS)}")
@@ -206,24 +244,24 @@ class SkillClaw:
     # ------------------------------------------------------------ answer
 
     def edit(self, answer: str, harness: Harness) -> list[dict[str, Any]]:
-        """The answer -> create/update mutations of skills ([] when every decision is skip or changes nothing).
-        A malformed or unsafe answer raises RecipeError with a one-line reason."""
+        """The answer -> create/update mutations of skills, prompts and roles ([] when every decision is skip or
+        changes nothing). A malformed or unsafe answer raises RecipeError with a one-line reason."""
         data = _parse(answer)
-        err = jsonschema.exceptions.best_match(_VALIDATOR.iter_errors(data))
+        err = jsonschema.exceptions.best_match(self._validator.iter_errors(data))
         if err is not None:
-            raise RecipeError(_schema_message(err))
+            raise RecipeError(_schema_message(err, self.kinds))
         edits = [(i, d) for i, d in enumerate(data["decisions"]) if d["action"] != "skip"]
         if len(edits) > self.cfg.max_edits:
             raise RecipeError(f"the answer makes {len(edits)} edits; max_edits is {self.cfg.max_edits}")
-        seen: dict[str, int] = {}
+        seen: dict[tuple[str, str], int] = {}
         mutations = []
         for i, d in edits:
-            where = f"decisions[{i}]"
-            name = _check_name(d["skill"], where)
-            if name in seen:
-                raise RecipeError(f"{where}.skill: duplicate skill {name!r} (decisions[{seen[name]}] names it too; "
-                                  "one decision per skill)")
-            seen[name] = i
+            where, kind = f"decisions[{i}]", d["kind"]
+            key = (kind, _check_name(d["name"], kind, where))
+            if key in seen:
+                raise RecipeError(f"{where}.name: duplicate {kind} {key[1]!r} (decisions[{seen[key]}] names it too; "
+                                  "one decision per kind and name)")
+            seen[key] = i
             mutations.append(self._mutation(d, where, harness))
         try:
             proposed = harness.apply(mutations)
@@ -231,39 +269,45 @@ class SkillClaw:
             raise RecipeError(f"the edits do not apply to the harness: {exc}") from None
         out = []
         for m in mutations:  # canonical configs (as the harness stores them); updates that change nothing drop out
-            key = ("skill", m["id"])
+            key = (m["kind"], m["id"])
             if m["op"] == "create" or proposed[key] != harness[key]:
-                out.append({**m, "config": dict(proposed[key].config)})
+                out.append({**m, "config": proposed[key].to_json()["config"]})
         return out
 
     def _mutation(self, d: dict[str, Any], where: str, harness: Harness) -> dict[str, Any]:
-        action, name = d["action"], d["skill"]
+        """One non-skip decision -> its create or update mutation (the whole new config)."""
+        kind, action, name = d["kind"], d["action"], d["name"]
+        what = f"{action} {kind} {name!r}"
+        if kind == "prompt" and (action == "describe" or "description" in d):
+            fix = "improve its body or skip it" if action == "describe" else "drop 'description'"
+            raise RecipeError(f"{where}: {what}: a prompt has no description ({fix})")
+        if "tools" in d and kind != "role":
+            raise RecipeError(f"{where}: {what}: only a role has tools (drop 'tools')")
         desc = _check_description(d["description"], where) if "description" in d else None
         body = self._check_body(d["body"], where) if "body" in d else None
-        current = harness.get(("skill", name))
-        if action == "create_skill":
+        current = harness.get((kind, name))
+        if action == "create":
             if current is not None:
-                raise RecipeError(f"{where}: create_skill {name!r}: the skill already exists (improve_skill it)")
-            if desc is None or body is None:
-                raise RecipeError(f"{where}: create_skill {name!r} needs a description and a body")
-            return {"op": "create", "id": name, "kind": "skill", "config": {"description": desc, "body": body}}
+                raise RecipeError(f"{where}: {what}: the {kind} already exists (improve it)")
+            if body is None or (desc is None and kind != "prompt"):
+                needs = "a body" if kind == "prompt" else "a description and a body"
+                raise RecipeError(f"{where}: {what} needs {needs}")
+            config = {"body": body} if desc is None else {"description": desc, "body": body}
+            return {"op": "create", "kind": kind, "id": name, "config": {**config, **_tools(d)}}
         if current is None:
-            raise RecipeError(f"{where}: {action} {name!r}: no such skill in the pool (create_skill makes new ones)")
-        config = dict(current.config)
-        if action == "optimize_description":
+            raise RecipeError(f"{where}: {what}: no such {kind} in the harness (create makes new ones)")
+        if action == "describe":
             if desc is None:
-                raise RecipeError(f"{where}: optimize_description {name!r} needs a description")
-            if body is not None:
-                raise RecipeError(f"{where}: optimize_description changes only the description; "
-                                  "drop 'body' or use improve_skill")
-            config["description"] = desc
+                raise RecipeError(f"{where}: {what} needs a description")
+            extra = next((f for f in ("body", "tools") if f in d), None)
+            if extra is not None:
+                raise RecipeError(f"{where}: {what} changes only the description; drop {extra!r} or use improve")
+            changes: dict[str, Any] = {"description": desc}
+        elif body is None:
+            raise RecipeError(f"{where}: {what} needs a body")
         else:
-            if body is None:
-                raise RecipeError(f"{where}: improve_skill {name!r} needs a body")
-            config["body"] = body
-            if desc is not None:
-                config["description"] = desc
-        return {"op": "update", "id": name, "kind": "skill", "config": config}
+            changes = {"body": body, **({"description": desc} if desc is not None else {}), **_tools(d)}
+        return {"op": "update", "kind": kind, "id": name, "config": {**current.to_json()["config"], **changes}}
 
     def _check_body(self, body: str, where: str) -> str:
         if not body.strip():
@@ -335,11 +379,24 @@ def _clip(text: str, limit: int) -> str:
     return f"{text[:head]}\n[... {len(text) - head - tail} {CUT_MARK} ...]\n{text[len(text) - tail:]}"
 
 
-def _referenced(messages: list[Any], names: list[str]) -> list[str]:
-    """The pool's skills a conversation names outside its system prompt (where the harness lists them all)."""
+def _referenced(messages: list[Any], entries: list[Entry]) -> list[tuple[str, str]]:
+    """The (kind, id) of the entries a conversation names outside its system prompt (where the harness lists the
+    skills): a skill's id, a role's, or a prompt's (as its slash command /<id>)."""
     said = "\n".join(_message(m) for m in messages if isinstance(m, dict) and m.get("role") not in ("system",
                                                                                                   "developer"))
-    return [n for n in names if re.search(rf"(?<![A-Za-z0-9_-]){re.escape(n)}(?![A-Za-z0-9_-])", said)]
+    return [(e.kind, e.id) for e in entries
+            if re.search(rf"(?<![A-Za-z0-9_-]){re.escape(e.id)}(?![A-Za-z0-9_-])", said)]
+
+
+def _shown(e: Entry, cited: list[str]) -> str:
+    """One entry in the prompt: its description, a role's tools, the sessions citing it, its body (clipped)."""
+    lines = [f"## {e.id}"]
+    if "description" in e.config:
+        lines.append(f"description: {e.config['description']}")
+    if e.kind == "role":
+        lines.append(f"tools: {', '.join(e.config['tools']) if 'tools' in e.config else '(no list: every tool)'}")
+    body = _clip(e.config["body"], FULL_BODY_CHARS if cited else PREVIEW_CHARS)
+    return "\n".join([*lines, f"sessions referring to it: {', '.join(cited) or 'none'}", f"<body>\n{body}\n</body>"])
 
 
 def _parse(answer: str) -> Any:
@@ -364,20 +421,39 @@ def _parse(answer: str) -> Any:
     raise RecipeError(f"the answer is not JSON: {reason}")
 
 
-def _schema_message(err: jsonschema.exceptions.ValidationError) -> str:
+def _schema_message(err: jsonschema.exceptions.ValidationError, kinds: tuple[str, ...]) -> str:
     where = "answer" + "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in err.absolute_path)
     if err.validator == "enum" and list(err.absolute_path)[-1:] == ["action"]:
         return f"{where}: unknown action {err.instance!r} (expected {', '.join(ACTIONS)})"
+    if err.validator == "enum" and list(err.absolute_path)[-1:] == ["kind"]:
+        return f"{where}: kind {err.instance!r} is not evolved here (recipe.params.kinds: {', '.join(kinds)})"
     message = " ".join(err.message.split())
     return f"{where}: {message if len(message) <= 300 else message[:297] + '...'}"
 
 
-def _check_name(name: str, where: str) -> str:
+def _check_kinds(kinds: list[str]) -> tuple[str, ...]:
+    """recipe.params.kinds, checked, in KINDS order."""
+    if not kinds:
+        raise RecipeError(f"recipe.params.kinds: empty; name at least one of {', '.join(KINDS)}")
+    for kind in kinds:
+        if kind not in KINDS:
+            raise RecipeError(f"recipe.params.kinds: unknown kind {kind!r} (expected {', '.join(KINDS)})")
+        if kinds.count(kind) > 1:
+            raise RecipeError(f"recipe.params.kinds: {kind!r} is listed twice")
+    return tuple(k for k in KINDS if k in kinds)
+
+
+def _check_name(name: str, kind: str, where: str) -> str:
     if "/" in name or "\\" in name or ".." in name or name.startswith("~"):
-        raise RecipeError(f"{where}.skill: {name!r} is a path, not a skill name (it would escape skills/)")
+        raise RecipeError(f"{where}.name: {name!r} is a path, not a {kind} name (it would escape {FOLDERS[kind]}/)")
     if not _NAME_RE.fullmatch(name):
-        raise RecipeError(f"{where}.skill: invalid skill name {name!r} (must match {ID_PATTERN})")
+        raise RecipeError(f"{where}.name: invalid {kind} name {name!r} (must match {ID_PATTERN})")
     return name
+
+
+def _tools(d: dict[str, Any]) -> dict[str, Any]:
+    """A role decision's new tool list, as a config's part ({} when it gives none)."""
+    return {"tools": list(d["tools"])} if "tools" in d else {}
 
 
 def _check_description(desc: str, where: str) -> str:

@@ -18,7 +18,7 @@ from tests.test_records import record, with_store
 
 RULE = "Answer briefly.\n"
 SKILL = "---\nname: git\ndescription: Commit small changes.\n---\n\nUse git add -p.\n"
-ANSWER = '{"summary": "commit advice", "decisions": [{"skill": "commits", "action": "create_skill"}]}'
+ANSWER = '{"summary": "commit advice", "decisions": [{"kind": "skill", "name": "commits", "action": "create"}]}'
 PARAMS = {"recipe": "skillclaw", "recipe_params": {"batch_size": 2}, "max_tokens": 48, "temperature": 0.0}
 
 

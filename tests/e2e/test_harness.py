@@ -52,7 +52,8 @@ serve:
   default_max_tokens: 8
 """
 PROPOSAL = {"summary": "users want commit advice", "decisions": [
-    {"skill": "commit-messages", "action": "create_skill", "description": "Write commit messages that explain why.",
+    {"kind": "skill", "name": "commit-messages", "action": "create",
+     "description": "Write commit messages that explain why.",
      "body": "Start with a verb; say why the change is needed.", "reason": "two reports asked for it"}]}
 
 
@@ -261,7 +262,7 @@ def test_skillclaw_candidate_rejected_by_the_paired_gate(harnessd: Daemon, coder
 
 
 @pytest.mark.parametrize("answer", ["not json at all", json.dumps({"summary": "x", "decisions": [
-    {"skill": "../../etc", "action": "create_skill", "description": "d", "body": "b", "reason": "r"}]})])
+    {"kind": "skill", "name": "../../etc", "action": "create", "description": "d", "body": "b", "reason": "r"}]})])
 def test_a_garbage_or_unsafe_proposal_publishes_nothing(harnessd: Daemon, coder: Callable[..., str],
                                                         proposer: tuple[str, Path], answer: str) -> None:
     proposer[1].write_text(answer)

@@ -177,7 +177,7 @@ def test_sao_trains_on_practice_alone(d: Daemon, practising: Callable[..., str])
 
 
 SKILL_NOTE = {"summary": "odd-length answers fail", "decisions": [
-    {"skill": "even-answers", "action": "create_skill", "description": "Give answers of an even length.",
+    {"kind": "skill", "name": "even-answers", "action": "create", "description": "Give answers of an even length.",
      "body": "Count the characters of your answer; add one if the count is odd.", "reason": "failed verdicts"}]}
 COMPOSITE = """recipe:
   name: composite
