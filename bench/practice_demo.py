@@ -14,8 +14,9 @@ arm's clock stopped.
 - reefd: a real reefd serving scenario `add` (SmolLM2, max_batch 32): practice (32 tasks x 2 samples per round,
   32 answers at once on an idle engine; the next round waits while the last one's 64 records wait for their job:
   `max_waiting`) with the verifier above; recipe sao (the same LoRA, lr and clipping; a job's batch of 64 is 4
-  steps of 16, the bare arm's step, with the ratio band narrowed to 1 +- 0.3, as its later steps are off-policy);
-  trigger every 64 records; gate always. Nobody sends a request or a report.
+  steps of 16, the bare arm's step, with the ratio band narrowed to 1 +- 0.3, as its later steps are off-policy,
+  and each step's advantages whitened, as the bare arm normalises its batch: normalize_advantages); trigger every
+  64 records; gate always. Nobody sends a request or a report.
   It runs for --budget-x times the bare arm's clock; each release's adapter is then taken from the chain and
   evaluated, its clock being the time from reefd's first practice answer to the release.
 Goal: held-out accuracy rises by at least 0.3, and reefd reaches the bare script's final level within 1.2x of the
@@ -124,7 +125,8 @@ def scenario(tmp: Path, practice: list[tuple[int, int]]) -> dict[str, str]:
         "description: bench/practice_demo.py, single-digit addition learned from practice alone.\n"
         "model: {max_batch: 32}\n"
         f"recipe: {{params: {{batch_size: {batch}, micro_batch: {MICRO}, epochs: 1, lr: {LR}, lora_r: 8, "
-        "lora_alpha: 16, max_grad_norm: 1.0, eps_high: 0.3, target_modules: [q_proj, k_proj, v_proj, o_proj]}}\n"
+        "lora_alpha: 16, max_grad_norm: 1.0, eps_high: 0.3, normalize_advantages: true, "
+        "target_modules: [q_proj, k_proj, v_proj, o_proj]}}\n"
         f"trigger: {{every_n_records: {batch}}}\n"
         f"practice: {{tasks: add-practice.jsonl, verifier: {{function: 'reefd.grow.practice.checks:last_number'}}, "
         f"tasks_per_round: {REEFD_TASKS}, samples: {SAMPLES}, rounds_per_hour: 3600, max_waiting: {batch}, "

@@ -54,6 +54,10 @@ def test_shipped_names_and_dotted_paths() -> None:
     assert build("grpo", {}).candidate([]).objective == "recipes.sao.objective:GRPOObjective"  # type: ignore[union-attr]
     echo = build("tests.test_recipes:Echo", {"size": 5})
     assert isinstance(echo, Echo) and echo.cfg.size == 5
+    settings = build("sao", {"normalize_advantages": True, "gae_alpha": 100}).candidate([]).settings  # type: ignore[union-attr]
+    assert settings["normalize_advantages"] is True  # the objective whitens each micro-batch's advantages
+    assert settings["gae_alpha"] == 100  # lambda = 1 - 1 / (100 * length): near 1 for short answers
+    assert build("sao", {}).candidate([]).settings["normalize_advantages"] is False  # type: ignore[union-attr]
 
 
 @pytest.mark.parametrize("name,params,message", [

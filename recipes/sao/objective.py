@@ -29,7 +29,7 @@ class SAOSettings:
     eps_low/eps_high: the DIS trust band (1 - eps_low, 1 + eps_high) on r = p_theta / p_rollout.
     critic_lr, critic_updates: the value head's AdamW lr and its updates per policy step (K).
     gae_alpha: length-adaptive GAE, lambda = 1 - 1 / (gae_alpha * completion length).
-    normalize_advantages: whiten the advantages of each micro-batch (off in the paper's recipe).
+    normalize_advantages: whiten the advantages of each micro-batch whose rewards differ (off in the paper's recipe).
     grpo_eps: the GRPO control's std floor, A = (r - mean) / (std + grpo_eps).
     stale_clip: a stale sample's f(r) is at most this (samples kept past max_staleness with `stale: weight`).
     """
@@ -61,7 +61,9 @@ class _DIS:
         s = self.settings
         with torch.no_grad():
             adv = self.advantages(batch, out)
-            if s.normalize_advantages:
+            if s.normalize_advantages and bool((batch.rewards != batch.rewards[0]).any()):
+                # A micro-batch whose answers all scored the same says nothing about which is better; whitening
+                # it would blow the critic's noise up to unit-sized advantages, so it keeps its raw ones.
                 adv = whiten(adv, batch.valid)
         cap = None
         if batch.stale is not None and bool(batch.stale.any()):  # truncated importance sampling on stale samples

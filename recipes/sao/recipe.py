@@ -37,6 +37,10 @@ class SAOConfig(StalenessParams):
                                                     "description": "Upper edge of the ratio band: 1 + eps_high."})
     critic_lr: float = field(default=1e-3, metadata={"exclusiveMinimum": 0,
                                                      "description": "Learning rate of the value head."})
+    gae_alpha: float = field(default=1.5, metadata={
+        "exclusiveMinimum": 0, "description": "Length-adaptive GAE: lambda = 1 - 1 / (gae_alpha * length)."})
+    normalize_advantages: bool = field(default=False, metadata={
+        "description": "Whiten the advantages of each micro-batch (off in the paper's recipe)."})
     target: str = field(default="lora", metadata={"enum": ["lora", "full"],
                                                   "description": "lora: train a LoRA adapter; full: train every "
                                                                  "parameter and publish full weights."})
@@ -68,6 +72,7 @@ class SAO:
             optim={"lr": c.lr, "weight_decay": c.weight_decay, "epochs": c.epochs, "micro_batch": c.micro_batch,
                    "max_grad_norm": c.max_grad_norm},
             settings={"eps_low": c.eps_low, "eps_high": c.eps_high, "critic_lr": c.critic_lr,
+                      "gae_alpha": c.gae_alpha, "normalize_advantages": c.normalize_advantages,
                       "stale_clip": c.stale_clip}, seed=c.seed,
             target=c.target)
 

@@ -14,7 +14,7 @@ import torch
 
 from recipes.openclaw_rl.objective import OpenClawObjective, OpenClawSettings
 from recipes.sao.loss import dis_weights, policy_loss
-from recipes.sao.objective import GRPOObjective, SAOSettings
+from recipes.sao.objective import GRPOObjective, SAOObjective, SAOSettings
 from reefd.train.batch import collate, stale_weights
 from reefd.train.objective import Context, Outputs
 from reefd.train.spec import Rollout, SpecError, parse_spec
@@ -113,3 +113,20 @@ def test_openclaw_multiplies_a_stale_turns_terms_by_the_truncated_ratio() -> Non
     loss, grad, metrics = run(True)
     assert loss == pytest.approx(-1.25) and grad == pytest.approx([-1.0, -0.25])
     assert metrics["stale_weight"] == pytest.approx(1.25)
+
+
+def test_whitening_skips_a_micro_batch_whose_answers_all_scored_the_same() -> None:
+    """normalize_advantages whitens SAO's advantages, but a micro-batch of equal rewards carries no signal: its
+    critic-noise advantages stay as small as they are instead of being scaled up to unit size."""
+    def mean_abs_advantage(rewards: list[float]) -> float:
+        samples = [Rollout([1], [2, 3, 4], [-1.0, -1.0, -1.0], r) for r in rewards]
+        objective = SAOObjective(SAOSettings(normalize_advantages=True, gae_alpha=100.0), Context(samples, 4, None))
+        with torch.no_grad():  # a critic that is slightly off: V = 0.01 * h + the batch mean
+            objective.critic.linear.weight.copy_(torch.full((1, 4), 0.01))
+        hidden = torch.randn(len(rewards), 3, 4, generator=torch.Generator().manual_seed(0))
+        logp = torch.full((len(rewards), 3), -1.0, requires_grad=True)
+        objective.loss(collate(samples, list(range(len(rewards))), pad_id=0), Outputs(logp, hidden))
+        return float(objective.metrics()["mean_abs_advantage"])
+
+    assert mean_abs_advantage([1.0] * 4) < 0.1  # raw: the critic's error, a few hundredths
+    assert mean_abs_advantage([1.0, 0.0, 1.0, 0.0]) == pytest.approx(1.0, abs=0.1)  # whitened: unit-sized
