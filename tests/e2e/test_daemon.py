@@ -80,7 +80,7 @@ def test_sigterm_drains_in_flight_streams_and_stops_workers(fresh_daemon: Daemon
     def consume() -> None:
         with c.chat.completions.with_streaming_response.create(
                 model="tiny", messages=[{"role": "user", "content": "long"}], stream=True,
-                max_tokens=400, extra_body={"ignore_eos": True}) as resp:
+                max_tokens=200, extra_body={"ignore_eos": True}) as resp:
             for line in resp.iter_lines():
                 if line:
                     lines.append(line)
@@ -251,7 +251,7 @@ def test_reload_drains_requests_on_an_engine_it_removes(fresh_daemon: Daemon) ->
     assert engines["other"] != engines["tiny"]  # a different model config: its own worker
     lines: list[str] = []
     started = threading.Event()
-    t = threading.Thread(target=_stream_lines, args=(fresh_daemon, "other", lines, started, 1500))
+    t = threading.Thread(target=_stream_lines, args=(fresh_daemon, "other", lines, started, 400))
     t.start()
     assert started.wait(60)
     other.unlink()

@@ -259,7 +259,7 @@ def test_cancel_and_timeout_stop_the_trainer_which_saves_its_steps_first(
     hold = tmp_path / "hold"  # the trainer waits after each step while this file exists
     hold.touch()
     d = grow
-    name = learn(trigger="manual", recipe="  job_timeout_s: 20\n", params="    micro_batch: 2\n", fault="pause",
+    name = learn(trigger="manual", recipe="  job_timeout_s: 12\n", params="    micro_batch: 2\n", fault="pause",
                  hold=hold)
     c = client(d, name)
     receipts = [turn(d, c, f"task {i}", score=float(i % 2), name=name)[0] for i in range(4)]

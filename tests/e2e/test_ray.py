@@ -234,9 +234,9 @@ def test_a_job_the_cluster_never_starts_fails_at_its_timeout(ray_head: tuple[str
     spec = tmp_path / "spec.json"
     spec.write_text(json.dumps({"job": "j-no-gpu"}))
     started = time.monotonic()
-    code, events = run_backend(url, spec, 8, resources={"num_gpus": 1})  # the test head has no GPU
+    code, events = run_backend(url, spec, 4, resources={"num_gpus": 1})  # the test head has no GPU
     assert code == 1 and time.monotonic() - started < 30
-    assert str(events[-1]["reason"]).startswith(f"the Ray job reef-j-no-gpu did not start within 8 s: the cluster "
+    assert str(events[-1]["reason"]).startswith(f"the Ray job reef-j-no-gpu did not start within 4 s: the cluster "
                                                 f"at {url} has no room for it (it asks for num_gpus 1)"), events
     # Ray queues the stop on the job's supervisor, which waits for the same GPU: the job stays pending, and stops
     # the moment it could start (Ray fails it after RAY_JOB_START_TIMEOUT_SECONDS, 15 min, anyway)
