@@ -1,10 +1,11 @@
 """The harness installer: one self-contained POSIX sh script per coding agent, with the harness files inline.
 
-Owns where each agent reads its instructions and skills, how its wrapper points it at reefd, and the marked
-blocks, manifest and releases folder that keep a user's own files untouched; knows nothing about HTTP, the release
-chain or how harnesses are made (reefd/api/delivery.py serves the script, reefd/harness/__init__.py renders the
-files). The shell itself lives in sh/*.sh beside this module, each file clean under `shellcheck -s sh` on its own;
-this module checks the input, quotes the constants, and joins the fragments and the harness files into a script.
+Owns where each agent reads its instructions, skills, commands, subagents and extension config, how its wrapper
+points it at reefd, and the marked blocks, manifest and releases folder that keep a user's own files untouched;
+knows nothing about HTTP, the release chain or how harnesses are made (reefd/api/delivery.py serves the script,
+reefd/harness/__init__.py renders the files, native.py each agent's own formats). The shell itself lives in
+sh/*.sh beside this module, each file clean under `shellcheck -s sh` on its own; this module checks the input,
+quotes the constants, and joins the fragments and the harness files into a script.
 
 How a fragment becomes script text (_sh): installer_head.sh and wrapper_head.sh are taken whole, with only
 {scenario}, {release}, {title} and {adapter} filled in (any other brace stays as it is). Every other fragment
