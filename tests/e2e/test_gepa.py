@@ -69,6 +69,16 @@ def rule(d: Daemon, name: str) -> str:
     return str(files["rules/style.md"]).strip()
 
 
+def echo_scenario(prefix: str, url: str, component: str | None = None) -> str:
+    """SCENARIO on the echo upstream at `url` (a model that repeats its instructions), scored by regex, one
+    iteration a job, evolving `component` alone when one is named."""
+    components = f"\n    components: [{component}]" if component else ""
+    text = SCENARIO.format(prefix=prefix).replace("  - model: tiny\n", "  - model: upstream\n").replace(
+        "scorer: tests.e2e.test_harness:length_parity", "scorer: regex").replace(
+        "iterations: 3", f"iterations: 1{components}")
+    return text + f"model:\n  url: {url}/v1\n  api_key_env: UP_KEY\n  upstream_model: echo\n"
+
+
 def mean(xs: list[float]) -> float:
     return sum(xs) / len(xs)
 
@@ -129,9 +139,7 @@ def test_a_candidate_that_beats_the_serving_harness_on_validation_is_published_a
     d = gepad
     with aiohttp_in_thread(build(echo=True)) as url:
         prefix = scenario(d, "echo", {"train.jsonl": (4, "q", "revised"), "val.jsonl": (3, "q", "revised")})
-        text = SCENARIO.format(prefix=prefix).replace("  - model: tiny\n", "  - model: upstream\n").replace(
-            "scorer: tests.e2e.test_harness:length_parity", "scorer: regex").replace("iterations: 3", "iterations: 1")
-        text += f"model:\n  url: {url}/v1\n  api_key_env: UP_KEY\n  upstream_model: echo\n"
+        text = echo_scenario(prefix, url)
         name = own_scenario(d, text, prefix=prefix)
         code, job, _ = d.post(f"/reef/scenarios/{name}/train", {}, headers={"x-reef-scenario": name})
         assert code == 202, job
@@ -161,11 +169,8 @@ def test_gepa_evolves_the_prompt_the_scenario_applies(gepad: Daemon, own_scenari
         prefix = scenario(d, "lead", {"train.jsonl": (4, "q", "revised"), "val.jsonl": (3, "q", "revised")})
         (d.scenarios / f"{prefix}-harness" / "prompts").mkdir()
         (d.scenarios / f"{prefix}-harness" / "prompts" / "lead.md").write_text("Start plainly.\n")
-        text = SCENARIO.format(prefix=prefix).replace("  - model: tiny\n", "  - model: upstream\n").replace(
-            "scorer: tests.e2e.test_harness:length_parity", "scorer: regex").replace(
-            "iterations: 3", "iterations: 1\n    components: [prompt/lead]").replace(
+        text = echo_scenario(prefix, url, "prompt/lead").replace(
             f"  dir: {prefix}-harness\n", f"  dir: {prefix}-harness\n  prompt: lead\n")
-        text += f"model:\n  url: {url}/v1\n  api_key_env: UP_KEY\n  upstream_model: echo\n"
         name = own_scenario(d, text, prefix=prefix)
         c = sdk(openai.OpenAI(base_url=d.url + "/v1", api_key=d.token, max_retries=0,
                               default_headers={"x-reef-scenario": name}))
@@ -194,12 +199,8 @@ def test_gepa_evolves_a_role_judged_as_its_subagent(gepad: Daemon, own_scenario:
         (d.scenarios / f"{prefix}-harness" / "roles").mkdir()
         (d.scenarios / f"{prefix}-harness" / "roles" / "reviewer.md").write_text(
             "---\nname: reviewer\ndescription: Reviews diffs\ntools: [Read]\n---\n\nReview plainly.\n")
-        text = SCENARIO.format(prefix=prefix).replace("  - model: tiny\n", "  - model: upstream\n").replace(
-            "scorer: tests.e2e.test_harness:length_parity", "scorer: regex").replace(
-            "iterations: 3", "iterations: 1\n    components: [role/reviewer]").replace(
-            "  - gate: always\n", "  - gate: paired\n")
-        text += (f"model:\n  url: {url}/v1\n  api_key_env: UP_KEY\n  upstream_model: echo\n"
-                 f"gate:\n  tasks: {prefix}-val.jsonl\n  scorer: regex\n  min_tasks: 3\n")
+        text = echo_scenario(prefix, url, "role/reviewer").replace("  - gate: always\n", "  - gate: paired\n")
+        text += f"gate:\n  tasks: {prefix}-val.jsonl\n  scorer: regex\n  min_tasks: 3\n"
         name = own_scenario(d, text, prefix=prefix)
         code, job, _ = d.post(f"/reef/scenarios/{name}/train", {}, headers={"x-reef-scenario": name})
         assert code == 202, job

@@ -26,8 +26,7 @@ owns() {  # owns MANIFEST PATH: whether MANIFEST lists PATH as a file Reef insta
 
 check_placed() {  # check_placed RELEASE MANIFEST: fails when a placed file would replace one that is not Reef's
   placed_targets "$1" > "$WORK/placed"
-  while IFS="$(printf '\t')" read -r cp_src cp_t; do
-    : "$cp_src"
+  while IFS="$(printf '\t')" read -r _ cp_t; do
     if { [ -e "$cp_t" ] || [ -L "$cp_t" ]; } && ! owns "$2" "$cp_t"; then
       die "$cp_t already exists and is not Reef's: Reef does not overwrite it." \
         "Rename or remove it, then install again (nothing was changed)"
