@@ -19,8 +19,8 @@ from typing import Any
 
 from reefd.commit.chain import Candidate
 from reefd.engines import Engine, Proves, WeightSwap
+from reefd.engines.launch import die_with_parent
 from reefd.engines.proof import Fingerprint
-from reefd.engines.supervisor import die_with_parent
 from reefd.ops.files import write_json
 
 log = logging.getLogger("reefd.commit.proofs")

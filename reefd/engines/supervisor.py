@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ctypes
 import logging
 import os
 import re
@@ -17,32 +16,14 @@ import socket
 import time
 from collections.abc import Awaitable, Callable
 
+from reefd.engines.launch import Launched, launch
+
 log = logging.getLogger("reefd.engine")
-
-_PR_SET_PDEATHSIG = 1
-
 
 def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
         s.bind((host, 0))
         return int(s.getsockname()[1])
-
-
-def _load_prctl() -> Callable[..., int] | None:
-    try:
-        prctl: Callable[..., int] = ctypes.CDLL("libc.so.6", use_errno=True).prctl
-        return prctl
-    except (OSError, AttributeError):  # not glibc Linux: children are still stopped on clean exits
-        return None
-
-
-_prctl = _load_prctl()  # loaded now: after fork, a threaded parent's child must not load libraries
-
-
-def die_with_parent() -> None:
-    """Runs in the child before exec: take SIGTERM when reefd dies, even by SIGKILL."""
-    if _prctl is not None:
-        _prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 def kill_group(pgid: int) -> None:
@@ -99,7 +80,7 @@ class Supervisor:
         self.restarts = 0
         self.pid: int | None = None
         self.last_error: str | None = None
-        self._proc: asyncio.subprocess.Process | None = None
+        self._proc: Launched | None = None
         self._task: asyncio.Task[None] | None = None
         self._stopping = False
 
@@ -154,9 +135,7 @@ class Supervisor:
         url = f"http://{self._host}:{port}"
         argv = self._argv(port)
         log.info("%s: launching %s", self.name, " ".join(masked(argv)))
-        self._proc = await asyncio.create_subprocess_exec(
-            *argv, stdin=asyncio.subprocess.DEVNULL, preexec_fn=die_with_parent, env=self._env,
-            start_new_session=True)  # a process group of its own: its children are killed with it
+        self._proc = await launch(argv, self._env)  # a process group of its own: its children are killed with it
         self.pid = self._proc.pid
         deadline = time.monotonic() + self._timeout
         while time.monotonic() < deadline and not self._stopping:

@@ -157,12 +157,17 @@ def test_acknowledged_receipts_survive_kill_9(fresh_daemon: Daemon) -> None:
     while len(acked) < 24 and time.monotonic() < deadline:
         time.sleep(0.05)
     assert fresh_daemon.proc is not None
+    engine = json.loads(fresh_daemon.get("/reef/status")[1])["scenarios"][0]["engine"]["pid"]
     fresh_daemon.proc.send_signal(signal.SIGKILL)
     fresh_daemon.proc.wait(30)
     stop.set()
     for t in threads:
         t.join(60)
     assert len(acked) >= 24
+    deadline = time.monotonic() + 30  # its worker goes with it (forked from reefd's fork server, which goes too)
+    while _alive(engine) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not _alive(engine), f"the engine worker {engine} outlived reefd's SIGKILL"
     fresh_daemon.start()
     for i, receipt in enumerate(receipts):
         status, body = fresh_daemon.get(f"/reef/records/{receipt}")
@@ -216,6 +221,14 @@ def _stream_lines(d: Daemon, scenario: str, lines: list[str], started: threading
             if line:
                 lines.append(line)
                 started.set()
+
+
+def _alive(pid: int) -> bool:
+    """Whether `pid` runs (a zombie has ended: its parent has not reaped it yet)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (FileNotFoundError, ProcessLookupError):
+        return False
 
 
 def test_engine_death_mid_stream_ends_it_in_band(fresh_daemon: Daemon) -> None:

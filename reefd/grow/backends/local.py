@@ -14,7 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from reefd.engines.supervisor import die_with_parent
+from reefd.engines.launch import die_with_parent
 from reefd.grow.backends import Event, TrainerTimeout
 
 log = logging.getLogger("reefd.train")

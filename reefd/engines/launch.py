@@ -1,0 +1,143 @@
+"""How an engine process starts. `python -m reefd.worker` is forked from a fork server (the standard library's
+`multiprocessing` one) that has imported torch, transformers and the worker's modules once: a worker's start, a
+replica's or a restart's, skips their imports (about 3 s of CPU each here), and its replicas share those pages.
+Any other program (SGLang, vLLM, the router) is executed as it is. Knows nothing about what the process serves."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ctypes
+import multiprocessing
+import os
+import runpy
+import signal
+import sys
+from collections.abc import Callable
+from typing import Protocol
+
+FORKED = frozenset({"reefd.worker"})
+"""Modules launched from the fork server, which has imported what they import (reefd.worker.preload)."""
+
+_CTX = multiprocessing.get_context("forkserver")
+# "__main__": a reefd started by its console script is imported once in the server, not again in every child
+_CTX.set_forkserver_preload(["__main__", "reefd.engines.launch", "reefd.worker.preload"])
+
+
+_PR_SET_PDEATHSIG = 1
+
+
+def _load_prctl() -> Callable[..., int] | None:
+    try:
+        prctl: Callable[..., int] = ctypes.CDLL("libc.so.6", use_errno=True).prctl
+        return prctl
+    except (OSError, AttributeError):  # not glibc Linux: children are still stopped on clean exits
+        return None
+
+
+_prctl = _load_prctl()  # loaded now: after fork, a threaded parent's child must not load libraries
+
+
+def die_with_parent() -> None:
+    """Runs in a child before exec: take SIGTERM when its parent dies, even by SIGKILL."""
+    if _prctl is not None:
+        _prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+class Launched(Protocol):
+    """A started engine process: what the supervisor watches and stops (asyncio's Process is one)."""
+
+    pid: int
+
+    @property
+    def returncode(self) -> int | None:
+        """Its exit code once it ended (negative: the signal that ended it), else None."""
+
+    async def wait(self) -> int:
+        """Until it ends; its exit code."""
+
+    def terminate(self) -> None:
+        """SIGTERM, while it runs (returncode None)."""
+
+
+async def launch(argv: list[str], env: dict[str, str] | None) -> Launched:
+    """Start `argv` in a session of its own (its group is killed with it), tied to reefd (it gets SIGTERM when
+    reefd dies, even by SIGKILL), with stdin from /dev/null and reefd's stdout and stderr. `env`: its whole
+    environment (None: reefd's). `[sys.executable, "-m", M, ...]` with M in FORKED is forked, unless
+    REEF_FORKSERVER=0 (then everything is executed)."""
+    if argv[:2] == [sys.executable, "-m"] and argv[2] in FORKED and os.environ.get("REEF_FORKSERVER", "1") != "0":
+        proc = _CTX.Process(target=_run_module, name=argv[2], daemon=True,  # daemon: reefd's exit stops it
+                            args=(argv[2], argv[3:], dict(os.environ if env is None else env), os.getpid()))
+        await asyncio.to_thread(proc.start)  # the first start waits for the server's imports
+        return Forked(proc)
+    return await asyncio.create_subprocess_exec(*argv, stdin=asyncio.subprocess.DEVNULL, env=env,
+                                                preexec_fn=die_with_parent, start_new_session=True)
+
+
+def _run_module(module: str, args: list[str], env: dict[str, str], owner: int) -> None:
+    """In the forked child: what `python -m module args...` would do, in the launch's environment."""
+    os.setsid()
+    die_with_parent()  # the fork server's child: SIGTERM when it goes, and it goes when reefd does
+    if _parent_of(os.getppid()) not in (owner, None):
+        # reefd (`owner`) died while the server was importing, before it could tie itself to reefd; the request
+        # was already queued. Serve nothing: this child ending leaves the server nobody to keep it alive.
+        raise SystemExit(1)
+    os.environ.clear()
+    os.environ.update(env)
+    sys.argv = [module, *args]
+    runpy.run_module(module, run_name="__main__", alter_sys=True)
+
+
+def _settle(ended: asyncio.Future[None]) -> None:
+    if not ended.done():
+        ended.set_result(None)
+
+
+def _parent_of(pid: int) -> int | None:
+    """A process's parent (None: not known, e.g. no /proc)."""
+    try:
+        return int(open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[1])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+class Forked:
+    """A process from the fork server, watched through the exit report the server writes to its sentinel (it is
+    the server's child, not reefd's)."""
+
+    def __init__(self, proc: multiprocessing.process.BaseProcess):
+        self._proc = proc
+        assert proc.pid is not None
+        self.pid: int = proc.pid
+        self._code: int | None = None
+        self._ended: asyncio.Future[None] | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    @property
+    def returncode(self) -> int | None:
+        if self._code is None and self._proc.exitcode is not None:
+            self._code = self._proc.exitcode
+            self._unwatch()
+            self._proc.close()  # its sentinel: the code is kept here
+        return self._code
+
+    async def wait(self) -> int:
+        while self.returncode is None:
+            if self._ended is None:  # one reader for every waiter: a waiter's timeout leaves it in place
+                self._loop = asyncio.get_running_loop()
+                self._ended = self._loop.create_future()
+                self._loop.add_reader(self._proc.sentinel, _settle, self._ended)
+            await asyncio.shield(self._ended)
+            self._unwatch()
+        assert self._code is not None
+        return self._code
+
+    def terminate(self) -> None:
+        if self.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.pid, signal.SIGTERM)
+
+    def _unwatch(self) -> None:
+        if self._loop is not None and not self._loop.is_closed():
+            self._loop.remove_reader(self._proc.sentinel)
+        self._loop = self._ended = None
