@@ -181,7 +181,8 @@ async def grow(app: web.Application) -> AsyncIterator[None]:  # Grow: triggers �
 
 
 async def practice(app: web.Application) -> AsyncIterator[None]:  # Grow: reefd's own verified experience
-    app[PRACTICE] = Practice(app[REGISTRY], app[RECORDS], app[SETTINGS].scenarios_dir, app[SETTINGS].state_dir)
+    app[PRACTICE] = Practice(app[REGISTRY], app[RECORDS], app[RUNNER].jobs, app[SETTINGS].scenarios_dir,
+                             app[SETTINGS].state_dir)
     app[PRACTICE].sync()  # rounds (records and reports → Observe → count triggers) on idle engine turns
     yield
     await app[PRACTICE].close()

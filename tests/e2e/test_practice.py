@@ -164,10 +164,14 @@ def test_a_broken_verifier_fails_its_verifications_and_serving_goes_on(d: Daemon
 
 
 def test_sao_trains_on_practice_alone(d: Daemon, practising: Callable[..., str]) -> None:
-    """No client sends anything: practice's verified answers fill SAO's batch, and its job publishes."""
-    name = practising(recipe="sao", samples=1, extra="trigger:\n  every_n_records: 4\nrecipe:\n  params:\n"
-                                                       "    batch_size: 4\n")
+    """No client sends anything: practice's verified answers fill SAO's batch, and its job publishes. With
+    max_waiting, the next round waits for that job, so it is answered by the release the job made."""
+    name = practising(recipe="sao", samples=1, max_waiting="4",
+                      extra="trigger:\n  every_n_records: 4\nrecipe:\n  params:\n    batch_size: 4\n")
     job = wait_job(d, ("published",), name=name)
+    practice_status(d, name, "rounds", 2)
+    second = [r for r in records(d, name, "only") if r["practice"]["round"] == 2]
+    assert len(second) == 4 and {r["release"] for r in second} == {job["release"]}, second
     code, body = d.get(f"/reef/releases/{job['release']}/lineage")
     assert code == 200, body
     trained = json.loads(body)["releases"][0]["learned_from"]

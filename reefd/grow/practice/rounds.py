@@ -22,6 +22,7 @@ from typing import Any
 
 from reefd.commit.gates.tasks import GateError, Task
 from reefd.engines import EngineError, EngineUnavailable
+from reefd.grow.job_store import JobStore
 from reefd.grow.practice import settings
 from reefd.grow.practice.settings import PracticeConfig
 from reefd.grow.practice.verifiers import Verdict, Verifier, VerifierError
@@ -42,8 +43,10 @@ COUNTS = ("rounds", "answers", "verified", "passed", "failed", "verifier_errors"
 class Practice:
     """Every scenario's practice rounds, one background task each, following the scenarios as they reload."""
 
-    def __init__(self, registry: Registry, store: RecordStore, scenarios_dir: Path, state_dir: Path) -> None:
-        self.registry, self.store, self.scenarios_dir, self.state_dir = registry, store, scenarios_dir, state_dir
+    def __init__(self, registry: Registry, store: RecordStore, jobs: JobStore, scenarios_dir: Path,
+                 state_dir: Path) -> None:
+        self.registry, self.store, self.jobs = registry, store, jobs
+        self.scenarios_dir, self.state_dir = scenarios_dir, state_dir
         self._runs: dict[str, tuple[PracticeConfig, asyncio.Task[None]]] = {}
         self.stats: dict[str, Counter[str]] = {}
         self.last: dict[str, dict[str, Any]] = {}  # per scenario: the last round's summary, the last error
@@ -98,9 +101,8 @@ class Practice:
             if scenario.binding is None or not scenario.engine.ready:  # no release serves yet, or no engine
                 await asyncio.sleep(BIND_POLL_S)
                 continue
-            if cfg.max_waiting is not None and \
-                    await asyncio.to_thread(self.store.waiting, name, cfg.max_waiting) >= cfg.max_waiting:
-                await asyncio.sleep(WAITING_POLL_S)  # a batch waits for its job: practise once it is taken
+            if cfg.max_waiting is not None and await self._held(name, cfg.max_waiting):
+                await asyncio.sleep(WAITING_POLL_S)
                 continue
             picked = [tasks[order[(cursor + i) % len(order)]] for i in range(cfg.tasks_per_round)]
             cursor = (cursor + cfg.tasks_per_round) % len(order)
@@ -110,6 +112,13 @@ class Practice:
             except Exception:  # a bug must not end practice for good
                 log.exception("%s: practice round %d failed", name, round_no)
             await asyncio.sleep(max(0.0, 3600.0 / cfg.rounds_per_hour - (time.monotonic() - began)))
+
+    async def _held(self, name: str, max_waiting: int) -> bool:
+        """Whether a batch waits for its job, or that job runs: the next round then answers with the release the
+        job makes. (Its records stop waiting when the release is written, a moment before it serves.)"""
+        if self.jobs.active(name) is not None:
+            return True
+        return await asyncio.to_thread(self.store.waiting, name, max_waiting) >= max_waiting
 
     async def round(self, scenario: Scenario, cfg: PracticeConfig, verifier: Verifier, tasks: list[Task],
                     round_no: int) -> list[Verdict | None]:

@@ -38,9 +38,9 @@ class PracticeConfig:
                                                                  "only idle engine turns."})
     max_waiting: int | None = field(default=None, metadata={
         "minimum": 1, "description": "A round waits while this many of the scenario's scored records (practice or "
-                                     "not) wait for a Grow job: practice then answers with the release the next job "
-                                     "builds on, not ahead of the trainer, and leaves the CPU to it meanwhile. "
-                                     "null: no bound."})
+                                     "not) wait for a Grow job, and while the scenario's job runs: practice then "
+                                     "answers with the release that job makes, not ahead of the trainer, and "
+                                     "leaves the CPU to it meanwhile. null: no bound."})
     preempt: bool = field(default=True, metadata={
         "description": "true: practice generates only while the engine serves no request, and a request that "
                        "comes stops the practice answers generating (each is asked again once the engine is idle); "
