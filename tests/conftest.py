@@ -24,10 +24,6 @@ from tests import served
 from tests.served import ROOT, Served, free_port
 
 TOKEN = "test-token-" + "x" * 16
-# Two test processes share this machine's two cores (make test's -n auto), and every reefd, engine worker and trainer
-# they start runs torch on the tiny model, whose ops are too small to gain from threads: one thread each, so that
-# they do not spin against each other (inherited by every process the suite starts; a caller's own setting wins).
-os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
 @dataclass
@@ -318,6 +314,11 @@ def _check_launch(proc: Served) -> None:
 
 def pytest_configure(config: pytest.Config) -> None:
     served.on_launch = _check_launch
+    # Two test processes share this machine's two cores (make test's -n auto), and every reefd, engine worker and
+    # trainer they start runs torch on the tiny model, whose ops are too small to gain from threads: one thread
+    # each, so that they do not spin against each other (inherited by every process the suite starts; a caller's
+    # own setting wins). Set here, not at import: the benchmarks import this module and keep every core.
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
 def pytest_sessionfinish(session: pytest.Session) -> None:
