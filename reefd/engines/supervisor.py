@@ -20,6 +20,7 @@ from reefd.engines.launch import Launched, launch
 
 log = logging.getLogger("reefd.engine")
 
+
 def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
         s.bind((host, 0))

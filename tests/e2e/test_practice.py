@@ -218,12 +218,14 @@ def test_composite_releases_an_adapter_and_a_skill_together(d: Daemon, own_scena
                                                             tmp_path: Any) -> None:
     """Practice verdicts feed both halves: SAO trains the adapter on the batch, SkillClaw (a scripted proposer,
     as hosted models are unreachable here) writes a skill from its failed answers; one gate, one `bundle` release
-    holding adapter/ and harness/, served at once, explained, delivered, and rolled back in one step."""
+    holding adapter/ and harness/, served at once, explained, delivered, and rolled back in one step. Every answer
+    fails its verification here: the batch is the oldest four, and with the even-length verifier those could all
+    pass, leaving SkillClaw no failed answer to write from."""
     answer = tmp_path / "answer.txt"
     answer.write_text(json.dumps(SKILL_NOTE))
     with aiohttp_in_thread(build(str(answer))) as url:
         harness_dir(d.scenarios / "bundle-harness")
-        name = own_scenario(d, practice_yaml(f"    command: '{EVEN}'\n", samples=1, extra=COMPOSITE.format(
+        name = own_scenario(d, practice_yaml("    command: 'exit 1'\n", samples=1, extra=COMPOSITE.format(
             url=f"{url}/v1", harness="bundle-harness")), prefix="bundle", files={
             "practice-tasks.jsonl": TASKS, "gate-tasks.jsonl": "".join(
                 json.dumps({"prompt": f"task {i}", "answer": ""}) + "\n" for i in range(2))})
