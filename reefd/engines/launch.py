@@ -138,6 +138,8 @@ class Forked:
                 os.kill(self.pid, signal.SIGTERM)
 
     def _unwatch(self) -> None:
+        if self._ended is not None:  # a waiter blocked on it wakes and finds the exit code
+            _settle(self._ended)
         if self._loop is not None and not self._loop.is_closed():
             self._loop.remove_reader(self._proc.sentinel)
         self._loop = self._ended = None

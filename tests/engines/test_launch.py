@@ -75,6 +75,28 @@ def test_terminate_and_a_waiter_that_timed_out(how: str, tmp_path: Path) -> None
     assert "REEF_FORKSERVER" not in seen(out)["env"] or how == "executed"
 
 
+def test_a_waiter_wakes_when_another_caller_sees_the_exit_first(monkeypatch: pytest.MonkeyPatch,
+                                                                 tmp_path: Path) -> None:
+    """The supervisor reads a forked process's `returncode` while its watch awaits `wait()`: whichever learns of
+    the exit first, the other is told too. (asyncio's Process learns of it only on the loop.)"""
+    monkeypatch.setattr(launching, "FORKED", frozenset({CHILD}))
+    out = tmp_path / "seen.json"
+
+    async def go() -> int:
+        proc = await launch([sys.executable, "-m", CHILD, str(out), "4", "0"], None)
+        waiter = asyncio.create_task(proc.wait())
+        await asyncio.sleep(0)  # the waiter is watching
+        deadline = time.monotonic() + 60
+        while not out.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)  # the loop blocked: the exit report waits unread
+        time.sleep(1.0)
+        while proc.returncode is None and time.monotonic() < deadline:  # read here first
+            time.sleep(0.05)
+        return await asyncio.wait_for(waiter, 30)
+
+    assert asyncio.run(go()) == 4
+
+
 def test_other_programs_are_executed(tmp_path: Path) -> None:
     async def go() -> tuple[object, int]:
         proc = await launch([sys.executable, "-c", "raise SystemExit(7)"], None)
