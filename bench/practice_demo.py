@@ -11,18 +11,19 @@ by one evaluator in this process for both arms (HF generate on SmolLM2 with the 
 arm's clock stopped.
 - Bare (bench/learning_bare.py): LoRA r 8 on q/k/v/o, AdamW lr 5e-4; per iteration 8 practice tasks x 2 samples,
   batch-normalised advantages, one REINFORCE step; held-out after every iteration.
-- reefd: a real reefd serving scenario `add` (SmolLM2, max_batch 32): practice (32 tasks x 2 samples per round,
-  32 answers at once on an idle engine; the next round waits while the last one's 64 records wait for their job:
+- reefd: a real reefd serving scenario `add` (SmolLM2, max_batch 64): practice (32 tasks x 2 samples per round,
+  all 64 answers at once on an idle engine; the next round waits while the last one's 64 records wait for their job:
   `max_waiting`) with the verifier above; recipe sao (the same LoRA, lr and clipping; a job's batch of 64 is 4
   steps of 16, the bare arm's step, with the ratio band narrowed to 1 +- 0.3, as its later steps are off-policy,
   and each step's advantages whitened, as the bare arm normalises its batch: normalize_advantages); trigger every
   64 records; gate always. Nobody sends a request or a report.
   It runs for --budget-x times the bare arm's clock; each release's adapter is then taken from the chain and
-  evaluated, its clock being the time from reefd's first practice answer to the release.
+  evaluated, its clock being the time from the start of reefd's first practice round (its first answer being asked
+  for) to the release.
 Goal: held-out accuracy rises by at least 0.3, and reefd reaches the bare script's final level within 1.2x of the
 time the bare script took to reach it (first reached; the ratio to the script's whole run is printed too). Prints
 the curves, a PNG (bench/out/practice.png), held-out tasks the model got wrong before and right after, and one
-JSON line.
+JSON line, with the machine's speed measured before, between and after the arms (`gauge`).
 Run: python bench/practice_demo.py [--iterations 30] [--budget-x 1.5]
 """
 
@@ -93,9 +94,24 @@ class Evaluator:
             set_peft_model_state_dict(model, saved)
 
 
-def bare_arm(folder: Path, practice: list[tuple[int, int]], heldout: list[tuple[int, int]], iterations: int,
-             seed: int) -> tuple[list[tuple[float, float]], Bare, list[float], list[float]]:
-    bare = Bare(folder, lr=LR, max_tokens=MAX_TOKENS, temperature=TEMPERATURE, seed=seed)
+def gauge(bare: Bare) -> float:
+    """The machine's speed now: seconds for one forward and backward pass of the bare arm's LoRA on a fixed batch of
+    the step's shape (16 x 60 tokens), the median of 3. Shared VMs change speed over minutes; the arms run one after
+    the other, so the bench measures this before the bare arm, between the arms and after reefd's."""
+    torch = bare.torch
+    ids = torch.randint(0, 1000, (16, 60), generator=torch.Generator().manual_seed(0))
+    times = []
+    bare.model.train()
+    for _ in range(4):
+        t0 = time.perf_counter()
+        bare.model(input_ids=ids).logits.float().mean().backward()
+        times.append(time.perf_counter() - t0)
+        bare.opt.zero_grad()
+    return sorted(times[1:])[1]
+
+
+def bare_arm(bare: Bare, practice: list[tuple[int, int]], heldout: list[tuple[int, int]],
+             iterations: int) -> tuple[list[tuple[float, float]], list[float], list[float]]:
     ev = Evaluator(bare, heldout)
     base, base_scores = ev()
     print(f"bare: held-out before {base:.3f}", flush=True)
@@ -112,7 +128,7 @@ def bare_arm(folder: Path, practice: list[tuple[int, int]], heldout: list[tuple[
         curve.append((clock, acc))
         print(f"bare: iteration {it + 1}: batch {sum(rewards) / len(rewards):.2f}, clock {clock:.1f} s, "
               f"held-out {acc:.3f}", flush=True)
-    return curve, bare, base_scores, scores
+    return curve, base_scores, scores
 
 
 def scenario(tmp: Path, practice: list[tuple[int, int]]) -> dict[str, str]:
@@ -124,14 +140,14 @@ def scenario(tmp: Path, practice: list[tuple[int, int]]) -> dict[str, str]:
     return {NAME: (
         "defaults: [{model: smollm2}, {recipe: sao}, {trigger: count}, {gate: always}, {release: follow}, _self_]\n"
         "description: bench/practice_demo.py, single-digit addition learned from practice alone.\n"
-        "model: {max_batch: 32}\n"
+        f"model: {{max_batch: {batch}}}\n"
         f"recipe: {{params: {{batch_size: {batch}, micro_batch: {MICRO}, epochs: 1, lr: {LR}, lora_r: 8, "
         "lora_alpha: 16, max_grad_norm: 1.0, eps_high: 0.3, normalize_advantages: true, "
         "target_modules: [q_proj, k_proj, v_proj, o_proj]}}\n"
         f"trigger: {{every_n_records: {batch}}}\n"
         f"practice: {{tasks: add-practice.jsonl, verifier: {{function: 'reefd.grow.practice.checks:last_number'}}, "
         f"tasks_per_round: {REEFD_TASKS}, samples: {SAMPLES}, rounds_per_hour: 3600, max_waiting: {batch}, "
-        f"concurrency: 32, max_tokens: {MAX_TOKENS}, temperature: {TEMPERATURE}}}\n")}
+        f"concurrency: {batch}, max_tokens: {MAX_TOKENS}, temperature: {TEMPERATURE}}}\n")}
 
 
 def get(d: Daemon, path: str) -> dict[str, Any]:
@@ -143,13 +159,14 @@ def get(d: Daemon, path: str) -> dict[str, Any]:
 
 def daemon_arm(practice: list[tuple[int, int]], budget_s: float) -> tuple[list[tuple[float, str]], Path, Path,
                                                                            dict[str, Any]]:
-    """reefd practising for `budget_s` from its first practice answer: (clock, release) of each release, the
+    """reefd practising for `budget_s` from the start of its first practice round: (clock, release) of each release, the
     chain's folder and the scratch folder (removed by the caller), and practice's status at the end."""
     tmp = scratch_dir()
     d = start_reefd(tmp, scenario(tmp, practice), seed_model="smollm2")
     print(f"reefd: ready at {d.url} (log {d.log_path})", flush=True)
     try:
-        while not (get(d, "/reef/status")["scenarios"][0].get("practice") or {}).get("answers"):
+        while not any((get(d, "/reef/status")["scenarios"][0].get("practice") or {}).get(k)
+                      for k in ("generating", "answers")):  # the first round has begun
             time.sleep(0.05)
         start, seen, releases = time.time(), set(), []
         while time.time() - start < budget_s:
@@ -205,10 +222,15 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
     practice, heldout = split(args.seed)
-    folder = model_folder()
-    bare_curve, bare, base_scores, _ = bare_arm(folder, practice, heldout, args.iterations, args.seed)
+    bare = Bare(model_folder(), lr=LR, max_tokens=MAX_TOKENS, temperature=TEMPERATURE, seed=args.seed)
+    speed = {"before_bare": gauge(bare)}
+    bare_curve, base_scores, _ = bare_arm(bare, practice, heldout, args.iterations)
+    speed["between"] = gauge(bare)
     budget = args.budget_x * bare_curve[-1][0]
     releases, chain_dir, tmp, status = daemon_arm(practice, budget)
+    speed["after_reefd"] = gauge(bare)
+    print("machine speed (s per forward+backward of the step's shape; lower is faster): "
+          + ", ".join(f"{k} {v:.2f}" for k, v in speed.items()), flush=True)
     try:
         ev, chain = Evaluator(bare, heldout), ReleaseChain(chain_dir)
         base, _ = ev.adapter(None)
@@ -246,7 +268,7 @@ def main() -> None:
                       "time_to_level_s": {"bare": t_bare, "reefd": t_reefd},
                       "ratio": None if ratio is None else round(ratio, 3),
                       "ratio_to_bare_run": None if run_ratio is None else round(run_ratio, 3), "rise": rise,
-                      "practice": status,
+                      "practice": status, "speed_s": {k: round(v, 3) for k, v in speed.items()},
                       "goal": {"rise": 0.3, "ratio": 1.2}, "png": str(PNG.relative_to(ROOT))}))
 
 

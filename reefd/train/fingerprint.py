@@ -1,6 +1,7 @@
 """`python -m reefd.train.fingerprint --model DIR [--adapter DIR] [--tokenizer DIR] --probe JSON`: a release's
 fingerprint, computed by a reference that is not the engine that will serve it: transformers (and PEFT for an
-adapter) in their own process, float32 on the CPU, one prompt at a time, greedy. Prints one JSON object: each
+adapter) in their own process, float32 on the CPU, greedy, the prompts decoded together (left-padded, each at its
+own positions: a decode step reads the weights once for every prompt). Prints one JSON object: each
 prompt's token ids, and for each generated token its id, its logprob (log_softmax of the float32 logits), the
 runner-up's id and the margin between them (a near-tie lets an engine's rounding pick the runner-up). The probe:
 {"texts": [...], "max_tokens": N}. Exit 0, or 2 with one line on stderr. `--serve`: one request per stdin line
@@ -11,6 +12,8 @@ that torch is imported once. Torch-side: the daemon runs it as a subprocess (ree
 from __future__ import annotations
 
 import argparse
+import functools
+import inspect
 import json
 import sys
 import warnings
@@ -27,38 +30,66 @@ def load(model_dir: Path, adapter: Path | None) -> Any:
     if adapter is not None:
         from peft import PeftModel
 
-        model = PeftModel.from_pretrained(model, adapter, is_trainable=False).eval()
+        with warnings.catch_warnings():  # peft 0.21 reads transformers' deprecated `is_gradient_checkpointing`
+            warnings.filterwarnings("ignore", ".*is_gradient_checkpointing.*", FutureWarning)
+            model = PeftModel.from_pretrained(model, adapter, is_trainable=False).eval()
     return model
 
 
 @torch.inference_mode()
-def greedy(model: Any, prompt: list[int], max_tokens: int) -> list[list[Any]]:
-    """The worker's own decode, one row: a prefill that keeps the last position's logits, then one token a step
-    on the cache."""
-    ids = torch.tensor([prompt])
-    cache = DynamicCache()
-    out = model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
-    rows: list[list[Any]] = [[], [], [], []]  # tokens, logprobs, runners-up, margins
-    position = len(prompt)
-    for _ in range(max_tokens):
-        lp = out.logits[:, -1, :].float().log_softmax(-1)[0]
-        top = torch.topk(lp, 2)
-        token = int(top.indices[0])
-        for row, value in zip(rows, (token, float(top.values[0]), int(top.indices[1]),
-                                     float(top.values[0] - top.values[1])), strict=True):
-            row.append(value)
-        out = model(input_ids=torch.tensor([[token]]), past_key_values=out.past_key_values, use_cache=True,
-                    position_ids=torch.tensor([[position]]))
-        position += 1
+def greedy(model: Any, prompts: list[list[int]], max_tokens: int) -> list[list[list[Any]]]:
+    """The worker's own decode, all prompts in one batch: a prefill that keeps the last position's logits, then one
+    token a step on the cache. Per prompt: its tokens, logprobs, runners-up and margins. Padding is masked and each
+    prompt counts its positions from its own first token, so a prompt's answer is what it would be alone (to float
+    rounding, about 1e-5 of a logprob)."""
+    n, width = len(prompts), max(len(p) for p in prompts)
+    on_cache = {_cache_arg(model): DynamicCache()}  # filled in place, step by step
+    ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    out = model(input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(1) - 1).clamp(min=0),
+                use_cache=True, logits_to_keep=1, **on_cache)
+    position = mask.sum(1, keepdim=True)
+    rows: list[list[list[Any]]] = [[[], [], [], []] for _ in prompts]  # tokens, logprobs, runners-up, margins
+    for step in range(max_tokens):
+        top = torch.topk(out.logits[:, -1, :].float().log_softmax(-1), 2, dim=-1)
+        for i, row in enumerate(rows):
+            for column, value in zip(row, (int(top.indices[i, 0]), float(top.values[i, 0]), int(top.indices[i, 1]),
+                                           float(top.values[i, 0] - top.values[i, 1])), strict=True):
+                column.append(value)
+        if step + 1 == max_tokens:
+            break
+        mask = torch.cat([mask, torch.ones(n, 1, dtype=mask.dtype)], 1)
+        out = model(input_ids=top.indices[:, :1], attention_mask=mask, position_ids=position, use_cache=True,
+                    **on_cache)
+        position = position + 1
     return rows
+
+
+def _cache_arg(model: Any) -> str:
+    """What the model's forward calls its KV cache: transformers 5 renamed `past_key_values` to `cache`."""
+    from peft import PeftModel
+
+    inner = model.get_base_model() if isinstance(model, PeftModel) else model
+    return "cache" if "cache" in inspect.signature(inner.forward).parameters else "past_key_values"
+
+
+@functools.lru_cache(maxsize=4)
+def _tokenizer(folder: str, stamp: tuple[int, ...]) -> Any:
+    """A folder's tokenizer, loaded once per process while its files stay as they were (`stamp`)."""
+    return AutoTokenizer.from_pretrained(folder, local_files_only=True)
+
+
+def tokenizer_of(folder: Path) -> Any:
+    stamp = tuple(f.stat().st_mtime_ns for f in sorted(folder.glob("tokenizer*")) if f.is_file())
+    return _tokenizer(str(folder), stamp)
 
 
 def fingerprint(model_dir: Path, adapter: Path | None, texts: list[str], max_tokens: int,
                 tokenizer_dir: Path | None = None) -> dict[str, Any]:
-    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir or model_dir, local_files_only=True)
+    tokenizer = tokenizer_of(tokenizer_dir or model_dir)
     model = load(model_dir, adapter)
     prompts = [list(tokenizer.encode(text, add_special_tokens=False)) for text in texts]
-    runs = [greedy(model, prompt, max_tokens) for prompt in prompts]
+    runs = greedy(model, prompts, max_tokens)
     return {"prompts": prompts, **{key: [run[i] for run in runs]
                                    for i, key in enumerate(("tokens", "logprobs", "second", "margins"))}}
 
