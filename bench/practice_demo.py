@@ -6,7 +6,8 @@ the other 76 are the practice set. An answer is right when its last number is A 
 (reefd.grow.practice.checks:last_number, the verifier reefd runs in its sandbox; the bare arm calls it directly).
 Sampling is at temperature 0.5 (at 1.0 on the whole vocabulary the base model is right 1 time in 10, too rarely
 to learn from), 16 new tokens at most (SmolLM2 spends a token per digit).
-Held-out accuracy: the 24 held-out tasks x 2 answers, sampled so, scored the same way,
+Held-out accuracy: the 24 held-out tasks x 2 answers (--eval-samples; 48 answers measure it to about +-0.07, and
+the bare arm, measured every step, then touches a level by chance sooner), sampled so, scored the same way,
 by one evaluator in this process for both arms (HF generate on SmolLM2 with the arm's LoRA adapter), with every
 arm's clock stopped.
 - Bare (bench/learning_bare.py): LoRA r 8 on q/k/v/o, AdamW lr 5e-4; per iteration 8 practice tasks x 2 samples,
@@ -24,7 +25,7 @@ Goal: held-out accuracy rises by at least 0.3, and reefd reaches the bare script
 time the bare script took to reach it (first reached; the ratio to the script's whole run is printed too). Prints
 the curves, a PNG (bench/out/practice.png), held-out tasks the model got wrong before and right after, and one
 JSON line, with the machine's speed measured before, between and after the arms (`gauge`).
-Run: python bench/practice_demo.py [--iterations 30] [--budget-x 1.5]
+Run: python bench/practice_demo.py [--iterations 30] [--budget-x 1.5] [--eval-samples 2]
 """
 
 from __future__ import annotations
@@ -68,8 +69,8 @@ def right(text: str, a: int, b: int) -> float:
 class Evaluator:
     """Held-out accuracy of the base model or of an adapter, sampled as the bare arm samples."""
 
-    def __init__(self, bare: Bare, heldout: list[tuple[int, int]]) -> None:
-        self.bare, self.tasks = bare, [t for t in heldout for _ in range(SAMPLES)]
+    def __init__(self, bare: Bare, heldout: list[tuple[int, int]], samples: int) -> None:
+        self.bare, self.tasks = bare, [t for t in heldout for _ in range(samples)]
 
     def __call__(self) -> tuple[float, list[float]]:
         texts = self.bare.sample([prompt(a, b) for a, b in self.tasks])[1]
@@ -110,9 +111,9 @@ def gauge(bare: Bare) -> float:
     return sorted(times[1:])[1]
 
 
-def bare_arm(bare: Bare, practice: list[tuple[int, int]], heldout: list[tuple[int, int]],
+def bare_arm(ev: Evaluator, practice: list[tuple[int, int]],
              iterations: int) -> tuple[list[tuple[float, float]], list[float], list[float]]:
-    ev = Evaluator(bare, heldout)
+    bare = ev.bare
     base, base_scores = ev()
     print(f"bare: held-out before {base:.3f}", flush=True)
     curve, clock, order = [(0.0, base)], 0.0, list(practice)
@@ -205,13 +206,13 @@ def plot(bare: list[tuple[float, float]], reefd: list[tuple[float, float]]) -> N
     fig.savefig(PNG, dpi=120)
 
 
-def examples(heldout: list[tuple[int, int]], before: list[float], after: list[float]) -> list[str]:
-    """Held-out tasks right in fewer samples before than after."""
+def examples(heldout: list[tuple[int, int]], before: list[float], after: list[float], k: int) -> list[str]:
+    """Held-out tasks right in fewer of their `k` samples before than after."""
     out = []
     for i, (a, b) in enumerate(heldout):
-        was, now = before[i * SAMPLES:(i + 1) * SAMPLES], after[i * SAMPLES:(i + 1) * SAMPLES]
+        was, now = before[i * k:(i + 1) * k], after[i * k:(i + 1) * k]
         if sum(now) > sum(was):
-            out.append(f"{a} + {b}: {int(sum(was))}/{SAMPLES} right before, {int(sum(now))}/{SAMPLES} after")
+            out.append(f"{a} + {b}: {int(sum(was))}/{k} right before, {int(sum(now))}/{k} after")
     return out
 
 
@@ -220,11 +221,13 @@ def main() -> None:
     ap.add_argument("--iterations", type=int, default=30)
     ap.add_argument("--budget-x", type=float, default=1.5, help="reefd's run, in multiples of the bare clock")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--eval-samples", type=int, default=2, help="answers per held-out task in an evaluation")
     args = ap.parse_args()
     practice, heldout = split(args.seed)
     bare = Bare(model_folder(), lr=LR, max_tokens=MAX_TOKENS, temperature=TEMPERATURE, seed=args.seed)
     speed = {"before_bare": gauge(bare)}
-    bare_curve, base_scores, _ = bare_arm(bare, practice, heldout, args.iterations)
+    ev = Evaluator(bare, heldout, args.eval_samples)
+    bare_curve, base_scores, _ = bare_arm(ev, practice, args.iterations)
     speed["between"] = gauge(bare)
     budget = args.budget_x * bare_curve[-1][0]
     releases, chain_dir, tmp, status = daemon_arm(practice, budget)
@@ -232,7 +235,7 @@ def main() -> None:
     print("machine speed (s per forward+backward of the step's shape; lower is faster): "
           + ", ".join(f"{k} {v:.2f}" for k, v in speed.items()), flush=True)
     try:
-        ev, chain = Evaluator(bare, heldout), ReleaseChain(chain_dir)
+        chain = ReleaseChain(chain_dir)
         base, _ = ev.adapter(None)
         reefd_curve, last_scores = [(0.0, base)], base_scores
         for clock, rid in releases:
@@ -260,9 +263,10 @@ def main() -> None:
     if run_ratio is not None:
         print(f"  against the bare script's whole run ({bare_curve[-1][0]:.0f} s to its final state): {run_ratio:.2f}x")
     print(f"rise (goal >= 0.3): bare {rise['bare']}, reefd {rise['reefd']}; practice {status}")
-    for line in examples(heldout, base_scores, last_scores)[:8]:
+    for line in examples(heldout, base_scores, last_scores, args.eval_samples)[:8]:
         print(f"  {line}")
-    print(json.dumps({"bench": "practice_demo", "iterations": args.iterations, "budget_s": round(budget, 1),
+    print(json.dumps({"bench": "practice_demo", "iterations": args.iterations, "eval_samples": args.eval_samples,
+                      "budget_s": round(budget, 1),
                       "bare": [(round(t, 1), a) for t, a in bare_curve],
                       "reefd": [(round(t, 1), a) for t, a in reefd_curve], "level": level,
                       "time_to_level_s": {"bare": t_bare, "reefd": t_reefd},
