@@ -43,7 +43,7 @@ def greedy(model: Any, prompts: list[list[int]], max_tokens: int) -> list[list[l
     prompt counts its positions from its own first token, so a prompt's answer is what it would be alone (to float
     rounding, about 1e-5 of a logprob)."""
     n, width = len(prompts), max(len(p) for p in prompts)
-    on_cache = {_cache_arg(model): DynamicCache()}  # filled in place, step by step
+    on_cache = {cache_arg(model): DynamicCache()}  # filled in place, step by step
     ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
     mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
     out = model(input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(1) - 1).clamp(min=0),
@@ -65,7 +65,7 @@ def greedy(model: Any, prompts: list[list[int]], max_tokens: int) -> list[list[l
     return rows
 
 
-def _cache_arg(model: Any) -> str:
+def cache_arg(model: Any) -> str:
     """What the model's forward calls its KV cache: transformers 5 renamed `past_key_values` to `cache`."""
     from peft import PeftModel
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 from transformers import AutoTokenizer, DynamicCache
 
-from reefd.train.fingerprint import _cache_arg, fingerprint, greedy, load
+from reefd.train.fingerprint import cache_arg, fingerprint, greedy, load
 from tests.loras import make_lora
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*is_gradient_checkpointing.*:FutureWarning")  # peft 0.21, make_lora
@@ -21,7 +21,7 @@ TEXTS = ["Hello", "The quick brown fox jumps over the lazy dog, and then", "def 
 
 @torch.inference_mode()
 def alone(model: Any, prompt: list[int], max_tokens: int) -> tuple[list[int], list[float], list[int]]:
-    cache = {_cache_arg(model): DynamicCache()}
+    cache = {cache_arg(model): DynamicCache()}
     out = model(input_ids=torch.tensor([prompt]), use_cache=True, **cache)
     tokens: list[int] = []
     logprobs: list[float] = []
