@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import inspect
 import json
 import sys
 import warnings
@@ -22,6 +21,8 @@ from typing import Any
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
+
+from reefd.worker import kvcache
 
 
 def load(model_dir: Path, adapter: Path | None) -> Any:
@@ -66,11 +67,10 @@ def greedy(model: Any, prompts: list[list[int]], max_tokens: int) -> list[list[l
 
 
 def cache_arg(model: Any) -> str:
-    """What the model's forward calls its KV cache: transformers 5 renamed `past_key_values` to `cache`."""
+    """What the model's forward (under its adapter's, when it has one) calls its KV cache."""
     from peft import PeftModel
 
-    inner = model.get_base_model() if isinstance(model, PeftModel) else model
-    return "cache" if "cache" in inspect.signature(inner.forward).parameters else "past_key_values"
+    return kvcache.cache_arg(model.get_base_model() if isinstance(model, PeftModel) else model)
 
 
 @functools.lru_cache(maxsize=4)

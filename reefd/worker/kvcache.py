@@ -7,6 +7,7 @@ transformers versions). Knows nothing about requests, sampling or tokenizers.
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 import torch
@@ -18,6 +19,12 @@ except ImportError:  # older: plain key/value lists, which grow by concatenation
     DynamicLayer = None
 
 KV = list[tuple[torch.Tensor, torch.Tensor]]  # per layer: (keys, values), each (batch, heads, seq, dim)
+
+
+def cache_arg(model: Any) -> str:
+    """What a transformers model's forward calls its KV cache: transformers 5 renamed `past_key_values` to `cache`
+    (the old name warns there)."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
 def tensors(cache: DynamicCache) -> KV:

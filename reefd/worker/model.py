@@ -6,7 +6,6 @@ sampling or scheduling; every call here runs on the batcher thread.
 
 from __future__ import annotations
 
-import inspect
 import logging
 import warnings
 from collections.abc import Sequence
@@ -64,9 +63,7 @@ class Model:
         self._active: str | None = None  # the adapter PEFT has active (set_adapter), for uniform batches
         self.weight_version: str | None = None
         self.fault: str | None = None  # tests only (params.FAULTS): loads that say success and serve otherwise
-        # transformers 5 renamed `past_key_values` to `cache` (the old name warns there).
-        forward_params = inspect.signature(self.model.forward).parameters
-        self._cache_arg = "cache" if "cache" in forward_params else "past_key_values"
+        self._cache_arg = kvcache.cache_arg(self.model)
         pad = self.tokenizer.pad_token_id
         self.pad_id = int(pad if pad is not None else min(self.eos_ids, default=0))
         log.info("loaded %s on %s (vocab %d, context %d, attention %s, eos %s)", self.path, self.device,
