@@ -5,6 +5,7 @@ live with their recipes. Where a job runs is the daemon's concern (reefd/grow/ba
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -54,3 +55,12 @@ def uninterrupted() -> Iterator[None]:
     if _pending:
         _pending = False
         raise Terminated()
+
+
+@contextmanager
+def quiet_peft() -> Iterator[None]:
+    """peft 0.21 reads transformers' deprecated `is_gradient_checkpointing` when it wraps, loads or saves an
+    adapter; that FutureWarning tells a user nothing. Torch-free: the worker uses it too."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", ".*is_gradient_checkpointing.*", FutureWarning)
+        yield

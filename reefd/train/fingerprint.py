@@ -22,6 +22,7 @@ from typing import Any
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
+from reefd.train import quiet_peft
 from reefd.worker import kvcache
 
 
@@ -31,8 +32,7 @@ def load(model_dir: Path, adapter: Path | None) -> Any:
     if adapter is not None:
         from peft import PeftModel
 
-        with warnings.catch_warnings():  # peft 0.21 reads transformers' deprecated `is_gradient_checkpointing`
-            warnings.filterwarnings("ignore", ".*is_gradient_checkpointing.*", FutureWarning)
+        with quiet_peft():
             model = PeftModel.from_pretrained(model, adapter, is_trainable=False).eval()
     return model
 

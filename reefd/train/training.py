@@ -12,7 +12,6 @@ import os
 import pickle
 import shutil
 import time
-import warnings
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -22,7 +21,7 @@ from typing import Any
 import torch
 
 from reefd.commit.weights import OBJECTIVE_FOLDER, TOKENIZER_FILES
-from reefd.train import NonFinite, Terminated, uninterrupted
+from reefd.train import NonFinite, Terminated, quiet_peft, uninterrupted
 from reefd.train.batch import Batch, collate
 from reefd.train.objective import Context, Objective, Outputs, resolve
 from reefd.train.spec import SpecError, TrainSpec
@@ -50,9 +49,7 @@ class Policy:
             spec.base_model, local_files_only=True, dtype="auto", attn_implementation="sdpa")
         self.dtype = getattr(base.config, "dtype", None) or getattr(base.config, "torch_dtype", None)
         base = base.float()
-        with warnings.catch_warnings():
-            # peft 0.21 reads transformers' deprecated `is_gradient_checkpointing`
-            warnings.filterwarnings("ignore", ".*is_gradient_checkpointing.*", FutureWarning)
+        with quiet_peft():
             if self.full:
                 if spec.init_adapter is not None:  # what serves: the adapter folded into the weights
                     base = PeftModel.from_pretrained(base, str(spec.init_adapter)).merge_and_unload()
@@ -151,8 +148,7 @@ class Trained:
             if not any(own.iterdir()):
                 own.rmdir()
             return
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", ".*is_gradient_checkpointing.*", FutureWarning)
+        with quiet_peft():
             self.policy.model.save_pretrained(str(folder), safe_serialization=True)
         (folder / "README.md").unlink(missing_ok=True)  # peft's model-card stub, not part of a candidate
         self.objective.save(folder)

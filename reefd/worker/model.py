@@ -17,6 +17,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 from transformers.utils import logging as hf_logging
 
+from reefd.train import quiet_peft
 from reefd.worker import kvcache
 from reefd.worker.params import BadRequest
 
@@ -168,9 +169,7 @@ class Model:
         from peft import PeftModel
 
         try:
-            with warnings.catch_warnings():
-                # peft 0.21 reads transformers' deprecated `is_gradient_checkpointing`
-                warnings.filterwarnings("ignore", ".*is_gradient_checkpointing.*", FutureWarning)
+            with quiet_peft():
                 if self._peft is None:
                     peft_model = PeftModel.from_pretrained(self.model, str(path), adapter_name=name, is_trainable=False)
                     self._peft = peft_model.to(self.device).eval()
