@@ -14,7 +14,7 @@ from pathlib import Path
 from tests.conftest import ROOT
 
 TORCH_SIDE = ("reefd.worker", "reefd.train.__main__", "reefd.train.training", "reefd.train.batch",
-              "reefd.train.objective", "reefd.train.slime_batch", "reefd.train.fingerprint")
+              "reefd.train.objective", "reefd.train.slime_batch", "reefd.train.fingerprint", "reefd.train.prefix")
 
 
 def modules() -> dict[str, Path]:

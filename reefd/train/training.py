@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from reefd.commit.weights import OBJECTIVE_FOLDER, TOKENIZER_FILES
-from reefd.train import NonFinite, Terminated, quiet_peft, uninterrupted
+from reefd.train import NonFinite, Terminated, prefix, quiet_peft, uninterrupted
 from reefd.train.batch import Batch, collate
 from reefd.train.objective import Context, Objective, Outputs, resolve
 from reefd.train.spec import SpecError, TrainSpec
@@ -80,10 +80,9 @@ class Policy:
         `own_top` most likely ids at each completion position."""
         index = batch.positions.unsqueeze(-1)
         causal_lm = self.causal_lm if model is None else model
-        if self.plain_head:  # the LM head only where a completion token is predicted
-            out = causal_lm.get_decoder()(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
-                                          use_cache=False)
-            hidden = out.last_hidden_state.gather(1, index.expand(-1, -1, self.hidden_size))
+        if self.plain_head:  # the LM head only where a completion token is predicted; a shared opening runs once
+            states, offset = prefix.last_hidden(causal_lm.get_decoder(), batch)
+            hidden = states.gather(1, (index - offset).clamp(min=0).expand(-1, -1, self.hidden_size))
             logits = causal_lm.get_output_embeddings()(hidden).float()
         else:
             call = self.model if model is None else model

@@ -18,7 +18,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 from transformers.utils import logging as hf_logging
 
 from reefd.train import quiet_peft
-from reefd.worker import kvcache
+from reefd.worker import kvcache, openings
 from reefd.worker.params import BadRequest
 
 log = logging.getLogger("reefd.worker")
@@ -121,20 +121,49 @@ class Model:
         `keep` > 1 also returns the logits of the last `keep` columns (for prompt logprobs).
         Without padding no attention mask is passed: SDPA's causal kernel then materialises
         nothing quadratic in the prompt length (a padded batch costs a (rows, 1, q, k) mask).
+        Prompts that open alike, or repeat, run what they share once (reefd/worker/openings.py).
         """
+        shared = openings.plan(prompts, adapters) if keep == 1 else None
+        if shared is not None:
+            return self._prefill_shared(shared, adapters)
+        ids, mask = self._left_padded(prompts)
+        positions = (mask.cumsum(dim=1) - 1).clamp(min=0)
+        padded = any(len(p) < ids.shape[1] for p in prompts)
+        out = self._forward(adapters, input_ids=ids, attention_mask=mask if padded else None, position_ids=positions,
+                            use_cache=True, logits_to_keep=max(1, keep), **self._cache_kwarg(self._new_cache()))
+        logits = out.logits
+        return Prefill(kvcache.tensors(self._out_cache(out)), mask, logits[:, -1], logits if keep > 1 else None)
+
+    def _prefill_shared(self, plan: openings.Plan, adapters: Sequence[str | None] | None) -> Prefill:
+        """The opening at batch 1, its keys and values expanded to each distinct rest, the rests left-padded after
+        it ([opening | padding | rest]: the mask and the positions skip the padding), then a copy of each rest's
+        cache rows for every prompt that asked it."""
+        n, width = len(plan.rests), len(plan.opening)
+        one = None if adapters is None else [adapters[0]]
+        cache = self._new_cache()
+        if plan.opening:
+            head = self._forward(one, input_ids=torch.tensor([plan.opening], device=self.device), use_cache=True,
+                                 logits_to_keep=1, **self._cache_kwarg(self._new_cache()))
+            cache = self.cache_from([(k.expand(n, -1, -1, -1), v.expand(n, -1, -1, -1))
+                                     for k, v in kvcache.tensors(self._out_cache(head))])
+        ids, rest_mask = self._left_padded(plan.rests)
+        mask = torch.cat([rest_mask.new_ones((n, width)), rest_mask], dim=1)
+        positions = (mask.cumsum(dim=1) - 1).clamp(min=0)[:, width:]
+        out = self._forward(None if one is None else one * n, input_ids=ids, attention_mask=mask,
+                            position_ids=positions, use_cache=True, logits_to_keep=1, **self._cache_kwarg(cache))
+        index = torch.tensor(plan.rows, device=self.device)
+        kv = [(k.index_select(0, index), v.index_select(0, index)) for k, v in kvcache.tensors(self._out_cache(out))]
+        return Prefill(kv, mask.index_select(0, index), out.logits[:, -1].index_select(0, index), None)
+
+    def _left_padded(self, prompts: Sequence[Sequence[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Token ids and attention mask of `prompts`, left-padded to the longest, on the model's device."""
         width = max(len(p) for p in prompts)
         ids = torch.full((len(prompts), width), self.pad_id, dtype=torch.long)
         mask = torch.zeros((len(prompts), width), dtype=torch.long)
         for row, prompt in enumerate(prompts):
             ids[row, width - len(prompt) :] = torch.tensor(list(prompt), dtype=torch.long)
             mask[row, width - len(prompt) :] = 1
-        ids, mask = ids.to(self.device), mask.to(self.device)
-        positions = (mask.cumsum(dim=1) - 1).clamp(min=0)
-        padded = any(len(p) < width for p in prompts)
-        out = self._forward(adapters, input_ids=ids, attention_mask=mask if padded else None, position_ids=positions,
-                            use_cache=True, logits_to_keep=max(1, keep), **self._cache_kwarg(self._new_cache()))
-        logits = out.logits
-        return Prefill(kvcache.tensors(self._out_cache(out)), mask, logits[:, -1], logits if keep > 1 else None)
+        return ids.to(self.device), mask.to(self.device)
 
     def decode_step(self, cache: DynamicCache, mask: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor,
                     adapters: Sequence[str | None] | None = None) -> tuple[torch.Tensor, DynamicCache]:

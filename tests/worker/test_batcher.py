@@ -191,6 +191,36 @@ def test_a_prefill_without_padding_passes_no_attention_mask(engine: Any, monkeyp
     assert masks[1] is not None and masks[1].tolist() == [[1, 1, 1], [0, 1, 1]]
 
 
+def test_prompts_that_open_alike_or_repeat_run_the_shared_part_once(engine: Any,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """A group's common opening runs once at batch 1, each distinct rest once after it; every row still gets what it
+    gets alone (greedy ids and logprobs, and a seeded sample beside the same prompt asked again)."""
+    opening = [(i * 53) % 900 + 20 for i in range(12)]
+    prompts = [[*opening, 5, 17, 99], [*opening, 300, 2, 41, 41, 7], [*opening, 5, 17, 99], [*opening, 77]]
+    shapes: list[tuple[int, ...]] = []
+    forward = engine.model.forward
+
+    def spy(*args: Any, **kwargs: Any) -> Any:
+        shapes.append(tuple(kwargs["input_ids"].shape))
+        return forward(*args, **kwargs)
+
+    monkeypatch.setattr(engine.model, "forward", spy)
+    results, batcher = run(engine, [request(p, temperature=0.0, max_new_tokens=6, ignore_eos=True) for p in prompts])
+    assert shapes[:2] == [(1, 12), (3, 5)]  # the opening, then the three distinct rests, left-padded
+    assert batcher.stats.prefills == 1
+    monkeypatch.setattr(engine.model, "forward", forward)
+    for prompt, result in zip(prompts, results, strict=True):
+        ids, logprobs = reference_greedy(engine, prompt, 6)
+        assert result["ids"] == ids
+        assert result["logprobs"] == pytest.approx(logprobs, abs=1e-4)
+    seeded = request(prompts[1], temperature=1.0, sampling_seed=99, max_new_tokens=8, ignore_eos=True)
+    alone, _ = run(engine, [seeded])
+    together, _ = run(engine, [request(prompts[1], temperature=1.0, max_new_tokens=8, ignore_eos=True), seeded,
+                               request(prompts[0], temperature=0.7, max_new_tokens=3)])
+    assert together[1]["ids"] == alone[0]["ids"]
+    assert together[1]["logprobs"] == pytest.approx(alone[0]["logprobs"], abs=1e-4)
+
+
 def test_streaming_rows_get_every_step_and_others_one_final_update(engine: Any) -> None:
     streaming = GenerateRequest(
         input_ids=PROMPTS[0], text=None, stream=True, sampling=SamplingParams(temperature=0.0, max_new_tokens=6)
