@@ -90,7 +90,8 @@ class Batcher:
         return asyncio.wrap_future(future)
 
     def uses_adapter(self, name: str) -> bool:
-        """True while a running or waiting request uses adapter `name` (any thread; a snapshot)."""
+        """True while a waiting request or a row of the batch (a finished one until it leaves) uses adapter `name`
+        (any thread; a snapshot)."""
         with self._cond:
             waiting = list(self._waiting)
         return any(r.job.req.lora_path == name for r in list(self.rows)) or \
@@ -244,10 +245,11 @@ class Batcher:
         logits, self._cache = self.engine.decode_step(self._cache, mask, self._next, self._positions,
                                                       adapters=_adapters(self.rows))
         self._mask, self._positions = mask, self._positions + 1
-        self.stats.decode_steps += 1
-        self.stats.decode_rows += len(self.rows)
-        self.stats.max_running = max(self.stats.max_running, len(self.rows))
         rows = self.rows
+        live = sum(1 for r in rows if r.finish is None)
+        self.stats.decode_steps += 1
+        self.stats.decode_rows += live
+        self.stats.max_running = max(self.stats.max_running, live)
         tokens, logprobs = sample(logits, [r.sampling for r in rows], draw_uniforms([r.generator for r in rows]))
         tops = top_logprobs(logits, [_top_n(r) if r.finish is None else 0 for r in rows])
         self._next = tokens
@@ -277,7 +279,7 @@ class Batcher:
         """Hand this step's updates to the event loop (streams every step, others at the end)."""
         out: list[tuple[Generation, Update]] = []
         for row in self.rows:
-            if row.finish is None and not row.job.req.stream:
+            if row.delivered or (row.finish is None and not row.job.req.stream):
                 continue
             if row.finish is None and row.sent == len(row.ids):
                 continue
@@ -286,21 +288,29 @@ class Batcher:
             update = Update(row.ids[new], row.logprobs[new], text, row.finish, new_top_logprobs=row.top_logprobs[new])
             if row.sent == 0:
                 update.input_logprobs = row.input_logprobs
-            row.sent = len(row.ids)
+            row.sent, row.delivered = len(row.ids), row.finish is not None
             out.append((row.job, update))
         _deliver(out)
 
     def _reap(self) -> None:
-        """Drop finished and cancelled rows from the batch."""
+        """Finish cancelled rows, then drop finished rows from the batch once dropping is worth its copy.
+
+        Dropping rows copies every kept row's cache (about 70 ms for 63 rows of SmolLM2 at 50 tokens, half a decode
+        step), while a finished row left in the batch costs about 1/64 of a step. So finished rows stay until a
+        quarter of the batch has finished, and are dropped at once when every row has, when work on the model
+        waits (a control: an adapter it used may be unloading), or when a row has reached the context length
+        (its next position would pass the model's). They generate on meanwhile; nobody reads those tokens.
+        """
         aborted = []
         for row in self.rows:
             if row.finish is None and row.job.cancelled:
                 row.finish = {"type": "abort", "message": row.job.aborted or "cancelled by the client"}
+                row.delivered = True
                 if row.job.aborted is not None:  # its client still waits for the end of the answer
                     aborted.append((row.job, Update([], [], row.tracker.rest(), row.finish)))
         _deliver(aborted)
         keep = [i for i, r in enumerate(self.rows) if r.finish is None]
-        if len(keep) == len(self.rows):
+        if not self._drop_now(len(self.rows) - len(keep)):
             return
         done = [r for r in self.rows if r.finish is not None]
         self.stats.requests_completed += len(done)
@@ -315,13 +325,23 @@ class Batcher:
         if not self.rows:
             self._cache = None
 
+    def _drop_now(self, finished: int) -> bool:
+        """Whether `finished` rows of the batch are to be dropped now (see _reap)."""
+        if not finished:
+            return False
+        if finished == len(self.rows) or 4 * finished >= len(self.rows) or self._control:
+            return True
+        limit = self.engine.context_length
+        return any(r.finish is not None and len(r.job.prompt) + len(r.ids) >= limit for r in self.rows)
+
     def _fail_all(self, admitted: list[Generation], message: str) -> None:
         finish = {"type": "abort", "message": message}
         seen = {id(r.job) for r in self.rows}
         extra = [j for j in admitted if id(j) not in seen]
-        for row in self.rows:
+        live = [r for r in self.rows if not r.delivered]
+        for row in live:
             row.finish = row.finish or finish
-        _deliver([(r.job, Update([], [], r.tracker.rest(), r.finish)) for r in self.rows])
+        _deliver([(r.job, Update([], [], r.tracker.rest(), r.finish)) for r in live])
         _deliver([(j, Update([], [], "", finish)) for j in extra])
         self.rows, self._cache = [], None
 

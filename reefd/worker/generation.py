@@ -61,6 +61,7 @@ class Row:
     top_logprobs: list[TopLogprobs] = field(default_factory=list)  # one per id when top_logprobs_num > 0
     sent: int = 0  # ids already delivered
     finish: Finish | None = None
+    delivered: bool = False  # its final update went out (it may stay in the batch until the next compaction)
     input_logprobs: list[list[Any]] | None = None
 
 
@@ -81,8 +82,8 @@ class Control:
 class Stats:
     prefills: int = 0
     decode_steps: int = 0
-    decode_rows: int = 0  # sum of batch sizes over decode steps
-    max_running: int = 0  # the largest batch a decode step ran with
+    decode_rows: int = 0  # rows generating, summed over decode steps
+    max_running: int = 0  # the most rows generating in one decode step
     requests_completed: int = 0
     tokens_generated: int = 0
 

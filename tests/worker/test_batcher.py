@@ -286,6 +286,39 @@ def test_cancelled_job_leaves_the_batch(engine: Any) -> None:
     assert not batcher.rows
 
 
+def test_finished_rows_stay_until_a_quarter_of_the_batch_has_finished(engine: Any,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """Dropping rows copies the kept rows' cache: one finished row of eight stays (its client has its answer, and
+    no second one), two are dropped together, and the last rows leave with no copy at all."""
+    from reefd.worker import batcher as module
+
+    kept: list[int] = []
+    select = module.kvcache.select
+    monkeypatch.setattr(module.kvcache, "select", lambda kv, mask, rows: kept.append(len(rows)) or
+                        select(kv, mask, rows))
+    prompts = [[p[0] + i, *p[1:]] for i, p in enumerate(PROMPTS * 2)]
+    lengths = [2, 4, 9, 9, 9, 9, 9, 9]
+
+    async def main() -> tuple[list[dict], list[Generation], Batcher]:
+        batcher = Batcher(engine, max_batch=8, threads=1)
+        jobs = [batcher.submit(*request(p, temperature=0.0, max_new_tokens=n, ignore_eos=True))
+                for p, n in zip(prompts, lengths, strict=True)]
+        batcher.start()
+        try:
+            results = list(await asyncio.gather(*(collect(j) for j in jobs)))
+            await asyncio.sleep(0.05)
+            return results, jobs, batcher
+        finally:
+            batcher.stop()
+
+    results, jobs, batcher = asyncio.run(main())
+    assert kept == [6]  # rows 1 and 2 together, after the second had finished; none when the last six finished
+    for prompt, n, result, job in zip(prompts, lengths, results, jobs, strict=True):
+        assert result["ids"] == reference_greedy(engine, prompt, n)[0]
+        assert result["updates"] == 1 and job.queue.empty()  # one final update, never a second
+    assert batcher.stats.requests_completed == 8 and not batcher.rows
+
+
 def test_stop_aborts_waiting_and_running_jobs(engine: Any) -> None:
     async def main() -> list[dict]:
         batcher = Batcher(engine, max_batch=1, threads=1)
