@@ -118,6 +118,7 @@ bench: venv vllm-venv
 	$(BIN)/python bench/proof_cost.py --model smollm2
 	$(BIN)/python bench/proof_cost.py --model smollm2 --weights
 	$(BIN)/python bench/trainer.py --model tiny
+	$(BIN)/python bench/shared_openings.py
 	$(BIN)/python bench/trainer_backends.py --model tiny
 	$(BIN)/python bench/judge_throughput.py
 	$(BIN)/python bench/canary.py
