@@ -28,7 +28,7 @@ def shared_length(batch: Batch) -> int:
     """How many leading tokens to run once: the tokens every row has in common, stopping before the first position
     whose output predicts a completion token (each row keeps those outputs in its own part). 0: not worth it."""
     ids, mask = batch.input_ids, batch.attention_mask
-    if ids.shape[0] < 2:
+    if ids.shape[0] < 2 or batch.positions.shape[1] == 0:
         return 0
     same = ((ids == ids[:1]) & (mask == 1)).all(dim=0)
     common = int(same.long().cumprod(dim=0).sum())
@@ -39,10 +39,21 @@ def shared_length(batch: Batch) -> int:
     return shared if shared >= MIN_SHARED else 0
 
 
-def last_hidden(decoder: Any, batch: Batch) -> tuple[Tensor, int]:
+def shareable(model: torch.nn.Module, config: Any) -> bool:
+    """Whether a training forward of `model` (its transformers `config`) draws no dropout. With dropout every row
+    draws its own mask, so the rows' opening cannot be one forward: a LoRA with `dropout` > 0, or a base model
+    whose config sets some (`attention_dropout`, GPT-2's `resid_pdrop`, ...)."""
+    if any(isinstance(m, torch.nn.Dropout) and m.p > 0 for m in model.modules()):
+        return False
+    return not any(isinstance(v, float) and v > 0 for k, v in config.to_dict().items()
+                   if "dropout" in k or k.endswith("pdrop"))
+
+
+def last_hidden(decoder: Any, batch: Batch, share: bool = True) -> tuple[Tensor, int]:
     """(the decoder's last hidden states, the input position of their first column): [B, L, H] and 0 when rows
-    share too little, else [B, L - P, H] and P, the shared opening having run once."""
-    shared = shared_length(batch)
+    share too little (or `share` is off: see `shareable`), else [B, L - P, H] and P, the shared opening having run
+    once."""
+    shared = shared_length(batch) if share else 0
     if not shared:
         out = decoder(input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False)
         return out.last_hidden_state, 0

@@ -73,6 +73,7 @@ class Policy:
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         if not self.params:
             raise ValueError("the adapter has no trainable parameters")
+        self.share_opening = prefix.shareable(self.model, self.config)  # no dropout: a shared opening runs once
 
     def forward(self, batch: Batch, own_top: int = 0, model: Any = None) -> Outputs:
         """Log-probs [B, T] of the completion tokens, the hidden states [B, T, H] that predict them, the
@@ -81,7 +82,7 @@ class Policy:
         index = batch.positions.unsqueeze(-1)
         causal_lm = self.causal_lm if model is None else model
         if self.plain_head:  # the LM head only where a completion token is predicted; a shared opening runs once
-            states, offset = prefix.last_hidden(causal_lm.get_decoder(), batch)
+            states, offset = prefix.last_hidden(causal_lm.get_decoder(), batch, self.share_opening)
             hidden = states.gather(1, (index - offset).clamp(min=0).expand(-1, -1, self.hidden_size))
             logits = causal_lm.get_output_embeddings()(hidden).float()
         else:

@@ -278,6 +278,7 @@ class Batcher:
     def _publish(self) -> None:
         """Hand this step's updates to the event loop (streams every step, others at the end)."""
         out: list[tuple[Generation, Update]] = []
+        ended: list[Row] = []
         for row in self.rows:
             if row.delivered or (row.finish is None and not row.job.req.stream):
                 continue
@@ -288,18 +289,24 @@ class Batcher:
             update = Update(row.ids[new], row.logprobs[new], text, row.finish, new_top_logprobs=row.top_logprobs[new])
             if row.sent == 0:
                 update.input_logprobs = row.input_logprobs
-            row.sent, row.delivered = len(row.ids), row.finish is not None
+            row.sent = len(row.ids)
             out.append((row.job, update))
+            if row.finish is not None:
+                ended.append(row)
         _deliver(out)
+        for row in ended:  # marked once handed over: a failure before that still gets them an abort
+            row.delivered = True
 
     def _reap(self) -> None:
         """Finish cancelled rows, then drop finished rows from the batch once dropping is worth its copy.
 
         Dropping rows copies every kept row's cache (about 70 ms for 63 rows of SmolLM2 at 50 tokens, half a decode
         step), while a finished row left in the batch costs about 1/64 of a step. So finished rows stay until a
-        quarter of the batch has finished, and are dropped at once when every row has, when work on the model
-        waits (a control: an adapter it used may be unloading), or when a row has reached the context length
-        (its next position would pass the model's). They generate on meanwhile; nobody reads those tokens.
+        quarter of the batch has finished. They generate on meanwhile, and nobody reads those tokens. They are
+        dropped at once when every row has finished, when a request waits for room, when work on the model waits
+        (a control: an adapter it used may be unloading), and when a finished row's position passes every live
+        row's (it would widen the cache, and models whose position scaling follows the batch's largest position,
+        or whose positions end at the context length, must never see it).
         """
         aborted = []
         for row in self.rows:
@@ -329,10 +336,10 @@ class Batcher:
         """Whether `finished` rows of the batch are to be dropped now (see _reap)."""
         if not finished:
             return False
-        if finished == len(self.rows) or 4 * finished >= len(self.rows) or self._control:
+        if finished == len(self.rows) or 4 * finished >= len(self.rows) or self._control or self._waiting:
             return True
-        limit = self.engine.context_length
-        return any(r.finish is not None and len(r.job.prompt) + len(r.ids) >= limit for r in self.rows)
+        done = torch.tensor([r.finish is not None for r in self.rows], device=self._positions.device)
+        return bool(self._positions[done].max() > self._positions[~done].max())
 
     def _fail_all(self, admitted: list[Generation], message: str) -> None:
         finish = {"type": "abort", "message": message}

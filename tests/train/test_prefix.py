@@ -86,3 +86,19 @@ def test_what_is_shared_stops_before_a_prediction_and_below_the_floor(tiny_model
     assert prefix.shared_length(collate(rows, [0, 1, 2, 3], 0)) >= head
     short = [Rollout([7, 8, 9], [1], [-1.0], 1.0), Rollout([7, 8, 9, 10], [2], [-1.0], 0.0)]
     assert prefix.shared_length(collate(short, [0, 1], 0)) == 0  # 2 tokens in common: below MIN_SHARED
+
+
+def test_dropout_or_no_completion_runs_every_row_whole(tiny_model: Path, tmp_path: Path) -> None:
+    """Dropout draws a mask per row, so an opening shared by rows would share one: a LoRA with dropout, or a config
+    that sets some, runs every row whole; so does a batch with no completion token at all."""
+    rows = samples(tiny_model)
+    p = policy(tiny_model, tmp_path, rows)
+    assert p.share_opening and prefix.shareable(p.model, p.config)
+    dropped = Policy(TrainSpec(job="j", objective="x:Y", settings={}, base_model=tiny_model, init_adapter=None,
+                               output_dir=tmp_path / "out2", samples=rows, lora=LoraSpec(dropout=0.1),
+                               optim=OptimSpec()))
+    assert not dropped.share_opening
+    config = p.config.__class__.from_dict({**p.config.to_dict(), "attention_dropout": 0.1})
+    assert not prefix.shareable(p.model, config)
+    empty = [Rollout(r.prompt_ids, [], [], 0.0) for r in rows[:2]]
+    assert prefix.shared_length(collate(empty, [0, 1], 0)) == 0

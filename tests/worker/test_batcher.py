@@ -319,6 +319,47 @@ def test_finished_rows_stay_until_a_quarter_of_the_batch_has_finished(engine: An
     assert batcher.stats.requests_completed == 8 and not batcher.rows
 
 
+def test_a_finished_row_leaves_at_once_when_it_would_pass_the_live_rows_or_a_request_waits(
+        engine: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A finished row whose position passes every live row's would widen the cache, and could pass the context
+    length or move a position-dependent scaling: it leaves at once. So does any finished row while a request
+    waits for room."""
+    from reefd.worker import batcher as module
+
+    kept: list[int] = []
+    select = module.kvcache.select
+    monkeypatch.setattr(module.kvcache, "select", lambda kv, mask, rows: kept.append(len(rows)) or
+                        select(kv, mask, rows))
+    long = [(i * 37) % 900 + 3 for i in range(30)]
+    short = [[p[0] + i, *p[1:]] for i, p in enumerate(PROMPTS * 2)][:7]
+    results, _ = run(engine, [request(long, temperature=0.0, max_new_tokens=2, ignore_eos=True),
+                              *(request(p, temperature=0.0, max_new_tokens=8, ignore_eos=True) for p in short)])
+    assert kept == [7]  # the long row, one of eight, left as soon as it finished
+    assert results[0]["ids"] == reference_greedy(engine, long, 2)[0]
+    for prompt, result in zip(short, results[1:], strict=True):
+        assert result["ids"] == reference_greedy(engine, prompt, 8)[0]
+
+    async def main() -> tuple[int, dict, dict]:
+        batcher = Batcher(engine, max_batch=5, threads=1)
+        first = [batcher.submit(*request(PROMPTS[0], temperature=0.0, max_new_tokens=2, ignore_eos=True)),
+                 *(batcher.submit(*request([p + 1 for p in PROMPTS[1]], temperature=0.0, max_new_tokens=40,
+                                           ignore_eos=True)) for _ in range(4))]
+        batcher.start()
+        try:
+            await collect(first[0])
+            late = batcher.submit(*request(PROMPTS[3], temperature=0.0, max_new_tokens=3, ignore_eos=True))
+            answer = await collect(late)
+            steps = batcher.stats.decode_steps
+            await asyncio.gather(*(collect(j) for j in first[1:]))
+            return steps, answer, {"steps": batcher.stats.decode_steps}
+        finally:
+            batcher.stop()
+
+    steps, answer, total = asyncio.run(main())
+    assert answer["ids"] == reference_greedy(engine, PROMPTS[3], 3)[0]
+    assert steps < total["steps"]  # the late request got the finished row's place while the others ran on
+
+
 def test_stop_aborts_waiting_and_running_jobs(engine: Any) -> None:
     async def main() -> list[dict]:
         batcher = Batcher(engine, max_batch=1, threads=1)
