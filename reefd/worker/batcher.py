@@ -277,37 +277,14 @@ class Batcher:
 
     def _publish(self) -> None:
         """Hand this step's updates to the event loop (streams every step, others at the end)."""
-        out: list[tuple[Generation, Update]] = []
-        ended: list[Row] = []
-        for row in self.rows:
-            if row.delivered or (row.finish is None and not row.job.req.stream):
-                continue
-            if row.finish is None and row.sent == len(row.ids):
-                continue
-            text = row.tracker.rest() if row.finish is not None else row.tracker.take()
-            new = slice(row.sent, None)
-            update = Update(row.ids[new], row.logprobs[new], text, row.finish, new_top_logprobs=row.top_logprobs[new])
-            if row.sent == 0:
-                update.input_logprobs = row.input_logprobs
-            row.sent = len(row.ids)
-            out.append((row.job, update))
-            if row.finish is not None:
-                ended.append(row)
+        out, ended = _updates(self.rows)
         _deliver(out)
         for row in ended:  # marked once handed over: a failure before that still gets them an abort
             row.delivered = True
 
     def _reap(self) -> None:
-        """Finish cancelled rows, then drop finished rows from the batch once dropping is worth its copy.
-
-        Dropping rows copies every kept row's cache (about 70 ms for 63 rows of SmolLM2 at 50 tokens, half a decode
-        step), while a finished row left in the batch costs about 1/64 of a step. So finished rows stay until a
-        quarter of the batch has finished. They generate on meanwhile, and nobody reads those tokens. They are
-        dropped at once when every row has finished, when a request waits for room, when work on the model waits
-        (a control: an adapter it used may be unloading), and when a finished row's position passes every live
-        row's (it would widen the cache, and models whose position scaling follows the batch's largest position,
-        or whose positions end at the context length, must never see it).
-        """
+        """Finish cancelled rows, then drop finished rows from the batch once dropping is worth its copy (see
+        `_worth_dropping`); until then they generate on, and nobody reads those tokens."""
         aborted = []
         for row in self.rows:
             if row.finish is None and row.job.cancelled:
@@ -317,7 +294,7 @@ class Batcher:
                     aborted.append((row.job, Update([], [], row.tracker.rest(), row.finish)))
         _deliver(aborted)
         keep = [i for i, r in enumerate(self.rows) if r.finish is None]
-        if not self._drop_now(len(self.rows) - len(keep)):
+        if not _worth_dropping(self.rows, self._positions, bool(self._control or self._waiting)):
             return
         done = [r for r in self.rows if r.finish is not None]
         self.stats.requests_completed += len(done)
@@ -331,15 +308,6 @@ class Batcher:
         self.rows = [self.rows[i] for i in keep]
         if not self.rows:
             self._cache = None
-
-    def _drop_now(self, finished: int) -> bool:
-        """Whether `finished` rows of the batch are to be dropped now (see _reap)."""
-        if not finished:
-            return False
-        if finished == len(self.rows) or 4 * finished >= len(self.rows) or self._control or self._waiting:
-            return True
-        done = torch.tensor([r.finish is not None for r in self.rows], device=self._positions.device)
-        return bool(self._positions[done].max() > self._positions[~done].max())
 
     def _fail_all(self, admitted: list[Generation], message: str) -> None:
         finish = {"type": "abort", "message": message}
@@ -357,6 +325,45 @@ class Batcher:
             waiting = list(self._waiting)
             self._waiting.clear()
         self._fail_all(waiting, message)
+
+
+def _updates(rows: list[Row]) -> tuple[list[tuple[Generation, Update]], list[Row]]:
+    """This step's update of each row that has one (a stream's new tokens, or a final answer), and the rows whose
+    final update it is."""
+    out: list[tuple[Generation, Update]] = []
+    ended: list[Row] = []
+    for row in rows:
+        if row.delivered or (row.finish is None and (not row.job.req.stream or row.sent == len(row.ids))):
+            continue
+        text = row.tracker.rest() if row.finish is not None else row.tracker.take()
+        new = slice(row.sent, None)
+        update = Update(row.ids[new], row.logprobs[new], text, row.finish, new_top_logprobs=row.top_logprobs[new])
+        if row.sent == 0:
+            update.input_logprobs = row.input_logprobs
+        row.sent = len(row.ids)
+        out.append((row.job, update))
+        if row.finish is not None:
+            ended.append(row)
+    return out, ended
+
+
+def _worth_dropping(rows: list[Row], positions: torch.Tensor, pending: bool) -> bool:
+    """Whether the finished rows of a batch are to leave it now.
+
+    Dropping rows copies every kept row's cache (about 70 ms for 63 rows of SmolLM2 at 50 tokens, half a decode
+    step), while a finished row left in the batch costs about 1/64 of a step. So finished rows stay until a
+    quarter of the batch has finished. They leave at once when every row has finished, when something is
+    `pending` (a request waits for room, or work on the model waits: an adapter it used may be unloading), and
+    when a finished row's position passes every live row's (it would widen the cache, and models whose position
+    scaling follows the batch's largest position, or whose positions end at the context length, must never see it).
+    """
+    done = torch.tensor([r.finish is not None for r in rows], device=positions.device)
+    finished = int(done.sum())
+    if not finished:
+        return False
+    if finished == len(rows) or 4 * finished >= len(rows) or pending:
+        return True
+    return bool(positions[done].max() > positions[~done].max())
 
 
 def _adapters(rows: list[Row]) -> list[str | None] | None:
