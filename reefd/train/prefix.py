@@ -16,7 +16,6 @@ from typing import Any
 
 import torch
 from torch import Tensor
-from transformers import DynamicCache
 
 from reefd.train.batch import Batch
 from reefd.worker import kvcache
@@ -60,20 +59,11 @@ def last_hidden(decoder: Any, batch: Batch, share: bool = True) -> tuple[Tensor,
     rows, width = batch.input_ids.shape
     arg = kvcache.cache_arg(decoder)
     head = decoder(input_ids=batch.input_ids[:1, :shared], use_cache=True)
-    opening = head.cache if getattr(head, "cache", None) is not None else head.past_key_values
-    cache = _empty(decoder.config)
-    for layer, (keys, values) in enumerate(kvcache.tensors(opening)):
+    cache = kvcache.empty(decoder.config)  # concatenating layers: the worker's in-place ones are for inference
+    for layer, (keys, values) in enumerate(kvcache.tensors(kvcache.returned(head))):
         cache.update(keys.expand(rows, -1, -1, -1), values.expand(rows, -1, -1, -1), layer)
     positions = torch.arange(shared, width, device=batch.input_ids.device).expand(rows, -1)  # right padded
     out = decoder(input_ids=batch.input_ids[:, shared:], attention_mask=batch.attention_mask,
                   position_ids=positions, use_cache=True, **{arg: cache})
     return out.last_hidden_state, shared
 
-
-def _empty(config: Any) -> DynamicCache:
-    """A cache whose layers concatenate (autograd follows a concatenation; the worker's in-place layers are for
-    inference)."""
-    try:
-        return DynamicCache(config=config)
-    except TypeError:  # older transformers: no config argument
-        return DynamicCache()

@@ -82,12 +82,23 @@ def _grown(old: torch.Tensor, new: torch.Tensor, used: int, room: int) -> torch.
     return buffer
 
 
+def empty(config: PretrainedConfig) -> DynamicCache:
+    """A fresh transformers cache for `config`'s layers, whose layers concatenate (autograd follows that)."""
+    try:
+        return DynamicCache(config=config)
+    except TypeError:  # older transformers: no config argument
+        return DynamicCache()
+
+
+def returned(out: Any) -> DynamicCache:
+    """The cache a forward returned (transformers 5 calls it `cache`, older versions `past_key_values`)."""
+    cache = getattr(out, "cache", None)
+    return cache if cache is not None else out.past_key_values
+
+
 def build(kv: KV, config: PretrainedConfig) -> DynamicCache:
     """A fresh cache holding `kv`, filled through the public `update` API; its full-attention layers grow in place."""
-    try:
-        cache = DynamicCache(config=config)
-    except TypeError:  # older transformers: no config argument
-        cache = DynamicCache()
+    cache = empty(config)
     layers = getattr(cache, "layers", None)
     if DynamicLayer is not None and isinstance(layers, list):
         cache.layers = [GrowingLayer() if type(layer) is DynamicLayer else layer for layer in layers]

@@ -132,7 +132,7 @@ class Model:
         out = self._forward(adapters, input_ids=ids, attention_mask=mask if padded else None, position_ids=positions,
                             use_cache=True, logits_to_keep=max(1, keep), **self._cache_kwarg(self._new_cache()))
         logits = out.logits
-        return Prefill(kvcache.tensors(self._out_cache(out)), mask, logits[:, -1], logits if keep > 1 else None)
+        return Prefill(kvcache.tensors(kvcache.returned(out)), mask, logits[:, -1], logits if keep > 1 else None)
 
     def _prefill_shared(self, plan: openings.Plan, adapters: Sequence[str | None] | None) -> Prefill:
         """The opening at batch 1, its keys and values expanded to each distinct rest, the rests left-padded after
@@ -145,14 +145,14 @@ class Model:
             head = self._forward(one, input_ids=torch.tensor([plan.opening], device=self.device), use_cache=True,
                                  logits_to_keep=1, **self._cache_kwarg(self._new_cache()))
             cache = self.cache_from([(k.expand(n, -1, -1, -1), v.expand(n, -1, -1, -1))
-                                     for k, v in kvcache.tensors(self._out_cache(head))])
+                                     for k, v in kvcache.tensors(kvcache.returned(head))])
         ids, rest_mask = self._left_padded(plan.rests)
         mask = torch.cat([rest_mask.new_ones((n, width)), rest_mask], dim=1)
         positions = (mask.cumsum(dim=1) - 1).clamp(min=0)[:, width:]
         out = self._forward(None if one is None else one * n, input_ids=ids, attention_mask=mask,
                             position_ids=positions, use_cache=True, logits_to_keep=1, **self._cache_kwarg(cache))
         index = torch.tensor(plan.rows, device=self.device)
-        kv = [(k.index_select(0, index), v.index_select(0, index)) for k, v in kvcache.tensors(self._out_cache(out))]
+        kv = [(k.index_select(0, index), v.index_select(0, index)) for k, v in kvcache.tensors(kvcache.returned(out))]
         return Prefill(kv, mask.index_select(0, index), out.logits[:, -1].index_select(0, index), None)
 
     def _left_padded(self, prompts: Sequence[Sequence[int]]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -170,7 +170,7 @@ class Model:
         """Feed one token per row; `mask` already includes the new column."""
         out = self._forward(adapters, input_ids=tokens[:, None], attention_mask=mask, position_ids=positions[:, None],
                             use_cache=True, **self._cache_kwarg(cache))
-        return out.logits[:, -1], self._out_cache(out)
+        return out.logits[:, -1], kvcache.returned(out)
 
     # ---- LoRA adapters and weight reload (batcher thread, between steps) ----------------
     def check_adapter(self, path: Path) -> list[str]:
@@ -303,11 +303,6 @@ class Model:
 
     def _cache_kwarg(self, cache: DynamicCache) -> dict[str, DynamicCache]:
         return {self._cache_arg: cache}
-
-    @staticmethod
-    def _out_cache(out: Any) -> DynamicCache:
-        cache = getattr(out, "cache", None)
-        return cache if cache is not None else out.past_key_values
 
 
 def _use_weight_major_linears(model: torch.nn.Module) -> None:
