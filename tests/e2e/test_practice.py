@@ -145,6 +145,20 @@ def test_max_waiting_holds_rounds_while_a_batch_waits_for_its_job(d: Daemon, pra
     assert later["rounds"] == 1 and later["answers"] == 4, later
 
 
+def test_a_verifier_cannot_leak_reefds_environment_into_its_reports(d: Daemon,
+                                                                      practising: Callable[..., str]) -> None:
+    """The probe's P1: a verifier that prints every environment it can read inside (PID 1 is bubblewrap's init)
+    puts none of reefd's (its root token, the upstream key) into the reports a read-scoped token can fetch."""
+    dump = "env; tr \"\\\\0\" \"\\\\n\" </proc/1/environ; exit 1"
+    name = practising(f"    command: '{dump}'\n", samples=1)
+    practice_status(d, name, "verified", 2)
+    code, body = d.get(f"/reef/scenarios/{name}/records?limit=1000&practice=only")
+    assert code == 200
+    reports = [r for rec in json.loads(body)["data"] for r in rec.get("reports") or []]
+    assert reports and d.token.encode() not in body and b"up-key" not in body and b"REEF_TOKEN" not in body
+    assert all("PATH=" in r["feedback"] for r in reports), reports  # it did print what it read
+
+
 @pytest.mark.parametrize("verifier", ["    command: 'sleep 30'\n    timeout_s: 0.5\n",
                                       "    command: 'kill -9 $$'\n"])
 def test_a_broken_verifier_fails_its_verifications_and_serving_goes_on(d: Daemon, practising: Callable[..., str],

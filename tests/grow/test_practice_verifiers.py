@@ -126,6 +126,20 @@ def test_writes_outside_its_folder_reach_nothing() -> None:
         shutil.rmtree(outside)
 
 
+def test_no_environment_of_reefds_is_readable_inside(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """bubblewrap's init is PID 1 inside, and /proc/1/environ shows the environment bwrap started with: never
+    reefd's (its root token, upstream keys), whatever the command itself is given."""
+    monkeypatch.setenv("REEF_TOKEN", "reef-root-secret")
+    monkeypatch.setenv("UPSTREAM_API_KEY", "upstream-secret")
+    dump = ("ls -d /proc/1 && tr '\\0' '\\n' < /proc/1/environ | grep -c ^PATH= && "
+            "for f in /proc/[0-9]*/environ; do tr '\\0' '\\n' < \"$f\"; done | grep -e secret -e KEY -e TOKEN; "
+            "env | grep -e secret -e KEY -e TOKEN; exit 1")
+    verdict = verify(dump, scenarios=tmp_path)
+    seen = verdict.output["stdout"]
+    assert verdict.error is None and seen.startswith("/proc/1\n1\n"), verdict.output  # it did read PID 1's
+    assert "secret" not in seen and "REEF_TOKEN" not in seen and "UPSTREAM_API_KEY" not in seen, seen
+
+
 def test_no_network_not_even_loopback(tmp_path: Path) -> None:
     with socket.create_server(("127.0.0.1", 0)) as server:
         port = server.getsockname()[1]

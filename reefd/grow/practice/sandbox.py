@@ -26,6 +26,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 PATH = "/usr/local/bin:/usr/bin:/bin"
+# bubblewrap's own environment: inside the sandbox its init is PID 1, and /proc/1/environ shows what bwrap was
+# started with, whatever --clearenv gives the command. So bwrap starts with this alone, never with reefd's
+# environment (REEF_TOKEN, upstream API keys).
+WRAPPER_ENV = {"PATH": PATH}
 
 
 class SandboxUnavailable(RuntimeError):
@@ -184,7 +188,7 @@ async def _run(argv: list[str], stdin: bytes, limits: Limits, status_w: int) -> 
     try:
         proc = await asyncio.create_subprocess_exec(
             *argv, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
-            start_new_session=True, pass_fds=(status_w,))
+            start_new_session=True, pass_fds=(status_w,), env=WRAPPER_ENV)
     finally:
         os.close(status_w)  # the tree holds the only other end: EOF once it is gone
     assert proc.stdin is not None and proc.stdout is not None and proc.stderr is not None
@@ -230,7 +234,7 @@ def check() -> None:
     try:
         with Pids(Limits.processes) as pids:
             done = subprocess.run(pids.enter(argv_for(["true"], scratch, Limits())), capture_output=True,
-                                  timeout=30, check=False)
+                                  timeout=30, check=False, env=WRAPPER_ENV)
     except (OSError, subprocess.TimeoutExpired) as exc:
         raise SandboxUnavailable(f"the verifier sandbox cannot start: {exc}") from None
     finally:
