@@ -30,6 +30,7 @@ from reefd.grow.practice import settings as practice
 from reefd.grow.practice.settings import PracticeConfig
 from reefd.grow.practice.verifiers import VerifierConfig
 from reefd.harness import Harness, HarnessError
+from reefd.serve.users import UsersConfig
 from reefd.train.spec import SpecError, parse_fault
 
 __all__ = ["ConfigError", "ModelConfig", "ReleaseConfig", "ScenarioConfig", "compose", "json_schema", "load_all"]
@@ -248,6 +249,9 @@ class ScenarioConfig:
     harness: HarnessConfig = field(default_factory=HarnessConfig)
     retention: RetentionConfig = field(default_factory=RetentionConfig)
     practice: PracticeConfig = field(default_factory=PracticeConfig)
+    users: UsersConfig | None = field(default=None, metadata={
+        "description": "Learn per user: a `users:` block (even `users: {}`) names each request's user (a user's "
+                       "token, or x-reef-user). null: one release line for everyone."})
 
 
 class ConfigError(Exception):
@@ -310,7 +314,7 @@ def _omegaconf_message(exc: OmegaConfBaseException) -> str:
     unknown = re.match(r"Key '([^']+)' not in '(\w+)'", msg)
     if unknown:
         groups = (ModelConfig, ServeConfig, ReleaseConfig, RecipeConfig, TriggerConfig, HarnessConfig, RetentionConfig,
-                  PracticeConfig, VerifierConfig, ScenarioConfig)
+                  PracticeConfig, VerifierConfig, UsersConfig, ScenarioConfig)
         cls = {c.__name__: c for c in groups}.get(unknown.group(2))
         known = [f.name for f in dataclasses.fields(cls)] if cls else []
         hint = difflib.get_close_matches(unknown.group(1), known, n=1)
@@ -406,7 +410,8 @@ def from_dict(data: dict[str, Any]) -> ScenarioConfig:
                                  "proof": ProofConfig(**data["release"]["proof"])}),
         recipe=RecipeConfig(**data["recipe"]), trigger=TriggerConfig(**data["trigger"]), gate=dict(data["gate"]),
         harness=HarnessConfig(**data["harness"]), retention=RetentionConfig(**data["retention"]),
-        practice=PracticeConfig(**{**data["practice"], "verifier": VerifierConfig(**data["practice"]["verifier"])}))
+        practice=PracticeConfig(**{**data["practice"], "verifier": VerifierConfig(**data["practice"]["verifier"])}),
+        users=None if data["users"] is None else UsersConfig(**data["users"]))
 
 
 def load_all(scenarios_dir: Path) -> dict[str, ScenarioConfig]:

@@ -75,7 +75,8 @@ def first_error(validator: jsonschema.protocols.Validator, data: Any) -> tuple[s
     """(dotted path, message) of the first problem (shallowest path first), or None when the data is valid.
 
     For a value that fits none of `anyOf`'s branches, the message of an `enum` branch is given when there is
-    one ("'x' is not one of [...]"): it lists the names a user meant to choose from."""
+    one ("'x' is not one of [...]"): it lists the names a user meant to choose from; else, for an object (an
+    optional block that is set), the first problem inside it."""
     unbounded = _non_finite(data, [])
     if unbounded is not None:  # JSON Schema's bounds let NaN through (every comparison with it is false)
         path, value = unbounded
@@ -85,7 +86,9 @@ def first_error(validator: jsonschema.protocols.Validator, data: Any) -> tuple[s
         return None
     err = errors[0]
     if err.validator == "anyOf":
-        err = next((e for e in err.context or () if e.validator == "enum"), err)
+        # an optional block that is set: its own problem, with its key's path
+        inner = [e for e in err.context or () if e.validator != "type" and len(e.relative_path) > 0]
+        err = next((e for e in err.context or () if e.validator == "enum"), inner[0] if inner else err)
     message = err.message.replace("is a required property", "is required")
     return ".".join(str(p) for p in err.absolute_path), message
 

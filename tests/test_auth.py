@@ -59,6 +59,27 @@ def test_a_created_token_is_kept_as_its_hash_and_grants_its_scopes(tmp_path: Pat
     assert ring.grant(token + "x") is None and ring.grant(None) is None and ring.grant("") is None
 
 
+def test_a_users_token_carries_its_user_and_a_name_that_cannot_be_one_is_refused(tmp_path: Path) -> None:
+    path = tmp_path / "tokens.json"
+    token, entry = tokens.create(path, "alice", frozenset({"serve"}), None, "alice@example.com")
+    assert entry.as_json()["user"] == "alice@example.com"
+    ring = Keyring([], path)
+    ring.reload()
+    grant = ring.grant(token)
+    assert grant is not None and grant.user == "alice@example.com" and "for user 'alice@example.com'" in \
+        grant.describe()
+    for bad, why in (("a/b", "holds '/'"), ("a..b", "holds '..'"), ("a\0b", "holds a NUL"), ("", "is empty"),
+                     ("x" * 129, "longer than 128"), (".hidden", "starts with a letter or digit"),
+                     ("refs.lock", "ends with"), ("tab\t", "may hold only")):
+        assert why in (tokens.user_problem(bad) or ""), bad
+        with pytest.raises(tokens.TokensFileError, match="--user"):
+            tokens.create(path, "bad", frozenset({"serve"}), None, bad)
+    assert tokens.user_problem("Bob_1+tag@example.org") is None
+    path.write_text(path.read_text().replace("alice@example.com", "a/b"))
+    with pytest.raises(tokens.TokensFileError, match=r"tokens\[0\] \(alice\): user 'a/b' holds '/'"):
+        ring.reload()
+
+
 def test_admin_implies_read_and_nothing_else() -> None:
     admin = tokens.Grant("ops", frozenset({"admin"}))
     assert admin.allows("admin") and admin.allows("read")

@@ -75,6 +75,22 @@ def test_retention_keeps_everything_unless_set(tmp_path: Path) -> None:
     assert (default.max_age_days, default.max_records) == (None, None)
 
 
+def test_a_users_block_turns_per_user_learning_on(tmp_path: Path) -> None:
+    head = "defaults:\n  - model: tiny\n  - _self_\n"
+    scen = make_scenarios(tmp_path, names=("tiny",), extra={
+        "each": head + "users: {}\n", "few": head + "users:\n  max: 5\n", "typo": head + "users:\n  maxx: 5\n",
+        "none": head + "users:\n  max: 0\n"})
+    assert config.compose(scen / "tiny.yaml").users is None
+    each = config.compose(scen / "each.yaml").users
+    assert each is not None and each.max == 1000
+    few = config.compose(scen / "few.yaml").users
+    assert few is not None and few.max == 5
+    with pytest.raises(config.ConfigError, match=r"users\.maxx: unknown key \(did you mean 'max'\?\)"):
+        config.compose(scen / "typo.yaml")
+    with pytest.raises(config.ConfigError, match=r"users\.max: 0 is less than the minimum of 1"):
+        config.compose(scen / "none.yaml")
+
+
 def test_empty_or_missing_folder_is_an_error(tmp_path: Path) -> None:
     with pytest.raises(config.ConfigError, match="scenarios folder not found"):
         config.load_all(tmp_path / "nope")

@@ -169,6 +169,7 @@ def test_every_scenario_file_the_guides_show_composes(tmp_path: Path, page: str,
 
 
 def test_the_readme_shows_a_scenario_to_copy() -> None:
-    """One that learns from reports, and one that learns from practice alone."""
-    assert {name for page, name, _ in scenario_blocks() if page == "README.md"} == {"learn.yaml", "add.yaml"}
+    """One that learns from reports, one that learns from practice alone, and one that learns per user."""
+    assert {name for page, name, _ in scenario_blocks() if page == "README.md"} == {"learn.yaml", "add.yaml",
+                                                                                   "assist.yaml"}
     assert len(scenario_blocks()) >= 10, "too few scenario files in the guides: is the extraction broken?"

@@ -193,12 +193,37 @@ def test_the_owner_of_a_call_that_names_no_scenario_is_the_scenario_of_its_sessi
         c.served(name, f"{name}0", p, chain(p.request, said("Hello!")))
     p = c.place("a", "a1", "sess-1", [user("start")], [])
     c.served("a", "a1", p, chain(p.request, said("ok")))
-    assert c.owner("sess-1", []) == "a" and c.owner("sess-2", []) is None
-    assert c.owner(None, [SYSTEM, user("hi b"), said("Hello!"), user("more")]) == "b"  # extends b0
-    assert c.owner(None, [SYSTEM, user("hi a")]) is None  # a repeat of a0's request: anyone may open so
-    assert c.owner(None, [SYSTEM, user("hi c")]) is None
+    assert c.scenario_of("sess-1", []) == "a" and c.scenario_of("sess-2", []) is None
+    assert c.scenario_of(None, [SYSTEM, user("hi b"), said("Hello!"), user("more")]) == "b"  # extends b0
+    assert c.scenario_of(None, [SYSTEM, user("hi a")]) is None  # a repeat of a0's request: anyone may open so
+    assert c.scenario_of(None, [SYSTEM, user("hi c")]) is None
     p = c.place("b", "b1", "sess-1", [user("start")], [])  # the same session id in two scenarios
     c.served("b", "b1", p, chain(p.request, said("ok")))
-    assert c.owner("sess-1", []) is None
+    assert c.scenario_of("sess-1", []) is None
     clock.now += 901
-    assert c.owner(None, [SYSTEM, user("hi b"), said("Hello!"), user("more")]) is None
+    assert c.scenario_of(None, [SYSTEM, user("hi b"), said("Hello!"), user("more")]) is None
+
+
+def test_a_session_is_its_owners_alone_by_header_by_transcript_and_after_a_restart() -> None:
+    """Another owner's call with the same header, or extending the same transcript, opens a session of its own;
+    the counts are the scenario's, over every owner; restored turns keep their owner (none: root's)."""
+    c = Conversations(lambda _: 900.0, Clock())
+    first = c.place("s", "r0", "S", [user("plan")], [], owner="t1/alice")
+    c.served("s", "r0", first, chain(first.request, said("ok")), owner="t1/alice")
+    joined = c.place("s", "r1", "S", [user("plan"), said("ok"), user("more")], [], owner="t1/bob")
+    assert (joined.session, joined.turn, joined.previous) == ("S", 0, None)
+    resent = c.place("s", "r2", None, [user("plan"), said("ok"), user("more")], [], owner="t2")
+    assert resent.previous is None and resent.unlinked
+    own = c.place("s", "r3", "S", [user("plan"), said("ok"), user("more")], [], owner="t1/alice")
+    assert (own.turn, own.previous) == (1, "r0")
+    assert c.scenario_of("S", [], "t1/alice") == "s" and c.scenario_of("S", [], "t1/bob") is None
+    assert c.counts("s")["open"] == 1
+    fresh = Conversations(lambda _: 900.0, Clock())
+    record = {"id": "r0", "session": "S", "turn": 0, "turn_kind": "main", "created_at": 1000.0,
+              "conversation": {"request": first.request, "reply": chain(first.request, said("ok")), "length": 1,
+                               "fingerprint": first.fingerprint, "explicit": True}}
+    fresh.restore("s", {**record, "owner": "t1/alice"})
+    fresh.restore("s", {**record, "id": "old", "session": "O"})  # written before sessions had owners
+    assert fresh.place("s", "q1", "S", [user("x")], [], owner="t1/alice").previous == "r0"
+    assert fresh.place("s", "q2", "S", [user("x")], []).previous is None
+    assert fresh.place("s", "q3", "O", [user("x")], []).previous == "old"  # root's

@@ -1,20 +1,24 @@
-"""Which scenarios the request's token covers: every handler reaches a scenario through here.
+"""Which scenarios the request's token covers, and whose requests it makes: every handler reaches a scenario
+and a user through here.
 
 A scenario named in the path, the header or the query that the token does not cover is a 403. A record, release,
 response or job of such a scenario is "not found", as if it did not exist, so its id tells nothing.
-Lists (status, models, jobs) show only the covered scenarios.
+Lists (status, models, jobs) show only the covered scenarios. A token created for a user makes that user's
+requests and sees that user's records only; a root or scenario token names a user with x-reef-user. A session
+belongs to whoever opened it (`owner`: the token, and the user).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Any
 
 from aiohttp import web
 
 from reefd.api.errors import SCENARIO_HEADER, ApiError, shown
 from reefd.loop import REGISTRY
 from reefd.ops.auth import GRANT
-from reefd.ops.tokens import FULL, Grant
+from reefd.ops.tokens import FULL, Grant, user_problem
 from reefd.serve.scenarios import Scenario, UnknownScenario
 
 
@@ -52,3 +56,54 @@ def require_everything(request: web.Request, what: str) -> None:
     if g.scenarios is not None:
         raise ApiError(403, f"{what} covers every scenario; {g.describe()} is limited to some",
                        code="permission_denied")
+
+
+USER_HEADER = "x-reef-user"
+
+
+def user(request: web.Request, scenario: Scenario) -> str | None:
+    """The user a request to `scenario` is made for: its token's, else x-reef-user's (None: nobody's). 400 for a
+    name that cannot be one, or a user on a scenario that does not learn per user; 403 for a user's token that
+    names another."""
+    g = grant(request)
+    named = request.headers.get(USER_HEADER)
+    if g.user is not None and named is not None and named != g.user:
+        raise ApiError(403, f"{g.describe()} speaks for its own user only, not {shown(named)}", param=USER_HEADER,
+                       code="permission_denied")
+    name = g.user if g.user is not None else named
+    if name is None:
+        return None
+    if (problem := user_problem(name)) is not None:
+        raise ApiError(400, f"{USER_HEADER}: the user name {shown(name)} {problem}", param=USER_HEADER,
+                       code="invalid_user")
+    if scenario.cfg.users is None:
+        raise ApiError(400, f"scenario {shown(scenario.name)} does not learn per user (its file has no users: "
+                       f"block), so a request to it names no user", param=USER_HEADER, code="users_off")
+    return name
+
+
+def owner(request: web.Request, user_name: str | None) -> str:
+    """Who a session belongs to: the token's name, and the user it speaks for (names hold no '/')."""
+    name = grant(request).name
+    return name if user_name is None else f"{name}/{user_name}"
+
+
+def caller(request: web.Request) -> str:
+    """`owner` before the scenario is known (to find a session or response it continues; nothing is served by
+    this name until `user` has checked it)."""
+    return owner(request, grant(request).user or request.headers.get(USER_HEADER))
+
+
+def sees(request: web.Request, record: dict[str, Any]) -> bool:
+    """Whether the request's token may read `record`: it covers its scenario, and a user's token its user."""
+    g = grant(request)
+    return g.covers(str(record.get("scenario"))) and (g.user is None or record.get("user") == g.user)
+
+
+def reader(request: web.Request) -> str | None:
+    """The user whose records a read is limited to: a user's token's own; else the `user` query, if any."""
+    g, asked = grant(request), request.query.get("user") or None
+    if g.user is not None and asked is not None and asked != g.user:
+        raise ApiError(403, f"{g.describe()} reads its own user's records only", param="user",
+                       code="permission_denied")
+    return g.user if g.user is not None else asked

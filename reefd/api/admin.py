@@ -78,7 +78,7 @@ async def status(request: web.Request) -> web.Response:
 async def get_record(request: web.Request) -> web.Response:
     receipt = request.match_info["receipt"]
     record = await asyncio.to_thread(request.app[RECORDS].get_record, receipt)
-    if record is None or not access.covers(request, str(record.get("scenario"))):
+    if record is None or not access.sees(request, record):
         raise ApiError(404, f"no record with receipt {shown(receipt)}", code="record_not_found")
     return json_response(record)
 
@@ -112,7 +112,7 @@ async def list_records(request: web.Request) -> web.Response:
     # unpacking up to a thousand records is off the event loop, so streams keep flowing
     rows = await asyncio.to_thread(request.app[RECORDS].list_records, scenario.name, after=after,
                                    limit=limit + 1, session=request.query.get("session") or None,
-                                   practice=practice_filter(request))
+                                   practice=practice_filter(request), user=access.reader(request))
     data = rows[:limit]
     return json_response({"object": "list", "data": data, "has_more": len(rows) > limit,
                               "last_id": data[-1]["id"] if data else None})

@@ -37,6 +37,7 @@ from reefd.grow.recipes import RecipeError
 from reefd.observe.records import ReportConflict, StorageError, UnknownReceipt
 from reefd.serve.admission import Left, Overloaded
 from reefd.serve.scenarios import NotServing, UnknownScenario
+from reefd.serve.users import UsersFull
 
 SCENARIO_HEADER = "x-reef-scenario"
 
@@ -104,6 +105,8 @@ def from_domain(exc: Exception) -> ApiError | None:
         case ReportConflict(report_id=report_id):
             return ApiError(409, f"report_id {shown(report_id)} was already used with a different body",
                             param="report_id", code="report_conflict")
+        case UsersFull():
+            return ApiError(403, str(exc), param="x-reef-user", code="user_limit_reached")
         case RecipeError():
             return ApiError(400, str(exc), code="invalid_recipe")
         case AttemptError(status=status, message=message, param=param, code=code):

@@ -72,15 +72,16 @@ def _flag(raw: str | None, name: str) -> bool:
 
 
 def _page(store: RecordStore, scenario: str, after: str | None, reported_only: bool,
-          practice: str) -> tuple[bytes, str | None]:
-    records, cursor = store.export_page(scenario, after, limit=PAGE, reported_only=reported_only, practice=practice)
+          practice: str, user: str | None) -> tuple[bytes, str | None]:
+    records, cursor = store.export_page(scenario, after, limit=PAGE, reported_only=reported_only, practice=practice,
+                                        user=user)
     return b"".join(orjson.dumps(r) + b"\n" for r in records), cursor
 
 
 async def export(request: web.Request) -> web.StreamResponse:
     scenario = access.scenario(request, request.match_info["name"], param="name")
     reported_only = _flag(request.query.get("reported_only"), "reported_only")
-    practice = practice_filter(request)
+    practice, user = practice_filter(request), access.reader(request)
     since = request.query.get("since", "")
     if len(since) > 64:
         raise ApiError(400, f"since: expected {SINCE_HELP}", param="since")
@@ -91,7 +92,8 @@ async def export(request: web.Request) -> web.StreamResponse:
     await response.prepare(request)
     try:
         while True:
-            chunk, after = await asyncio.to_thread(_page, store, scenario.name, after, reported_only, practice)
+            chunk, after = await asyncio.to_thread(_page, store, scenario.name, after, reported_only, practice,
+                                                   user)
             if chunk:
                 await response.write(chunk)
             if after is None:

@@ -13,6 +13,7 @@ from aiohttp import web
 
 from reefd import __version__
 from reefd.api import access, admin, releases, search
+from reefd.api.access import USER_HEADER
 from reefd.api.errors import SCENARIO_HEADER, json_response
 from reefd.api.openapi_schemas import ID, OBJ, SCHEMAS, STR, ref
 from reefd.api.turns import RECEIPT_HEADER, RELEASE_HEADER, SESSION_HEADERS, TURN_HEADER
@@ -30,7 +31,8 @@ ANTHROPIC = "anthropic"  # the error shape of /v1/messages*; every other route a
 _ERRORS = {
     400: "Malformed JSON, a wrong type or value (`param` names the field path), or no scenario named",
     401: "Missing or wrong token",
-    403: "The token lacks the route's scope, or may not use the scenario it names",
+    403: "The token lacks the route's scope, may not use the scenario it names, or speaks for another user; or "
+         "the scenario already has its users.max users",
     404: "Unknown scenario, receipt, release, job or response",
     405: "Method not allowed",
     409: "A conflict: a stale `expected_head`, a pinned scenario, a reused `report_id`, a job that has ended",
@@ -114,6 +116,8 @@ def _agent_ops(names: list[str], by_path: bool) -> dict[str, dict[str, Any]]:
     session = _param(SESSION_HEADERS[0], "header", STR, "The conversation this turn belongs to.")
     turn = _param(TURN_HEADER, "header", {"enum": ["side"]}, "`side`: a call that is not a turn of the "
                   "conversation (never judged or trained on).")
+    user = _param(USER_HEADER, "header", STR, "The user this turn is for, on a scenario with a users: block (a "
+                  "user's token makes it that user's without it).")
     suffix = "ByPath" if by_path else ""
     served = (400, 404, 413, 429, 503)
     model = names[0] if names else "default"  # any name is taken: the scenario decides what serves
@@ -137,12 +141,12 @@ def _agent_ops(names: list[str], by_path: bool) -> dict[str, dict[str, Any]]:
     return {
         "/v1/chat/completions": {"post": _op(
             "createChatCompletion" + suffix, "OpenAI Chat Completions", "agent", answered("ChatCompletion"), served,
-            params=(scenario, session, turn), body=_body(
+            params=(scenario, session, turn, user), body=_body(
                 "ChatCompletionRequest", answer=chat,
                 stream={**chat, "stream": True, "stream_options": {"include_usage": True}}))},
         "/v1/messages": {"post": _op(
             "createMessage" + suffix, "Anthropic Messages", "agent", answered("Message"), served,
-            params=(scenario, session, turn), shape=ANTHROPIC,
+            params=(scenario, session, turn, user), shape=ANTHROPIC,
             body=_body("MessagesRequest", answer=message, stream={**message, "stream": True}))},
         "/v1/messages/count_tokens": {"post": _op(
             "countTokens" + suffix, "Anthropic token counting, with the scenario's tokenizer and template", "agent",
@@ -151,7 +155,7 @@ def _agent_ops(names: list[str], by_path: bool) -> dict[str, dict[str, Any]]:
             body=_body("CountTokensRequest", count={"model": model, "messages": say}))},
         "/v1/responses": {
             "post": _op("createResponse" + suffix, "OpenAI Responses", "agent",
-                        answered("Response", retrieve=retrieve), served, params=(scenario, session, turn),
+                        answered("Response", retrieve=retrieve), served, params=(scenario, session, turn, user),
                         body=_body("ResponseRequest", answer=response, stream={**response, "stream": True})),
             "get": _op("refuseResponsesGet" + suffix, "Not served: 426 to a WebSocket upgrade, else 405", "agent",
                        {}, (405, 426), params=(scenario,) if by_path else ())},
@@ -180,6 +184,7 @@ def _reef_ops(names: list[str]) -> dict[str, dict[str, Any]]:
     name = _name_param(names)
     practice = _param("practice", "query", {"enum": list(PRACTICE_FILTERS)},
                       "reefd's practice records: include them (the default), exclude them, or only them.")
+    by_user = _param("user", "query", STR, "Only this user's records (a user's token reads its own user's only).")
     header = _param(SCENARIO_HEADER, "header", _scenario_schema(names), "The scenario.")
     by_query = _param("scenario", "query", _scenario_schema(names), "The scenario (or the x-reef-scenario header; "
                       "default: the only scenario with a harness).")
@@ -207,14 +212,15 @@ def _reef_ops(names: list[str]) -> dict[str, dict[str, Any]]:
             (400, 404), params=(name, _param("limit", "query", {"type": "integer", "minimum": 1,
                                                                  "maximum": admin.MAX_LIMIT}, "Page size."),
                                 _param("after", "query", {"type": "string", "maxLength": 64}, "The last receipt seen."),
-                                _param("session", "query", STR, "Only this conversation's turns."), practice))},
+                                _param("session", "query", STR, "Only this conversation's turns."), practice,
+                                by_user))},
         "/reef/scenarios/{name}/export": {"get": _op(
             "export", "A scenario's records, each with its reports, as JSON lines in receipt order", "observe",
             _text("application/x-ndjson", "One record a line."), (400, 404),
             params=(name, _param("since", "query", {"type": "string", "maxLength": 64}, "A receipt, a release id, a "
                                  "duration (90s, 30m, 24h, 7d) or an RFC 3339 time: the records after it."),
                     _param("reported_only", "query", {"enum": ["true", "false", "1", "0", "yes", "no"]},
-                           "Only the records that have reports."), practice))},
+                           "Only the records that have reports."), practice, by_user))},
         "/reef/status": {"get": _op("status", "Scenarios, engines, releases and counts", "observe",
                                     _ok("Status", "The daemon's status."))},
         "/reef/scenarios/{name}/releases": {

@@ -15,7 +15,7 @@ from reefd.api import access
 from reefd.api.errors import SCENARIO_HEADER, ApiError, BodySchema, json_response, read_json
 from reefd.api.turns import scenario_of
 from reefd.loop import ATTEMPTS, RECORDS
-from reefd.observe.report_store import MAX_REPORT_FIELD_BYTES, MAX_SCORE
+from reefd.observe.report_store import MAX_REPORT_FIELD_BYTES, MAX_SCORE, UnknownReceipt
 from reefd.serve.scenarios import Scenario
 
 MAX_REFERENCES = 10_000  # a report's records; each one checked in the write transaction, and again by retention
@@ -45,6 +45,8 @@ async def report(request: web.Request) -> web.Response:
             raise ApiError(413, f"{field}: more than {MAX_REPORT_FIELD_BYTES // 1024} KiB as JSON; a report's "
                            f"{field} is kept with every record it references", param=field,
                            code="report_too_large")
+    if access.grant(request).user is not None:  # a user's token reports on that user's records only
+        await asyncio.to_thread(_own_references, request, scenario.name, body)
     attempts = request.app[ATTEMPTS]
     if attempts.handles(scenario):  # a search scenario: the report is an attempt's score at a grid coordinate
         stored, _created = await attempts.report(scenario.name, body)
@@ -63,3 +65,12 @@ def _of_references(request: web.Request, body: dict[str, Any]) -> Scenario:
     if isinstance(name, str) and access.covers(request, name):
         return access.scenario(request, name)
     return scenario_of(request)
+
+
+def _own_references(request: web.Request, scenario: str, body: dict[str, Any]) -> None:
+    """UnknownReceipt for the first reference that is not a record of the token's user: another user's record
+    is one that does not exist (blocking)."""
+    for ref in body.get("references") or []:
+        record = request.app[RECORDS].get_record(ref) if isinstance(ref, str) else None
+        if record is None or not access.sees(request, record):
+            raise UnknownReceipt(str(ref), scenario)

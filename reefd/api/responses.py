@@ -28,6 +28,7 @@ from reefd.api.errors import (
 from reefd.api.turns import scenario_of, serve_turn
 from reefd.config import ScenarioConfig
 from reefd.loop import RECORDS
+from reefd.observe.conversations import owner_of
 from reefd.observe.records import RecordStore
 from reefd.serve.chat import ChatRequest, Completion
 from reefd.serve.scenarios import Scenario
@@ -161,13 +162,14 @@ def to_chat_request(body: dict[str, Any], cfg: ScenarioConfig,
                        ignore_eos=body.get("ignore_eos") is True)  # SGLang's and vLLM's extension
 
 
-def stored(store: RecordStore, scenario: Scenario, response_id: str) -> dict[str, Any] | None:
-    """The record behind a stored response of this scenario, or None."""
+def stored(store: RecordStore, scenario: Scenario, response_id: str, owner: str) -> dict[str, Any] | None:
+    """The record behind a stored response of this scenario that `owner` opened (a session's owner: see
+    reefd/api/access.py), or None: another token's or user's response is one that does not exist."""
     if not response_id.startswith("resp_"):
         return None
     record = store.get_record(response_id.removeprefix("resp_"))
     if (record is None or record.get("api") != API or record.get("scenario") != scenario.name
-            or record["request"].get("store") is False or "response" not in record):
+            or record["request"].get("store") is False or "response" not in record or owner_of(record) != owner):
         return None
     return record
 
@@ -182,18 +184,20 @@ def _continued(request: web.Request, store: RecordStore, body: dict[str, Any]) -
     """The scenario of the response `previous_response_id` names, for a call that names none (blocking)."""
     response_id = str(body.get("previous_response_id") or "")
     record = store.get_record(response_id.removeprefix("resp_")) if response_id.startswith("resp_") else None
+    if isinstance(record, dict) and owner_of(record) != access.caller(request):
+        record = None  # another's: as if it did not exist
     name = record.get("scenario") if isinstance(record, dict) else None
     if isinstance(name, str) and access.covers(request, name):
         return access.scenario(request, name)
     return scenario_of(request, body, lambda: _own_messages(body))
 
 
-def _prior(store: RecordStore, scenario: Scenario, body: dict[str, Any]) -> list[dict[str, Any]]:
+def _prior(store: RecordStore, scenario: Scenario, body: dict[str, Any], owner: str) -> list[dict[str, Any]]:
     """The previous turn's conversation, its answer included and its `instructions` left out."""
     response_id = body.get("previous_response_id")
     if not response_id:
         return []
-    record = stored(store, scenario, response_id)
+    record = stored(store, scenario, response_id, owner)
     if record is None:
         raise ApiError(400, f"Previous response with id {shown(response_id)} not found.",
                        param="previous_response_id", code="previous_response_not_found")
@@ -325,7 +329,8 @@ async def create(request: web.Request) -> web.StreamResponse:
         scenario = scenario_of(request, body, lambda: _own_messages(body))
     else:  # the response it continues was served by a scenario
         scenario = await asyncio.to_thread(_continued, request, store, body)
-    chat = to_chat_request(body, scenario.cfg, await asyncio.to_thread(_prior, store, scenario, body))
+    owner = access.owner(request, access.user(request, scenario))
+    chat = to_chat_request(body, scenario.cfg, await asyncio.to_thread(_prior, store, scenario, body, owner))
     return await serve_turn(request, scenario, store, lambda receipt: ResponsesWire(receipt, scenario.name, body, chat),
                             body, chat, bool(body.get("stream")))
 
@@ -333,7 +338,8 @@ async def create(request: web.Request) -> web.StreamResponse:
 async def retrieve(request: web.Request) -> web.Response:
     scenario = scenario_of(request)
     response_id = request.match_info["response_id"]
-    record = await asyncio.to_thread(stored, request.app[RECORDS], scenario, response_id)
+    owner = access.owner(request, access.user(request, scenario))
+    record = await asyncio.to_thread(stored, request.app[RECORDS], scenario, response_id, owner)
     if record is None:
         raise ApiError(404, f"Response with id {shown(response_id)} not found.", code="response_not_found")
     return json_response(record["response"])

@@ -74,7 +74,8 @@ def scenario_of(request: web.Request, body: dict[str, Any] | None = None,
     header, or a transcript extending a served turn), so an agent need name the scenario on its first call only."""
     name = request.match_info.get("scenario") or request.headers.get(SCENARIO_HEADER)
     if not name and body is not None:
-        found = request.app[CONVERSATIONS].owner(session_of(request, body), messages() if messages else [])
+        found = request.app[CONVERSATIONS].scenario_of(session_of(request, body), messages() if messages else [],
+                                                       access.caller(request))
         name = found if found is not None and access.covers(request, found) else None
     if not name:
         known = access.visible(request, request.app[REGISTRY].scenarios)
@@ -98,11 +99,14 @@ def session_of(request: web.Request, body: dict[str, Any]) -> str | None:
 
 
 def new_record(request: web.Request, scenario: Scenario, binding: Binding, receipt: str, api: str,
-               body: dict[str, Any], chat: ChatRequest, stream: bool, placement: Placement) -> dict[str, Any]:
+               body: dict[str, Any], chat: ChatRequest, stream: bool, placement: Placement,
+               who: tuple[str, str | None]) -> dict[str, Any]:
+    """`who`: the session's owner, and the user the turn is made for (None: nobody's)."""
     prefix = "x-reef-tag-"
     tags = {k[len(prefix):].lower(): v for k, v in request.headers.items() if k.lower().startswith(prefix)}
+    owner, user = who
     return {**served_by(scenario, binding, receipt), "api": api, "requested_model": body.get("model"),
-            "created_at": time.time(), **placement.fields(),
+            "created_at": time.time(), **placement.fields(), "owner": owner, **({"user": user} if user else {}),
             "tags": tags, "stream": stream, "request": body, **asked(chat)}
 
 
@@ -129,7 +133,8 @@ class Served:
             self.metrics.turn(record["scenario"], record["api"], record)
         scenario = record["scenario"]
         reply = record["conversation"]["reply"]  # new_record's placement fields, the hash from finish_record
-        self.conversations.served(scenario, record["id"], placement, reply, release=record["release"])
+        self.conversations.served(scenario, record["id"], placement, reply, release=record["release"],
+                                  owner=record["owner"])
         if linked and placement.previous is not None:
             self.conversations.linked(scenario, placement.previous)
 
@@ -139,17 +144,22 @@ async def serve_turn(request: web.Request, scenario: Scenario, store: RecordStor
     """Serve one turn: place it in its session, wait for a turn at the engine, and answer with the release that
     serves it (the scenario's, or its canary's for the sessions on the canary's side: see Registry.serving)."""
     receipt = new_receipt()
+    registry = request.app[REGISTRY]
+    user = access.user(request, scenario)
+    if user is not None and scenario.cfg.users is not None:
+        await registry.users.admit(scenario.name, user, scenario.cfg.users)  # durable before its first answer
+    who = (access.owner(request, user), user)
     placement = request.app[CONVERSATIONS].place(scenario.name, receipt, session_of(request, body), chat.messages,
-                                                 chat.tools, side=request.headers.get(TURN_HEADER) == "side")
+                                                 chat.tools, side=request.headers.get(TURN_HEADER) == "side",
+                                                 owner=who[0])
     trial = scenario.trial
     shadow = None  # the request as it came, for a copy to the release on shadow trial
     if trial is not None and trial.mode == "shadow" and trial.takes(placement.session, None):
         shadow = copy.deepcopy(chat)
-    registry = request.app[REGISTRY]
     async with registry.serving(scenario, left=client_left(request),
                                 route=Route(placement.session, placement.sticky)) as binding:
-        response, record = await _serve_bound(request, scenario, binding, store, wire_for, receipt, placement, body,
-                                              chat, stream)
+        response, record = await _serve_bound(request, scenario, binding, store, wire_for, receipt,
+                                              (placement, who), body, chat, stream)
     live = registry.scenarios.get(scenario.name)
     if shadow is not None and trial is not None and live is not None and live.trial is trial and \
             "response" in record and request.app[loop.TRIALS].take_shadow_slot(scenario.name):
@@ -175,16 +185,18 @@ def sampling(scenario: Scenario, binding: Binding, chat: ChatRequest) -> None:
 
 
 async def _serve_bound(request: web.Request, scenario: Scenario, binding: Binding, store: RecordStore,
-                       wire_for: Callable[[str], Wire], receipt: str, placement: Placement, body: dict[str, Any],
+                       wire_for: Callable[[str], Wire], receipt: str,
+                       placed: tuple[Placement, tuple[str, str | None]], body: dict[str, Any],
                        chat: ChatRequest, stream: bool) -> tuple[web.StreamResponse, dict[str, Any]]:
     """Serve one turn with the release `binding` names (taken when the request started); returns the answer and
-    the turn's record (complete when it has a `response`)."""
+    the turn's record (complete when it has a `response`). `placed`: its session's place, and its owner and user."""
+    placement, who = placed
     sampling(scenario, binding, chat)
     wire = wire_for(receipt)
     chat.routing_key = placement.session
     if binding.harness is not None and scenario.cfg.harness.inject:
         add_system_text(chat, scenario.harness_text(binding.harness))
-    record = new_record(request, scenario, binding, receipt, wire.api, body, chat, stream, placement)
+    record = new_record(request, scenario, binding, receipt, wire.api, body, chat, stream, placement, who)
     turn = Served(request.app[CONVERSATIONS], store, record, placement, loop.of(request.app))
     headers = {RECEIPT_HEADER: record["id"], RELEASE_HEADER: binding.release}
     started = time.monotonic()

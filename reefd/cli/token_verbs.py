@@ -39,6 +39,8 @@ def _token_args(p: argparse.ArgumentParser) -> None:
                    help=f"comma-separated, of: {', '.join(SCOPES)} (admin implies read)")
     c.add_argument("--scenario", action="append", metavar="SCENARIO",
                    help="limit the token to this scenario (repeat for more; default: every scenario)")
+    c.add_argument("--user", metavar="USER",
+                   help="the token speaks for this user only, on scenarios that learn per user (users:)")
     c.add_argument("-o", "--output", choices=["json"], help="json: the entry and the token")
     ls = verbs.add_parser("list", parents=[where], help="the tokens (names, scopes, scenarios; never the tokens)")
     ls.add_argument("-o", "--output", choices=["json"])
@@ -52,7 +54,7 @@ def cmd_token(client: Client, args: argparse.Namespace) -> int:
     try:
         if args.verb == "create":
             scenarios = frozenset(args.scenario) if args.scenario else None
-            token, entry = create(path, args.name, args.scope, scenarios)
+            token, entry = create(path, args.name, args.scope, scenarios, args.user)
             if args.output == "json":
                 print_json({**entry.as_json(), "token": token})
             else:
@@ -72,8 +74,9 @@ def cmd_token(client: Client, args: argparse.Namespace) -> int:
                 rows = [[e.grant.name, e.prefix + "…" if e.prefix else "-",
                          ",".join(s for s in SCOPES if s in e.grant.scopes),
                          "*" if e.grant.scenarios is None else ",".join(sorted(e.grant.scenarios)),
+                         e.grant.user or "*",
                          cell(age(now - _epoch(e.created_at)) if e.created_at else None)] for e in entries]
-                Table(["NAME", "PREFIX", "SCOPES", "SCENARIOS", "AGE"]).emit(rows)
+                Table(["NAME", "PREFIX", "SCOPES", "SCENARIOS", "USER", "AGE"]).emit(rows)
     except TokensFileError as exc:
         raise CliError(str(exc)) from None
     except OSError as exc:

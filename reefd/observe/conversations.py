@@ -13,6 +13,9 @@ its reply (a user's next message, or a tool's result), which a recipe may judge.
   set (a title request, a compaction, a sub-agent), or one the client marks with `x-reef-turn: side`. It never
   gets a next state, so it never trains.
 
+A session belongs to whoever opened it (its owner: the token, and the user it speaks for). Another owner's call
+never joins it, by header or by transcript: it is placed as if the session did not exist.
+
 Open sessions live in memory, rebuilt at start from the records of the last `session_ttl_s`, and expire after
 that long without a turn. Knows nothing of HTTP, LMDB or recipes: the caller stores what `place` decides.
 """
@@ -169,14 +172,14 @@ class Counts:
 
 
 class _Open:
-    """One scenario's open turns. Each map is kept oldest first (by `seen`), so expiring is a look at its head,
-    not a scan of every open session on every turn."""
+    """One owner's open turns in one scenario. Each map is kept oldest first (by `seen`), so expiring is a look at
+    its head, not a scan of every open session on every turn. `counts` are the scenario's, shared by its owners."""
 
-    def __init__(self) -> None:
+    def __init__(self, counts: Counts) -> None:
         self.by_reply: OrderedDict[str, Turn] = OrderedDict()
         self.by_request: OrderedDict[str, Turn] = OrderedDict()  # a request's first main turn
         self.last: OrderedDict[str, Turn] = OrderedDict()  # session -> its newest main turn
-        self.counts = Counts()
+        self.counts = counts
         self.oldest = math.inf  # no open turn was seen before this: a cutoff at or below it expires nothing
 
     def open(self, turn: Turn, kind: str) -> None:
@@ -262,12 +265,22 @@ def _continued(previous: Turn, following: list[dict[str, Any]]) -> dict[str, Any
             "next_state": state, "sticky": previous.release}
 
 
+ROOT = "root"  # the owner of what the root tokens open, and of records written before sessions had owners
+
+
+def owner_of(record: dict[str, Any]) -> str:
+    """Who opened the session of a record (its `owner`, as reefd/api/access.py names it)."""
+    owner = record.get("owner")
+    return owner if isinstance(owner, str) else ROOT
+
+
 class Conversations:
-    """Places requests in sessions and remembers the turns still open, per scenario."""
+    """Places requests in sessions and remembers the turns still open, per scenario and owner."""
 
     def __init__(self, ttl_s: Callable[[str], float], clock: Callable[[], float] = time.time) -> None:
         self.ttl_s, self.clock = ttl_s, clock
-        self._open: dict[str, _Open] = {}
+        self._open: dict[str, dict[str, _Open]] = {}  # scenario -> owner -> its open turns
+        self._counts: dict[str, Counts] = {}
         self._listeners: list[Callable[[str, str], None]] = []
 
     def subscribe(self, listener: Callable[[str, str], None]) -> None:
@@ -276,7 +289,7 @@ class Conversations:
 
     def linked(self, scenario: str, receipt: str) -> None:
         """The turn `receipt` got its next state (the caller stored the link)."""
-        self._scenario(scenario).counts.linked += 1
+        self._count(scenario).linked += 1
         for listener in list(self._listeners):
             try:
                 listener(scenario, receipt)
@@ -294,22 +307,26 @@ class Conversations:
                         record.get("release"))
         except (KeyError, TypeError, ValueError):
             return
-        self._scenario(scenario).open(turn, record["turn_kind"])
+        self._owned(scenario, owner_of(record)).open(turn, record["turn_kind"])
 
-    def _scenario(self, name: str) -> _Open:
-        return self._open.get(name) or self._open.setdefault(name, _Open())  # built only the first time
+    def _count(self, scenario: str) -> Counts:
+        return self._counts.get(scenario) or self._counts.setdefault(scenario, Counts())
+
+    def _owned(self, scenario: str, owner: str) -> _Open:
+        owners = self._open.get(scenario) or self._open.setdefault(scenario, {})
+        return owners.get(owner) or owners.setdefault(owner, _Open(self._count(scenario)))  # built the first time
 
     def counts(self, scenario: str) -> dict[str, int]:
-        s = self._scenario(scenario)
         self.expire(scenario)
-        return {"open": len(s.last), **s.counts.as_dict()}
+        return {"open": sum(len(s.last) for s in self._open.get(scenario, {}).values()),
+                **self._count(scenario).as_dict()}
 
     def place(self, scenario: str, receipt: str, header: str | None, messages: list[dict[str, Any]],
-              tools: list[dict[str, Any]], *, side: bool = False) -> Placement:
-        """Decide the session and turn of a request (its messages as the client sent them); `side`: the client
-        says it is a side call (x-reef-turn: side)."""
-        s = self._scenario(scenario)
+              tools: list[dict[str, Any]], *, side: bool = False, owner: str = ROOT) -> Placement:
+        """Decide the session and turn of a request (its messages as the client sent them) among `owner`'s open
+        sessions; `side`: the client says it is a side call (x-reef-turn: side)."""
         self.expire(scenario)
+        s = self._owned(scenario, owner)
         convo = conversation(messages)
         hashes = prefix_hashes(convo)
         frame = fingerprint(messages, tools)
@@ -317,37 +334,40 @@ class Conversations:
         return Placement(request=request, length=len(convo), fingerprint=frame, explicit=header is not None,
                          **_decide(s, receipt, header, convo, hashes, frame, side))
 
-    def owner(self, header: str | None, messages: list[dict[str, Any]]) -> str | None:
-        """The scenario of the open session a call continues, for a call that names none: the one whose open
+    def scenario_of(self, header: str | None, messages: list[dict[str, Any]], owner: str = ROOT) -> str | None:
+        """The scenario of `owner`'s open session a call continues, for a call that names none: the one whose open
         sessions hold its session header, or (without one) a served turn whose reply its transcript holds. A bare
         repeat of a first message is no evidence (two agents may both open with "hi"). None when no scenario's,
         or more than one's, does."""
         found = set()
-        if header is not None:
-            for name, s in self._open.items():
-                self.expire(name)
-                if header in s.last:
-                    found.add(name)
-        else:
-            hashes = prefix_hashes(conversation(messages))
-            for name, s in self._open.items():
-                self.expire(name)
-                if any(h in s.by_reply for h in hashes[:-1]):
-                    found.add(name)
+        hashes = prefix_hashes(conversation(messages)) if header is None else []
+        for name, owners in self._open.items():
+            self.expire(name)
+            s = owners.get(owner)
+            if s is not None and (header in s.last if header is not None
+                                  else any(h in s.by_reply for h in hashes[:-1])):
+                found.add(name)
         return found.pop() if len(found) == 1 else None
 
     def served(self, scenario: str, receipt: str, placement: Placement, reply: str,
-               at: float | None = None, release: str | None = None) -> None:
+               at: float | None = None, release: str | None = None, owner: str = ROOT) -> None:
         """A main or retry turn's record is durable: it is open for a continuation. `reply`: the hash of its
         request plus the served reply, `chain(placement.request, reply)` (the record's `conversation.reply`)."""
         if placement.kind not in ("main", "retry") or placement.session is None or placement.turn is None:
             return
         turn = Turn(receipt, placement.session, placement.turn, placement.request, reply, placement.length,
                     placement.fingerprint, self.clock() if at is None else at, placement.explicit, release)
-        self._scenario(scenario).open(turn, placement.kind)
+        self._owned(scenario, owner).open(turn, placement.kind)
 
     def expire(self, scenario: str) -> None:
         """Forget the sessions idle for longer than the scenario's session_ttl_s; count them."""
-        s = self._scenario(scenario)
-        s.counts.expired += s.expire(self.clock() - self.ttl_s(scenario))
+        owners = self._open.get(scenario)
+        if not owners:
+            return
+        cutoff = self.clock() - self.ttl_s(scenario)
+        for name in list(owners):
+            s = owners[name]
+            s.counts.expired += s.expire(cutoff)
+            if not s.last and not s.by_reply and not s.by_request:
+                del owners[name]  # an owner with nothing open costs nothing
 

@@ -25,9 +25,11 @@ __all__ = ["ClaimTaken", "RecordStore", "ReportConflict", "StorageError", "Store
 PRACTICE_FILTERS = ("include", "exclude", "only")
 
 
-def kept(record: dict[str, Any], practice: str) -> bool:
-    """Whether a listing that includes, excludes or only wants practice records (reefd's own) keeps `record`."""
-    return practice == "include" or (record.get("turn_kind") == "practice") == (practice == "only")
+def kept(record: dict[str, Any], practice: str, user: str | None = None) -> bool:
+    """Whether a listing that includes, excludes or only wants practice records (reefd's own), and only `user`'s
+    records when it names one, keeps `record`."""
+    return (user is None or record.get("user") == user) and \
+        (practice == "include" or (record.get("turn_kind") == "practice") == (practice == "only"))
 
 
 def _session_prefix(scenario: bytes, session: str) -> bytes:
@@ -237,9 +239,11 @@ class RecordStore(Reports):
             return self._load_record(txn, receipt.encode())
 
     def list_records(self, scenario: str, *, after: str | None = None, limit: int = 50,
-                     session: str | None = None, practice: str = "include") -> list[dict[str, Any]]:
+                     session: str | None = None, practice: str = "include",
+                     user: str | None = None) -> list[dict[str, Any]]:
         """Records of one scenario (or of one session in it) in receipt order, strictly after
-        `after`, each with its reports; `practice`: include, exclude or only reefd's practice records."""
+        `after`, each with its reports; `practice`: include, exclude or only reefd's practice records; `user`: that
+        user's records only."""
         if session is None:
             prefix, table = scenario_key(scenario) + b"\0", "by_scenario"
         else:
@@ -251,12 +255,13 @@ class RecordStore(Reports):
             for receipt in self._after(txn, table, prefix, after):
                 if len(found) >= limit:
                     break
-                if (record := self._load_record(txn, receipt)) is not None and kept(record, practice):
+                if (record := self._load_record(txn, receipt)) is not None and kept(record, practice, user):
                     found.append(record)
         return found
 
     def export_page(self, scenario: str, after: str | None, *, limit: int = 100, reported_only: bool = False,
-                    scan: int = 10_000, practice: str = "include") -> tuple[list[dict[str, Any]], str | None]:
+                    scan: int = 10_000, practice: str = "include",
+                    user: str | None = None) -> tuple[list[dict[str, Any]], str | None]:
         """Up to `limit` records of `scenario` (with their reports) strictly after `after`, in receipt order, looking
         at no more than `scan` keys; with `reported_only`, those with a report; `practice` as for list_records.
         Returns them and the receipt a next page goes on after, or None when the scenario has no more."""
@@ -264,7 +269,7 @@ class RecordStore(Reports):
         with self._reading() as txn:
             for seen, receipt in enumerate(self._after(txn, "by_scenario", scenario_key(scenario) + b"\0", after), 1):
                 wanted = not reported_only or self._has_report(txn, receipt)
-                if wanted and (record := self._load_record(txn, receipt)) is not None and kept(record, practice):
+                if wanted and (record := self._load_record(txn, receipt)) is not None and kept(record, practice, user):
                     found.append(record)
                 if len(found) >= limit or seen >= scan:
                     return found, receipt.decode()

@@ -4,11 +4,14 @@ Standard library only (reefctl imports it). The file, STATE/tokens.json or $REEF
 token's SHA-256, never the token itself, which is shown once when it is created:
 
     {"tokens": [{"name": "ci", "sha256": "9f2c…", "prefix": "reef_Ab3d", "scopes": ["report"],
-                 "scenarios": ["hello"], "created_at": "2026-12-02T02:00:00Z"}]}
+                 "scenarios": ["hello"], "created_at": "2026-12-02T02:00:00Z"},
+                {"name": "alice", "sha256": "…", "scopes": ["serve", "report"], "scenarios": ["assist"],
+                 "user": "alice@example.com", "created_at": "…"}]}
 
 Scopes: `serve` (the agent APIs and the harness), `report` (POST /reef/report), `read` (records, releases, jobs,
 status, metrics) and `admin` (publish, rollback, promote, train, cancel); `admin` implies `read`.
-`scenarios` limits a token to those scenarios; null or absent means every scenario.
+`scenarios` limits a token to those scenarios; null or absent means every scenario. `user` makes every request of
+the token that user's, on scenarios that learn per user (docs/users.md); it can never speak for another.
 reefd reads the file at start and again on SIGHUP (`systemctl reload reefd`).
 """
 
@@ -33,6 +36,8 @@ SCOPES = ("serve", "report", "read", "admin")
 _IMPLIED = {"admin": ("read",)}
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 _HEX = re.compile(r"[0-9a-f]{64}")
+_USER = re.compile(r"[A-Za-z0-9][A-Za-z0-9._@+-]*")
+MAX_USER_CHARS = 128
 PREFIX_CHARS = 9  # "reef_" and four more: enough to tell tokens apart in a list, far too few to guess one
 
 
@@ -40,13 +45,32 @@ class TokensFileError(ValueError):
     """The tokens file cannot be used as written; the message names the file and the problem."""
 
 
+def user_problem(name: str) -> str | None:
+    """Why `name` cannot name a user (it becomes a path and a git ref), or None: 1-128 letters, digits and
+    `. _ @ + -`, starting with a letter or digit; no `/`, `..` or NUL, no `.` or `.lock` at the end."""
+    if not name:
+        return "is empty"
+    if len(name) > MAX_USER_CHARS:
+        return f"is longer than {MAX_USER_CHARS} characters"
+    for bad, what in (("\0", "a NUL"), ("/", "'/'"), ("..", "'..'")):
+        if bad in name:
+            return f"holds {what}"
+    if name.endswith((".", ".lock")):
+        return "ends with '.' or '.lock'"
+    if not _USER.fullmatch(name):
+        return "may hold only letters, digits, '.', '_', '@', '+' and '-', and starts with a letter or digit"
+    return None
+
+
 @dataclass(frozen=True)
 class Grant:
-    """What a token may do: its scopes, and the scenarios it is limited to (None: every scenario)."""
+    """What a token may do: its scopes, the scenarios it is limited to (None: every scenario), and the user it
+    speaks for (None: any, named per request by x-reef-user)."""
 
     name: str
     scopes: frozenset[str]
     scenarios: frozenset[str] | None = None
+    user: str | None = None
 
     def allows(self, scope: str) -> bool:
         return scope in self.scopes or any(scope in _IMPLIED.get(s, ()) for s in self.scopes)
@@ -59,7 +83,8 @@ class Grant:
 
     def describe(self) -> str:
         where = "every scenario" if self.scenarios is None else "scenarios " + ", ".join(sorted(self.scenarios))
-        return f"token {self.name!r} ({', '.join(sorted(self.scopes))} on {where})"
+        whose = "" if self.user is None else f" for user {self.user!r}"
+        return f"token {self.name!r} ({', '.join(sorted(self.scopes))} on {where}{whose})"
 
 
 FULL = Grant("root", frozenset(SCOPES))  # REEF_TOKEN, the systemd credential, STATE/token
@@ -78,7 +103,7 @@ class Entry:
         scenarios = None if self.grant.scenarios is None else sorted(self.grant.scenarios)
         return {"name": self.grant.name, "sha256": self.sha256, "prefix": self.prefix,
                 "scopes": [s for s in SCOPES if s in self.grant.scopes], "scenarios": scenarios,
-                "created_at": self.created_at}
+                **({"user": self.grant.user} if self.grant.user is not None else {}), "created_at": self.created_at}
 
 
 def path_for(state_dir: Path, env: Mapping[str, str] | None = None) -> Path:
@@ -128,7 +153,12 @@ def _entry(raw: Any, where: str) -> Entry:
                                   or not all(isinstance(s, str) and s for s in scenarios)):
         raise TokensFileError(f"{where} ({name}): scenarios must be a non-empty list of names, or null for "
                               "every scenario")
-    return Entry(Grant(name, granted, None if scenarios is None else frozenset(scenarios)), sha,
+    user = raw.get("user")
+    if user is not None:
+        problem = user_problem(user) if isinstance(user, str) else "is not a string"
+        if problem is not None:
+            raise TokensFileError(f"{where} ({name}): user {user!r} {problem}")
+    return Entry(Grant(name, granted, None if scenarios is None else frozenset(scenarios), user), sha,
                  str(raw.get("prefix") or ""), str(raw.get("created_at") or ""))
 
 
@@ -178,10 +208,13 @@ def _locked(path: Path) -> Iterator[None]:
         os.close(fd)
 
 
-def create(path: Path, name: str, scopes: frozenset[str], scenarios: frozenset[str] | None) -> tuple[str, Entry]:
-    """Add a token; returns (the token, shown only now, its entry)."""
+def create(path: Path, name: str, scopes: frozenset[str], scenarios: frozenset[str] | None,
+           user: str | None = None) -> tuple[str, Entry]:
+    """Add a token (for `user`'s requests only, when given); returns (the token, shown only now, its entry)."""
     if not _NAME.fullmatch(name):
         raise TokensFileError(f"{name!r} is not a token name (1-64 letters, digits, '.', '_' or '-')")
+    if user is not None and (problem := user_problem(user)) is not None:
+        raise TokensFileError(f"--user: {user!r} {problem}")
     if scenarios is not None and not scenarios:
         raise TokensFileError("--scenario: give at least one scenario, or none for every scenario")
     with _locked(path):
@@ -190,7 +223,7 @@ def create(path: Path, name: str, scopes: frozenset[str], scenarios: frozenset[s
             raise TokensFileError(f"a token named {name!r} already exists in {path}; revoke it first or pick "
                                   "another name")
         token = new_token()
-        entry = Entry(Grant(name, scopes, scenarios), digest(token), token[:PREFIX_CHARS],
+        entry = Entry(Grant(name, scopes, scenarios, user), digest(token), token[:PREFIX_CHARS],
                       time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
         write(path, [*entries, entry])
     return token, entry

@@ -27,6 +27,7 @@ from reefd.grow import recipes
 from reefd.grow.recipes import Recipe
 from reefd.harness import Harness
 from reefd.serve.admission import Admission
+from reefd.serve.users import Users
 
 log = logging.getLogger("reefd")
 
@@ -204,6 +205,7 @@ class Registry:
     def __init__(self, configs: dict[str, ScenarioConfig], state_dir: Path, session: aiohttp.ClientSession):
         self.state_dir = state_dir
         self.session = session
+        self.users = Users(state_dir / "users")  # of the scenarios that learn per user
         self.engines: dict[str, Engine] = {}
         self.admissions: dict[int, Admission] = {}  # by id(engine): the line of requests in front of it
         self._retiring: dict[str, tuple[Engine, asyncio.Task[None]]] = {}  # unused engines, stopped once drained

@@ -1,0 +1,76 @@
+"""Who a scenario's users are: the `users:` block that turns per-user learning on, and the users each scenario
+has seen (STATE/users/<scenario>.json), bounded by `users.max`.
+
+A user is a name a scoped token carries or a root or scenario token sends in `x-reef-user` (reefd/api/access.py
+resolves which). One nobody has seen before is admitted here, durably, before its first turn is served, and
+starts on the scenario's shared release. Knows nothing of HTTP, tokens or the chain.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from reefd.ops.files import write_json
+
+
+@dataclass
+class UsersConfig:
+    """Per-user learning: each user of the scenario is known by name (docs/users.md)."""
+
+    max: int = field(default=1000, metadata={
+        "minimum": 1, "maximum": 1_000_000,
+        "description": "At most this many users; a new user past it is refused, saying why."})
+
+
+class UsersFull(Exception):
+    """A new user, and the scenario already has its `users.max` users."""
+
+    def __init__(self, scenario: str, user: str, limit: int) -> None:
+        super().__init__(f"scenario {scenario!r} already has its {limit} users (users.max), so user {user!r} "
+                         "cannot be added: raise users.max, or delete a user")
+        self.scenario, self.user, self.limit = scenario, user, limit
+
+
+class Users:
+    """The users each scenario has seen: name → when first seen, kept in one JSON file per scenario."""
+
+    def __init__(self, folder: Path) -> None:
+        self.folder = folder
+        self._known: dict[str, dict[str, dict[str, Any]]] = {}
+        self._locks: dict[str, asyncio.Lock] = {}
+
+    def _path(self, scenario: str) -> Path:
+        return self.folder / f"{scenario}.json"
+
+    def known(self, scenario: str) -> dict[str, dict[str, Any]]:
+        """Every user of `scenario` with what is kept of them ({"since": epoch seconds}), read once."""
+        found = self._known.get(scenario)
+        if found is None:
+            try:
+                doc = json.loads(self._path(scenario).read_text(encoding="utf-8"))
+                found = dict(doc["users"])
+            except FileNotFoundError:
+                found = {}
+            self._known[scenario] = found
+        return found
+
+    async def admit(self, scenario: str, user: str, cfg: UsersConfig) -> bool:
+        """Make sure `user` is one of `scenario`'s users (durably, before the caller serves it); True when new.
+        UsersFull when it would be one more than `cfg.max`."""
+        if user in self.known(scenario):
+            return False
+        async with self._locks.setdefault(scenario, asyncio.Lock()):
+            known = self.known(scenario)
+            if user in known:
+                return False
+            if len(known) >= cfg.max:
+                raise UsersFull(scenario, user, cfg.max)
+            updated = {**known, user: {"since": round(time.time(), 3)}}
+            await asyncio.to_thread(write_json, self._path(scenario), {"users": updated}, indent=1)
+            self._known[scenario] = updated
+            return True
