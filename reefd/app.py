@@ -16,6 +16,7 @@ from reefd.api import export as export_api
 from reefd.api import jobs as jobs_api
 from reefd.api import releases as release_api
 from reefd.api import search as search_api
+from reefd.api import users as users_api
 from reefd.api.errors import SCENARIO_HEADER, ApiError, error_middleware
 from reefd.api.openapi import openapi_json
 from reefd.loop import Settings
@@ -90,7 +91,7 @@ SCOPES: dict[Callable[..., object], str] = {
     admin.get_record: "read", admin.list_records: "read", admin.status: "read",
     release_api.history: "read", release_api.show: "read", release_api.diff: "read", release_api.lineage: "read",
     search_api.archive: "read", jobs_api.list_jobs: "read", jobs_api.get_job: "read", metrics_route: "read",
-    export_api.export: "read",
+    export_api.export: "read", users_api.list_users: "read",
     release_api.publish: "admin", release_api.rollback: "admin", release_api.promote: "admin",
     jobs_api.train: "admin", jobs_api.cancel_job: "admin",
     admin.healthz: ANY, admin.readyz: ANY, openapi_json: ANY,
@@ -122,6 +123,7 @@ def build_app(settings: Settings) -> web.Application:
     app.router.add_get("/reef/scenarios/{name}/records", admin.list_records)
     app.router.add_get("/reef/scenarios/{name}/export", export_api.export)  # JSON lines, streamed
     app.router.add_get("/reef/status", admin.status)
+    app.router.add_get("/reef/scenarios/{name}/users", users_api.list_users)
     # Commit: the release chain. Writes are compare-and-swap on the head, then a hot swap.
     app.router.add_get("/reef/scenarios/{name}/releases", release_api.history)
     app.router.add_post("/reef/scenarios/{name}/releases", release_api.publish)

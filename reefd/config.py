@@ -30,7 +30,7 @@ from reefd.grow.practice import settings as practice
 from reefd.grow.practice.settings import PracticeConfig
 from reefd.grow.practice.verifiers import VerifierConfig
 from reefd.harness import Harness, HarnessError
-from reefd.serve.users import UsersConfig
+from reefd.serve.tenancy import UsersConfig
 from reefd.train.spec import SpecError, parse_fault
 
 __all__ = ["ConfigError", "ModelConfig", "ReleaseConfig", "ScenarioConfig", "compose", "json_schema", "load_all"]

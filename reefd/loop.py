@@ -250,18 +250,22 @@ async def write(app: web.Application, scenario: Scenario, cand: Candidate, *, ke
 
         def trial(head: Release | None, c: Candidate) -> dict[str, Any]:  # a canary or shadow starts or is decided
             return trials.meta_for(scenario.name, scenario.cfg.release, head, c, trial_replicas(scenario.engine)) \
-                if trials is not None else {}
+                if trials is not None and c.user is None else {}  # trials are the shared line's
 
         return await asyncio.to_thread(policy.commit, app[CHAIN], scenario.name, cand,
                                        pin=scenario.cfg.release.pin, on_conflict=scenario.cfg.release.on_conflict,
                                        keep_refused=keep_refused, trial=trial)
 
 
-async def swap(app: web.Application, scenario: Scenario) -> None:
-    """The reconciler's hot swap to what the chain now declares for `scenario`."""
+async def swap(app: web.Application, scenario: Scenario, user: str | None = None) -> None:
+    """The reconciler's hot swap to what the chain now declares for `scenario` (or for `user`'s line: their
+    later turns page the new head in)."""
     m = of(app)
     with m.timed(m.swap, scenario.name) if m is not None else contextlib.nullcontext():
-        await app[RECONCILER].reconcile(scenario)
+        if user is not None:
+            await app[RECONCILER].users.moved(scenario, user)
+        else:
+            await app[RECONCILER].reconcile(scenario)
 
 
 async def commit(app: web.Application, scenario: Scenario, cand: Candidate) -> Release:
@@ -269,7 +273,7 @@ async def commit(app: web.Application, scenario: Scenario, cand: Candidate) -> R
     route) is answered with it already serving."""
     rel = await write(app, scenario, cand)
     if rel.status == "released":
-        await swap(app, scenario)
+        await swap(app, scenario, cand.user)
     return rel
 
 

@@ -100,10 +100,33 @@ def sees(request: web.Request, record: dict[str, Any]) -> bool:
     return g.covers(str(record.get("scenario"))) and (g.user is None or record.get("user") == g.user)
 
 
-def reader(request: web.Request) -> str | None:
-    """The user whose records a read is limited to: a user's token's own; else the `user` query, if any."""
-    g, asked = grant(request), request.query.get("user") or None
+def reader(request: web.Request, asked: str | None = None) -> str | None:
+    """The user whose records (or release line) a request is limited to: a user's token's own; else `asked`
+    (default: the `user` query), if any."""
+    g = grant(request)
+    asked = asked if asked is not None else request.query.get("user") or None
     if g.user is not None and asked is not None and asked != g.user:
-        raise ApiError(403, f"{g.describe()} reads its own user's records only", param="user",
-                       code="permission_denied")
+        raise ApiError(403, f"{g.describe()} reads its own user's only", param="user", code="permission_denied")
     return g.user if g.user is not None else asked
+
+
+def line_of(request: web.Request, scenario: Scenario, asked: Any = None) -> str | None:
+    """The user whose release line a request reads or writes (`reader`; `asked`: a body's `user`), checked: a
+    name that can be one, on a scenario that learns per user (400); None: the shared line."""
+    if asked is not None and not isinstance(asked, str):
+        raise ApiError(400, "user: must be a user's name", param="user", code="invalid_user")
+    name = reader(request, asked)
+    if name is None:
+        return None
+    if (problem := user_problem(name)) is not None:
+        raise ApiError(400, f"user: the user name {shown(name)} {problem}", param="user", code="invalid_user")
+    if scenario.cfg.users is None:
+        raise ApiError(400, f"scenario {shown(scenario.name)} does not learn per user (its file has no users: "
+                       "block): it has one release line", param="user", code="users_off")
+    return name
+
+
+def sees_line(request: web.Request, user_name: str | None) -> bool:
+    """Whether the request's token may read a release of `user_name`'s line (None: the shared line)."""
+    g = grant(request)
+    return user_name is None or g.user is None or g.user == user_name

@@ -37,7 +37,7 @@ from reefd.grow.recipes import RecipeError
 from reefd.observe.records import ReportConflict, StorageError, UnknownReceipt
 from reefd.serve.admission import Left, Overloaded
 from reefd.serve.scenarios import NotServing, UnknownScenario
-from reefd.serve.users import UsersFull
+from reefd.serve.tenancy import UsersFull
 
 SCENARIO_HEADER = "x-reef-scenario"
 

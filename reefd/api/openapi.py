@@ -185,6 +185,7 @@ def _reef_ops(names: list[str]) -> dict[str, dict[str, Any]]:
     practice = _param("practice", "query", {"enum": list(PRACTICE_FILTERS)},
                       "reefd's practice records: include them (the default), exclude them, or only them.")
     by_user = _param("user", "query", STR, "Only this user's records (a user's token reads its own user's only).")
+    line = _param("user", "query", STR, "A user's release line (a scenario with a users: block).")
     header = _param(SCENARIO_HEADER, "header", _scenario_schema(names), "The scenario.")
     by_query = _param("scenario", "query", _scenario_schema(names), "The scenario (or the x-reef-scenario header; "
                       "default: the only scenario with a harness).")
@@ -223,16 +224,19 @@ def _reef_ops(names: list[str]) -> dict[str, dict[str, Any]]:
                            "Only the records that have reports."), practice, by_user))},
         "/reef/status": {"get": _op("status", "Scenarios, engines, releases and counts", "observe",
                                     _ok("Status", "The daemon's status."))},
+        "/reef/scenarios/{name}/users": {"get": _op(
+            "listUsers", "A per-user scenario's users: what serves each, their records and reports", "observe",
+            _ok("Users", "The users (a user's token: its own)."), (400, 404), params=(name,))},
         "/reef/scenarios/{name}/releases": {
             "get": _op("listReleases", "The release chain, newest first", "commit", _ok("Releases", "The chain."),
                        (400, 404), params=(name, _param("all", "query", {"enum": ["1", "true", "yes"]},
-                                                        "Add the rejected candidates."))),
+                                                        "Add the rejected candidates."), line)),
             "post": _op("publish", "Publish a LoRA adapter or full weights: a tar of the folder", "commit",
                         _ok("Published", "The new release, serving.", 201), (400, 404, 409, 413, 415, 503),
                         params=(name, _param("kind", "query", {"enum": list(releases.PUBLISH_KINDS)}, "What the tar "
                                              "holds (default: adapter)."),
                                 _param("expected_head", "query", STR, "Refuse (409) unless this is the head."),
-                                _param("summary", "query", STR, "A line for the release's history.")),
+                                _param("summary", "query", STR, "A line for the release's history."), line),
                         body={m: {"schema": {"type": "string", "format": "binary"}}
                               for m in ("application/x-tar", "application/gzip")})},
         "/reef/scenarios/{name}/rollback": {"post": _op(

@@ -44,7 +44,8 @@ _TRIAL_PROGRESS = _obj("mode release stable_release share started_at max_age_s c
                        loaded={"type": "boolean"}, deciding={"type": "boolean"}, diff=_NUM,
                        interval={"type": "array", "items": _NUM}, test=OBJ)
 _RELEASE = _obj("id scenario parent kind seq created_at commit meta status", id=STR, scenario=STR, parent=_OPT_STR,
-                kind=STR, seq=_INT, created_at=STR, commit=STR, meta=OBJ, status={"enum": ["released", "rejected"]})
+                kind=STR, seq=_INT, created_at=STR, commit=STR, meta=OBJ, status={"enum": ["released", "rejected"]},
+                user=STR)
 _OPT_INT = {"type": ["integer", "null"]}
 # a weight job's batch in releases behind its base (reefd/grow/staleness.py): min, max, mean over the samples whose
 # release is in the chain, those that are not, and those past max_staleness (`limit`) dropped or kept to be weighted
@@ -198,7 +199,12 @@ SCHEMAS: dict[str, Any] = {
     "Release": _RELEASE,
     "ReleaseFiles": {"allOf": [_RELEASE, _obj("files", files={"type": "array", "items": _FILE})]},
     "Releases": _obj("object scenario serving head declared data", object={"const": "list"}, scenario=STR,
-                     serving=_OPT_STR, head=_OPT_STR, declared=_OPT_STR, data={"type": "array", "items": _RELEASE}),
+                     serving=_OPT_STR, head=_OPT_STR, declared=_OPT_STR, data={"type": "array", "items": _RELEASE},
+                     user=STR, own_line={"type": "boolean"}),
+    "Users": _obj("object scenario max slots shared_release data", object={"const": "list"}, scenario=STR, max=_INT,
+                  slots=_INT, shared_release=_OPT_STR, data={"type": "array", "items": _obj(
+                      "user since own_release release records reports", user=STR, since=_NUM,
+                      own_release=_OPT_STR, release=_OPT_STR, why=STR, records=_INT, reports=_INT)}),
     "Lineage": _obj("object release depth releases", object={"const": "reef.lineage"}, release=STR, depth=_INT,
                     releases={"type": "array", "items": _obj(
                         "id scenario parent kind status recipe job params metrics gate canary proposal mutations "
@@ -217,12 +223,14 @@ SCHEMAS: dict[str, Any] = {
         "type": "object", "properties": {
             "to": {"type": ["string", "null"], "minLength": 1, "description": "Default: the head's parent."},
             "dry_run": {"type": "boolean", "default": False},
-            "expected_head": {"type": ["string", "null"], "minLength": 1}}},
+            "expected_head": {"type": ["string", "null"], "minLength": 1},
+            "user": {"type": ["string", "null"], "description": "A user's line (scenarios with a users: block)."}}},
     "PromoteRequest": {
         "type": "object", "required": ["release"], "properties": {
             "release": {"type": "string", "minLength": 1, "description": "A release or a rejected candidate."},
             "dry_run": {"type": "boolean", "default": False},
-            "expected_head": {"type": ["string", "null"], "minLength": 1}}},
+            "expected_head": {"type": ["string", "null"], "minLength": 1},
+            "user": {"type": ["string", "null"], "description": "A user's line (scenarios with a users: block)."}}},
     "Copied": _obj("dry_run release from to serving", dry_run={"type": "boolean"}, release={
         "anyOf": [_RELEASE, {"type": "null"}]}, to=STR, serving=_OPT_STR, trial=_TRIAL, **{"from": _OPT_STR}),
     "Published": _obj("release serving warnings", release=_RELEASE, serving=_OPT_STR, trial=_TRIAL,

@@ -35,8 +35,9 @@ PUBLISH_KINDS = ("adapter", "weights")
 
 
 def release_json(rel: Release) -> dict[str, Any]:
-    return {"id": rel.id, "scenario": rel.scenario, "parent": rel.parent, "kind": rel.kind, "seq": rel.seq,
-            "created_at": rel.created_at, "commit": rel.commit, "meta": rel.meta, "status": rel.status}
+    return {"id": rel.id, "scenario": rel.scenario, **({"user": rel.user} if rel.user is not None else {}),
+            "parent": rel.parent, "kind": rel.kind, "seq": rel.seq, "created_at": rel.created_at,
+            "commit": rel.commit, "meta": rel.meta, "status": rel.status}
 
 
 def _scenario(request: web.Request) -> Scenario:
@@ -64,8 +65,12 @@ async def _plan(request: web.Request, scenario: Scenario, cand: Candidate) -> re
 
 
 async def _written(request: web.Request, scenario: Scenario, rel: Release, **extra: Any) -> dict[str, Any]:
-    """The answer after a commit (which swapped the engine before returning): the release and what serves."""
+    """The answer after a commit (which swapped the engine before returning): the release and what serves (a
+    user's line: what serves that user's next turn)."""
     live = request.app[REGISTRY].scenarios.get(scenario.name, scenario)
+    if rel.user is not None:
+        return {"release": release_json(rel), "user": rel.user,
+                "serving": _serving(request, live, rel.user), **extra}
     out = {"release": release_json(rel), "serving": live.release, **extra}
     if live.trial is not None:  # the new head is on trial: a canary serves a share of the sessions, a shadow none
         out["trial"] = {"mode": live.trial.mode, "release": live.trial.binding.release, "share": live.trial.share,
@@ -75,25 +80,41 @@ async def _written(request: web.Request, scenario: Scenario, rel: Release, **ext
     return out
 
 
+def _serving(request: web.Request, scenario: Scenario, user: str | None) -> str | None:
+    """What serves a turn of `user` (None: anyone's): their own line's head, else the scenario's release."""
+    lines = request.app[loop.RECONCILER].users
+    own = lines.head(scenario.name, user) if user is not None and lines.why(scenario.name, user) is None else None
+    return own or scenario.release
+
+
 # ---------------------------------------------------------------- reads
 
 
 async def history(request: web.Request) -> web.Response:
-    """A scenario's releases, newest first; `?all=1` adds the rejected candidates."""
+    """A scenario's releases, newest first; `?all=1` adds the rejected candidates. `?user=NAME` (a user's token:
+    its own) gives that user's line, then the shared releases it forked from; a user with no line of their own
+    is on the shared line (`own_line: false`)."""
     scenario = _scenario(request)
+    user = access.line_of(request, scenario)
     chain = request.app[CHAIN]
     everything = request.query.get("all", "") in ("1", "true", "yes")
-    found = await asyncio.to_thread(chain.history, scenario.name, include_rejected=everything)
+    found = await asyncio.to_thread(chain.history, scenario.name, include_rejected=everything, user=user)
+    own = user is None or bool(found)
+    if not own:
+        found = await asyncio.to_thread(chain.history, scenario.name, include_rejected=everything)
     head = next((r.id for r in found if r.status == "released"), None)
-    return json_response({"object": "list", "scenario": scenario.name, "serving": scenario.release, "head": head,
-                          "declared": scenario.cfg.release.pin, "data": [release_json(r) for r in found]})
+    whose = {} if user is None else {"user": user, "own_line": own}
+    return json_response({"object": "list", "scenario": scenario.name, **whose,
+                          "serving": _serving(request, scenario, user),
+                          "head": head, "declared": scenario.cfg.release.pin,
+                          "data": [release_json(r) for r in found]})
 
 
 async def show(request: web.Request) -> web.Response:
     chain = request.app[CHAIN]
     release_id = request.match_info["release"]
     rel = await asyncio.to_thread(chain.get, release_id, include_rejected=True)
-    if not access.covers(request, rel.scenario):
+    if not access.covers(request, rel.scenario) or not access.sees_line(request, rel.user):
         raise UnknownRelease(release_id)
     files = await asyncio.to_thread(chain.files, release_id)
     return json_response({**release_json(rel), "files": files})
@@ -120,7 +141,7 @@ async def lineage(request: web.Request) -> web.Response:
     chain, store = request.app[CHAIN], request.app[loop.RECORDS]
     release_id = request.match_info["release"]
     first = await asyncio.to_thread(chain.get, release_id, include_rejected=True)
-    if not access.covers(request, first.scenario):
+    if not access.covers(request, first.scenario) or not access.sees_line(request, first.user):
         raise UnknownRelease(release_id)
 
     def walk() -> list[dict[str, Any]]:
@@ -176,7 +197,7 @@ async def diff(request: web.Request) -> web.Response:
     chain = request.app[CHAIN]
     for release_id in (a, b):
         rel = await asyncio.to_thread(chain.get, release_id, include_rejected=True)
-        if not access.covers(request, rel.scenario):
+        if not access.covers(request, rel.scenario) or not access.sees_line(request, rel.user):
             raise UnknownRelease(release_id)
     out = await asyncio.to_thread(chain.diff, a, b)
     return json_response({"a": a, "b": b, **out})
@@ -196,16 +217,18 @@ async def _copy_release(request: web.Request, kind: str, target_field: str, summ
                        code="invalid_request")
     dry_run = _flag(body.get("dry_run", False), "dry_run")
     expected = _release_id(body.get("expected_head"), "expected_head")
-    cand = Candidate(kind, {}, target=to, built_on=expected, exact=expected is not None)
+    user = access.line_of(request, scenario, body.get("user"))
+    cand = Candidate(kind, {}, target=to, built_on=expected, exact=expected is not None, user=user)
     plan = await _plan(request, scenario, cand)
     assert plan.head is not None and plan.target is not None
-    trial = canary.active(scenario.cfg.release, plan.head)
+    trial = canary.active(scenario.cfg.release, plan.head) if user is None else None
     if kind == "rollback" and to is None and trial is not None:  # a plain rollback of a trial: to its stable release
         plan = releases.Plan(plan.head, await asyncio.to_thread(request.app[CHAIN].target, scenario.name, trial.stable))
     assert plan.head is not None and plan.target is not None
     if dry_run:
         return json_response({"dry_run": True, "release": None, "from": plan.head.id, "to": plan.target.id,
-                              "serving": scenario.release})
+                              **({"user": user} if user is not None else {}),
+                              "serving": _serving(request, scenario, user)})
     meta = {"summary": f"{summary} {plan.target.id}"} if kind == "promote" else \
         {"source": "reefctl", "summary": f"{summary} {plan.target.id}"}
     rel = await loop.commit(request.app, scenario, dataclasses.replace(
@@ -234,8 +257,12 @@ async def publish(request: web.Request) -> web.Response:
         raise ApiError(400, f"kind: {shown(kind)} cannot be published here (supported: {', '.join(PUBLISH_KINDS)})",
                        param="kind", code="invalid_request")
     expected = _release_id(request.query.get("expected_head") or None, "expected_head")
+    user = access.line_of(request, scenario)
+    if user is not None and kind != "adapter":
+        raise ApiError(400, "kind: a user's line takes adapters (full weights serve everyone on the engine)",
+                       param="kind", code="invalid_request")
     cand = Candidate(kind, {"source": "publish", "summary": request.query.get("summary", "")}, built_on=expected,
-                     exact=expected is not None)
+                     exact=expected is not None, user=user)
     plan = await _plan(request, scenario, cand)  # refused (pinned, a stale expected head) before the upload
     code = "invalid_weights" if kind == "weights" else "invalid_adapter"
     if engines.kind_config(scenario.cfg.model.engine).remote:

@@ -45,13 +45,12 @@ async def report(request: web.Request) -> web.Response:
             raise ApiError(413, f"{field}: more than {MAX_REPORT_FIELD_BYTES // 1024} KiB as JSON; a report's "
                            f"{field} is kept with every record it references", param=field,
                            code="report_too_large")
-    if access.grant(request).user is not None:  # a user's token reports on that user's records only
-        await asyncio.to_thread(_own_references, request, scenario.name, body)
+    user = await asyncio.to_thread(_whose, request, scenario, body)
     attempts = request.app[ATTEMPTS]
     if attempts.handles(scenario):  # a search scenario: the report is an attempt's score at a grid coordinate
         stored, _created = await attempts.report(scenario.name, body)
     else:
-        stored, _created = await request.app[RECORDS].put_report(scenario.name, body)
+        stored, _created = await request.app[RECORDS].put_report(scenario.name, body, user=user)
     return json_response({"object": "reef.report", **stored})
 
 
@@ -67,10 +66,16 @@ def _of_references(request: web.Request, body: dict[str, Any]) -> Scenario:
     return scenario_of(request)
 
 
-def _own_references(request: web.Request, scenario: str, body: dict[str, Any]) -> None:
-    """UnknownReceipt for the first reference that is not a record of the token's user: another user's record
-    is one that does not exist (blocking)."""
+def _whose(request: web.Request, scenario: Scenario, body: dict[str, Any]) -> str | None:
+    """The user whose records a report references, on a scenario that learns per user (None: nobody's, or
+    several users'). A user's token reports on its own user's records only: another user's record is one that
+    does not exist (UnknownReceipt). Blocking."""
+    if scenario.cfg.users is None and access.grant(request).user is None:
+        return None
+    users = set()
     for ref in body.get("references") or []:
         record = request.app[RECORDS].get_record(ref) if isinstance(ref, str) else None
         if record is None or not access.sees(request, record):
-            raise UnknownReceipt(str(ref), scenario)
+            raise UnknownReceipt(str(ref), scenario.name)
+        users.add(record.get("user"))
+    return users.pop() if len(users) == 1 else None

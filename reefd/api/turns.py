@@ -156,12 +156,14 @@ async def serve_turn(request: web.Request, scenario: Scenario, store: RecordStor
     shadow = None  # the request as it came, for a copy to the release on shadow trial
     if trial is not None and trial.mode == "shadow" and trial.takes(placement.session, None):
         shadow = copy.deepcopy(chat)
-    async with registry.serving(scenario, left=client_left(request),
-                                route=Route(placement.session, placement.sticky)) as binding:
+    async with request.app[loop.RECONCILER].users.holding(scenario, user) as own, \
+            registry.serving(scenario, left=client_left(request), route=Route(placement.session, placement.sticky),
+                             own=own) as binding:
         response, record = await _serve_bound(request, scenario, binding, store, wire_for, receipt,
                                               (placement, who), body, chat, stream)
+        personal = own is not None  # a user's own release answered: no shared trial's copy
     live = registry.scenarios.get(scenario.name)
-    if shadow is not None and trial is not None and live is not None and live.trial is trial and \
+    if shadow is not None and not personal and trial is not None and live is not None and live.trial is trial and \
             "response" in record and request.app[loop.TRIALS].take_shadow_slot(scenario.name):
         # the trial still runs: its adapter is held from here (synchronously) until the copy is answered
         hold = registry.hold(scenario.engine, trial.binding.adapter)

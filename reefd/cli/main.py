@@ -386,7 +386,13 @@ def cmd_report(client: Client, args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     """Connection flags go on the root and on every subcommand, so they work before or after the verb."""
-    from reefd.cli import export_verbs, job_verbs, release_verbs, token_verbs  # noqa: F401  (their verbs, after these)
+    from reefd.cli import (  # noqa: F401  (their verbs, after these)
+        export_verbs,
+        job_verbs,
+        release_verbs,
+        token_verbs,
+        user_verbs,
+    )
 
     conn = argparse.ArgumentParser(add_help=False)
     conn.add_argument("--url", default=argparse.SUPPRESS, help=f"reefd's address (env REEF_URL; {DEFAULT_URL})")

@@ -32,6 +32,7 @@ def _release_id(text: str) -> str:
 def _history_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("name", metavar="SCENARIO")
     p.add_argument("--all", action="store_true", help="include rejected candidates")
+    p.add_argument("--user", metavar="USER", help="a user's own release line (scenarios with a users: block)")
     p.add_argument("-o", "--output", choices=["json", "name"],
                    help="json: the list as returned; name: release/<id>, newest first")
 
@@ -68,7 +69,10 @@ def _log_entry(rel: Mapping[str, Any], page: Mapping[str, Any]) -> str:
 @command("history", "a scenario's release chain, newest first (git log style)", _history_args)
 def cmd_history(client: Client, args: argparse.Namespace) -> int:
     path = f"/reef/scenarios/{urllib.parse.quote(args.name, safe='')}/releases"
-    page = client.call("GET", path, query={"all": 1} if args.all else None)
+    query = {**({"all": 1} if args.all else {}), **({"user": args.user} if args.user else {})}
+    page = client.call("GET", path, query=query or None)
+    if page.get("own_line") is False and args.output is None:
+        note(f"user {args.user} has no release of their own: the shared line serves them")
     if args.output == "json":
         print_json(page)
         return 0
@@ -190,6 +194,7 @@ def cmd_diff(client: Client, args: argparse.Namespace) -> int:
 
 def _write_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dry-run", action="store_true", help="ask reefd what would happen; change nothing")
+    p.add_argument("--user", metavar="USER", help="a user's own release line (scenarios with a users: block)")
     p.add_argument("--expected-head", metavar="RELEASE", type=_release_id,
                    help="refuse (409 head_conflict) unless the chain's head is still this release")
     p.add_argument("-o", "--output", choices=["json"], help="json: reefd's answer as returned")
@@ -207,6 +212,8 @@ def _move(client: Client, args: argparse.Namespace, route: str, body: dict[str, 
     body["dry_run"] = args.dry_run
     if args.expected_head:
         body["expected_head"] = args.expected_head
+    if args.user:
+        body["user"] = args.user
     answer = client.call("POST", f"/reef/scenarios/{urllib.parse.quote(args.name, safe='')}/{route}", body=body)
     if args.output == "json":
         print_json(answer)
@@ -216,8 +223,9 @@ def _move(client: Client, args: argparse.Namespace, route: str, body: dict[str, 
         print(f"would {would} {args.name} from {was} to {to} (dry run; nothing changed)")
     else:
         new = (answer.get("release") or {}).get("id")
-        print(f"scenario {args.name} {done} {to} as {cell(new)} (was {was}); serving {cell(answer.get('serving'))}"
-              f"{trial_note(answer)}")
+        whose = f" (user {args.user})" if args.user else ""
+        print(f"scenario {args.name}{whose} {done} {to} as {cell(new)} (was {was}); serving "
+              f"{cell(answer.get('serving'))}{trial_note(answer)}")
     return 0
 
 
@@ -257,6 +265,7 @@ def _publish_args(p: argparse.ArgumentParser) -> None:
                       help="a full HF model folder (config.json, *.safetensors, the base's tokenizer files) with the "
                            "base model's architecture; reefd checks it and rolls it across the engine's replicas")
     p.add_argument("--summary", metavar="TEXT", help="one line for the history")
+    p.add_argument("--user", metavar="USER", help="publish an adapter on this user's own line (it serves only them)")
     p.add_argument("--expected-head", metavar="RELEASE", type=_release_id,
                    help="refuse (409 head_conflict) unless the chain's head is still this release")
     p.add_argument("-o", "--output", choices=["json", "name"], help="json: reefd's answer; name: release/<id>")
@@ -298,7 +307,7 @@ def cmd_publish(client: Client, args: argparse.Namespace) -> int:
     if not folder.is_dir():
         raise CliError(f"--{kind} {folder}: {'not a folder' if folder.exists() else 'no such folder'}")
     query = {"kind": kind}
-    for key, value in (("expected_head", args.expected_head), ("summary", args.summary)):
+    for key, value in (("expected_head", args.expected_head), ("summary", args.summary), ("user", args.user)):
         if value is not None:
             query[key] = value
     with tempfile.SpooledTemporaryFile(max_size=SPOOL_BYTES) as tar:
@@ -317,7 +326,8 @@ def cmd_publish(client: Client, args: argparse.Namespace) -> int:
     elif args.output == "name":
         print(f"release/{rel_id}", flush=True)
     else:
-        print(f"release/{rel_id} published to {args.name}; serving {cell(answer.get('serving'))}"
+        whose = f" (user {args.user})" if args.user else ""
+        print(f"release/{rel_id} published to {args.name}{whose}; serving {cell(answer.get('serving'))}"
               f"{trial_note(answer)}", flush=True)
     for warning in answer.get("warnings") or []:
         note(f"reefctl: warning: {warning}")

@@ -18,118 +18,38 @@ from typing import Any, TypeVar
 
 import pygit2
 
+from reefd.commit.chain_types import (
+    BaseMismatch,
+    HeadConflict,
+    InvalidName,
+    NoRelease,
+    NothingToRollBack,
+    Pinned,
+    Release,
+    ReleaseError,
+    TrialRefused,
+    UnknownRelease,
+    WrongScenario,
+    head_ref,
+    line_label,
+    rejected_prefix,
+    validate_name,
+)
 from reefd.commit.trees import GITATTRIBUTES, METADATA, Trees
+
+__all__ = ["ARTIFACT_FOLDER", "BaseMismatch", "Candidate", "HeadConflict", "InvalidName", "NoRelease",
+           "NothingToRollBack", "Pinned", "Plan", "Release", "ReleaseChain", "ReleaseError", "TrialRefused",
+           "UnknownRelease", "WrongScenario", "head_ref", "plan", "rejected_prefix", "trained_on", "validate_name"]
 
 ARTIFACT_FOLDER = {"base": "weights", "adapter": "adapter", "weights": "weights", "harness": "harness",
                    "bundle": None}
 BUNDLE_FOLDERS = ("adapter", "harness")  # what a bundle's artifact folder holds, each as a folder of its own
 COPIES = ("rollback", "promote")
 FAULT_ENV = "REEF_RELEASE_FAULT"  # after_lfs | after_commit | before_ref: os._exit(137) there (crash tests)
-_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 _ID_RE = re.compile(r"r(0|[1-9][0-9]{0,8})-([0-9a-f]{7})")
 _SIG = pygit2.Signature("reefd", "reefd@localhost")
 
 pygit2.option(pygit2.enums.Option.ENABLE_FSYNC_GITDIR, True)  # loose objects and refs reach disk before we move on
-
-
-class ReleaseError(Exception):
-    """Base class for release chain errors."""
-
-
-class InvalidName(ReleaseError, ValueError):
-    """A scenario name that could escape the ref namespace or the filesystem."""
-
-    def __init__(self, name: object) -> None:
-        super().__init__(f"invalid scenario name: {name!r}")
-        self.name = name
-
-
-class UnknownRelease(ReleaseError, KeyError):
-    """No release with this id is reachable from its scenario's head."""
-
-
-class WrongScenario(ReleaseError, ValueError):
-    """The target release belongs to another scenario."""
-
-
-class NothingToRollBack(UnknownRelease):
-    """A plain rollback of a scenario whose head is its first release."""
-
-
-class HeadConflict(ReleaseError):
-    """The scenario head is not what the publisher expected; nothing was overwritten."""
-
-    def __init__(self, scenario: str, expected: str | None, actual: str | None) -> None:
-        super().__init__(f"scenario {scenario!r}: expected head {expected}, found {actual}")
-        self.scenario, self.expected, self.actual = scenario, expected, actual
-
-
-class Pinned(ReleaseError):
-    """The scenario's file pins its release (release.pin): it takes no other release."""
-
-    def __init__(self, scenario: str, pin: str) -> None:
-        super().__init__(f"scenario {scenario!r} is pinned to {pin}")
-        self.scenario, self.pin = scenario, pin
-
-
-class TrialRefused(ReleaseError):
-    """Full weights a scenario would put on trial (release.canary or release.shadow) on an engine that cannot host
-    one: a trial of weights needs two or more replicas, since one engine process serves one set of weights."""
-
-    def __init__(self, scenario: str, mode: str, replicas: int) -> None:
-        super().__init__(
-            f"scenario {scenario!r} puts new releases on a {mode} trial, but full weights go on trial on some of "
-            f"its replicas, and its model runs {replicas} (one process serves one set of weights): set "
-            f"model.replicas: 2 or more, or release.{mode}.share: 0 to serve weights releases to everyone at once")
-        self.scenario, self.mode, self.replicas = scenario, mode, replicas
-
-
-class BaseMismatch(ReleaseError):
-    """An adapter made on other weights than the head's: it would serve on a model it was not trained on."""
-
-    def __init__(self, scenario: str, trained_on: str | None, head_weights: str | None) -> None:
-        super().__init__(f"scenario {scenario!r}: the adapter was trained on "
-                         f"{_weights_label(trained_on)}, but the head serves {_weights_label(head_weights)}")
-        self.scenario, self.trained_on, self.head_weights = scenario, trained_on, head_weights
-
-
-def _weights_label(release: str | None) -> str:
-    return f"the weights of {release}" if release else "the base model's weights"
-
-
-class NoRelease(ReleaseError):
-    """The scenario has no release yet (its base is recorded at its first start)."""
-
-    def __init__(self, scenario: str) -> None:
-        super().__init__(f"scenario {scenario!r} has no base release yet")
-        self.scenario = scenario
-
-
-@dataclass(frozen=True)
-class Release:
-    id: str
-    scenario: str
-    parent: str | None
-    kind: str
-    meta: dict[str, Any]
-    commit: str
-    created_at: str
-    seq: int
-    status: str = "released"  # or "rejected": a candidate the gates refused, kept for the record, never served
-
-
-def validate_name(name: str) -> str:
-    if not isinstance(name, str) or not _NAME_RE.fullmatch(name) or ".." in name or name.endswith((".lock", ".")):
-        raise InvalidName(name)
-    return name
-
-
-def head_ref(scenario: str) -> str:
-    return f"refs/reef/scenarios/{validate_name(scenario)}/head"
-
-
-def rejected_prefix(scenario: str) -> str:
-    return f"refs/reef/scenarios/{validate_name(scenario)}/rejected/"
 
 
 def _fault(point: str) -> None:
@@ -153,7 +73,12 @@ def _locked(method: F) -> F:
 
 
 class ReleaseChain:
-    """Releases of every scenario in one bare repo at `path` (created if missing)."""
+    """Releases of every scenario in one bare repo at `path` (created if missing).
+
+    Each scenario has a shared line, and with per-user learning one line per user (`user=`). A user's line forks
+    from the shared line: its first release's parent is the shared head it was made on, so its history runs on
+    into the shared releases below, and every guarantee (append-only, CAS head, rollback, promote, rejected
+    candidates) holds on it as on the shared line."""
 
     def __init__(self, path: Path) -> None:
         self.path = Path(path)
@@ -166,28 +91,43 @@ class ReleaseChain:
 
     # ---- reading -------------------------------------------------------------------------------------------------
     @_locked
-    def head(self, scenario: str) -> Release | None:
-        ref = self.repo.references.get(head_ref(scenario))
+    def head(self, scenario: str, user: str | None = None) -> Release | None:
+        """The head of the scenario's shared line, or of `user`'s line (None: that line has no release yet)."""
+        ref = self.repo.references.get(head_ref(scenario, user))
         return None if ref is None else self._release(self.repo[ref.target].peel(pygit2.Commit))
 
     @_locked
-    def history(self, scenario: str, *, include_rejected: bool = False) -> list[Release]:
-        """Releases of `scenario`, newest first; with `include_rejected`, the refused candidates too."""
+    def line_head(self, scenario: str, user: str | None = None) -> Release | None:
+        """What a new release on a line is made on: its head; for a user with no release of their own yet, the
+        shared head (their line forks from it). A line's `expected_head` is this."""
+        return self.head(scenario, user) or (self.head(scenario) if user is not None else None)
+
+    @_locked
+    def users(self, scenario: str) -> list[str]:
+        """The users of `scenario` that have a line of their own."""
+        prefix = head_ref(scenario, None).removesuffix("head") + "users/"
+        return sorted(n[len(prefix):].removesuffix("/head") for n in self.repo.references
+                      if n.startswith(prefix) and n.endswith("/head"))
+
+    @_locked
+    def history(self, scenario: str, *, include_rejected: bool = False, user: str | None = None) -> list[Release]:
+        """Releases of `scenario`'s shared line (or of `user`'s, then the shared ones it forked from), newest
+        first; with `include_rejected`, the line's refused candidates too."""
         out = []
-        rel = self.head(scenario)
+        rel = self.head(scenario, user)
         while rel is not None:
             out.append(rel)
             commit = self.repo[rel.commit].peel(pygit2.Commit)
             rel = self._release(commit.parents[0]) if commit.parents else None
         if include_rejected:
-            out.extend(self.rejected(scenario))
+            out.extend(self.rejected(scenario, user))
             out.sort(key=lambda r: (r.seq, r.created_at, r.status == "released"), reverse=True)
         return out
 
     @_locked
-    def rejected(self, scenario: str) -> list[Release]:
-        """The candidates of `scenario` that were refused (by a gate or a moved head), oldest first."""
-        prefix = rejected_prefix(scenario)
+    def rejected(self, scenario: str, user: str | None = None) -> list[Release]:
+        """The candidates of a line that were refused (by a gate or a moved head), oldest first."""
+        prefix = rejected_prefix(scenario, user)
         out = [dataclasses.replace(self._release(self.repo.references[name].peel(pygit2.Commit)), status="rejected")
                for name in self.repo.references if name.startswith(prefix)]
         return sorted(out, key=lambda r: (r.seq, r.created_at))
@@ -205,10 +145,11 @@ class ReleaseChain:
             raise UnknownRelease(release_id) from e
         if rel.id != release_id:
             raise UnknownRelease(release_id)
-        head = self.head(rel.scenario)
+        head = self.head(rel.scenario, rel.user)
         if head is not None and (head.commit == rel.commit or self.repo.descendant_of(head.commit, rel.commit)):
             return rel
-        if include_rejected and self.repo.references.get(rejected_prefix(rel.scenario) + rel.id) is not None:
+        if include_rejected and self.repo.references.get(rejected_prefix(rel.scenario, rel.user) + rel.id) \
+                is not None:
             return dataclasses.replace(rel, status="rejected")
         raise UnknownRelease(release_id)  # an unreachable commit (a lost race) is not a release
 
@@ -237,7 +178,7 @@ class ReleaseChain:
         data = json.loads(self._blob(commit.tree, "release.json"))
         return Release(id=f"r{data['seq']}-{str(commit.id)[:7]}", scenario=data["scenario"], parent=data["parent"],
                        kind=data["kind"], meta=data["meta"], commit=str(commit.id), created_at=data["created_at"],
-                       seq=data["seq"])
+                       seq=data["seq"], user=data.get("user"))
 
     def _blob(self, tree: pygit2.Tree, name: str) -> bytes:
         return self.repo[tree[name].id].peel(pygit2.Blob).data
@@ -245,14 +186,18 @@ class ReleaseChain:
     # ---- writing -------------------------------------------------------------------------------------------------
     @_locked
     def publish(self, scenario: str, *, expected_head: str | None, kind: str, artifact_dir: Path | None,
-                meta: dict[str, Any], folder: str | None = None) -> Release:
+                meta: dict[str, Any], folder: str | None = None, user: str | None = None) -> Release:
         """Append a release; the head moves only if it still is `expected_head` (a release id, None = no head yet).
-        `artifact_dir` goes into the tree as the kind's folder (or `folder`: a base release may carry `harness`)."""
-        if kind not in ARTIFACT_FOLDER:
-            raise ValueError(f"kind must be one of {sorted(ARTIFACT_FOLDER)}; rollback/promote have their own calls")
-        parent = self._expect(scenario, expected_head)
+        `artifact_dir` goes into the tree as the kind's folder (or `folder`: a base release may carry `harness`).
+        With `user`, on that user's line: its first release is made on the shared head (NoRelease without one)."""
+        if kind not in ARTIFACT_FOLDER or (user is not None and kind in ("base", "weights")):
+            raise ValueError(f"kind must be one of {sorted(ARTIFACT_FOLDER)} (on a user's line: adapter, harness or "
+                             "bundle); rollback/promote have their own calls")
+        parent = self._expect(scenario, expected_head, user)
+        if parent is None and user is not None:
+            raise NoRelease(scenario)  # a user's line forks from the shared line
         entries = self._bring(scenario, parent, kind, artifact_dir, meta, folder)
-        return self._append(scenario, parent, kind, entries, meta)
+        return self._append(scenario, parent, kind, entries, meta, user)
 
     def _bring(self, scenario: str, parent: Release | None, kind: str, artifact_dir: Path | None,
                meta: dict[str, Any], folder: str | None = None, check: bool = True
@@ -285,12 +230,12 @@ class ReleaseChain:
 
     @_locked
     def rollback(self, scenario: str, to: str | None = None, *, expected_head: str | None,
-                 meta: dict[str, Any] | None = None) -> Release:
-        """Append a release carrying `to`'s tree (default: the head's parent)."""
-        head = self._expect(scenario, expected_head)
+                 meta: dict[str, Any] | None = None, user: str | None = None) -> Release:
+        """Append a release carrying `to`'s tree (default: the head's parent) on the line."""
+        head = self._expect(scenario, expected_head, user)
         if head is None:
-            raise UnknownRelease(f"scenario {scenario!r} has no releases")
-        return self._copy(scenario, head, to or self.rollback_target(head), "rollback", meta)
+            raise UnknownRelease(f"{line_label(scenario, user)} has no releases")
+        return self._copy(scenario, head, to or self.rollback_target(head), "rollback", meta, user)
 
     @staticmethod
     def rollback_target(head: Release) -> str:
@@ -302,45 +247,51 @@ class ReleaseChain:
 
     @_locked
     def promote(self, scenario: str, release_id: str, *, expected_head: str | None,
-                meta: dict[str, Any] | None = None) -> Release:
-        """Append a release carrying `release_id`'s tree (an older release, or a refused candidate)."""
-        return self._copy(scenario, self._expect(scenario, expected_head), release_id, "promote", meta)
+                meta: dict[str, Any] | None = None, user: str | None = None) -> Release:
+        """Append a release carrying `release_id`'s tree (an older release, or a refused candidate) on the line."""
+        return self._copy(scenario, self._expect(scenario, expected_head, user), release_id, "promote", meta, user)
 
     @_locked
-    def target(self, scenario: str, release_id: str, *, include_rejected: bool = False) -> Release:
-        """`release_id`, checked to belong to `scenario` (UnknownRelease, WrongScenario)."""
+    def target(self, scenario: str, release_id: str, *, include_rejected: bool = False,
+               user: str | None = None) -> Release:
+        """`release_id`, checked to belong to `scenario` and to be one a line may carry: the shared line's own
+        releases, and on a user's line those and the user's (UnknownRelease, WrongScenario)."""
         target = self.get(release_id, include_rejected=include_rejected)
         if target.scenario != scenario:
             raise WrongScenario(f"{release_id} is a release of scenario {target.scenario!r}, not {scenario!r}")
+        if target.user is not None and target.user != user:
+            raise WrongScenario(f"{release_id} is a release of {line_label(scenario, target.user)}, not of "
+                                f"{line_label(scenario, user)}")
         return target
 
     def _copy(self, scenario: str, head: Release | None, target_id: str, kind: str,
-              meta: dict[str, Any] | None = None) -> Release:
-        target = self.target(scenario, target_id, include_rejected=kind == "promote")
+              meta: dict[str, Any] | None = None, user: str | None = None) -> Release:
+        target = self.target(scenario, target_id, include_rejected=kind == "promote", user=user)
         entries = self._entries(target)
         doc = {"source": kind, **(meta or {}), "target": target.id, "target_meta": target.meta}
-        return self._append(scenario, head, kind, entries, doc)
+        return self._append(scenario, head, kind, entries, doc, user)
 
     @_locked
     def reject(self, scenario: str, *, built_on: str | None, kind: str, artifact_dir: Path | None,
-               meta: dict[str, Any]) -> Release:
+               meta: dict[str, Any], user: str | None = None) -> Release:
         """Keep a refused candidate for the record (`history --all`): a commit on top of the head it was built on,
-        under refs/reef/scenarios/<scenario>/rejected/<id>. The head does not move."""
+        under refs/reef/scenarios/<scenario>/rejected/<id> (a user's: …/users/<user>/rejected/<id>). The head does
+        not move."""
         if kind not in ARTIFACT_FOLDER:
             raise ValueError(f"kind must be one of {sorted(ARTIFACT_FOLDER)}")
         parent = self.get(built_on) if built_on is not None else None
         # as publish would have made it, kept for the record even on weights it was not trained on
         entries = self._bring(scenario, parent, kind, artifact_dir, meta, check=False)
-        oid = self._commit(scenario, parent, kind, entries, meta)
+        oid = self._commit(scenario, parent, kind, entries, meta, user)
         rel = dataclasses.replace(self._release(self.repo[oid].peel(pygit2.Commit)), status="rejected")
-        self.repo.references.create(rejected_prefix(scenario) + rel.id, oid, force=False)
+        self.repo.references.create(rejected_prefix(scenario, user) + rel.id, oid, force=False)
         return rel
 
-    def _expect(self, scenario: str, expected_head: str | None) -> Release | None:
-        head = self.head(scenario)
+    def _expect(self, scenario: str, expected_head: str | None, user: str | None = None) -> Release | None:
+        head = self.line_head(scenario, user)
         actual = head.id if head else None
         if actual != expected_head:
-            raise HeadConflict(scenario, expected_head, actual)
+            raise HeadConflict(scenario, expected_head, actual, user)
         return head
 
     def _entries(self, rel: Release | None) -> dict[str, tuple[pygit2.Oid, int]]:
@@ -350,17 +301,17 @@ class ReleaseChain:
         return {str(e.name): (e.id, e.filemode) for e in tree if e.name not in METADATA}
 
     def _append(self, scenario: str, parent: Release | None, kind: str, entries: dict[str, tuple[pygit2.Oid, int]],
-                meta: dict[str, Any]) -> Release:
-        oid = self._commit(scenario, parent, kind, entries, meta)
-        self._move_head(scenario, parent, oid)
+                meta: dict[str, Any], user: str | None = None) -> Release:
+        oid = self._commit(scenario, parent, kind, entries, meta, user)
+        self._move_head(scenario, parent, oid, user)
         return self._release(self.repo[oid].peel(pygit2.Commit))
 
     def _commit(self, scenario: str, parent: Release | None, kind: str, entries: dict[str, tuple[pygit2.Oid, int]],
-                meta: dict[str, Any]) -> pygit2.Oid:
+                meta: dict[str, Any], user: str | None = None) -> pygit2.Oid:
         seq = 0 if parent is None else parent.seq + 1
         created_at = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
         doc = {"scenario": scenario, "seq": seq, "parent": parent.id if parent else None, "kind": kind,
-               "created_at": created_at, "meta": meta}
+               "created_at": created_at, "meta": meta, **({"user": user} if user is not None else {})}
         body = json.dumps(doc, indent=2, sort_keys=True).encode() + b"\n"
         _fault("after_lfs")
         tb = self.repo.TreeBuilder()
@@ -369,29 +320,33 @@ class ReleaseChain:
         for name, (oid, mode) in entries.items():
             tb.insert(name, oid, mode)
         parents = [pygit2.Oid(hex=parent.commit)] if parent else []
-        msg = f"{kind} r{seq} of {scenario}\n"
+        msg = f"{kind} r{seq} of {scenario}" + ("" if user is None else f" (user {user})") + "\n"
         oid = self.repo.create_commit(None, _SIG, _SIG, msg, tb.write(), parents)
         _fault("after_commit")
         return oid
 
-    def _move_head(self, scenario: str, parent: Release | None, oid: pygit2.Oid) -> None:
-        name = head_ref(scenario)
+    def _move_head(self, scenario: str, parent: Release | None, oid: pygit2.Oid, user: str | None = None) -> None:
+        """Move the line's head from `parent` to `oid` (compare-and-swap); a user's first release creates it."""
+        name = head_ref(scenario, user)
+        first = parent is None or (user is not None and parent.user is None)  # a line's first release
+        expected = None if first or parent is None else parent.id
         _fault("before_ref")
         try:
-            if parent is None:
+            if first:
                 self.repo.references.create(name, oid, force=False)
             else:
+                assert parent is not None
                 ref = self.repo.references[name]
                 if str(ref.target) != parent.commit:
-                    raise HeadConflict(scenario, parent.id, self._head_id(scenario))
+                    raise HeadConflict(scenario, parent.id, self._head_id(scenario, user), user)
                 ref.set_target(oid, f"reef: append {scenario}")  # libgit2 CAS: locks the ref, checks the old value
         except (pygit2.GitError, OSError) as e:  # exists / old value does not match / ref.lock held by another writer
             if isinstance(e, OSError) and not isinstance(e, pygit2.GitError) and "lock" not in str(e):
                 raise
-            raise HeadConflict(scenario, parent.id if parent else None, self._head_id(scenario)) from e
+            raise HeadConflict(scenario, expected, self._head_id(scenario, user), user) from e
 
-    def _head_id(self, scenario: str) -> str | None:
-        head = self.head(scenario)
+    def _head_id(self, scenario: str, user: str | None = None) -> str | None:
+        head = self.line_head(scenario, user)
         return head.id if head else None
 
     # ---- contents ------------------------------------------------------------------------------------------------
@@ -434,7 +389,7 @@ class ReleaseChain:
         """Remove head lock files a killed writer left behind. Only for the repo's sole writer
         (reefd at start), since a live writer's lock must never be removed."""
         refs = self.path / "refs" / "reef" / "scenarios"
-        stale = list(refs.glob("*/head.lock")) if refs.is_dir() else []
+        stale = [*refs.glob("*/head.lock"), *refs.glob("*/users/*/head.lock")] if refs.is_dir() else []
         for lock in stale:
             lock.unlink(missing_ok=True)
         return stale
@@ -468,12 +423,13 @@ class Candidate:
     exact: bool = False  # built_on was named by the caller (an expected head): a moved head refuses it
     verdict: dict[str, Any] | None = None  # the gate's verdict (meta["gate"]); a failing one is never released
     applies_pin: bool = False  # the reconciler's rollback to release.pin: the one copy a pinned scenario takes
+    user: str | None = None  # the user whose line it goes on (None: the scenario's shared line)
 
 
 @dataclass(frozen=True)
 class Plan:
-    """What a commit would do now: append on `head` (None: the scenario's first release), carrying `target`'s
-    tree for a copy."""
+    """What a commit would do now: append on `head` (None: the scenario's first release; on a user's line with no
+    release yet, the shared head it forks from), carrying `target`'s tree for a copy."""
 
     head: Release | None
     target: Release | None
@@ -484,15 +440,16 @@ def plan(chain: ReleaseChain, scenario: str, cand: Candidate, *, pin: str | None
     before an upload), in this order. Pinned: a pinned scenario takes only its base release and the
     reconciler's copy of the pinned one; NoRelease: only a base may be a scenario's first release; HeadConflict:
     an exact candidate whose head moved; UnknownRelease, WrongScenario, NothingToRollBack: a copy's target."""
-    if pin is not None and cand.kind != "base" and not (cand.applies_pin and cand.target == pin):
-        raise Pinned(scenario, pin)
-    head = chain.head(scenario)
+    if pin is not None and cand.user is None and cand.kind != "base" and \
+            not (cand.applies_pin and cand.target == pin):
+        raise Pinned(scenario, pin)  # the pin is the shared line's
+    head = chain.line_head(scenario, cand.user)
     if head is None and cand.kind != "base":
         raise NoRelease(scenario)
     if cand.exact and (head.id if head else None) != cand.built_on:
-        raise HeadConflict(scenario, cand.built_on, head.id if head else None)
+        raise HeadConflict(scenario, cand.built_on, head.id if head else None, cand.user)
     target = None
     if cand.kind in COPIES and head is not None:
         target = chain.target(scenario, cand.target or chain.rollback_target(head),
-                              include_rejected=cand.kind == "promote")
+                              include_rejected=cand.kind == "promote", user=cand.user)
     return Plan(head, target)

@@ -28,8 +28,8 @@ Trial = Callable[[Release | None, Candidate], dict[str, Any]]
 
 def commit(chain: ReleaseChain, scenario: str, cand: Candidate, *, pin: str | None, on_conflict: str,
            keep_refused: bool = False, trial: Trial | None = None) -> Release:
-    """Append `cand` to the scenario's chain: the whole commit policy, for every caller (the publish, rollback and
-    promote routes, Grow jobs, the reconciler's base release and pin).
+    """Append `cand` to the scenario's chain (its shared line, or `cand.user`'s): the whole commit policy, for
+    every caller (the publish, rollback and promote routes, Grow jobs, the reconciler's base release and pin).
 
     - A verdict goes into release.json as meta["gate"]; a failed one is kept as a rejected candidate, never served.
     - `plan`: the pin, the head, a copy's target.
@@ -69,20 +69,21 @@ def commit(chain: ReleaseChain, scenario: str, cand: Candidate, *, pin: str | No
 
 def _append(chain: ReleaseChain, scenario: str, cand: Candidate, built_on: str | None, meta: dict[str, Any]) -> Release:
     if cand.kind == "rollback":
-        return chain.rollback(scenario, cand.target, expected_head=built_on, meta=meta)
+        return chain.rollback(scenario, cand.target, expected_head=built_on, meta=meta, user=cand.user)
     if cand.kind == "promote":
         assert cand.target is not None
-        return chain.promote(scenario, cand.target, expected_head=built_on, meta=meta)
+        return chain.promote(scenario, cand.target, expected_head=built_on, meta=meta, user=cand.user)
     if cand.artifact is not None and cand.kind != "base":
         meta = {**meta, "built_on": built_on}
     return chain.publish(scenario, expected_head=built_on, kind=cand.kind, artifact_dir=cand.artifact, meta=meta,
-                         folder=cand.folder)
+                         folder=cand.folder, user=cand.user)
 
 
 def _keep(chain: ReleaseChain, scenario: str, cand: Candidate, built_on: str | None, meta: dict[str, Any]) -> Release:
     """A candidate that is not released, kept for the record on the head it was built on (or the head now)."""
-    if built_on is None and (head := chain.head(scenario)) is not None:
+    if built_on is None and (head := chain.line_head(scenario, cand.user)) is not None:
         built_on = head.id
     if cand.artifact is not None:
         meta = {"built_on": built_on, **meta}
-    return chain.reject(scenario, built_on=built_on, kind=cand.kind, artifact_dir=cand.artifact, meta=meta)
+    return chain.reject(scenario, built_on=built_on, kind=cand.kind, artifact_dir=cand.artifact, meta=meta,
+                        user=cand.user)

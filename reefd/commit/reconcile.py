@@ -39,6 +39,7 @@ from reefd.commit.chain import (
 )
 from reefd.commit.identity import model_identity
 from reefd.commit.materialize import Materializer
+from reefd.commit.user_lines import UserLines
 from reefd.engines import EngineError, EngineUnavailable, WeightSwap, kind_config, trial_replicas
 from reefd.harness import HarnessError
 from reefd.ops.background import Background
@@ -56,6 +57,7 @@ class Reconciler:
         self.registry = registry
         self.chain = chain
         self.files = Materializer(registry, chain, state_dir, scenarios_dir)  # what binding needs, on the engine
+        self.users = UserLines(registry, chain, self.files)  # users' own releases, paged in per turn
         self._locks: dict[str, asyncio.Lock] = {}
         self._background = Background(log)  # swaps kicked off, adapters being retired
         self._retries: dict[str, asyncio.TimerHandle] = {}  # scenario -> its next try after a failure
@@ -108,6 +110,8 @@ class Reconciler:
             try:
                 head, problem = await self._declared_head(scenario)
                 await self._serve(scenario, head)
+                if scenario.cfg.users is not None:
+                    await self.users.read_heads(scenario)
                 scenario.error, scenario.settled = problem, True
                 self._failures.pop(scenario.name, None)
                 if problem:

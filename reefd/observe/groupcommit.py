@@ -24,9 +24,17 @@ COUNTS = struct.Struct(">QQ")  # records, reports
 PRACTICE = b"\0practice"  # a counts key: the scenario's name, then this, counts its practice records and reports
 
 
+USER = b"\0user\0"  # a counts key: the scenario's name, this, then a user's name: that user's records and reports
+
+
 def practice_key(scenario: bytes) -> bytes:
     """The counts key of a scenario's practice records and verdicts (a scenario name never holds a NUL)."""
     return scenario + PRACTICE
+
+
+def user_key(scenario: bytes, user: str) -> bytes:
+    """The counts key (and `by_user` prefix) of one user's records and reports (a user's name holds no NUL)."""
+    return scenario + USER + user.encode()
 _STOP = object()
 Outcome = tuple[bool, Any]  # (True, result) or (False, exception)
 Op = tuple[Callable[..., Any], tuple[Any, ...], asyncio.Future[Any]]
@@ -277,10 +285,24 @@ class GroupCommit:
         out: dict[str, dict[str, int]] = {}
         with self._reading() as txn:
             for key, raw in txn.cursor(db=self._dbs["counts"]):
+                if USER in key:
+                    continue  # a user's counts: user_counts
                 name, practice = (key[:-len(PRACTICE)], "practice_") if key.endswith(PRACTICE) else (key, "")
                 mine = out.setdefault(name.decode(), {"records": 0, "reports": 0, "practice_records": 0,
                                                       "practice_reports": 0})
                 mine[f"{practice}records"], mine[f"{practice}reports"] = COUNTS.unpack(raw)
+        return out
+
+    def user_counts(self, scenario: str) -> dict[str, dict[str, int]]:
+        """{user: {"records": n, "reports": m}} of a scenario's users, kept by the write transactions."""
+        prefix = scenario_key(scenario) + USER
+        out: dict[str, dict[str, int]] = {}
+        with self._reading() as txn, txn.cursor(db=self._dbs["counts"]) as cursor:
+            for key, raw in cursor if cursor.set_range(prefix) else ():
+                if not key.startswith(prefix):
+                    break
+                records, reports = COUNTS.unpack(raw)
+                out[key[len(prefix):].decode()] = {"records": records, "reports": reports}
         return out
 
 

@@ -13,7 +13,7 @@ from typing import Any
 
 import lmdb
 
-from reefd.observe.groupcommit import COUNTS, StorageError, StoreClosed, practice_key, scenario_key
+from reefd.observe.groupcommit import COUNTS, StorageError, StoreClosed, practice_key, scenario_key, user_key
 from reefd.observe.receipts import is_receipt, new_receipt, receipt_ms
 from reefd.observe.recordcodec import pack, unpack
 from reefd.observe.report_store import ClaimTaken, ReportConflict, Reports, UnknownReceipt
@@ -42,7 +42,7 @@ class RecordStore(Reports):
     """Records and reports in one LMDB env. Writes are group-committed by one thread; reads are inline."""
 
     TABLES = ("records", "by_scenario", "by_session", "reports", "report_index", "counts", "meta", "consumed",
-              "reported", "links", "claims")
+              "reported", "links", "claims", "by_user")
 
     def __init__(self, path: str | os.PathLike[str], **options: Any) -> None:
         super().__init__(path, **options)
@@ -83,6 +83,9 @@ class RecordStore(Reports):
         deltas.setdefault(scenario, [0, 0])[0] += 1
         if record.get("turn_kind") == "practice":
             deltas.setdefault(practice_key(scenario), [0, 0])[0] += 1
+        if isinstance(user := record.get("user"), str):
+            txn.put(user_key(scenario, user) + b"\0" + receipt, b"", db=self._dbs["by_user"])
+            deltas.setdefault(user_key(scenario, user), [0, 0])[0] += 1
         if link is not None and txn.get(link[0], db=self._dbs["records"]) is not None:
             return bool(txn.put(link[0], link[1], overwrite=False, db=self._dbs["links"]))
         return False
@@ -171,15 +174,15 @@ class RecordStore(Reports):
         db, prefix = self._dbs, scenario + b"\0"
         # First read everything the deletion needs, so that a value that cannot be read fails the op before any
         # write (the writer's rule for op errors); each report is read once however many of its records go.
-        rows: list[tuple[bytes, Any, bool]] = []  # (receipt, session, practice)
-        reports: dict[bytes, tuple[list[Any], bool]] = {}  # report key -> its references, a verifier's
+        rows: list[tuple[bytes, Any, bool, Any]] = []  # (receipt, session, practice, user)
+        reports: dict[bytes, tuple[list[Any], bool, Any]] = {}  # report key -> its references, a verifier's, user
         for receipt in dict.fromkeys(receipts):
             key = receipt.encode()
             raw = txn.get(key, db=db["records"])
             if raw is None or txn.get(prefix + key, db=db["by_scenario"]) is None:
                 continue
             record = unpack(raw)
-            rows.append((key, record.get("session"), record.get("turn_kind") == "practice"))
+            rows.append((key, record.get("session"), record.get("turn_kind") == "practice", record.get("user")))
             with txn.cursor(db=db["report_index"]) as cursor:  # receipt + seq -> report key
                 for index_key, report_key in cursor if cursor.set_range(key) else ():
                     if not index_key.startswith(key):
@@ -187,9 +190,12 @@ class RecordStore(Reports):
                     if report_key not in reports and (stored := txn.get(report_key, db=db["reports"])) is not None:
                         report = unpack(stored)
                         reports[report_key] = (list(report.get("references") or []),
-                                               report.get("source") == "verifier")
-        for key, session, _ in rows:
+                                               report.get("source") == "verifier", report.get("user"))
+        for key, session, _, user in rows:
             txn.delete(prefix + key, db=db["by_scenario"])
+            if isinstance(user, str):
+                txn.delete(user_key(scenario, user) + b"\0" + key, db=db["by_user"])
+                deltas.setdefault(user_key(scenario, user), [0, 0])[0] -= 1
             if isinstance(session, str):
                 txn.delete(_session_prefix(scenario, session) + key, db=db["by_session"])
             for table in ("records", "links"):
@@ -201,13 +207,15 @@ class RecordStore(Reports):
                 while found and cursor.key().startswith(key):
                     found = cursor.delete()  # moves on to the next entry
         delta, practice = deltas.setdefault(scenario, [0, 0]), deltas.setdefault(practice_key(scenario), [0, 0])
-        for report_key, (refs, verdict) in reports.items():  # a report goes with the last record it references
+        for report_key, (refs, verdict, user) in reports.items():  # a report goes with the last record it references
             if not any(txn.get(str(ref).encode(), db=db["records"]) for ref in refs):
                 txn.delete(report_key, db=db["reports"])
                 delta[1] -= 1
                 practice[1] -= verdict
+                if isinstance(user, str):
+                    deltas.setdefault(user_key(scenario, user), [0, 0])[1] -= 1
         delta[0] -= len(rows)
-        practice[0] -= sum(p for _, _, p in rows)
+        practice[0] -= sum(p for _, _, p, _ in rows)
         return len(rows)
 
     # --- reads: synchronous, short read transactions ----------------------------------------
@@ -244,7 +252,9 @@ class RecordStore(Reports):
         """Records of one scenario (or of one session in it) in receipt order, strictly after
         `after`, each with its reports; `practice`: include, exclude or only reefd's practice records; `user`: that
         user's records only."""
-        if session is None:
+        if session is None and user is not None:  # one user's records, by their index
+            prefix, table = user_key(scenario_key(scenario), user) + b"\0", "by_user"
+        elif session is None:
             prefix, table = scenario_key(scenario) + b"\0", "by_scenario"
         else:
             prefix, table = _session_prefix(scenario_key(scenario), session), "by_session"

@@ -15,7 +15,7 @@ from typing import Any
 
 import lmdb
 
-from reefd.observe.groupcommit import GroupCommit, Refused, practice_key, scenario_key
+from reefd.observe.groupcommit import GroupCommit, Refused, practice_key, scenario_key, user_key
 from reefd.observe.receipts import is_receipt, new_receipt
 from reefd.observe.recordcodec import pack, unpack
 
@@ -80,11 +80,12 @@ class Reports(GroupCommit):
         self._report_listeners: list[Callable[[str, dict[str, Any]], None]] = []
 
     async def put_report(self, scenario: str, body: dict[str, Any], *, source: str = "client",
-                         claims: list[str] | None = None) -> tuple[dict[str, Any], bool]:
+                         claims: list[str] | None = None, user: str | None = None) -> tuple[dict[str, Any], bool]:
         """Attach a report to records of `scenario`; returns (stored report, created). Durable on return.
         `source` says who reported: "client" (POST /reef/report) or "judge" (a recipe's judge in reefd).
         `claims` are keys (unique within the scenario) the report takes in the same transaction, such as a grid
-        coordinate: ClaimTaken when another report holds one, and then nothing is stored."""
+        coordinate: ClaimTaken when another report holds one, and then nothing is stored. `user`: the user whose
+        records it references (it counts among that user's reports)."""
         key = scenario_key(scenario)
         report_id = body.get("report_id") or "rpt_" + new_receipt()
         if not isinstance(report_id, str):
@@ -94,7 +95,7 @@ class Reports(GroupCommit):
             "report_id": report_id, "scenario": scenario, "references": list(body["references"]),
             "score": float(score) if isinstance(score, int | float) and not isinstance(score, bool) else score,
             "feedback": body.get("feedback"), "metadata": body.get("metadata"), "source": source,
-            "created_at": time.time()}
+            "created_at": time.time(), **({"user": user} if user is not None else {})}
         packed = pack(report)  # serialisation errors surface here, before the writer sees the op
         result: tuple[dict[str, Any], bool] = await self._submit(self._apply_report, key, report, packed,
                                                                  list(claims or []))
@@ -146,6 +147,8 @@ class Reports(GroupCommit):
         deltas.setdefault(scenario, [0, 0])[1] += 1
         if report.get("source") == "verifier":  # practice's verdicts, counted apart
             deltas.setdefault(practice_key(scenario), [0, 0])[1] += 1
+        if isinstance(user := report.get("user"), str):  # on a user's records (reefd/api/reports.py says whose)
+            deltas.setdefault(user_key(scenario, user), [0, 0])[1] += 1
         return report, True
 
     def get_report(self, scenario: str, report_id: str) -> dict[str, Any] | None:

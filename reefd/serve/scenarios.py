@@ -27,7 +27,7 @@ from reefd.grow import recipes
 from reefd.grow.recipes import Recipe
 from reefd.harness import Harness
 from reefd.serve.admission import Admission
-from reefd.serve.users import Users
+from reefd.serve.tenancy import Users
 
 log = logging.getLogger("reefd")
 
@@ -159,12 +159,13 @@ class Serving:
     counted in flight so neither a reload nor a release swap takes its engine, adapter or weights away mid-answer.
     A class, not a generator: it runs on every turn."""
 
-    __slots__ = ("background", "held", "left", "line", "preempt", "registry", "route", "scenario", "stop")
+    __slots__ = ("background", "held", "left", "line", "own", "preempt", "registry", "route", "scenario", "stop")
 
     def __init__(self, registry: Registry, scenario: Scenario, line: Admission | None,
                  left: Callable[[], bool] | None, route: Route | None, background: bool = False,
-                 preempt: bool = False) -> None:
+                 preempt: bool = False, own: Binding | None = None) -> None:
         self.registry, self.scenario, self.line, self.left, self.route = registry, scenario, line, left, route
+        self.own = own  # a user's own release: it serves whatever the scenario's binding and trial are
         self.background = background  # practice: a turn only from the idle part of the engine (Admission)
         self.preempt = preempt  # background: only on an idle engine, and `stop` is set when a request asks
         self.stop: asyncio.Event | None = None
@@ -182,12 +183,16 @@ class Serving:
             binding = self.scenario.binding
             if binding is None:  # the chain has not named this scenario's release yet
                 raise NotServing(self.scenario.name, self.scenario.error)
+            if self.own is not None and self.own.weights_version != binding.weights_version:
+                raise NotServing(self.scenario.name, "its weights changed while this turn waited; retry")
         except BaseException:
             if self.line is not None:
                 self.line.leave(self.background, self.stop)
             raise
         trial, route = self.scenario.trial, self.route
-        if trial is not None and trial.mode == "canary" and route is not None and \
+        if self.own is not None:  # (its weights checked above: a swap may have come while it waited in line)
+            binding = self.own
+        elif trial is not None and trial.mode == "canary" and route is not None and \
                 trial.takes(route.session, route.sticky):
             binding = trial.binding
         self.held = (id(self.scenario.engine), binding.adapter, binding.weights_version)
@@ -214,6 +219,7 @@ class Registry:
         self._inflight: Counter[int] = Counter()  # requests per engine (by id), for draining
         self._uses: Counter[tuple[int, str | None]] = Counter()  # requests per (engine, adapter)
         self._weights: Counter[tuple[int, str | None]] = Counter()  # requests per (engine, weight version)
+        self._resident: dict[tuple[int, str], set[str]] = {}  # (engine, adapter) -> users it is resident for
         self._reloading = asyncio.Lock()
 
     def _bind(self, configs: dict[str, ScenarioConfig]) -> tuple[dict[str, Scenario], list[str]]:
@@ -263,11 +269,11 @@ class Registry:
             line.resize(*limits, cfg.model.max_queue_wait_s)
 
     def serving(self, scenario: Scenario, left: Callable[[], bool] | None = None,
-                route: Route | None = None) -> Serving:
+                route: Route | None = None, own: Binding | None = None) -> Serving:
         """Wait for a turn at the scenario's engine (Overloaded when its line is full or the wait runs out; Left
-        when `left()` says the client went away meanwhile), then serve with that turn held: the release on
-        canary when `route` falls on its side, else the scenario's binding (see Serving)."""
-        return Serving(self, scenario, self.admissions.get(id(scenario.engine)), left, route)
+        when `left()` says the client went away meanwhile), then serve with that turn held: `own` (a user's own
+        release), else the release on canary when `route` falls on its side, else the scenario's binding."""
+        return Serving(self, scenario, self.admissions.get(id(scenario.engine)), left, route, own=own)
 
     def practicing(self, scenario: Scenario, preempt: bool) -> Serving:
         """As `serving`, for practice: a background turn (requests go first; with `preempt`, only on an idle engine,
@@ -313,9 +319,21 @@ class Registry:
 
         return release
 
+    def hold_resident(self, engine: Engine, adapter: str, user: str) -> None:
+        """`adapter` serves `user`'s turns on `engine` (reefd/commit/user_lines.py): kept loaded until released."""
+        self._resident.setdefault((id(engine), adapter), set()).add(user)
+
+    def release_resident(self, engine: Engine, adapter: str, user: str) -> None:
+        users = self._resident.get((id(engine), adapter))
+        if users is not None:
+            users.discard(user)
+            if not users:
+                del self._resident[(id(engine), adapter)]
+
     def adapters(self, engine: Engine) -> set[str]:
-        """The adapters that scenarios served by `engine` serve now (their bindings and trials)."""
-        out = set()
+        """The adapters that scenarios served by `engine` serve now (their bindings and trials, and the adapters
+        resident for their users)."""
+        out = {adapter for (key, adapter) in self._resident if key == id(engine)}
         for s in self.scenarios.values():
             if s.engine is engine:
                 for binding in (s.binding, s.trial.binding if s.trial is not None else None):

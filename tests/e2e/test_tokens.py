@@ -54,6 +54,7 @@ MATRIX: list[tuple[str, str, str | None]] = [
     ("GET", "/reef/records/{receipt}", "read"),
     ("GET", "/reef/scenarios/{name}/records", "read"),
     ("GET", "/reef/status", "read"),
+    ("GET", "/reef/scenarios/{name}/users", "read"),
     ("GET", "/reef/scenarios/{name}/releases", "read"),
     ("GET", "/reef/releases/{release}", "read"),
     ("GET", "/reef/releases/{release}/lineage", "read"),

@@ -25,6 +25,10 @@ class UsersConfig:
     max: int = field(default=1000, metadata={
         "minimum": 1, "maximum": 1_000_000,
         "description": "At most this many users; a new user past it is refused, saying why."})
+    slots: int = field(default=8, metadata={
+        "minimum": 1, "maximum": 4096,
+        "description": "Users' own adapters resident on the engine at once; others are paged in from the chain "
+                       "when their user's turn comes, least recently used out."})
 
 
 class UsersFull(Exception):

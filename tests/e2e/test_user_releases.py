@@ -1,0 +1,112 @@
+"""Users' own releases, served by the real daemon on the tiny model: a user's adapter answers that user alone,
+`x-reef-release-id` names it, adapters are paged in and out of one resident slot with no request failing, and a
+user's line is rolled back alone.
+
+Adapters are real PEFT LoRA folders for the daemon's tiny model; each changes what the model says, so a greedy
+answer tells which release produced it.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import openai
+import pytest
+
+from tests.conftest import Daemon, sdk, shared_daemon
+from tests.e2e.test_hot_swap import ctl
+from tests.e2e.test_reefctl import reefctl
+from tests.loras import make_lora, make_weights
+
+pytestmark = pytest.mark.filterwarnings("ignore:.*is_gradient_checkpointing.*:FutureWarning")
+PROMPT = [{"role": "user", "content": "Whose release are you?"}]
+ASSIST = "defaults:\n  - model: tiny\n  - _self_\nserve:\n  default_max_tokens: 8\nusers:\n  slots: 1\n"
+
+
+@pytest.fixture(scope="module")
+def d(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
+    yield from shared_daemon(tmp_path_factory.mktemp("user-releases"), names=(), extra={"assist": ASSIST})
+
+
+@pytest.fixture(scope="module")
+def loras(d: Daemon, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("user-loras")
+    model = d.state / "models" / "tiny"
+    return {name: make_lora(model, root / name, seed=seed, scale=2.0) for name, seed in (("alice", 11), ("bob", 12))}
+
+
+def ask(d: Daemon, user: str | None) -> tuple[str, str]:
+    """(text, x-reef-release-id) of one greedy answer for `user` (None: nobody's)."""
+    headers = {"x-reef-scenario": "assist", **({"x-reef-user": user} if user else {})}
+    c = sdk(openai.OpenAI(base_url=d.url + "/v1", api_key=d.token, max_retries=0, default_headers=headers))
+    raw = c.chat.completions.with_raw_response.create(model="assist", messages=PROMPT, max_tokens=8, temperature=0)
+    return raw.parse().choices[0].message.content or "", raw.headers["x-reef-release-id"]
+
+
+def resident(d: Daemon) -> list[str]:
+    status = json.loads(d.get("/reef/status")[1])
+    return list(next(s for s in status["scenarios"] if s["name"] == "assist")["engine"]["adapters"])
+
+
+def test_a_users_release_answers_that_user_alone_paged_through_one_slot(d: Daemon, loras: dict[str, Path]) -> None:
+    shared_text, shared = ask(d, None)
+    assert shared.startswith("r0-")
+    published = {}
+    for user in ("alice", "bob"):
+        out = ctl(d, "publish", "assist", "--adapter", str(loras[user]), "--user", user)
+        assert out["release"]["user"] == user and out["release"]["parent"] == shared, out
+        published[user] = out["release"]["id"]
+    assert ctl(d, "history", "assist")["head"] == shared  # the shared line did not move
+    alone = {user: ask(d, user) for user in ("alice", "bob")}
+    assert {user: rel for user, (_, rel) in alone.items()} == published
+    assert len({shared_text, alone["alice"][0], alone["bob"][0]}) == 3, alone  # three different models answered
+    assert ask(d, "carol") == (shared_text, shared) and ask(d, None) == (shared_text, shared)
+    # one slot, two users' adapters: each turn pages its user's in, the other's out; every answer is its own
+    for user in ("alice", "bob", "alice", "bob"):
+        assert ask(d, user) == alone[user]
+        assert resident(d) == [published[user]], resident(d)
+    with ThreadPoolExecutor(8) as pool:  # at once: turns wait for the slot, none fails
+        answers = list(pool.map(lambda u: (u, ask(d, u)), ["alice", "bob", None, "carol"] * 4))
+    for user, answer in answers:
+        assert answer == alone.get(str(user), (shared_text, shared)), (user, answer)
+
+
+def test_a_users_line_has_its_history_and_is_rolled_back_alone(d: Daemon, loras: dict[str, Path]) -> None:
+    listed = ctl(d, "users", "assist")
+    users = {u["user"]: u for u in listed["data"]}
+    mine = users["alice"]["own_release"]
+    assert users["alice"]["release"] == mine and users["alice"]["records"] >= 1, users
+    assert users["carol"]["own_release"] is None and users["carol"]["release"] == listed["shared_release"]
+    page = ctl(d, "history", "assist", "--user", "alice")
+    assert [r["id"] for r in page["data"]][:1] == [mine] and page["own_line"] is True
+    assert page["data"][1]["id"].startswith("r0-") and "user" not in page["data"][1]  # forked from the shared line
+    assert ctl(d, "history", "assist", "--user", "carol")["own_line"] is False
+    bob_before = ask(d, "bob")
+    out = ctl(d, "rollback", "assist", "--user", "alice")
+    assert out["release"]["user"] == "alice" and out["to"] == page["data"][1]["id"] and out["serving"] == \
+        out["release"]["id"], out
+    shared_text, _ = ask(d, None)
+    assert ask(d, "alice") == (shared_text, out["release"]["id"])  # the shared tree, as alice's own release
+    assert ask(d, "bob") == bob_before  # bob's line never moved
+    bad = reefctl(d, "rollback", "assist", "--user", "a/b")
+    assert bad.returncode != 0 and "holds '/'" in bad.stderr, bad.stderr
+
+
+def test_new_shared_weights_put_a_users_adapter_aside_until_the_weights_it_was_made_on_serve_again(
+        d: Daemon, tmp_path: Path) -> None:
+    """An adapter serves only on the weights it was made on: full weights on the shared line send bob (whose own
+    release forked from the old weights) to the shared release, saying why; rolling the shared line back brings
+    his own release back. Nothing of his is deleted."""
+    own_text, own = ask(d, "bob")
+    weights = make_weights(d.state / "models" / "tiny", tmp_path / "w", seed=5, scale=0.5)
+    out = ctl(d, "publish", "assist", "--weights", str(weights))
+    shared_text, shared = ask(d, None)
+    assert shared == out["release"]["id"]
+    assert ask(d, "bob") == (shared_text, shared)
+    bob = next(u for u in ctl(d, "users", "assist")["data"] if u["user"] == "bob")
+    assert bob["own_release"] == own and bob["release"] == shared and "other weights" in bob["why"], bob
+    ctl(d, "rollback", "assist")
+    assert ask(d, "bob") == (own_text, own)
