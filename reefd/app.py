@@ -93,7 +93,7 @@ SCOPES: dict[Callable[..., object], str] = {
     search_api.archive: "read", jobs_api.list_jobs: "read", jobs_api.get_job: "read", metrics_route: "read",
     export_api.export: "read", users_api.list_users: "read",
     release_api.publish: "admin", release_api.rollback: "admin", release_api.promote: "admin",
-    jobs_api.train: "admin", jobs_api.cancel_job: "admin",
+    jobs_api.train: "admin", jobs_api.cancel_job: "admin", users_api.delete_user: "admin",
     admin.healthz: ANY, admin.readyz: ANY, openapi_json: ANY,
 }
 
@@ -124,6 +124,7 @@ def build_app(settings: Settings) -> web.Application:
     app.router.add_get("/reef/scenarios/{name}/export", export_api.export)  # JSON lines, streamed
     app.router.add_get("/reef/status", admin.status)
     app.router.add_get("/reef/scenarios/{name}/users", users_api.list_users)
+    app.router.add_delete("/reef/scenarios/{name}/users/{user}", users_api.delete_user)
     # Commit: the release chain. Writes are compare-and-swap on the head, then a hot swap.
     app.router.add_get("/reef/scenarios/{name}/releases", release_api.history)
     app.router.add_post("/reef/scenarios/{name}/releases", release_api.publish)

@@ -162,11 +162,12 @@ async def grow(app: web.Application) -> AsyncIterator[None]:  # Grow: triggers �
     async def write_candidate(scenario: Scenario, cand: Candidate) -> Release:  # Grow → Commit
         return await write(app, scenario, cand, keep_refused=True)
 
-    async def swap_to(scenario: Scenario) -> None:  # Commit → Serve
-        await swap(app, scenario)
+    async def swap_to(scenario: Scenario, user: str | None = None) -> None:  # Commit → Serve
+        await swap(app, scenario, user)
 
     app[RUNNER] = Runner(app[REGISTRY], app[RECORDS], app[CHAIN], jobs, settings.scenarios_dir,
-                         Backends(state / "jobs", settings.max_jobs), write_candidate, swap_to)
+                         Backends(state / "jobs", settings.max_jobs), write_candidate, swap_to,
+                         app[RECONCILER].users)
     app[SCHEDULER] = Scheduler(app[REGISTRY], app[RECORDS], jobs, app[RUNNER], max_jobs=settings.max_jobs)
     unsubscribe = app[RECORDS].subscribe(app[SCHEDULER].check)  # Observe → Grow: count triggers
     await app[SCHEDULER].start()

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from reefd.grow.job_store import CANDIDATE, Job, JobStore
-from reefd.grow.schedule import Scheduler
+from reefd.grow.schedule import Scheduler, line_key
 
 
 def scenario(cron: str | None = None) -> Any:
@@ -164,3 +164,45 @@ def test_what_a_stopped_reefd_left_runs_again_after_a_restart(tmp_path: Path) ->
     assert states["train"] == ("running", "train") and states["gate"] == ("running", "gate")
     assert states["publish"] == ("running", "publish")
     assert states["done"] == ("published", "done")
+
+
+def test_users_lines_share_the_trainer_first_come_first_served_and_a_busy_user_starves_nobody(
+        tmp_path: Path) -> None:
+    """One job per line: alice asking again while her job runs joins it; bob and carol, who asked next, run
+    before alice's next job; max_jobs bounds every line together."""
+
+    class Lines(Runner):
+        async def run(self, job: Job) -> None:
+            key = line_key(job.scenario, job.user)
+            self.started.append(key)
+            job.state = "running"
+            await self.finish.setdefault(key, asyncio.Event()).wait()
+            self.finish.pop(key)
+            job.state = "done"
+
+    async def main() -> None:
+        registry = SimpleNamespace(scenarios={"assist": scenario()})
+        runner = Lines()
+        scheduler = Scheduler(registry, None, JobStore(tmp_path / "jobs"), runner, max_jobs=1)  # type: ignore[arg-type]
+        await scheduler.start()
+        try:
+            first = await scheduler.submit("assist", "count", "alice")
+            assert await scheduler.submit("assist", "count", "alice") is first  # her line's job: joined
+            for user in ("bob", "carol"):
+                await scheduler.submit("assist", "count", user)
+            await until(lambda: runner.started == ["assist/alice"])
+            runner.finish["assist/alice"].set()
+            await until(lambda: len(runner.started) == 2)
+            await scheduler.submit("assist", "count", "alice")  # busy again: behind carol
+            assert runner.started == ["assist/alice", "assist/bob"]
+            runner.finish["assist/bob"].set()
+            await until(lambda: len(runner.started) == 3)
+            assert runner.started[-1] == "assist/carol"  # carol asked before alice's second time
+            runner.finish["assist/carol"].set()
+            await until(lambda: len(runner.started) == 4)
+            assert runner.started[-1] == "assist/alice"
+            runner.finish.setdefault("assist/alice", asyncio.Event()).set()
+        finally:
+            await scheduler.stop()
+
+    asyncio.run(main())

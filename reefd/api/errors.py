@@ -37,7 +37,7 @@ from reefd.grow.recipes import RecipeError
 from reefd.observe.records import ReportConflict, StorageError, UnknownReceipt
 from reefd.serve.admission import Left, Overloaded
 from reefd.serve.scenarios import NotServing, UnknownScenario
-from reefd.serve.tenancy import UsersFull
+from reefd.serve.tenancy import BeingDeleted, UsersFull
 
 SCENARIO_HEADER = "x-reef-scenario"
 
@@ -107,6 +107,8 @@ def from_domain(exc: Exception) -> ApiError | None:
                             param="report_id", code="report_conflict")
         case UsersFull():
             return ApiError(403, str(exc), param="x-reef-user", code="user_limit_reached")
+        case BeingDeleted():
+            return ApiError(409, str(exc), param="x-reef-user", code="user_being_deleted")
         case RecipeError():
             return ApiError(400, str(exc), code="invalid_recipe")
         case AttemptError(status=status, message=message, param=param, code=code):

@@ -8,7 +8,7 @@ from __future__ import annotations
 from aiohttp import web
 
 from reefd.api import access
-from reefd.api.errors import ApiError, json_response, shown
+from reefd.api.errors import ApiError, json_response, read_json, shown
 from reefd.grow.job_store import Job
 from reefd.grow.recipes import build
 from reefd.grow.schedule import CannotCancel
@@ -22,9 +22,11 @@ async def train(request: web.Request) -> web.Response:
     if recipe.produces == "nothing":
         raise ApiError(400, f"scenario {scenario.name!r} uses the {scenario.cfg.recipe.name!r} recipe, which does "
                        "not train; set recipe.name in its file (e.g. sao)", code="recipe_does_not_train")
+    body = await read_json(request) if request.can_read_body else {}
+    user = access.line_of(request, scenario, body.get("user") if isinstance(body, dict) else None)
     scheduler = request.app[SCHEDULER]
-    existing = scheduler.jobs.active(scenario.name)
-    job = await scheduler.submit(scenario.name, "manual")
+    existing = scheduler.jobs.active(scenario.name, user)
+    job = await scheduler.submit(scenario.name, "manual", user)
     return json_response(job.as_json(), status=200 if existing is job else 202)
 
 
@@ -32,13 +34,14 @@ async def list_jobs(request: web.Request) -> web.Response:
     name = request.query.get("scenario") or None
     if name is not None:
         access.scenario(request, name, param="scenario")  # 404 for an unknown scenario, 403 for another's
-    jobs = [j for j in request.app[SCHEDULER].jobs.list(name) if access.covers(request, j.scenario)]
+    jobs = [j for j in request.app[SCHEDULER].jobs.list(name)
+            if access.covers(request, j.scenario) and access.sees_line(request, j.user)]
     return json_response({"object": "list", "data": [j.as_json() for j in jobs]})
 
 
 def _job(request: web.Request) -> Job:
     job = request.app[SCHEDULER].jobs.jobs.get(request.match_info["job"])
-    if job is None or not access.covers(request, job.scenario):
+    if job is None or not access.covers(request, job.scenario) or not access.sees_line(request, job.user):
         raise ApiError(404, f"no job {shown(request.match_info['job'])}", code="job_not_found")
     return job
 

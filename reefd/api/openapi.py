@@ -227,6 +227,11 @@ def _reef_ops(names: list[str]) -> dict[str, dict[str, Any]]:
         "/reef/scenarios/{name}/users": {"get": _op(
             "listUsers", "A per-user scenario's users: what serves each, their records and reports", "observe",
             _ok("Users", "The users (a user's token: its own)."), (400, 404), params=(name,))},
+        "/reef/scenarios/{name}/users/{user}": {"delete": _op(
+            "deleteUser", "Delete every byte of a user's: records, reports, sessions, release line, adapters",
+            "observe",
+            _ok("UserDeleted", "What was removed, and the shared releases that learned from the user's records."),
+            (400, 404, 409), params=(name, _param("user", "path", STR, "The user.")))},
         "/reef/scenarios/{name}/releases": {
             "get": _op("listReleases", "The release chain, newest first", "commit", _ok("Releases", "The chain."),
                        (400, 404), params=(name, _param("all", "query", {"enum": ["1", "true", "yes"]},
@@ -264,7 +269,7 @@ def _reef_ops(names: list[str]) -> dict[str, dict[str, Any]]:
             "train", "Queue a Grow job now (202), or get the one queued or running (200)", "grow",
             {**_ok("Job", "The job already queued or running.", links=job), **_ok("Job", "The job queued.", 202,
                                                                                        links=job)},
-            (400, 404, 409), params=(name,))},
+            (400, 404, 409), params=(name,), body=_body("TrainRequest", parent={}))},
         "/reef/scenarios/{name}/attempts/next": {"post": _op(
             "nextAttempt", "A search scenario's open step (200), or why to wait (202)", "grow",
             {**_ok("Step", "The step to attempt."), 202: {"description": "Not yet: retry after Retry-After.",

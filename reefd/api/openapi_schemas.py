@@ -201,10 +201,16 @@ SCHEMAS: dict[str, Any] = {
     "Releases": _obj("object scenario serving head declared data", object={"const": "list"}, scenario=STR,
                      serving=_OPT_STR, head=_OPT_STR, declared=_OPT_STR, data={"type": "array", "items": _RELEASE},
                      user=STR, own_line={"type": "boolean"}),
+    "UserDeleted": _obj("object scenario user records releases jobs sessions shared_releases_learned_from tokens",
+                        object={"const": "reef.user.deleted"}, scenario=STR, user=STR, records=_INT,
+                        releases={"type": "array", "items": STR}, jobs=_INT, sessions=_INT,
+                        shared_releases_learned_from={"type": "array", "items": STR},
+                        tokens={"type": "array", "items": STR}),
     "Users": _obj("object scenario max slots shared_release data", object={"const": "list"}, scenario=STR, max=_INT,
                   slots=_INT, shared_release=_OPT_STR, data={"type": "array", "items": _obj(
                       "user since own_release release records reports", user=STR, since=_NUM,
-                      own_release=_OPT_STR, release=_OPT_STR, why=STR, records=_INT, reports=_INT)}),
+                      own_release=_OPT_STR, release=_OPT_STR, why=STR, records=_INT, reports=_INT,
+                      last_job={"type": ["object", "null"]})}),
     "Lineage": _obj("object release depth releases", object={"const": "reef.lineage"}, release=STR, depth=_INT,
                     releases={"type": "array", "items": _obj(
                         "id scenario parent kind status recipe job params metrics gate canary proposal mutations "
@@ -225,6 +231,9 @@ SCHEMAS: dict[str, Any] = {
             "dry_run": {"type": "boolean", "default": False},
             "expected_head": {"type": ["string", "null"], "minLength": 1},
             "user": {"type": ["string", "null"], "description": "A user's line (scenarios with a users: block)."}}},
+    "TrainRequest": {
+        "type": "object", "properties": {
+            "user": {"type": ["string", "null"], "description": "Train this user's own line, on their records."}}},
     "PromoteRequest": {
         "type": "object", "required": ["release"], "properties": {
             "release": {"type": "string", "minLength": 1, "description": "A release or a rejected candidate."},

@@ -1,6 +1,7 @@
-"""reefctl users SCENARIO: a per-user scenario's users, what serves each, and their records and reports.
+"""reefctl users SCENARIO: a per-user scenario's users, what serves each, their records, reports and last job;
+reefctl users delete SCENARIO USER: every byte of that user's removed.
 
-Standard library only: an HTTP client of GET /reef/scenarios/{name}/users.
+Standard library only: an HTTP client of GET /reef/scenarios/{name}/users and DELETE …/users/{user}.
 """
 
 from __future__ import annotations
@@ -9,17 +10,26 @@ import argparse
 import time
 import urllib.parse
 
-from reefd.cli.client import Client
+from reefd.cli.client import Client, CliError
 from reefd.cli.kit import Table, age, cell, command, note, print_json
 
 
 def _users_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("name", metavar="SCENARIO")
-    p.add_argument("-o", "--output", choices=["json"], help="json: the list as returned")
+    p.usage = "reefctl users SCENARIO [-o json] | reefctl users delete SCENARIO USER [-o json]"
+    p.add_argument("words", nargs="+", metavar="SCENARIO | delete SCENARIO USER")
+    p.add_argument("-o", "--output", choices=["json"], help="json: reefd's answer as returned")
 
 
-@command("users", "a per-user scenario's users: release, records, reports", _users_args)
+@command("users", "a per-user scenario's users (release, records, reports, last job), or delete one", _users_args)
 def cmd_users(client: Client, args: argparse.Namespace) -> int:
+    words = args.words
+    if words[0] == "delete":
+        if len(words) != 3:
+            raise CliError("usage: reefctl users delete SCENARIO USER")
+        return _delete(client, args, words[1], words[2])
+    if len(words) != 1:
+        raise CliError("usage: reefctl users SCENARIO (or: reefctl users delete SCENARIO USER)")
+    args.name = words[0]
     page = client.call("GET", f"/reef/scenarios/{urllib.parse.quote(args.name, safe='')}/users")
     if args.output == "json":
         print_json(page)
@@ -29,11 +39,27 @@ def cmd_users(client: Client, args: argparse.Namespace) -> int:
         note(f"No users of {args.name} yet (at most {page.get('max')}).")
         return 0
     now = time.time()
-    Table(["USER", "RELEASE", "OWN", "RECORDS", "REPORTS", "SINCE"]).emit([
+    Table(["USER", "RELEASE", "OWN", "RECORDS", "REPORTS", "LAST JOB", "SINCE"]).emit([
         [u["user"], cell(u.get("release")), "yes" if u.get("own_release") == u.get("release") and
          u.get("own_release") else "-", str(u.get("records", 0)), str(u.get("reports", 0)),
+         f"{u['last_job']['id']} {u['last_job']['state']}" if u.get("last_job") else "-",
          cell(age(now - u["since"]) if u.get("since") else None)] for u in rows])
     for u in rows:
         if u.get("why"):
             note(f"{u['user']}: {u['why']}")
+    return 0
+
+
+def _delete(client: Client, args: argparse.Namespace, scenario: str, user: str) -> int:
+    path = f"/reef/scenarios/{urllib.parse.quote(scenario, safe='')}/users/{urllib.parse.quote(user, safe='')}"
+    gone = client.call("DELETE", path)
+    if args.output == "json":
+        print_json(gone)
+        return 0
+    print(f"user {user} of {scenario} deleted: {gone.get('records', 0)} records, {len(gone.get('releases') or [])} "
+          f"releases, {gone.get('jobs', 0)} jobs, {gone.get('lfs_objects', 0)} LFS objects")
+    for rel in gone.get("shared_releases_learned_from") or []:
+        note(f"shared release {rel} learned from their records: retrain without them (docs/users.md)")
+    for token in gone.get("tokens") or []:
+        note(f"token {token} still speaks for {user}: reefctl token revoke {token}")
     return 0

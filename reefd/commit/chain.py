@@ -18,6 +18,7 @@ from typing import Any, TypeVar
 
 import pygit2
 
+from reefd.commit import erase
 from reefd.commit.chain_types import (
     BaseMismatch,
     HeadConflict,
@@ -32,6 +33,7 @@ from reefd.commit.chain_types import (
     WrongScenario,
     head_ref,
     line_label,
+    line_root,
     rejected_prefix,
     validate_name,
 )
@@ -384,6 +386,22 @@ class ReleaseChain:
     def files(self, release_id: str) -> list[dict[str, Any]]:
         """Every file of a release: path, size, sha256 (the LFS oid for LFS files), lfs."""
         return self.trees.files(self._tree(release_id))
+
+    @_locked
+    def drop_line(self, scenario: str, user: str) -> list[str]:
+        """Delete `user`'s line, its head and its refused candidates: the one write that removes history (a
+        user's deletion). Returns the ids of the releases and candidates that were theirs; `prune` then removes
+        what nothing reaches any more."""
+        gone = [r.id for r in self.history(scenario, include_rejected=True, user=user) if r.user == user]
+        root = line_root(scenario, user)
+        for name in [n for n in self.repo.references if n.startswith(root)]:
+            self.repo.references.delete(name)
+        return gone
+
+    @_locked
+    def prune(self) -> dict[str, int]:
+        """Remove every git and LFS object no ref reaches (erase.py)."""
+        return erase.prune(self.repo, self.path, self.trees)
 
     def clear_stale_locks(self) -> list[Path]:
         """Remove head lock files a killed writer left behind. Only for the repo's sole writer

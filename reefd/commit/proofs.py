@@ -143,6 +143,10 @@ class Proofs:
         key = json.dumps([weights, adapter, probe], sort_keys=True).encode()
         return self.dir / f"{hashlib.sha256(key).hexdigest()[:32]}.json"
 
+    def forget(self, trees: tuple[str | None, str | None], probe: dict[str, Any]) -> None:
+        """Remove the kept fingerprint of the model the trees name (a deleted user's adapter; blocking)."""
+        self._path(*trees, probe).unlink(missing_ok=True)
+
     async def of(self, meta: dict[str, Any], trees: tuple[str | None, str | None], probe: dict[str, Any],
                  model: Path, adapter: Path | None, tokenizer: Path) -> Fingerprint:
         """The fingerprint of the model the trees (weights, adapter) name: from the release's meta, else kept, else

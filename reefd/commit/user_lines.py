@@ -91,6 +91,13 @@ class UserLines:
         if gone is not None and gone.binding.release != (head.id if head else None) and gone.holds == 0:
             await self._evict(scenario, lines, user)
 
+    async def forget(self, scenario: Scenario, user: str) -> None:
+        """`user` is being deleted: their line no longer serves, and their adapter goes out once its turns end."""
+        lines = self._of(scenario.name)
+        lines.heads.pop(user, None)
+        lines.why.pop(user, None)
+        await self._evict(scenario, lines, user, wait=True)
+
     @contextlib.asynccontextmanager
     async def holding(self, scenario: Scenario, user: str | None) -> AsyncIterator[Binding | None]:
         """The binding a turn of `user` takes, held (resident) until the turn is done; None: the shared one's."""

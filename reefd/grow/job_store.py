@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -43,6 +44,7 @@ class Job:
     staleness: dict[str, Any] | None = None  # a weight job's batch: releases behind its base (grow/staleness.py)
     detachable: bool = False  # its trainer runs on a cluster that outlives reefd: a restart follows it
     job_kind: str | None = None  # what its recipe's candidate is made by (weights, harness, search, bundle)
+    user: str | None = None  # the user whose line it trains, on their records only (None: the shared line)
 
     def as_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -107,9 +109,9 @@ class JobStore:
             return job.state == "running" and self.has_candidate(job)
         return job.state == "running" and job.stage == "train"
 
-    def new(self, scenario: str, reason: str, recipe: str) -> Job:
+    def new(self, scenario: str, reason: str, recipe: str, user: str | None = None) -> Job:
         """A queued job, listed at once (the caller saves it)."""
-        job = Job(id=f"j-{new_receipt().lower()}", scenario=scenario, reason=reason, recipe=recipe)
+        job = Job(id=f"j-{new_receipt().lower()}", scenario=scenario, reason=reason, recipe=recipe, user=user)
         self.jobs[job.id] = job
         return job
 
@@ -119,9 +121,31 @@ class JobStore:
     def workdir(self, job: Job) -> Path:
         return self.root / job.id
 
-    def active(self, scenario: str) -> Job | None:
-        """The scenario's queued or running job (at most one)."""
-        return next((j for j in self.jobs.values() if j.scenario == scenario and j.state in ACTIVE), None)
+    def active(self, scenario: str, user: str | None = None) -> Job | None:
+        """The queued or running job of the scenario's shared line, or of `user`'s (at most one each)."""
+        return next((j for j in self.jobs.values() if j.scenario == scenario and j.user == user
+                     and j.state in ACTIVE), None)
+
+    def forget(self, scenario: str, user: str) -> int:
+        """Remove every job of `user`'s line, file and folder (a user's deletion: a job lists their receipts).
+        None may be active. Returns how many (blocking)."""
+        gone = [j for j in self.jobs.values() if j.scenario == scenario and j.user == user]
+        if any(j.state in ACTIVE for j in gone):
+            raise RuntimeError(f"user {user!r} of {scenario!r} has a job queued or running: cancel it first")
+        for job in gone:
+            (self.root / f"{job.id}.json").unlink(missing_ok=True)
+            shutil.rmtree(self.workdir(job), ignore_errors=True)
+            del self.jobs[job.id]
+        return len(gone)
+
+    def all_active(self, scenario: str) -> list[Job]:
+        """The scenario's queued or running jobs: its shared line's, and its users'."""
+        return [j for j in self.jobs.values() if j.scenario == scenario and j.state in ACTIVE]
+
+    def last(self, scenario: str, user: str) -> Job | None:
+        """The newest job of `user`'s line."""
+        return max((j for j in self.jobs.values() if j.scenario == scenario and j.user == user),
+                   key=lambda j: j.created_at, default=None)
 
     def list(self, scenario: str | None = None) -> list[Job]:
         return sorted((j for j in self.jobs.values() if scenario is None or j.scenario == scenario),

@@ -14,7 +14,7 @@ import os
 import shutil
 import signal
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +22,7 @@ from reefd import plugins
 from reefd.commit import gates
 from reefd.commit.chain import Candidate, Release, ReleaseChain, ReleaseError
 from reefd.commit.gates.memory import ScoreMemory
+from reefd.commit.user_lines import UserLines
 from reefd.engines import EngineError, EngineUnavailable
 from reefd.grow import staleness
 from reefd.grow.backends import Backends
@@ -40,8 +41,8 @@ log = logging.getLogger("reefd.grow.runner")
 Write = Callable[[Scenario, Candidate], Awaitable[Release]]
 """(scenario, candidate) -> the release written by the chain's commit policy: released, or kept as rejected."""
 
-Swap = Callable[[Scenario], Awaitable[object]]
-"""Serve the scenario's head now (the reconciler's hot swap)."""
+Swap = Callable[[Scenario, str | None], Awaitable[object]]
+"""Serve the head of the scenario's shared line (None), or of a user's line, now (the reconciler's hot swap)."""
 
 
 FAULT_KILL_AT = "REEF_FAULT_KILL_AT"
@@ -59,23 +60,32 @@ async def _ready(made: Made) -> Made:
     return made
 
 
-def eligible(store: RecordStore, recipe: Recipe, scenario: str) -> list[Sample]:
-    """The recipe's samples among the scenario's records no candidate consumed yet, oldest first, each with the
-    release that served its record (blocking)."""
-    samples = []
+def eligible(store: RecordStore, recipe: Recipe, scenario: str, user: str | None = None) -> list[Sample]:
+    """The recipe's samples among the records of the scenario's line no candidate consumed yet, oldest first,
+    each with the release that served its record (blocking). A user's line learns from that user's records only;
+    the shared line from the records that are nobody's."""
+    return by_line(store, recipe, scenario).get(user, [])
+
+
+def by_line(store: RecordStore, recipe: Recipe, scenario: str) -> dict[str | None, list[Sample]]:
+    """`eligible` for every line at once: user (None: the shared line) -> its samples (blocking)."""
+    lines: dict[str | None, list[Sample]] = {}
     for record in store.unconsumed(scenario):
         sample = recipe.sample(record, record.get("reports", []))
         if sample is not None:
-            samples.append(dataclasses.replace(sample, release=record.get("release")))
-    return samples
+            user = record.get("user")
+            lines.setdefault(user if isinstance(user, str) else None, []).append(
+                dataclasses.replace(sample, release=record.get("release")))
+    return lines
 
 
 class Runner:
     def __init__(self, registry: Registry, store: RecordStore, chain: ReleaseChain, jobs: JobStore,
-                 scenarios_dir: Path, backends: Backends, write: Write, swap: Swap) -> None:
+                 scenarios_dir: Path, backends: Backends, write: Write, swap: Swap, lines: UserLines) -> None:
         self.registry, self.store, self.chain, self.jobs = registry, store, chain, jobs
         self.scenarios_dir, self.backends = scenarios_dir, backends
         self.write, self.swap = write, swap
+        self.lines = lines  # users' own releases: what a user's job is built on and judged against
         self.scores = ScoreMemory(self._meta_of)
         self.cancelling: set[str] = set()  # jobs an operator cancelled: their task's CancelledError is that
         self.weights, harness = WeightsKind(self), HarnessKind(self)
@@ -189,6 +199,17 @@ class Runner:
             raise JobFailed(f"scenario {job.scenario!r} is no longer served")
         return scenario
 
+    @contextlib.asynccontextmanager
+    async def line(self, job: Job) -> AsyncIterator[Scenario]:
+        """The scenario as the job's line serves it: for a user's job, with that user's release as its binding
+        (held resident meanwhile; no trial), so that the candidate is made on it and judged against it."""
+        scenario = self.scenario(job)
+        if job.user is None:
+            yield scenario
+            return
+        async with self.lines.holding(scenario, job.user) as own:
+            yield dataclasses.replace(scenario, binding=own or scenario.binding, trial=None)
+
     async def _run(self, job: Job) -> None:
         scenario = self.scenario(job)
         recipe = scenario.recipe or build(scenario.cfg.recipe.name, scenario.cfg.recipe.params)  # build: its error
@@ -196,9 +217,9 @@ class Runner:
             job.state, job.error = "skipped", f"recipe {job.recipe!r} does not train"
             return
         await self.save(job, "batch")
-        head = await asyncio.to_thread(self.chain.head, job.scenario)  # what the job is built on
+        head = await asyncio.to_thread(self.chain.line_head, job.scenario, job.user)  # what the job is built on
         async with self.store.selecting(job.scenario):  # retention deletes none of them until job.receipts is set
-            samples = await asyncio.to_thread(eligible, self.store, recipe, job.scenario)
+            samples = await asyncio.to_thread(eligible, self.store, recipe, job.scenario, job.user)
             aged = None
             if recipe.produces in TRAINS and head is not None:
                 samples, aged = await self._aged(job, recipe, head, samples)
@@ -209,7 +230,8 @@ class Runner:
                 if aged is not None and aged.dropped:
                     job.error += f"; {len(aged.dropped)} past max_staleness dropped"
                 return
-            binding = scenario.binding
+            async with self.line(job) as served:
+                binding = served.binding
             spec = recipe.candidate(samples, binding.harness if binding is not None else None)
             if aged is not None:
                 spec.samples = aged.mark(spec.samples)
@@ -226,7 +248,8 @@ class Runner:
                     ) -> tuple[list[Sample], staleness.Aged]:
         """The samples a weight job's batch may be chosen from, and each one's staleness behind `head`; those past
         max_staleness with `stale: drop` are consumed now (they only grow staler: the chain never rewinds)."""
-        history = await asyncio.to_thread(self.chain.history, job.scenario)
+        history = await asyncio.to_thread(lambda: self.chain.history(job.scenario, user=job.user)
+                                          or self.chain.history(job.scenario))
         policy = recipe.staleness if isinstance(recipe, Ages) else staleness.Policy()
         kept, aged = staleness.age(samples, staleness.behind(history, head), policy)
         if aged.dropped:
@@ -288,7 +311,7 @@ class Runner:
                 return
             await asyncio.to_thread(self._save_candidate, job, made, key)  # a restart gates it again
             await self.save(job, "gate")
-            scenario = self.scenario(job)
+            scenario = await stack.enter_async_context(self.line(job))  # a user's: judged against their release
             gate = gates.build(scenario.cfg.gate, self.scenarios_dir)
             verdict = await (gate.evaluate(no_generate, current=None, candidate=None) if gate.sampling is None
                              else kind.gate(job, scenario, made, gate))
@@ -298,7 +321,8 @@ class Runner:
         job.verdict = verdict
         await self.save(job, "publish")
         assert job.built_on is not None
-        cand = Candidate(made.kind, made.meta, artifact=made.artifact, built_on=job.built_on, verdict=verdict)
+        cand = Candidate(made.kind, made.meta, artifact=made.artifact, built_on=job.built_on, verdict=verdict,
+                         user=job.user)
         await self._commit(job, self.scenario(job), cand, resumed)
 
     def _save_candidate(self, job: Job, made: Made, key: str) -> None:
@@ -322,8 +346,8 @@ class Runner:
 
     def _written(self, job: Job) -> Release | None:
         """The release (or rejected candidate) this job already wrote, by a reefd stopped before it said so."""
-        return next((r for r in self.chain.history(job.scenario, include_rejected=True) if r.meta.get("job") == job.id),
-                    None)
+        return next((r for r in self.chain.history(job.scenario, include_rejected=True, user=job.user)
+                     if r.meta.get("job") == job.id), None)
 
     async def _commit(self, job: Job, scenario: Scenario, cand: Candidate, resumed: bool) -> None:
         """Write the candidate to the chain (released, or kept as rejected), consume its records (and those the
@@ -340,8 +364,12 @@ class Runner:
         if rel.status == "rejected":
             log.info("%s %s: candidate %s rejected: %s", job.scenario, job.id, rel.id,
                      rel.meta.get("refused") or verdict.get("reason"))
+        elif job.user is not None:  # a user's line: their next turn pages the new head in
+            await self.swap(scenario, job.user)
+            if self.lines.head(job.scenario, job.user) != rel.id:
+                job.error = "published, but not the head of the user's line"
         else:
-            await self.swap(scenario)
+            await self.swap(scenario, None)
             live = self.registry.scenarios.get(job.scenario)
             serving = {b.release: b for b in (live.binding if live is not None else None,
                                               live.trial.binding if live is not None and live.trial else None)

@@ -1,6 +1,9 @@
 """When Grow jobs run: triggers (record count, debounced after durable records; interval and cron, APScheduler jobs
-on the daemon's loop; `reefctl train`), one job per scenario (a trigger joins the queued or running one), at most
-max_jobs at once, first come first served. Running a job is the runner's (reefd/grow/runner.py).
+on the daemon's loop; `reefctl train`), one job per line (a scenario's shared line, and each of its users' lines:
+a trigger joins the line's queued or running one), at most max_jobs at once, first come first served. A user's
+count trigger counts that user's own eligible records. Since a line has at most one job queued or running and
+the queue is first come first served, a user with heavy traffic waits behind every other line that asked
+before it: nobody is starved. Running a job is the runner's (reefd/grow/runner.py).
 """
 
 from __future__ import annotations
@@ -14,12 +17,17 @@ from collections import deque
 from typing import Any
 
 from reefd.grow.job_store import Job, JobStore
-from reefd.grow.runner import Runner, eligible
+from reefd.grow.runner import Runner, by_line
 from reefd.observe.records import RecordStore
 from reefd.ops.background import Background
 from reefd.serve.scenarios import Registry
 
 log = logging.getLogger("reefd.grow.schedule")
+
+
+def line_key(scenario: str, user: str | None) -> str:
+    """One release line's key: the scenario's name, and the user's (neither holds a '/')."""
+    return scenario if user is None else f"{scenario}/{user}"
 
 
 class CannotCancel(Exception):
@@ -38,10 +46,10 @@ class Scheduler:
         self.runner = runner
         self.max_jobs = max_jobs
         self._queue: deque[Job] = deque()
-        self._running: dict[str, asyncio.Task[None]] = {}  # scenario -> its running job's task
+        self._running: dict[str, asyncio.Task[None]] = {}  # line (`line_key`) -> its running job's task
         self._wake = asyncio.Event()
         self._checks: dict[str, asyncio.TimerHandle] = {}
-        self._cooldown: dict[str, float] = {}  # scenario -> monotonic time before which counts do not fire
+        self._cooldown: dict[str, float] = {}  # line -> monotonic time before which counts do not fire
         self._background = Background(log)  # the dispatcher and count checks
         self._aps: Any = None
 
@@ -94,10 +102,16 @@ class Scheduler:
                                   args=[name, "cron"], id=f"{name}:cron", coalesce=True, max_instances=1)
 
     async def _fire(self, scenario: str, reason: str) -> None:
-        """APScheduler runs coroutines on the daemon's loop (plain functions would run in a thread)."""
+        """APScheduler runs coroutines on the daemon's loop (plain functions would run in a thread). On a per-user
+        scenario, every user's line with eligible records is submitted too."""
         s = self.registry.scenarios.get(scenario)
-        if s is not None and s.trial is None:  # a release on trial is judged before anything replaces it
-            await self.submit(scenario, reason)
+        if s is None or s.trial is not None:  # a release on trial is judged before anything replaces it
+            return
+        await self.submit(scenario, reason)
+        if s.cfg.users is not None and s.recipe is not None:
+            lines = await asyncio.to_thread(by_line, self.store, s.recipe, scenario)
+            for user in sorted(u for u in lines if u is not None):
+                await self.submit(scenario, reason, user)
 
     # ------------------------------------------------------------ triggers
 
@@ -115,31 +129,34 @@ class Scheduler:
 
     async def _count_check(self, scenario: str) -> None:
         s = self.registry.scenarios.get(scenario)
-        if s is None or s.cfg.trigger.every_n_records is None or self.jobs.active(scenario) or s.trial is not None:
+        if s is None or s.cfg.trigger.every_n_records is None or s.trial is not None:
             return  # (a release on trial is judged before a job may replace it; `reefctl train` still can)
-        if time.monotonic() < self._cooldown.get(scenario, 0.0):
-            return
         recipe = s.recipe  # built once per scenario (re)load: a recipe that cannot be built is None
         if recipe is None or recipe.produces == "nothing":
             return
-        samples = await asyncio.to_thread(eligible, self.store, recipe, scenario)
-        if len(samples) >= s.cfg.trigger.every_n_records and recipe.ready(samples):
-            await self.submit(scenario, "count")
+        lines = await asyncio.to_thread(by_line, self.store, recipe, scenario)
+        for user, samples in sorted(lines.items(), key=lambda kv: kv[0] or ""):
+            if (user is not None and s.cfg.users is None) or self.jobs.active(scenario, user) or \
+                    time.monotonic() < self._cooldown.get(line_key(scenario, user), 0.0):
+                continue
+            if len(samples) >= s.cfg.trigger.every_n_records and recipe.ready(samples):
+                await self.submit(scenario, "count", user)
 
-    async def submit(self, scenario: str, reason: str) -> Job:
-        """Queue a job for `scenario`, or return the one already queued or running (triggers coalesce)."""
-        current = self.jobs.active(scenario)
+    async def submit(self, scenario: str, reason: str, user: str | None = None) -> Job:
+        """Queue a job for the scenario's shared line (or `user`'s), or return the one already queued or running
+        on that line (triggers coalesce)."""
+        current = self.jobs.active(scenario, user)
         if current is not None:
             return current
         s = self.registry.scenarios[scenario]
-        job = self.jobs.new(scenario, reason, s.cfg.recipe.name)  # listed now: a trigger meanwhile joins it
+        job = self.jobs.new(scenario, reason, s.cfg.recipe.name, user)  # listed now: a trigger meanwhile joins it
         try:
             await asyncio.to_thread(self.jobs.save, job)
         except BaseException:  # not on disk (a full disk, say): it never existed
             self.jobs.jobs.pop(job.id, None)
             raise
         self._queue.append(job)
-        log.info("%s %s: queued (%s)", scenario, job.id, reason)
+        log.info("%s %s: queued (%s%s)", scenario, job.id, reason, f", user {user}" if user else "")
         self._wake.set()
         return job
 
@@ -151,8 +168,8 @@ class Scheduler:
             raise CannotCancel(f"job {job.id} already ended: {job.state}")
         if job.stage in ("publish", "done"):
             raise CannotCancel(f"job {job.id} is publishing its release; it can no longer be cancelled")
-        self._cooldown[job.scenario] = time.monotonic() + self.FAILURE_COOLDOWN_S
-        task = self._running.get(job.scenario)
+        self._cooldown[line_key(job.scenario, job.user)] = time.monotonic() + self.FAILURE_COOLDOWN_S
+        task = self._running.get(line_key(job.scenario, job.user))
         if task is not None and job.id in self.runner.cancelling:  # a cancel under way: wait for it
             await asyncio.wait({task})
             return job
@@ -166,8 +183,8 @@ class Scheduler:
         await asyncio.wait({task})  # the trainer stopped (SIGTERM, its grace), the job's files removed
         if job.state in ("queued", "running"):  # cancelled before its task ran a line: the runner never saw it
             self.runner.cancelling.discard(job.id)
-            if self._running.get(job.scenario) is task:
-                self._running.pop(job.scenario)
+            if self._running.get(line_key(job.scenario, job.user)) is task:
+                self._running.pop(line_key(job.scenario, job.user))
                 self._wake.set()
             await self._cancel_unstarted(job)
         return job
@@ -189,16 +206,16 @@ class Scheduler:
             while self._queue and len(self._running) < self.max_jobs:
                 job = self._queue.popleft()
                 task = asyncio.create_task(self._run(job), name=f"job-{job.id}")
-                self._running[job.scenario] = task
+                self._running[line_key(job.scenario, job.user)] = task
 
     async def _run(self, job: Job) -> None:
         try:
             await self.runner.run(job)
         finally:
-            self._running.pop(job.scenario, None)
+            self._running.pop(line_key(job.scenario, job.user), None)
             self._wake.set()
             # the batch of a failed job, or of a refused proposal, is still eligible: count triggers wait a while
             if job.state in ("failed", "cancelled") or (job.state == "skipped" and job.reason != "manual"):
-                self._cooldown[job.scenario] = time.monotonic() + self.FAILURE_COOLDOWN_S
+                self._cooldown[line_key(job.scenario, job.user)] = time.monotonic() + self.FAILURE_COOLDOWN_S
             with contextlib.suppress(RuntimeError):
                 self.check(job.scenario)  # rollouts that arrived meanwhile may make the next batch

@@ -349,6 +349,14 @@ class Conversations:
                 found.add(name)
         return found.pop() if len(found) == 1 else None
 
+    def forget_user(self, scenario: str, user: str) -> int:
+        """Forget the open sessions of every owner that spoke for `user` (a user's deletion); returns how many."""
+        owners = self._open.get(scenario, {})
+        gone = [o for o in owners if o.endswith(f"/{user}")]
+        for owner in gone:
+            del owners[owner]
+        return len(gone)
+
     def served(self, scenario: str, receipt: str, placement: Placement, reply: str,
                at: float | None = None, release: str | None = None, owner: str = ROOT) -> None:
         """A main or retry turn's record is durable: it is open for a continuation. `reply`: the hash of its

@@ -10,12 +10,16 @@ import errno
 import logging
 import os
 import queue
+import shutil
 import struct
 import threading
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import lmdb
+
+from reefd.ops.files import fsync_path
 
 log = logging.getLogger("reefd.observe.records")
 
@@ -120,6 +124,7 @@ class GroupCommit:
         self._dbs: dict[str, Any] = {}
         self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._rw = _RWLock()
+        self._batch_lock = threading.Lock()  # held by the writer for a batch, and by `compact`
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stopped: asyncio.Future[None] | None = None
@@ -134,15 +139,42 @@ class GroupCommit:
         if self._thread is not None:
             raise RuntimeError(f"{type(self).__name__}.open() called twice")
         os.makedirs(self.path, exist_ok=True)
-        env = lmdb.open(self.path, map_size=self._map_size, subdir=True, max_dbs=16,
-                        sync=True, metasync=True, writemap=False)
-        with env.begin(write=True) as txn:
-            self._dbs = {name: env.open_db(name.encode(), txn=txn) for name in self.TABLES}
+        env = self._open_env(self._map_size)
         await self._upgrade(env)
         self._env, self._loop = env, asyncio.get_running_loop()
         self._stopped = self._loop.create_future()
         self._thread = threading.Thread(target=self._writer_main, name="reef-records-writer", daemon=True)
         self._thread.start()
+
+    def _open_env(self, map_size: int) -> lmdb.Environment:
+        env = lmdb.open(self.path, map_size=map_size, subdir=True, max_dbs=16, sync=True, metasync=True,
+                        writemap=False)
+        with env.begin(write=True) as txn:
+            self._dbs = {name: env.open_db(name.encode(), txn=txn) for name in self.TABLES}
+        return env
+
+    def compact(self) -> int:
+        """Rewrite the env's file without its free pages, where deleted values stay until LMDB reuses them, so
+        that nothing deleted can be read from the file any more (a user's deletion). Reads and writes wait
+        meanwhile; a crash leaves the old file or the new one, each whole. Blocking; returns the bytes the file
+        shrank by."""
+        with self._batch_lock, self._rw.write():
+            env = self._env
+            if env is None:
+                raise StoreClosed("record store is not open")
+            data, tmp = os.path.join(self.path, "data.mdb"), self.path + ".compact"
+            before, map_size = os.path.getsize(data), env.info()["map_size"]
+            shutil.rmtree(tmp, ignore_errors=True)
+            os.makedirs(tmp)
+            env.copy(tmp, compact=True)
+            fsync_path(Path(tmp) / "data.mdb")
+            env.close()
+            self._env = None
+            os.replace(os.path.join(tmp, "data.mdb"), data)
+            fsync_path(Path(self.path))
+            shutil.rmtree(tmp, ignore_errors=True)
+            self._env = self._open_env(map_size)
+            return before - os.path.getsize(data)
 
     async def _upgrade(self, env: lmdb.Environment) -> None:
         """Bring what an older reefd wrote up to date, before the writer starts."""
@@ -215,6 +247,10 @@ class GroupCommit:
 
     def _commit_batch(self, ops: list[Op]) -> list[Outcome]:
         """One transaction for the whole batch; grows the map and retries it when the map is full."""
+        with self._batch_lock:
+            return self._commit_locked(ops)
+
+    def _commit_locked(self, ops: list[Op]) -> list[Outcome]:
         while True:
             try:
                 return self._transact(ops)
@@ -225,7 +261,7 @@ class GroupCommit:
             except Exception as exc:  # a bug in some op: commit the ops one by one to isolate it
                 if len(ops) == 1:
                     return [(False, exc)]
-                return [outcome for op in ops for outcome in self._commit_batch([op])]
+                return [outcome for op in ops for outcome in self._commit_locked([op])]
             if problem:
                 return [(False, StorageError(problem)) for _ in ops]
 

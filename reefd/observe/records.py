@@ -169,6 +169,33 @@ class RecordStore(Reports):
         how many records were deleted (receipts not found, or of another scenario, are skipped)."""
         return int(await self._submit(self._apply_delete, scenario_key(scenario), list(receipts)))
 
+    async def delete_user(self, scenario: str, user: str, batch: int = 250) -> int:
+        """Delete every record of `user` in `scenario` (their reports go with them, as for `delete_records`) and
+        their counts, then compact the file (nothing of theirs stays in its free pages). Returns how many."""
+        total = 0
+        while receipts := await asyncio.to_thread(self._of_user, scenario, user, batch):
+            deleted = await self.delete_records(scenario, receipts)
+            total += deleted
+            if not deleted:
+                break  # index entries without their records: _apply_forget takes them
+        await self._submit(self._apply_forget, user_key(scenario_key(scenario), user))
+        await asyncio.to_thread(self.compact)
+        return total
+
+    def _of_user(self, scenario: str, user: str, limit: int) -> list[str]:
+        prefix = user_key(scenario_key(scenario), user) + b"\0"
+        with self._reading() as txn:
+            return [k.decode() for k in islice(self._after(txn, "by_user", prefix, None), limit)]
+
+    def _apply_forget(self, txn: lmdb.Transaction[bytes], deltas: dict[bytes, list[int]], key: bytes) -> None:
+        """A user's counts, and whatever index entries of theirs are left, gone."""
+        txn.delete(key, db=self._dbs["counts"])
+        deltas.pop(key, None)
+        with txn.cursor(db=self._dbs["by_user"]) as cursor:
+            found = cursor.set_range(key + b"\0")
+            while found and cursor.key().startswith(key + b"\0"):
+                found = cursor.delete()
+
     def _apply_delete(self, txn: lmdb.Transaction[bytes], deltas: dict[bytes, list[int]],
                       scenario: bytes, receipts: list[str]) -> int:
         db, prefix = self._dbs, scenario + b"\0"

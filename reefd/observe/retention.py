@@ -27,20 +27,22 @@ DAY_S = 86_400.0
 
 
 def lineage(chain: ReleaseChain, scenario: str) -> frozenset[str]:
-    """The receipts the scenario's published releases learned from (blocking: it reads the chain)."""
+    """The receipts the scenario's published releases learned from, its users' lines' included (blocking: it
+    reads the chain)."""
     out: set[str] = set()
-    for rel in chain.history(scenario):
-        _receipts_of(rel.meta, out)
+    for user in [None, *chain.users(scenario)]:
+        for rel in chain.history(scenario, user=user):
+            receipts_of(rel.meta, out)
     return frozenset(out)
 
 
-def _receipts_of(meta: dict[str, Any], out: set[str]) -> None:
+def receipts_of(meta: dict[str, Any], out: set[str]) -> None:
     receipts = meta.get("receipts")
     if isinstance(receipts, list):
         out.update(r for r in receipts if isinstance(r, str))
     target = meta.get("target_meta")  # a rollback or promote: what its target learned from
     if isinstance(target, dict):
-        _receipts_of(target, out)
+        receipts_of(target, out)
 
 
 class Retention:
@@ -133,13 +135,14 @@ class Retention:
                                   keep=kept | running if running else kept, after=after, limit=self.BATCH)
 
     def _running(self, scenario: str) -> set[str]:
-        job = self.jobs.active(scenario)
-        return set() if job is None else {*job.receipts, *job.skipped}
+        """The records of the scenario's active jobs (its shared line's, and its users')."""
+        return {r for job in self.jobs.all_active(scenario) for r in (*job.receipts, *job.skipped)}
 
     def _lineage_of(self, scenario: str) -> frozenset[str]:
-        """lineage(), read again only when the scenario's head has moved (blocking)."""
-        head = self.chain.head(scenario)
-        commit = head.commit if head is not None else None
+        """lineage(), read again only when a head of the scenario (its shared line's, or a user's) has moved
+        (blocking)."""
+        heads = [self.chain.head(scenario, user) for user in [None, *self.chain.users(scenario)]]
+        commit = ",".join(h.commit for h in heads if h is not None) or None
         cached = self._lineage.get(scenario)
         if cached is not None and cached[0] == commit:
             return cached[1]

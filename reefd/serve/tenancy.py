@@ -40,6 +40,15 @@ class UsersFull(Exception):
         self.scenario, self.user, self.limit = scenario, user, limit
 
 
+class BeingDeleted(Exception):
+    """A turn of a user whose deletion is under way."""
+
+    def __init__(self, scenario: str, user: str) -> None:
+        super().__init__(f"user {user!r} of scenario {scenario!r} is being deleted; nothing of theirs is served or "
+                         "stored meanwhile")
+        self.scenario, self.user = scenario, user
+
+
 class Users:
     """The users each scenario has seen: name → when first seen, kept in one JSON file per scenario."""
 
@@ -47,6 +56,7 @@ class Users:
         self.folder = folder
         self._known: dict[str, dict[str, dict[str, Any]]] = {}
         self._locks: dict[str, asyncio.Lock] = {}
+        self.deleting: set[tuple[str, str]] = set()  # (scenario, user): their turns are refused meanwhile
 
     def _path(self, scenario: str) -> Path:
         return self.folder / f"{scenario}.json"
@@ -65,7 +75,9 @@ class Users:
 
     async def admit(self, scenario: str, user: str, cfg: UsersConfig) -> bool:
         """Make sure `user` is one of `scenario`'s users (durably, before the caller serves it); True when new.
-        UsersFull when it would be one more than `cfg.max`."""
+        UsersFull when it would be one more than `cfg.max`; BeingDeleted while their deletion runs."""
+        if (scenario, user) in self.deleting:
+            raise BeingDeleted(scenario, user)
         if user in self.known(scenario):
             return False
         async with self._locks.setdefault(scenario, asyncio.Lock()):
@@ -75,6 +87,17 @@ class Users:
             if len(known) >= cfg.max:
                 raise UsersFull(scenario, user, cfg.max)
             updated = {**known, user: {"since": round(time.time(), 3)}}
+            await asyncio.to_thread(write_json, self._path(scenario), {"users": updated}, indent=1)
+            self._known[scenario] = updated
+            return True
+
+    async def forget(self, scenario: str, user: str) -> bool:
+        """`user` is no longer one of `scenario`'s users (their deletion); False when they were not one."""
+        async with self._locks.setdefault(scenario, asyncio.Lock()):
+            known = self.known(scenario)
+            if user not in known:
+                return False
+            updated = {k: v for k, v in known.items() if k != user}
             await asyncio.to_thread(write_json, self._path(scenario), {"users": updated}, indent=1)
             self._known[scenario] = updated
             return True

@@ -55,6 +55,7 @@ MATRIX: list[tuple[str, str, str | None]] = [
     ("GET", "/reef/scenarios/{name}/records", "read"),
     ("GET", "/reef/status", "read"),
     ("GET", "/reef/scenarios/{name}/users", "read"),
+    ("DELETE", "/reef/scenarios/{name}/users/{user}", "admin"),
     ("GET", "/reef/scenarios/{name}/releases", "read"),
     ("GET", "/reef/releases/{release}", "read"),
     ("GET", "/reef/releases/{release}/lineage", "read"),
@@ -169,7 +170,7 @@ def seeded(w: World) -> World:
 
 def request_for(method: str, path: str, scenario: str, ids: dict[str, str]) -> tuple[str, Any, dict[str, str]]:
     """A concrete request on `path` about `scenario`: (url path, JSON body or None, headers)."""
-    url = path.format(scenario=scenario, name=scenario, job="job_missing", **ids)
+    url = path.format(scenario=scenario, name=scenario, job="job_missing", user="nobody", **ids)
     headers = {"x-reef-scenario": scenario} if path in HEADER_SCENARIO else {}
     query: dict[str, str] = {}
     if path.startswith("/reef/harness"):

@@ -9,6 +9,7 @@ answer tells which release produced it.
 from __future__ import annotations
 
 import json
+import subprocess
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -17,6 +18,7 @@ import openai
 import pytest
 
 from tests.conftest import Daemon, sdk, shared_daemon
+from tests.e2e.test_grow import jobs, learn_yaml, wait_job
 from tests.e2e.test_hot_swap import ctl
 from tests.e2e.test_reefctl import reefctl
 from tests.loras import make_lora, make_weights
@@ -24,11 +26,14 @@ from tests.loras import make_lora, make_weights
 pytestmark = pytest.mark.filterwarnings("ignore:.*is_gradient_checkpointing.*:FutureWarning")
 PROMPT = [{"role": "user", "content": "Whose release are you?"}]
 ASSIST = "defaults:\n  - model: tiny\n  - _self_\nserve:\n  default_max_tokens: 8\nusers:\n  slots: 1\n"
+# sao, a count trigger at 4 scored records, the always gate; an engine of its own (assist's takes full weights)
+LEARNERS = learn_yaml(extra="model:\n  max_batch: 4\n") + "users: {}\n"
 
 
 @pytest.fixture(scope="module")
 def d(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
-    yield from shared_daemon(tmp_path_factory.mktemp("user-releases"), names=(), extra={"assist": ASSIST})
+    yield from shared_daemon(tmp_path_factory.mktemp("user-releases"), names=(),
+                             extra={"assist": ASSIST, "learners": LEARNERS})
 
 
 @pytest.fixture(scope="module")
@@ -38,11 +43,12 @@ def loras(d: Daemon, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path
     return {name: make_lora(model, root / name, seed=seed, scale=2.0) for name, seed in (("alice", 11), ("bob", 12))}
 
 
-def ask(d: Daemon, user: str | None) -> tuple[str, str]:
+def ask(d: Daemon, user: str | None, scenario: str = "assist") -> tuple[str, str]:
     """(text, x-reef-release-id) of one greedy answer for `user` (None: nobody's)."""
-    headers = {"x-reef-scenario": "assist", **({"x-reef-user": user} if user else {})}
+    headers = {"x-reef-scenario": scenario, **({"x-reef-user": user} if user else {})}
     c = sdk(openai.OpenAI(base_url=d.url + "/v1", api_key=d.token, max_retries=0, default_headers=headers))
-    raw = c.chat.completions.with_raw_response.create(model="assist", messages=PROMPT, max_tokens=8, temperature=0)
+    raw = c.chat.completions.with_raw_response.create(model=scenario, messages=PROMPT, max_tokens=8,
+                                                      temperature=0)
     return raw.parse().choices[0].message.content or "", raw.headers["x-reef-release-id"]
 
 
@@ -110,3 +116,71 @@ def test_new_shared_weights_put_a_users_adapter_aside_until_the_weights_it_was_m
     assert bob["own_release"] == own and bob["release"] == shared and "other weights" in bob["why"], bob
     ctl(d, "rollback", "assist")
     assert ask(d, "bob") == (own_text, own)
+
+
+def test_a_users_count_trigger_trains_their_line_on_their_records_alone(d: Daemon) -> None:
+    """Four scored turns of alice's make a job of her line's; bob's two make none; the job trains on alice's
+    records only, and its release answers alice alone while the shared line stays where it was."""
+    shared = ctl(d, "history", "learners")["head"]
+
+    bobs = [_scored(d, "bob", f"bob's question {i}") for i in range(2)]
+    alices = [_scored(d, "alice", f"alice's question {i}") for i in range(4)]
+    job = wait_job(d, name="learners")
+    assert job["state"] == "published" and job["user"] == "alice", job
+    assert sorted(job["receipts"]) == sorted(alices) and not set(job["receipts"]) & set(bobs)
+    assert [j["user"] for j in jobs(d, "learners")] == ["alice"]  # bob's two records start no job
+    mine = ctl(d, "history", "learners", "--user", "alice")
+    assert mine["own_line"] and mine["data"][0]["id"] == job["release"] and mine["data"][0]["user"] == "alice"
+    assert mine["data"][0]["parent"] == shared and ctl(d, "history", "learners")["head"] == shared
+    assert ask(d, "alice", "learners")[1] == job["release"] and ask(d, "bob", "learners")[1] == shared
+    users = {u["user"]: u for u in ctl(d, "users", "learners")["data"]}
+    assert (users["alice"]["records"], users["alice"]["reports"], users["bob"]["records"]) == (5, 4, 3), users  # + ask
+    assert users["alice"]["last_job"] == {"id": job["id"], "state": "published", "release": job["release"]}
+    assert users["bob"]["last_job"] is None
+
+
+def test_deleting_a_user_leaves_no_byte_of_theirs_and_the_others_serving(d: Daemon) -> None:
+    """dora's records, reports, trained release, its adapter's LFS objects, her job and her sessions are gone
+    from the LMDB file, the git object store (after its garbage collection) and the state folder; her receipts
+    answer 404; alice's release still serves alice."""
+    user = "dora-deleted"
+    receipts = [_scored(d, user, f"dora's secret {i}") for i in range(4)]
+    job = wait_job(d, name="learners", seen=tuple(j["id"] for j in jobs(d, "learners") if j["user"] != user))
+    assert job["state"] == "published" and job["user"] == user, job
+    lfs = [f["sha256"] for f in json.loads(d.get(f"/reef/releases/{job['release']}")[1])["files"] if f["lfs"]]
+    assert lfs and all((d.state / "releases.git" / "lfs" / "objects" / o[:2] / o[2:4] / o).is_file() for o in lfs)
+    alice = ask(d, "alice", "learners")
+    gone = ctl(d, "users", "delete", "learners", user)
+    assert (gone["records"], gone["releases"], gone["jobs"]) == (4, [job["release"]], 1), gone
+    assert gone["lfs_objects"] >= 1 and gone["shared_releases_learned_from"] == []
+    for receipt in receipts:
+        assert d.get(f"/reef/records/{receipt}")[0] == 404
+    assert d.get(f"/reef/releases/{job['release']}")[0] == 404 and d.get(f"/reef/jobs/{job['id']}")[0] == 404
+    assert user not in {u["user"] for u in ctl(d, "users", "learners")["data"]}
+    again = reefctl(d, "users", "delete", "learners", user)
+    assert again.returncode != 0 and "no user 'dora-deleted'" in again.stderr, again.stderr
+    assert ask(d, "alice", "learners") == alice  # the others' lines serve on
+    secrets = [user.encode(), *(r.encode() for r in receipts), job["release"].encode(), b"dora's secret"]
+    for path in d.state.rglob("*"):
+        if path.is_file():
+            data = path.read_bytes()
+            assert not [s for s in secrets if s in data], path  # LMDB, job files, users, serving, proofs
+    objects = subprocess.run(["git", "--git-dir", str(d.state / "releases.git"), "cat-file", "--batch-all-objects",
+                              "--batch", "--unordered"], capture_output=True, check=True).stdout
+    assert objects and not [s for s in secrets if s in objects]  # every object git still holds, unpacked
+    kept = [oid for oid in lfs if (d.state / "releases.git" / "lfs" / "objects" / oid[:2] / oid[2:4] / oid).exists()]
+    assert len(kept) < len(lfs)  # her adapter's own bytes went
+    assert all(f"oid sha256:{oid}".encode() in objects for oid in kept)  # what stays, another release points to
+
+
+def _scored(d: Daemon, user: str, text: str) -> str:
+    """One turn of `user` in `learners`, reported with score 1; its receipt."""
+    c = sdk(openai.OpenAI(base_url=d.url + "/v1", api_key=d.token, max_retries=0,
+                          default_headers={"x-reef-scenario": "learners", "x-reef-user": user}))
+    raw = c.chat.completions.with_raw_response.create(model="learners", messages=[
+        {"role": "user", "content": text}], max_tokens=8, temperature=1.0)
+    receipt = raw.headers["x-reef-agent-record-id"]
+    code, body, _ = d.post("/reef/report", {"score": 1.0, "references": [receipt]},
+                           headers={"x-reef-scenario": "learners"})
+    assert code == 200, body
+    return receipt
