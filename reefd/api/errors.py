@@ -210,6 +210,8 @@ def _float(text: str) -> float | _Unrepresentable:
 
 
 def _int(text: str) -> int | _Unrepresentable:
+    if len(text) > 21:  # past 64 bits (20 digits and a sign), before int(), which refuses 4,300 digits or more
+        return _Unrepresentable(text)
     value = int(text)
     return value if -(2**63) <= value < 2**64 else _Unrepresentable(text)
 
@@ -284,7 +286,8 @@ def _slow_json(raw: bytes) -> Any:
         if isinstance(text, _Surrogate):
             raise ApiError(400, f"{path or 'the body'}: a lone UTF-16 surrogate ({text}) is not a character; "
                                 "send valid Unicode", param=path or None)
-        raise ApiError(400, f"{path}: {text} is not a finite number within 64 bits", param=path or None)
+        raise ApiError(400, f"{path}: {shown_text(text, 60)} is not a finite number within 64 bits",
+                       param=path or None)
     return body
 
 

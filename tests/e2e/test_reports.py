@@ -134,6 +134,13 @@ def test_numbers_json_cannot_carry_are_400_with_their_path(daemon: Daemon, recei
     raw = b'{"model": "tiny", "messages": [{"role": "user", "content": "x"}], "temperature": 1e999}'
     status, answer, _ = post(daemon, "/v1/chat/completions", raw)
     assert status == 400 and answer["error"]["param"] == "temperature"
+    huge = "9" * 5000  # past the 4,300 digits Python's int() takes: a 400 naming the field, not a 500
+    for path, raw in (("/reef/report", f'{{"score": {huge}, "references": ["{receipt}"]}}'.encode()),
+                      ("/v1/chat/completions", b'{"model": "tiny", "messages": [{"role": "user", "content": "x"}],'
+                                               b' "max_tokens": -' + huge.encode() + b"}")):
+        status, answer, _ = post(daemon, path, raw)
+        assert status == 400 and "within 64 bits" in answer["error"]["message"], answer
+        assert len(answer["error"]["message"]) < 200 and answer["error"]["param"] in ("score", "max_tokens")
 
 
 def test_undecodable_token_bytes_are_401_not_500(daemon: Daemon) -> None:

@@ -5,6 +5,7 @@ partial answers are told apart; function verifiers run in the same sandbox."""
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import shutil
 import socket
@@ -41,6 +42,40 @@ def test_right_wrong_and_partial_answers(tmp_path: Path) -> None:
     said = verify('echo "expected 5, got $(cat answer.txt)"; exit 1', "6", scenarios=tmp_path)
     assert not said.passed and said.feedback == "expected 5, got 6" and right.feedback == ""
     assert verify("echo oops; exit 7", scenarios=tmp_path).feedback == ""  # a failed verifier is no feedback
+
+
+def test_a_verdict_line_after_a_flood_of_output_still_gives_the_score(tmp_path: Path) -> None:
+    """The probe's P4: 70,000 bytes, then {"score": 0.5}. The last 64 KiB are kept, so the verdict line is read
+    (it was lost, and the exit status 0 counted as a full pass); the output says what was dropped."""
+    flood = verify("head -c 70000 /dev/zero | tr '\\0' x; echo; echo '{\"score\": 0.5}'", scenarios=tmp_path)
+    assert flood.error is None and flood.score == 0.5, flood.output
+    assert flood.output["stdout"].endswith('{"score": 0.5}\n')
+    binary = verify("head -c 200000 /dev/urandom; echo; exit 1", scenarios=tmp_path)
+    assert binary.error is None and binary.score == 0.0  # a wrong answer, however much it printed
+
+
+def test_control_characters_and_terminal_escapes_are_stored_as_data(tmp_path: Path) -> None:
+    """The probe's P6: what a verifier prints reaches feedback, metadata, status and the log; escapes and other
+    control characters are written as \\xNN there (tabs and newlines kept), never stored raw."""
+    loud = "printf 'a\\033[31mred\\033[0m\\r\\a\\tb\\n'; printf '\\033]0;title\\007' >&2; exit 1"
+    wrong = verify(loud, scenarios=tmp_path)
+    assert wrong.error is None and wrong.feedback == "a\\x1b[31mred\\x1b[0m\\x0d\\x07\tb", wrong.feedback
+    assert "\x1b" not in json.dumps(wrong.output, ensure_ascii=False) and "\\x1b]0;title\\x07" in \
+        wrong.output["stderr"]
+    failed = verify("printf 'x\\033[2J'; exit 3", scenarios=tmp_path)
+    assert failed.error == "exit status 3" and "\x1b" not in failed.output["stdout"]
+
+
+def test_a_relative_state_folder_is_hidden_and_the_answer_judged(tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """The probe's P5: reefd started with a relative --state hides a relative folder; bwrap could not mount it,
+    and every answer was judged wrong. Now the verdict is the verifier's, and the folder is still hidden."""
+    (tmp_path / "state").mkdir()
+    (tmp_path / "state" / "token").write_text("secret\n")
+    monkeypatch.chdir(tmp_path)
+    seen = verify(f"cat {tmp_path}/state/token; [ ! -e {tmp_path}/state/token ]", scenarios=tmp_path,
+                  hide=(Path("state"),))
+    assert seen.error is None and seen.passed and "secret" not in seen.output["stdout"], seen.output
 
 
 def test_a_verifier_that_never_reads_its_stdin(tmp_path: Path) -> None:

@@ -41,7 +41,7 @@ class Limits:
     timeout_s: float = 10.0  # wall clock, from start to exit; then the whole tree is killed
     memory_mb: int = 512  # address space of each process
     processes: int = 64  # processes and threads at once
-    output_bytes: int = 65536  # of stdout and of stderr each; the rest is dropped
+    output_bytes: int = 65536  # of stdout and of stderr each, the last ones (a verdict line ends stdout)
     file_mb: int = 64  # the largest file it may write
 
 
@@ -84,12 +84,15 @@ def argv_for(command: Sequence[str], scratch: Path, limits: Limits, hide: Sequen
     read-only even where they lie under /tmp; bwrap reports on `status_fd` (JSON lines) that it started."""
     wrap = [bwrap(), *(["--json-status-fd", str(status_fd)] if status_fd is not None else []),
             "--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc", "--tmpfs", "/tmp"]
-    for folder in expose:
+    # every path absolute: bwrap resolves a relative one against its new root, where it cannot be mounted (reefd
+    # started with a relative --state would have every answer judged wrong)
+    for folder in (f.absolute() for f in expose):
         if folder.is_dir() and folder.is_relative_to("/tmp"):
             wrap += ["--ro-bind", str(folder), str(folder)]
-    for folder in hide:
+    for folder in (f.absolute() for f in hide):
         if folder.is_dir():
             wrap += ["--tmpfs", str(folder), "--remount-ro", str(folder)]
+    scratch = scratch.absolute()
     wrap += ["--bind", str(scratch), str(scratch), "--chdir", str(scratch), "--unshare-all", "--die-with-parent",
              "--new-session", "--cap-drop", "ALL", "--clearenv", "--setenv", "PATH", PATH,
              "--setenv", "HOME", str(scratch), "--setenv", "TMPDIR", "/tmp"]
@@ -209,11 +212,16 @@ async def _run(argv: list[str], stdin: bytes, limits: Limits, status_w: int) -> 
 
 
 async def _read(stream: asyncio.StreamReader, limit: int) -> str:
-    """Up to `limit` bytes; the rest is read and dropped, so a chatty command never blocks on a full pipe."""
-    kept = bytearray()
+    """The last `limit` bytes, where a verdict line is; what came before is read and dropped (so a chatty command
+    never blocks on a full pipe), and a first line says how much."""
+    kept, dropped = bytearray(), 0
     while chunk := await stream.read(65536):
-        kept += chunk[:max(0, limit - len(kept))]
-    return kept.decode("utf-8", errors="replace")
+        kept += chunk
+        if len(kept) > limit:
+            dropped += len(kept) - limit
+            del kept[:len(kept) - limit]
+    text = kept.decode("utf-8", errors="replace")
+    return f"[{dropped} bytes before this were dropped]\n{text}" if dropped else text
 
 
 async def _feed(pipe: asyncio.StreamWriter, data: bytes) -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import shlex
 import sys
 from dataclasses import dataclass, field
@@ -108,13 +109,26 @@ class Verifier:
         return judge(outcome)
 
 
+_CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
+
+
+def printable(text: str) -> str:
+    """`text` with its control characters (terminal escapes included; tabs and newlines kept) written as \\xNN:
+    what a verifier prints is stored, shown and logged as data, never as a terminal's instructions."""
+    return _CONTROL.sub(lambda m: f"\\x{ord(m.group()):02x}", text)
+
+
 def judge(outcome: Outcome) -> Verdict:
     """The verdict an outcome gives, by the exit status and the last line of stdout."""
+    stdout = printable(outcome.stdout)
     output = {"returncode": outcome.returncode, "seconds": round(outcome.seconds, 4),
-              "stdout": outcome.stdout[-TAIL:], "stderr": outcome.stderr[-TAIL:]}
+              "stdout": stdout[-TAIL:], "stderr": printable(outcome.stderr)[-TAIL:]}
     if outcome.returncode not in (PASSED, FAILED):
-        return Verdict(0.0, outcome.failure, output)
-    lines = outcome.stdout.strip().splitlines()
+        failure = outcome.failure
+        return Verdict(0.0, printable(failure) if failure is not None else None, output)
+    if outcome.returncode == FAILED and outcome.stderr.startswith("bwrap: "):  # bwrap's own exit 1: not "wrong"
+        return Verdict(0.0, f"the sandbox did not start: {printable(outcome.stderr.strip())[:300]}", output)
+    lines = stdout.strip().splitlines()
     last = lines[-1].strip() if lines else ""
     if not last.startswith("{"):
         return Verdict(1.0 if outcome.returncode == PASSED else 0.0, None, output)
