@@ -108,6 +108,8 @@ bench: venv vllm-venv
 	$(BIN)/python bench/stream_length.py
 	$(BIN)/python bench/stream_length.py --model smollm2 --tokens 2048 --window 256 --engines worker,vllm
 	$(BIN)/python bench/load_streams.py
+	$(BIN)/python bench/users.py --model tiny
+	$(BIN)/python bench/users.py --model smollm2
 	$(BIN)/python bench/hot_swap.py --model tiny
 	$(BIN)/python bench/hot_swap.py --model smollm2 --engines worker,vllm
 	$(BIN)/python bench/hot_swap.py --weights --model tiny

@@ -73,10 +73,6 @@ class UserLines:
     def why(self, scenario: str, user: str) -> str | None:
         return self._of(scenario).why.get(user)
 
-    def users(self, scenario: str) -> dict[str, str]:
-        """Every user with a line of their own, and its head."""
-        return dict(self._of(scenario).heads)
-
     async def moved(self, scenario: Scenario, user: str) -> None:
         """`user`'s line has a new head (a commit through reefd): later turns page it in; the old one goes out
         once its turns are done."""
