@@ -146,8 +146,16 @@ async def serve_turn(request: web.Request, scenario: Scenario, store: RecordStor
     receipt = new_receipt()
     registry = request.app[REGISTRY]
     user = access.user(request, scenario)
-    if user is not None and scenario.cfg.users is not None:
-        await registry.users.admit(scenario.name, user, scenario.cfg.users)  # durable before its first answer
+    users = scenario.cfg.users
+    async with registry.users.turn(scenario.name, user, users) if user is not None and users is not None \
+            else contextlib.nullcontext():  # a new user is kept durably before their first answer
+        return await _serve_placed(request, scenario, store, wire_for, body, chat, stream, receipt, user)
+
+
+async def _serve_placed(request: web.Request, scenario: Scenario, store: RecordStore,
+                        wire_for: Callable[[str], Wire], body: dict[str, Any], chat: ChatRequest, stream: bool,
+                        receipt: str, user: str | None) -> web.StreamResponse:
+    registry = request.app[REGISTRY]
     who = (access.owner(request, user), user)
     placement = request.app[CONVERSATIONS].place(scenario.name, receipt, session_of(request, body), chat.messages,
                                                  chat.tools, side=request.headers.get(TURN_HEADER) == "side",

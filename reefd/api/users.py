@@ -59,6 +59,7 @@ async def delete_user(request: web.Request) -> web.Response:
                        code="user_not_found")
     registry.users.deleting.add((scenario.name, user))
     try:
+        await registry.users.quiet(scenario.name, user, scenario.cfg.serve.request_timeout_s)  # turns under way
         cancelled = await _stop_jobs(request, scenario.name, user)
         await lines.forget(scenario, user)
         erased = await erase(app, scenario, user)

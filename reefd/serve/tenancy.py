@@ -9,8 +9,11 @@ starts on the scenario's shared release. Knows nothing of HTTP, tokens or the ch
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
+from collections import Counter
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -57,6 +60,7 @@ class Users:
         self._known: dict[str, dict[str, dict[str, Any]]] = {}
         self._locks: dict[str, asyncio.Lock] = {}
         self.deleting: set[tuple[str, str]] = set()  # (scenario, user): their turns are refused meanwhile
+        self._turns: Counter[tuple[str, str]] = Counter()  # (scenario, user) -> their turns being served
 
     def _path(self, scenario: str) -> Path:
         return self.folder / f"{scenario}.json"
@@ -90,6 +94,22 @@ class Users:
             await asyncio.to_thread(write_json, self._path(scenario), {"users": updated}, indent=1)
             self._known[scenario] = updated
             return True
+
+    @contextlib.asynccontextmanager
+    async def turn(self, scenario: str, user: str, cfg: UsersConfig) -> AsyncIterator[None]:
+        """One turn of `user` (admitted first), counted until its record is written: a deletion waits for it."""
+        await self.admit(scenario, user, cfg)
+        self._turns[(scenario, user)] += 1
+        try:
+            yield
+        finally:
+            self._turns[(scenario, user)] -= 1
+
+    async def quiet(self, scenario: str, user: str, timeout_s: float) -> None:
+        """Until no turn of `user` (its deletion under way: none starts) is being served, or `timeout_s`."""
+        deadline = time.monotonic() + timeout_s
+        while self._turns[(scenario, user)] > 0 and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
 
     async def forget(self, scenario: str, user: str) -> bool:
         """`user` is no longer one of `scenario`'s users (their deletion); False when they were not one."""

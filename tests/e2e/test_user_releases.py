@@ -144,7 +144,7 @@ def test_deleting_a_user_leaves_no_byte_of_theirs_and_the_others_serving(d: Daem
     from the LMDB file, the git object store (after its garbage collection) and the state folder; her receipts
     answer 404; alice's release still serves alice."""
     user = "dora-deleted"
-    receipts = [_scored(d, user, f"dora's secret {i}") for i in range(4)]
+    receipts = [_scored(d, user, f"dora's secret {i}", score=i % 2) for i in range(4)]  # mixed: a real update
     job = wait_job(d, name="learners", seen=tuple(j["id"] for j in jobs(d, "learners") if j["user"] != user))
     assert job["state"] == "published" and job["user"] == user, job
     lfs = [f["sha256"] for f in json.loads(d.get(f"/reef/releases/{job['release']}")[1])["files"] if f["lfs"]]
@@ -173,14 +173,15 @@ def test_deleting_a_user_leaves_no_byte_of_theirs_and_the_others_serving(d: Daem
     assert all(f"oid sha256:{oid}".encode() in objects for oid in kept)  # what stays, another release points to
 
 
-def _scored(d: Daemon, user: str, text: str) -> str:
-    """One turn of `user` in `learners`, reported with score 1; its receipt."""
+def _scored(d: Daemon, user: str, text: str, score: float = 1.0) -> str:
+    """One turn of `user` in `learners`, reported with `score`; its receipt. (Equal scores give sao no advantage
+    to learn from: its adapter is then the same bytes for everyone.)"""
     c = sdk(openai.OpenAI(base_url=d.url + "/v1", api_key=d.token, max_retries=0,
                           default_headers={"x-reef-scenario": "learners", "x-reef-user": user}))
     raw = c.chat.completions.with_raw_response.create(model="learners", messages=[
         {"role": "user", "content": text}], max_tokens=8, temperature=1.0)
     receipt = raw.headers["x-reef-agent-record-id"]
-    code, body, _ = d.post("/reef/report", {"score": 1.0, "references": [receipt]},
+    code, body, _ = d.post("/reef/report", {"score": score, "references": [receipt]},
                            headers={"x-reef-scenario": "learners"})
     assert code == 200, body
     return receipt
