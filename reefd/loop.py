@@ -35,7 +35,7 @@ import orjson
 from aiohttp import web
 
 from reefd.commit import policy, proofs
-from reefd.commit.chain import Candidate, Release, ReleaseChain
+from reefd.commit.chain import Candidate, Release, ReleaseChain, clear_stale_locks
 from reefd.commit.reconcile import Reconciler
 from reefd.commit.trials import Trials
 from reefd.config import ScenarioConfig, ServeConfig
@@ -232,7 +232,7 @@ def open_chain(state: Path) -> ReleaseChain:
     """The chain at STATE/releases.git, with what a killed run left behind cleared: stale head locks (reefd is
     the chain's only writer) and unfinished uploads and materialized adapters (rebuilt from the chain)."""
     chain = ReleaseChain(state / "releases.git")
-    for lock in chain.clear_stale_locks():
+    for lock in clear_stale_locks(chain.path):
         log.warning("removed a stale release lock left by a killed writer: %s", lock)
     for stale in [*(chain.path / "lfs" / "tmp").iterdir(), state / "serving"]:
         if stale.is_dir():

@@ -23,6 +23,7 @@ from reefd.commit.chain import (
     ReleaseError,
     UnknownRelease,
     WrongScenario,
+    clear_stale_locks,
     head_ref,
 )
 
@@ -288,7 +289,7 @@ def test_a_stale_head_lock_blocks_publishing_until_cleared(tmp_path: Path) -> No
     lock.write_text("left by a killed writer")
     with pytest.raises(HeadConflict):
         chain.publish("s", expected_head=base.id, kind="adapter", artifact_dir=None, meta={})
-    assert chain.clear_stale_locks() == [lock] and not lock.exists()
+    assert clear_stale_locks(chain.path) == [lock] and not lock.exists()
     nxt = chain.publish("s", expected_head=base.id, kind="adapter", artifact_dir=None, meta={})
     assert chain.head("s") == nxt
 

@@ -11,6 +11,7 @@ from aiohttp import web
 
 from reefd.api import access
 from reefd.api.errors import ApiError, json_response, shown
+from reefd.commit.erase import drop_line, prune
 from reefd.commit.proofs import probe_of
 from reefd.grow.schedule import CannotCancel
 from reefd.loop import CHAIN, CONVERSATIONS, RECONCILER, RECORDS, REGISTRY, SCHEDULER
@@ -96,8 +97,8 @@ async def erase(app: web.Application, scenario: Scenario, user: str) -> dict[str
     receipts = {r["id"] for r in await asyncio.to_thread(store.list_records, scenario.name, limit=10_000_000,
                                                          user=user)}
     shared = [r.id for r in await asyncio.to_thread(chain.history, scenario.name) if receipts & _learned(r.meta)]
-    dropped = await asyncio.to_thread(chain.drop_line, scenario.name, user)
-    pruned = await asyncio.to_thread(chain.prune)
+    dropped = await asyncio.to_thread(drop_line, chain, scenario.name, user)
+    pruned = await asyncio.to_thread(prune, chain)
     for rel in releases:
         await files.drop_adapters(f"{scenario.name}/{rel.id}")
     probe = probe_of(scenario.cfg.release.proof)

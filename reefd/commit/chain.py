@@ -1,6 +1,11 @@
-"""The append-only release chain: a bare git repo (pygit2) with Git LFS objects and a CAS head per scenario, and
+"""The append-only release chain: a bare git repo (pygit2) with Git LFS objects and a CAS head per line, and
 `plan`, a candidate checked against its pin and head; written only by `commit` (policy.py). Knows git and
-release.json; nothing about HTTP, engines, gates or training. Blocking: callers on an event loop run it in a thread."""
+release.json; nothing about HTTP, engines, gates or training. Blocking: callers on an event loop run it in a thread.
+
+Each scenario has a shared line, and with per-user learning one line per user (`user=`). A user's line forks from
+the shared line: its first release's parent is the shared head it was made on, so its history runs on into the
+shared releases below, and every guarantee (append-only, CAS head, rollback, promote, rejected candidates) holds on
+it as on the shared line. Dropping a user's line (erase.py) is the one write that removes history."""
 
 from __future__ import annotations
 
@@ -18,7 +23,6 @@ from typing import Any, TypeVar
 
 import pygit2
 
-from reefd.commit import erase
 from reefd.commit.chain_types import (
     BaseMismatch,
     HeadConflict,
@@ -41,7 +45,8 @@ from reefd.commit.trees import GITATTRIBUTES, METADATA, Trees
 
 __all__ = ["ARTIFACT_FOLDER", "BaseMismatch", "Candidate", "HeadConflict", "InvalidName", "NoRelease",
            "NothingToRollBack", "Pinned", "Plan", "Release", "ReleaseChain", "ReleaseError", "TrialRefused",
-           "UnknownRelease", "WrongScenario", "head_ref", "plan", "rejected_prefix", "trained_on", "validate_name"]
+           "UnknownRelease", "WrongScenario", "clear_stale_locks", "head_ref", "line_root", "plan", "rejected_prefix",
+           "rollback_target", "trained_on", "validate_name"]
 
 ARTIFACT_FOLDER = {"base": "weights", "adapter": "adapter", "weights": "weights", "harness": "harness",
                    "bundle": None}
@@ -68,19 +73,14 @@ def _locked(method: F) -> F:
 
     @functools.wraps(method)
     def wrapper(self: ReleaseChain, *args: Any, **kwargs: Any) -> Any:
-        with self._lock:
+        with self.lock:
             return method(self, *args, **kwargs)
 
     return wrapper  # type: ignore[return-value]
 
 
 class ReleaseChain:
-    """Releases of every scenario in one bare repo at `path` (created if missing).
-
-    Each scenario has a shared line, and with per-user learning one line per user (`user=`). A user's line forks
-    from the shared line: its first release's parent is the shared head it was made on, so its history runs on
-    into the shared releases below, and every guarantee (append-only, CAS head, rollback, promote, rejected
-    candidates) holds on it as on the shared line."""
+    """Releases of every scenario in one bare repo at `path` (created if missing); `user=`: a user's line."""
 
     def __init__(self, path: Path) -> None:
         self.path = Path(path)
@@ -89,7 +89,7 @@ class ReleaseChain:
         else:
             self.repo = pygit2.init_repository(str(self.path), bare=True)
         self.trees = Trees(self.repo, self.path)
-        self._lock = threading.RLock()
+        self.lock = threading.RLock()  # one thread at a time in the repository (erase.py takes it too)
 
     # ---- reading -------------------------------------------------------------------------------------------------
     @_locked
@@ -237,15 +237,7 @@ class ReleaseChain:
         head = self._expect(scenario, expected_head, user)
         if head is None:
             raise UnknownRelease(f"{line_label(scenario, user)} has no releases")
-        return self._copy(scenario, head, to or self.rollback_target(head), "rollback", meta, user)
-
-    @staticmethod
-    def rollback_target(head: Release) -> str:
-        """Where a plain rollback goes: the head's parent."""
-        if head.parent is None:
-            raise NothingToRollBack(f"{head.id} is the first release of {head.scenario!r}; there is nothing to roll "
-                                    "back to")
-        return head.parent
+        return self._copy(scenario, head, to or rollback_target(head), "rollback", meta, user)
 
     @_locked
     def promote(self, scenario: str, release_id: str, *, expected_head: str | None,
@@ -387,30 +379,24 @@ class ReleaseChain:
         """Every file of a release: path, size, sha256 (the LFS oid for LFS files), lfs."""
         return self.trees.files(self._tree(release_id))
 
-    @_locked
-    def drop_line(self, scenario: str, user: str) -> list[str]:
-        """Delete `user`'s line, its head and its refused candidates: the one write that removes history (a
-        user's deletion). Returns the ids of the releases and candidates that were theirs; `prune` then removes
-        what nothing reaches any more."""
-        gone = [r.id for r in self.history(scenario, include_rejected=True, user=user) if r.user == user]
-        root = line_root(scenario, user)
-        for name in [n for n in self.repo.references if n.startswith(root)]:
-            self.repo.references.delete(name)
-        return gone
 
-    @_locked
-    def prune(self) -> dict[str, int]:
-        """Remove every git and LFS object no ref reaches (erase.py)."""
-        return erase.prune(self.repo, self.path, self.trees)
 
-    def clear_stale_locks(self) -> list[Path]:
-        """Remove head lock files a killed writer left behind. Only for the repo's sole writer
-        (reefd at start), since a live writer's lock must never be removed."""
-        refs = self.path / "refs" / "reef" / "scenarios"
-        stale = [*refs.glob("*/head.lock"), *refs.glob("*/users/*/head.lock")] if refs.is_dir() else []
-        for lock in stale:
-            lock.unlink(missing_ok=True)
-        return stale
+def clear_stale_locks(path: Path) -> list[Path]:
+    """Remove head lock files a killed writer left behind in the repo at `path`. Only for the repo's sole writer
+    (reefd at start), since a live writer's lock must never be removed."""
+    refs = path / "refs" / "reef" / "scenarios"
+    stale = [*refs.glob("*/head.lock"), *refs.glob("*/users/*/head.lock")] if refs.is_dir() else []
+    for lock in stale:
+        lock.unlink(missing_ok=True)
+    return stale
+
+
+def rollback_target(head: Release) -> str:
+    """Where a plain rollback goes: the head's parent."""
+    if head.parent is None:
+        raise NothingToRollBack(f"{head.id} is the first release of {head.scenario!r}; there is nothing to roll "
+                                "back to")
+    return head.parent
 
 
 def trained_on(meta: dict[str, Any]) -> dict[str, Any] | None:
@@ -468,6 +454,6 @@ def plan(chain: ReleaseChain, scenario: str, cand: Candidate, *, pin: str | None
         raise HeadConflict(scenario, cand.built_on, head.id if head else None, cand.user)
     target = None
     if cand.kind in COPIES and head is not None:
-        target = chain.target(scenario, cand.target or chain.rollback_target(head),
+        target = chain.target(scenario, cand.target or rollback_target(head),
                               include_rejected=cand.kind == "promote", user=cand.user)
     return Plan(head, target)

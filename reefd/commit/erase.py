@@ -1,6 +1,6 @@
-"""Removing what nothing reaches from the release chain, after a user's line is dropped: git objects (reflogs
-expired, then `git gc --prune=now`) and LFS objects no remaining release points to. Blocking; the chain calls
-it under its lock. Knows git and the LFS layout; nothing about users, HTTP or engines."""
+"""A user's line out of the release chain: its refs dropped, then what nothing reaches removed, git objects
+(reflogs expired, then `git gc --prune=now`) and LFS objects no remaining release points to. Blocking, under the
+chain's lock. Knows git and the LFS layout; nothing about HTTP or engines."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pygit2
 
+from reefd.commit.chain import ReleaseChain, line_root
 from reefd.commit.trees import Trees
 
 GIT_TIMEOUT_S = 600
@@ -19,8 +20,25 @@ class PruneFailed(RuntimeError):
     """`git` could not prune the repository; what it said is the message."""
 
 
-def prune(repo: pygit2.Repository, path: Path, trees: Trees) -> dict[str, int]:
+def drop_line(chain: ReleaseChain, scenario: str, user: str) -> list[str]:
+    """Delete `user`'s line, its head and its refused candidates: the one write that removes history (a user's
+    deletion). Returns the ids of the releases and candidates that were theirs; `prune` then removes what
+    nothing reaches any more."""
+    with chain.lock:
+        gone = [r.id for r in chain.history(scenario, include_rejected=True, user=user) if r.user == user]
+        root = line_root(scenario, user)
+        for name in [n for n in chain.repo.references if n.startswith(root)]:
+            chain.repo.references.delete(name)
+        return gone
+
+
+def prune(chain: ReleaseChain) -> dict[str, int]:
     """Drop every git object and LFS object no ref reaches; returns how many LFS objects and bytes went."""
+    with chain.lock:
+        return _prune(chain.repo, chain.path, chain.trees)
+
+
+def _prune(repo: pygit2.Repository, path: Path, trees: Trees) -> dict[str, int]:
     env = {**os.environ, "GIT_DIR": str(path), "GIT_CONFIG_NOSYSTEM": "1", "GIT_TERMINAL_PROMPT": "0"}
     for argv in (["git", "reflog", "expire", "--expire=now", "--all"],
                  ["git", "-c", "gc.auto=0", "gc", "--prune=now", "--quiet"]):

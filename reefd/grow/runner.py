@@ -79,6 +79,17 @@ def by_line(store: RecordStore, recipe: Recipe, scenario: str) -> dict[str | Non
     return lines
 
 
+@contextlib.asynccontextmanager
+async def as_served(scenario: Scenario, lines: UserLines, user: str | None) -> AsyncIterator[Scenario]:
+    """The scenario as a line serves it: for a user's line, with that user's release as its binding (held
+    resident meanwhile; no trial), so that a candidate is made on it and judged against it."""
+    if user is None:
+        yield scenario
+        return
+    async with lines.holding(scenario, user) as own:
+        yield dataclasses.replace(scenario, binding=own or scenario.binding, trial=None)
+
+
 class Runner:
     def __init__(self, registry: Registry, store: RecordStore, chain: ReleaseChain, jobs: JobStore,
                  scenarios_dir: Path, backends: Backends, write: Write, swap: Swap, lines: UserLines) -> None:
@@ -199,17 +210,6 @@ class Runner:
             raise JobFailed(f"scenario {job.scenario!r} is no longer served")
         return scenario
 
-    @contextlib.asynccontextmanager
-    async def line(self, job: Job) -> AsyncIterator[Scenario]:
-        """The scenario as the job's line serves it: for a user's job, with that user's release as its binding
-        (held resident meanwhile; no trial), so that the candidate is made on it and judged against it."""
-        scenario = self.scenario(job)
-        if job.user is None:
-            yield scenario
-            return
-        async with self.lines.holding(scenario, job.user) as own:
-            yield dataclasses.replace(scenario, binding=own or scenario.binding, trial=None)
-
     async def _run(self, job: Job) -> None:
         scenario = self.scenario(job)
         recipe = scenario.recipe or build(scenario.cfg.recipe.name, scenario.cfg.recipe.params)  # build: its error
@@ -230,7 +230,7 @@ class Runner:
                 if aged is not None and aged.dropped:
                     job.error += f"; {len(aged.dropped)} past max_staleness dropped"
                 return
-            async with self.line(job) as served:
+            async with as_served(scenario, self.lines, job.user) as served:
                 binding = served.binding
             spec = recipe.candidate(samples, binding.harness if binding is not None else None)
             if aged is not None:
@@ -311,7 +311,8 @@ class Runner:
                 return
             await asyncio.to_thread(self._save_candidate, job, made, key)  # a restart gates it again
             await self.save(job, "gate")
-            scenario = await stack.enter_async_context(self.line(job))  # a user's: judged against their release
+            # a user's job is judged against their release
+            scenario = await stack.enter_async_context(as_served(self.scenario(job), self.lines, job.user))
             gate = gates.build(scenario.cfg.gate, self.scenarios_dir)
             verdict = await (gate.evaluate(no_generate, current=None, candidate=None) if gate.sampling is None
                              else kind.gate(job, scenario, made, gate))
