@@ -17,6 +17,7 @@ from reefd.engines import Replicated
 from reefd.loop import ATTEMPTS, CHAIN, CONVERSATIONS, JUDGES, RECONCILER, RECORDS, REGISTRY, STARTED_AT, TRIALS
 from reefd.observe.records import PRACTICE_FILTERS
 from reefd.ops.auth import AUTHENTICATED
+from reefd.serve.scenarios import Scenario
 
 MAX_LIMIT = 1000
 
@@ -35,6 +36,15 @@ async def readyz(request: web.Request) -> web.Response:
         body["scenarios"] = {name: registry.scenarios[name].engine.describe()["state"]
                              for name in access.visible(request, registry.scenarios)}
     return json_response(body, status=200 if ready else 503)
+
+
+def _users(request: web.Request, scenario: Scenario, limit: int) -> dict[str, int]:
+    """A per-user scenario's users in /reef/status: how many there are (of `limit`, users.max) and how many have a
+    line of their own (per-user figures are `reefctl users`; metrics carry no user label)."""
+    known = request.app[REGISTRY].users.known(scenario.name)
+    lines = request.app[RECONCILER].users
+    return {"known": len(known), "max": limit,
+            "own_lines": sum(lines.head(scenario.name, u) is not None for u in known)}
 
 
 async def status(request: web.Request) -> web.Response:
@@ -69,7 +79,8 @@ async def status(request: web.Request) -> web.Response:
                           **({"practice": {**p, "records": c.get("practice_records", 0),
                                            "reports": c.get("practice_reports", 0)}}
                              if (p := request.app[loop.PRACTICE].status(name)) is not None else {}),
-                          **({"canary": trial} if (trial := request.app[TRIALS].describe(name)) else {})})
+                          **({"canary": trial} if (trial := request.app[TRIALS].describe(name)) else {}),
+                          **({"users": _users(request, s, s.cfg.users.max)} if s.cfg.users is not None else {})})
     return json_response({"version": __version__, "ready": registry.ready,
                               "uptime_s": round(time.time() - request.app[STARTED_AT], 3),
                               "scenarios": scenarios})

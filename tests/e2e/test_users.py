@@ -98,6 +98,10 @@ def test_users_max_refuses_one_more_user_and_says_why(world: tuple[Daemon, dict[
     assert chat(d, tokens["bob"], "still served")[0] == 200  # a known user still is
     kept = json.loads((d.state / "users" / "u.json").read_text())["users"]
     assert sorted(kept) == ["alice", "bob", "carol"]
+    status = next(s for s in call(d, "GET", "/reef/status", TOKEN)[1]["scenarios"] if s["name"] == "u")
+    assert status["users"] == {"known": 3, "max": 3, "own_lines": 0}, status  # counts; no user's name
+    _, metrics = call(d, "GET", "/metrics", TOKEN)
+    assert isinstance(metrics, str) and "alice" not in metrics and 'user="' not in metrics  # no user label
 
 
 def test_a_users_token_reads_and_reports_on_that_users_records_only(world: tuple[Daemon, dict[str, str]]) -> None:
