@@ -82,9 +82,7 @@ async def _written(request: web.Request, scenario: Scenario, rel: Release, **ext
 
 def _serving(request: web.Request, scenario: Scenario, user: str | None) -> str | None:
     """What serves a turn of `user` (None: anyone's): their own line's head, else the scenario's release."""
-    lines = request.app[loop.RECONCILER].users
-    own = lines.head(scenario.name, user) if user is not None and lines.why(scenario.name, user) is None else None
-    return own or scenario.release
+    return request.app[loop.RECONCILER].users.serving(scenario, user) if user is not None else scenario.release
 
 
 # ---------------------------------------------------------------- reads

@@ -39,7 +39,7 @@ async def list_users(request: web.Request) -> web.Response:
         rows.append({"user": name, "since": known[name].get("since"), "own_release": own,
                      "last_job": None if last is None else {"id": last.id, "state": last.state,
                                                             "release": last.release},
-                     "release": own if own is not None and why is None else scenario.release,
+                     "release": lines.serving(scenario, name),
                      **({"why": why} if why else {}),
                      **counts.get(name, {"records": 0, "reports": 0})})
     return json_response({"object": "list", "scenario": scenario.name, "max": scenario.cfg.users.max,
@@ -94,8 +94,7 @@ async def erase(app: web.Application, scenario: Scenario, user: str) -> dict[str
     own = await asyncio.to_thread(chain.history, scenario.name, include_rejected=True, user=user)
     releases = [r for r in own if r.user == user]
     trees = [await asyncio.to_thread(chain.artifacts, r.id) for r in releases]
-    receipts = {r["id"] for r in await asyncio.to_thread(store.list_records, scenario.name, limit=10_000_000,
-                                                         user=user)}
+    receipts = set(await asyncio.to_thread(store.user_receipts, scenario.name, user))
     shared = [r.id for r in await asyncio.to_thread(chain.history, scenario.name) if receipts & _learned(r.meta)]
     dropped = await asyncio.to_thread(drop_line, chain, scenario.name, user)
     pruned = await asyncio.to_thread(prune, chain)

@@ -107,7 +107,7 @@ class ReleaseChain:
     @_locked
     def users(self, scenario: str) -> list[str]:
         """The users of `scenario` that have a line of their own."""
-        prefix = head_ref(scenario, None).removesuffix("head") + "users/"
+        prefix = line_root(scenario) + "users/"
         return sorted(n[len(prefix):].removesuffix("/head") for n in self.repo.references
                       if n.startswith(prefix) and n.endswith("/head"))
 

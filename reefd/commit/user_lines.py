@@ -60,15 +60,19 @@ class UserLines:
         """Learn the heads of the scenario's users' lines from the chain (at start, and after a reload)."""
         lines = self._of(scenario.name)
         lines.why.clear()  # the shared release may have moved: each user's head is looked at again
-        users = await asyncio.to_thread(self.chain.users, scenario.name)
-        for user in users:
-            head = await asyncio.to_thread(self.chain.head, scenario.name, user)
-            if head is not None:
-                lines.heads[user] = head.id
+        heads = await asyncio.to_thread(
+            lambda: {u: self.chain.head(scenario.name, u) for u in self.chain.users(scenario.name)})
+        lines.heads.update({user: head.id for user, head in heads.items() if head is not None})
 
     def head(self, scenario: str, user: str) -> str | None:
         """The head of `user`'s line (None: they are on the shared line)."""
         return self._of(scenario).heads.get(user)
+
+    def serving(self, scenario: Scenario, user: str) -> str | None:
+        """The release that serves `user`'s next turn: their line's head, unless it is set aside (`why`), else the
+        scenario's own."""
+        own = self.head(scenario.name, user)
+        return own if own is not None and self.why(scenario.name, user) is None else scenario.release
 
     def why(self, scenario: str, user: str) -> str | None:
         return self._of(scenario).why.get(user)

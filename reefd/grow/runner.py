@@ -64,18 +64,21 @@ def eligible(store: RecordStore, recipe: Recipe, scenario: str, user: str | None
     """The recipe's samples among the records of the scenario's line no candidate consumed yet, oldest first,
     each with the release that served its record (blocking). A user's line learns from that user's records only;
     the shared line from the records that are nobody's."""
-    return by_line(store, recipe, scenario).get(user, [])
+    return by_line(store, recipe, scenario, only=(user,)).get(user, [])
 
 
-def by_line(store: RecordStore, recipe: Recipe, scenario: str) -> dict[str | None, list[Sample]]:
-    """`eligible` for every line at once: user (None: the shared line) -> its samples (blocking)."""
+def by_line(store: RecordStore, recipe: Recipe, scenario: str,
+            only: tuple[str | None, ...] | None = None) -> dict[str | None, list[Sample]]:
+    """`eligible` for every line at once (or for the lines in `only`): user (None: the shared line) -> its
+    samples (blocking)."""
     lines: dict[str | None, list[Sample]] = {}
     for record in store.unconsumed(scenario):
+        user = record.get("user") if isinstance(record.get("user"), str) else None
+        if only is not None and user not in only:
+            continue
         sample = recipe.sample(record, record.get("reports", []))
         if sample is not None:
-            user = record.get("user")
-            lines.setdefault(user if isinstance(user, str) else None, []).append(
-                dataclasses.replace(sample, release=record.get("release")))
+            lines.setdefault(user, []).append(dataclasses.replace(sample, release=record.get("release")))
     return lines
 
 

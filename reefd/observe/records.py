@@ -173,7 +173,7 @@ class RecordStore(Reports):
         """Delete every record of `user` in `scenario` (their reports go with them, as for `delete_records`) and
         their counts, then compact the file (nothing of theirs stays in its free pages). Returns how many."""
         total = 0
-        while receipts := await asyncio.to_thread(self._of_user, scenario, user, batch):
+        while receipts := await asyncio.to_thread(self.user_receipts, scenario, user, batch):
             deleted = await self.delete_records(scenario, receipts)
             total += deleted
             if not deleted:
@@ -182,7 +182,8 @@ class RecordStore(Reports):
         await asyncio.to_thread(self.compact)
         return total
 
-    def _of_user(self, scenario: str, user: str, limit: int) -> list[str]:
+    def user_receipts(self, scenario: str, user: str, limit: int | None = None) -> list[str]:
+        """The receipts of `user`'s records in `scenario`, oldest first, from the `by_user` index alone."""
         prefix = user_key(scenario_key(scenario), user) + b"\0"
         with self._reading() as txn:
             return [k.decode() for k in islice(self._after(txn, "by_user", prefix, None), limit)]
