@@ -139,6 +139,7 @@ demo: venv
 	$(BIN)/python bench/openclaw_demo.py
 	$(BIN)/python bench/ttt_demo.py
 	$(BIN)/python bench/gepa_demo.py
+	$(BIN)/python bench/users_demo.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .bench-tmp

@@ -10,6 +10,7 @@ result it produces as coming from a scripted judge.
 from __future__ import annotations
 
 import os
+import re
 
 from reefd.grow.judge import JudgeCall
 
@@ -36,25 +37,30 @@ def opening() -> str:
     return os.environ.get("REEF_DEMO_OPENING", "Hello")
 
 
-def complies(answer: str) -> bool:
-    return answer.strip().lower().startswith(opening().lower())
+def complies(answer: str, wanted: str | None = None) -> bool:
+    return answer.strip().lower().startswith((wanted or opening()).lower())
 
 
-def correction() -> str:
-    return f"Please start your answer with '{opening()}'."
+def correction(wanted: str | None = None) -> str:
+    return f"Please start your answer with '{wanted or opening()}'."
 
 
-def reply(answer: str, next_question: str) -> str:
-    """What the user says after an answer: a correction when it misses the preference, else the next question."""
-    return correction() if not complies(answer) else f"Thanks! {next_question}"
+def reply(answer: str, next_question: str, wanted: str | None = None) -> str:
+    """What the user says after an answer: a correction when it misses the preference (`wanted`, by default
+    REEF_DEMO_OPENING), else the next question."""
+    return correction(wanted) if not complies(answer, wanted) else f"Thanks! {next_question}"
+
+
+ASKED = re.compile(r"please start your answer with '([^']+)'", re.IGNORECASE)
 
 
 def judge(call: JudgeCall) -> str:
-    """The scripted judge: a correction is -1 with a hint; the user moving on is +1, without one."""
+    """The scripted judge: a correction is -1 with a hint naming the opening the user asked for; the user moving
+    on is +1, without one. Each user's correction names their own opening, so one judge serves many users."""
     said = " ".join(str(m.get("content", "")) for m in call.next_state)
-    corrected = "please start your answer with" in said.lower()
+    asked = ASKED.search(said)
     if call.kind == "verdict":
-        return "The user asks for a change: \\boxed{-1}" if corrected else "The user moves on: \\boxed{1}"
-    if corrected:
-        return f"\\boxed{{1}} [HINT_START]Start every answer with '{opening()}'.[HINT_END]"
+        return "The user asks for a change: \\boxed{-1}" if asked else "The user moves on: \\boxed{1}"
+    if asked:
+        return f"\\boxed{{1}} [HINT_START]Start every answer with '{asked.group(1)}'.[HINT_END]"
     return "\\boxed{-1}"

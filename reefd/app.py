@@ -87,7 +87,7 @@ SCOPES: dict[Callable[..., object], str] = {
     responses.create: "serve", responses.refuse_get: "serve", responses.retrieve: "serve",
     openai.list_models: "serve", search_api.next_step: "serve",
     harness_api.get_harness: "serve", harness_api.releases: "serve", harness_api.install: "serve",
-    reports.report: "report",
+    reports.report: "report", users_api.patch_user: "report",
     admin.get_record: "read", admin.list_records: "read", admin.status: "read",
     release_api.history: "read", release_api.show: "read", release_api.diff: "read", release_api.lineage: "read",
     search_api.archive: "read", jobs_api.list_jobs: "read", jobs_api.get_job: "read", metrics_route: "read",
@@ -125,6 +125,7 @@ def build_app(settings: Settings) -> web.Application:
     app.router.add_get("/reef/status", admin.status)
     app.router.add_get("/reef/scenarios/{name}/users", users_api.list_users)
     app.router.add_delete("/reef/scenarios/{name}/users/{user}", users_api.delete_user)
+    app.router.add_patch("/reef/scenarios/{name}/users/{user}", users_api.patch_user)
     # Commit: the release chain. Writes are compare-and-swap on the head, then a hot swap.
     app.router.add_get("/reef/scenarios/{name}/releases", release_api.history)
     app.router.add_post("/reef/scenarios/{name}/releases", release_api.publish)

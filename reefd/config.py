@@ -386,6 +386,13 @@ def _grow_problem(cfg: ScenarioConfig, scenarios_dir: Path) -> str | None:
         problem = str(exc)
     if problem is not None:
         return problem if problem.startswith("gate") else f"gate: {problem}"
+    if cfg.users is not None and cfg.users.tasks is not None:
+        if "{user}" not in cfg.users.tasks:
+            return f"users.tasks: {cfg.users.tasks!r} has no {{user}}, so every user would share one file"
+        try:
+            gates.build({**cfg.gate, "tasks": cfg.users.tasks}, scenarios_dir)
+        except gates.GateError:
+            return f"users.tasks: the {cfg.gate.get('kind', 'always')} gate answers no tasks; choose one that does"
     if cfg.harness.dir is not None:
         try:
             harness = Harness.from_dir(scenarios_dir / cfg.harness.dir)

@@ -212,11 +212,15 @@ def cancel_jobs(d: Daemon, scenario: str) -> None:
 
 
 def shared_daemon(base: Path, names: tuple[str, ...] = ("tiny",), extra: dict[str, str] | None = None,
-                  env: dict[str, str] | None = None) -> Iterator[Daemon]:
+                  env: dict[str, str] | None = None, files: dict[str, str] | None = None) -> Iterator[Daemon]:
     """The body of a module's shared-daemon fixture: one reefd for the module, a scenario per test
-    (`own_scenario`). Tests of the process itself (signals, restarts, kills) keep a daemon of their own."""
-    d = Daemon(scenarios=make_scenarios(base / "scenarios", names=names, extra=extra), state=base / "state",
-               log_path=base / "reefd.log", env=env or {})
+    (`own_scenario`); `files`: more files in its scenarios folder (path -> text). Tests of the process itself
+    (signals, restarts, kills) keep a daemon of their own."""
+    scenarios = make_scenarios(base / "scenarios", names=names, extra=extra)
+    for rel, text in (files or {}).items():
+        (scenarios / rel).parent.mkdir(parents=True, exist_ok=True)
+        (scenarios / rel).write_text(text)
+    d = Daemon(scenarios=scenarios, state=base / "state", log_path=base / "reefd.log", env=env or {})
     d.start()
     try:
         yield d

@@ -148,6 +148,8 @@ def test_replicas_are_checked_at_load(tmp_path: Path, monkeypatch: pytest.Monkey
     ("harness:\n  dir: coder-harness\n  prompt: lead\n",
      "harness.prompt: coder-harness/prompts/lead.md does not exist (prompts: review)"),
     ("harness:\n  prompt: Lead\n", "harness.prompt: 'Lead' does not match"),
+    ("users:\n  tasks: gate/all.jsonl\n", "users.tasks: 'gate/all.jsonl' has no {user}, so every user would share"),
+    ("users:\n  tasks: gate/{user}.jsonl\n", "users.tasks: the always gate answers no tasks; choose one that does"),
 ])
 def test_grow_settings_are_checked_at_load(tmp_path: Path, body: str, message: str) -> None:
     scen = make_scenarios(tmp_path, names=(), extra={"bad": "defaults:\n  - model: tiny\n  - _self_\n" + body})

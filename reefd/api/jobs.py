@@ -10,6 +10,7 @@ from aiohttp import web
 from reefd.api import access
 from reefd.api.errors import ApiError, json_response, read_json, shown
 from reefd.grow.job_store import Job
+from reefd.grow.promotion import PROMOTE
 from reefd.grow.recipes import build
 from reefd.grow.schedule import CannotCancel
 from reefd.loop import SCHEDULER
@@ -23,10 +24,17 @@ async def train(request: web.Request) -> web.Response:
         raise ApiError(400, f"scenario {scenario.name!r} uses the {scenario.cfg.recipe.name!r} recipe, which does "
                        "not train; set recipe.name in its file (e.g. sao)", code="recipe_does_not_train")
     body = await read_json(request) if request.can_read_body else {}
-    user = access.line_of(request, scenario, body.get("user") if isinstance(body, dict) else None)
+    body = body if isinstance(body, dict) else {}
+    user = access.line_of(request, scenario, body.get("user"))
+    promote = body.get("promote", False)
+    if not isinstance(promote, bool):
+        raise ApiError(400, "promote: must be true or false", param="promote", code="invalid_request")
+    if promote and (user is not None or scenario.cfg.users is None or not scenario.cfg.users.share):
+        raise ApiError(400, "promote: a promotion trains the shared line of a scenario with users.share: true "
+                       "(and names no user)", param="promote", code="sharing_off")
     scheduler = request.app[SCHEDULER]
     existing = scheduler.jobs.active(scenario.name, user)
-    job = await scheduler.submit(scenario.name, "manual", user)
+    job = await scheduler.submit(scenario.name, PROMOTE if promote else "manual", user)
     return json_response(job.as_json(), status=200 if existing is job else 202)
 
 

@@ -231,7 +231,11 @@ def _reef_ops(names: list[str]) -> dict[str, dict[str, Any]]:
             "deleteUser", "Delete every byte of a user's: records, reports, sessions, release line, adapters",
             "observe",
             _ok("UserDeleted", "What was removed, and the shared releases that learned from the user's records."),
-            (400, 404, 409), params=(name, _param("user", "path", STR, "The user.")))},
+            (400, 404, 409), params=(name, _param("user", "path", STR, "The user."))),
+            "patch": _op(
+            "patchUser", "Set what a user consents to: {\"share\": true} lets promotions learn from what their "
+            "releases learned", "observe", _ok("User", "The user's consent as now kept."), (400, 403, 404),
+            params=(name, _param("user", "path", STR, "The user.")), body=_body("UserPatch", share={"share": True}))},
         "/reef/scenarios/{name}/releases": {
             "get": _op("listReleases", "The release chain, newest first", "commit", _ok("Releases", "The chain."),
                        (400, 404), params=(name, _param("all", "query", {"enum": ["1", "true", "yes"]},

@@ -208,7 +208,8 @@ SCHEMAS: dict[str, Any] = {
                         tokens={"type": "array", "items": STR}),
     "Users": _obj("object scenario max slots shared_release data", object={"const": "list"}, scenario=STR, max=_INT,
                   slots=_INT, shared_release=_OPT_STR, data={"type": "array", "items": _obj(
-                      "user since own_release release records reports", user=STR, since=_NUM,
+                      "user since share own_release release records reports", user=STR, since=_NUM,
+                      share={"type": "boolean"},
                       own_release=_OPT_STR, release=_OPT_STR, why=STR, records=_INT, reports=_INT,
                       last_job={"type": ["object", "null"]})}),
     "Lineage": _obj("object release depth releases", object={"const": "reef.lineage"}, release=STR, depth=_INT,
@@ -218,8 +219,10 @@ SCHEMAS: dict[str, Any] = {
                         recipe=_OPT_STR, job={"type": ["object", "string", "null"]}, params=_OPT_OBJ,
                         metrics=_OPT_OBJ, gate=_OPT_OBJ, canary=_OPT_OBJ, proposal=_OPT_STR,
                         mutations={"type": ["array", "null"], "items": OBJ}, harness_diff=_OPT_STR,
+                        users={"type": "array", "items": STR},
                         learned_from={"type": "array", "items": _obj(
                             "receipt deleted record reports", receipt=STR, deleted={"type": "boolean"}, record=STR,
+                            user=_OPT_STR,
                             reports={"type": "array", "items": OBJ})})}),
     "Diff": _obj("a b kind meta added removed changed text", a=STR, b=STR,
                  kind={"type": "array", "items": STR, "minItems": 2, "maxItems": 2}, meta=OBJ,
@@ -233,7 +236,15 @@ SCHEMAS: dict[str, Any] = {
             "user": {"type": ["string", "null"], "description": "A user's line (scenarios with a users: block)."}}},
     "TrainRequest": {
         "type": "object", "properties": {
-            "user": {"type": ["string", "null"], "description": "Train this user's own line, on their records."}}},
+            "user": {"type": ["string", "null"], "description": "Train this user's own line, on their records."},
+            "promote": {"type": "boolean", "default": False, "description": "A promotion of the shared line: on "
+                        "what consenting users' releases learned from (users.share)."}}},
+    "UserPatch": {
+        "type": "object", "required": ["share"], "additionalProperties": False, "properties": {
+            "share": {"type": "boolean", "description": "Whether promotions may learn from what the user's own "
+                      "releases learned from."}}},
+    "User": _obj("object scenario user share promotions", object={"const": "reef.user"}, scenario=STR, user=STR,
+                 share={"type": "boolean"}, promotions={"type": "boolean"}),
     "PromoteRequest": {
         "type": "object", "required": ["release"], "properties": {
             "release": {"type": "string", "minLength": 1, "description": "A release or a rejected candidate."},
@@ -246,7 +257,8 @@ SCHEMAS: dict[str, Any] = {
                       warnings={"type": "array", "items": STR}),
     "Job": _obj("id scenario reason recipe state stage created_at", id=STR, scenario=STR, reason=STR,
                 recipe=STR, state={"enum": list(STATES)}, stage=STR, created_at=_NUM, release=_OPT_STR,
-                error=_OPT_STR, staleness={"anyOf": [{"type": "null"}, _STALENESS]}),
+                error=_OPT_STR, staleness={"anyOf": [{"type": "null"}, _STALENESS]}, user=_OPT_STR,
+                users={"type": "array", "items": STR}),
     "Jobs": _obj("object data", object={"const": "list"}, data={"type": "array", "items": ref("Job")}),
     "Step": _obj("object scenario step release groups rollouts parents", object={"const": "reef.attempts.step"},
                  scenario=STR, step=_INT, release=STR, groups=_INT, rollouts=_INT, parents={"type": "array"}),

@@ -167,12 +167,14 @@ def _explained(rel: Release, store: Any, chain: releases.ReleaseChain) -> dict[s
     for receipt in meta.get("receipts") or []:
         record = store.get_record(str(receipt))
         learned.append({"receipt": receipt, "deleted": record is None, "record": f"/reef/records/{receipt}",
+                        "user": (record or {}).get("user"),
                         "reports": [{k: r.get(k) for k in _REPORT_FIELDS} for r in (record or {}).get("reports", [])]})
     return {"id": rel.id, "scenario": rel.scenario, "parent": rel.parent, "kind": rel.kind, "status": rel.status,
             "created_at": rel.created_at, "recipe": meta.get("source"), "summary": meta.get("summary"),
             "job": meta.get("job"), "params": meta.get("params"), "metrics": meta.get("metrics"),
             "gate": meta.get("gate"), "canary": meta.get("canary"), "proposal": meta.get("proposal"),
-            "mutations": meta.get("mutations"), "harness_diff": _harness_diff(rel, chain), "learned_from": learned}
+            "mutations": meta.get("mutations"), "harness_diff": _harness_diff(rel, chain), "learned_from": learned,
+            "users": meta.get("users") or ([rel.user] if rel.user is not None else [])}
 
 
 def _harness_diff(rel: Release, chain: releases.ReleaseChain) -> str | None:

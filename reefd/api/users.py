@@ -10,7 +10,7 @@ from typing import Any
 from aiohttp import web
 
 from reefd.api import access
-from reefd.api.errors import ApiError, json_response, shown
+from reefd.api.errors import ApiError, json_response, read_json, shown
 from reefd.commit.erase import drop_line, prune
 from reefd.commit.proofs import probe_of
 from reefd.grow.schedule import CannotCancel
@@ -36,7 +36,8 @@ async def list_users(request: web.Request) -> web.Response:
             continue
         own, why = lines.head(scenario.name, name), lines.why(scenario.name, name)
         last = jobs.last(scenario.name, name)
-        rows.append({"user": name, "since": known[name].get("since"), "own_release": own,
+        rows.append({"user": name, "since": known[name].get("since"), "share": known[name].get("share") is True,
+                     "own_release": own,
                      "last_job": None if last is None else {"id": last.id, "state": last.state,
                                                             "release": last.release},
                      "release": lines.serving(scenario, name),
@@ -44,6 +45,24 @@ async def list_users(request: web.Request) -> web.Response:
                      **counts.get(name, {"records": 0, "reports": 0})})
     return json_response({"object": "list", "scenario": scenario.name, "max": scenario.cfg.users.max,
                           "slots": scenario.cfg.users.slots, "shared_release": scenario.release, "data": rows})
+
+
+async def patch_user(request: web.Request) -> web.Response:
+    """Set what a user consents to: `{"share": true}` lets promotions (`users.share`) learn from the records
+    their own releases learned from; false withdraws it. A user's token sets its own user's; 404 for a user
+    nobody knows."""
+    scenario = access.scenario(request, request.match_info["name"], param="name")
+    user = access.line_of(request, scenario, request.match_info["user"])
+    assert user is not None
+    body = await read_json(request)
+    if not isinstance(body, dict) or set(body) != {"share"} or not isinstance(body["share"], bool):
+        raise ApiError(400, 'the body must be {"share": true} or {"share": false}', param="share",
+                       code="invalid_request")
+    if not await request.app[REGISTRY].users.set_share(scenario.name, user, body["share"]):
+        raise ApiError(404, f"no user {shown(user)} in scenario {shown(scenario.name)}", param="user",
+                       code="user_not_found")
+    return json_response({"object": "reef.user", "scenario": scenario.name, "user": user, "share": body["share"],
+                          "promotions": scenario.cfg.users.share if scenario.cfg.users is not None else False})
 
 
 async def delete_user(request: web.Request) -> web.Response:

@@ -24,6 +24,8 @@ def _train_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("name", metavar="SCENARIO")
     p.add_argument("-f", "--follow", action="store_true", help="show the job's progress until it ends")
     p.add_argument("--user", metavar="USER", help="train this user's own line, on their records alone")
+    p.add_argument("--promote", action="store_true",
+                   help="promote into the shared line what consenting users' releases learned (users.share)")
     p.add_argument("-o", "--output", choices=["json", "name"], help="json: the job; name: job/<id>")
 
 
@@ -67,8 +69,8 @@ def outcome(job: Mapping[str, Any]) -> str:
 
 @command("train", "start a training job for a scenario now (one per scenario at a time)", _train_args)
 def cmd_train(client: Client, args: argparse.Namespace) -> int:
-    job = client.call("POST", f"/reef/scenarios/{urllib.parse.quote(args.name, safe='')}/train",
-                      body={"user": args.user} if args.user else {})
+    body = {**({"user": args.user} if args.user else {}), **({"promote": True} if args.promote else {})}
+    job = client.call("POST", f"/reef/scenarios/{urllib.parse.quote(args.name, safe='')}/train", body=body)
     if not args.follow:
         if args.output == "json":
             print_json(job)

@@ -118,8 +118,9 @@ def cmd_explain(client: Client, args: argparse.Namespace) -> int:
               f"{rel.get('created_at')}", flush=True)
         job = rel.get("job")
         job_id = job.get("id") if isinstance(job, dict) else job
+        users = ", ".join(str(u) for u in rel.get("users") or []) or None  # whose records it learned from
         for label, value in (("Parent", rel.get("parent")), ("Recipe", rel.get("recipe")),
-                             ("Summary", rel.get("summary")), ("Job", job_id)):
+                             ("Summary", rel.get("summary")), ("Job", job_id), ("Users", users)):
             if value is not None:
                 print(f"  {label + ':':<9}{_value(value)}")
         params = rel.get("params")

@@ -26,7 +26,7 @@ STATES = (*ACTIVE, "published", "rejected", "failed", "skipped", "cancelled")
 class Job:
     id: str
     scenario: str
-    reason: str  # manual | count | interval | cron
+    reason: str  # manual | count | interval | cron | promote
     recipe: str
     state: str = "queued"
     created_at: float = field(default_factory=time.time)
@@ -45,6 +45,7 @@ class Job:
     detachable: bool = False  # its trainer runs on a cluster that outlives reefd: a restart follows it
     job_kind: str | None = None  # what its recipe's candidate is made by (weights, harness, search, bundle)
     user: str | None = None  # the user whose line it trains, on their records only (None: the shared line)
+    users: list[str] = field(default_factory=list)  # a promotion's: the users whose records it trained on
 
     def as_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -23,6 +23,7 @@ from reefd.commit import gates
 from reefd.commit.chain import Candidate, Release, ReleaseChain, ReleaseError
 from reefd.commit.gates.memory import ScoreMemory
 from reefd.commit.user_lines import UserLines
+from reefd.config import ScenarioConfig
 from reefd.engines import EngineError, EngineUnavailable
 from reefd.grow import staleness
 from reefd.grow.backends import Backends
@@ -31,6 +32,7 @@ from reefd.grow.job_kinds.bundle_job import BundleKind
 from reefd.grow.job_kinds.harness_job import HarnessKind, SearchKind
 from reefd.grow.job_kinds.weight_job import WeightsKind, serving_key
 from reefd.grow.job_store import CANDIDATE, Job, JobStore
+from reefd.grow.promotion import PROMOTE, promotion_batch
 from reefd.grow.recipes import TRAINS, Ages, Recipe, RecipeError, Sample, Unbatched, build
 from reefd.observe.records import RecordStore
 from reefd.ops.files import write_json
@@ -91,6 +93,38 @@ async def as_served(scenario: Scenario, lines: UserLines, user: str | None) -> A
         return
     async with lines.holding(scenario, user) as own:
         yield dataclasses.replace(scenario, binding=own or scenario.binding, trial=None)
+
+
+MANUAL = ("manual", PROMOTE)  # reasons a job runs on whatever batch there is, ready or not
+
+
+def gate_of(cfg: ScenarioConfig, user: str | None, scenarios_dir: Path) -> dict[str, Any]:
+    """The `gate:` mapping a line's candidates are judged by: a user's own tasks file (`users.tasks`) in place of
+    `gate.tasks` where the user has one (blocking stat)."""
+    own = cfg.users.tasks_of(user, scenarios_dir) if cfg.users is not None else None
+    return cfg.gate if own is None else {**cfg.gate, "tasks": own}
+
+
+def save_candidate(jobs: JobStore, job: Job, made: Made, key: str) -> None:
+    """What a restart needs to gate or publish the candidate again: its kind, meta and folder (blocking)."""
+    work = jobs.workdir(job)
+    write_json(work / CANDIDATE, {"job_kind": key, "kind": made.kind, "meta": made.meta,
+                                  "artifact": str(made.artifact.relative_to(work))})
+
+
+def saved_candidate(jobs: JobStore, job: Job, kinds: dict[str, JobKind]) -> tuple[Made, str]:
+    """The candidate `save_candidate` kept, and its job kind's key (blocking); JobFailed when it is gone."""
+    work = jobs.workdir(job)
+    try:
+        saved = json.loads((work / CANDIDATE).read_text())
+        made = Made(saved["kind"], saved["meta"], work / saved["artifact"])
+        key = saved["job_kind"]
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise JobFailed(f"reefd stopped during the job's {job.stage} stage and its candidate is unreadable: "
+                        f"{exc}") from None
+    if job.built_on is None or key not in kinds or not made.artifact.exists():
+        raise JobFailed(f"reefd stopped during the job's {job.stage} stage and its candidate is gone")
+    return made, key
 
 
 class Runner:
@@ -222,12 +256,20 @@ class Runner:
         await self.save(job, "batch")
         head = await asyncio.to_thread(self.chain.line_head, job.scenario, job.user)  # what the job is built on
         async with self.store.selecting(job.scenario):  # retention deletes none of them until job.receipts is set
-            samples = await asyncio.to_thread(eligible, self.store, recipe, job.scenario, job.user)
-            aged = None
-            if recipe.produces in TRAINS and head is not None:
-                samples, aged = await self._aged(job, recipe, head, samples)
+            whose: dict[str, str] = {}  # a promotion's: receipt -> the user whose release learned from it
+            if job.reason == PROMOTE:
+                found = await asyncio.to_thread(promotion_batch, job, scenario.cfg.users, self.store, self.chain,
+                                                recipe, self.registry.users.sharing(job.scenario))
+                if found is None:
+                    return
+                (samples, whose), aged = found, None
+            else:
+                samples = await asyncio.to_thread(eligible, self.store, recipe, job.scenario, job.user)
+                aged = None
+                if recipe.produces in TRAINS and head is not None:
+                    samples, aged = await self._aged(job, recipe, head, samples)
             needs_records = not isinstance(recipe, Unbatched) or recipe.needs_records
-            if (not samples and needs_records) or (job.reason != "manual" and not recipe.ready(samples)):
+            if (not samples and needs_records) or (job.reason not in MANUAL and not recipe.ready(samples)):
                 job.state = "skipped"
                 job.error = f"no batch ready: {len(samples)} eligible scored record(s) waiting"
                 if aged is not None and aged.dropped:
@@ -240,6 +282,8 @@ class Runner:
                 spec.samples = aged.mark(spec.samples)
                 job.staleness, job.skipped = aged.summary(spec.samples), list(aged.dropped)
             job.receipts = [s.receipt for s in spec.samples]
+            if whose:  # the users of the records the batch holds
+                job.users = sorted({whose[r] for r in job.receipts if r in whose})
         if head is None:
             raise JobFailed("the scenario has no base release yet")
         job.built_on, job.job_kind = head.id, spec.kind
@@ -270,7 +314,7 @@ class Runner:
         scenario = await self._served(job)
         job.error = None
         if job.stage != "train":
-            made, key = await asyncio.to_thread(self._saved_candidate, job)
+            made, key = await asyncio.to_thread(saved_candidate, self.jobs, job, self.kinds)
             made = self.kinds[key].resumed(scenario, made)
             log.info("%s %s: resuming its %s stage on the candidate it saved, after a restart", job.scenario, job.id,
                      job.stage)
@@ -312,11 +356,12 @@ class Runner:
             made = await make(stack)
             if made is None:  # skipped: the job says why
                 return
-            await asyncio.to_thread(self._save_candidate, job, made, key)  # a restart gates it again
+            await asyncio.to_thread(save_candidate, self.jobs, job, made, key)  # a restart gates it again
             await self.save(job, "gate")
             # a user's job is judged against their release
             scenario = await stack.enter_async_context(as_served(self.scenario(job), self.lines, job.user))
-            gate = gates.build(scenario.cfg.gate, self.scenarios_dir)
+            gate = gates.build(await asyncio.to_thread(gate_of, scenario.cfg, job.user, self.scenarios_dir),
+                               self.scenarios_dir)
             verdict = await (gate.evaluate(no_generate, current=None, candidate=None) if gate.sampling is None
                              else kind.gate(job, scenario, made, gate))
         await self._publish(job, made, verdict.as_meta())
@@ -325,28 +370,10 @@ class Runner:
         job.verdict = verdict
         await self.save(job, "publish")
         assert job.built_on is not None
-        cand = Candidate(made.kind, made.meta, artifact=made.artifact, built_on=job.built_on, verdict=verdict,
+        meta = {**made.meta, "users": job.users} if job.users else made.meta  # a promotion names its users
+        cand = Candidate(made.kind, meta, artifact=made.artifact, built_on=job.built_on, verdict=verdict,
                          user=job.user)
         await self._commit(job, self.scenario(job), cand, resumed)
-
-    def _save_candidate(self, job: Job, made: Made, key: str) -> None:
-        """What a restart needs to gate or publish the candidate again: its kind, meta and folder (blocking)."""
-        work = self.jobs.workdir(job)
-        write_json(work / CANDIDATE, {"job_kind": key, "kind": made.kind, "meta": made.meta,
-                                      "artifact": str(made.artifact.relative_to(work))})
-
-    def _saved_candidate(self, job: Job) -> tuple[Made, str]:
-        work = self.jobs.workdir(job)
-        try:
-            saved = json.loads((work / CANDIDATE).read_text())
-            made = Made(saved["kind"], saved["meta"], work / saved["artifact"])
-            key = saved["job_kind"]
-        except (OSError, ValueError, KeyError, TypeError) as exc:
-            raise JobFailed(f"reefd stopped during the job's {job.stage} stage and its candidate is unreadable: "
-                            f"{exc}") from None
-        if job.built_on is None or key not in self.kinds or not made.artifact.exists():
-            raise JobFailed(f"reefd stopped during the job's {job.stage} stage and its candidate is gone")
-        return made, key
 
     def _written(self, job: Job) -> Release | None:
         """The release (or rejected candidate) this job already wrote, by a reefd stopped before it said so."""
@@ -363,7 +390,8 @@ class Runner:
             log.info("%s %s: its release %s was written before the restart", job.scenario, job.id, rel.id)
         fault_point("committed")
         job.release = rel.id
-        await asyncio.shield(self.store.mark_consumed(job.scenario, [*job.receipts, *job.skipped], job.id))
+        if job.reason != PROMOTE:  # a promotion's records already taught their users' lines: nothing to consume
+            await asyncio.shield(self.store.mark_consumed(job.scenario, [*job.receipts, *job.skipped], job.id))
         verdict = cand.verdict or {}
         if rel.status == "rejected":
             log.info("%s %s: candidate %s rejected: %s", job.scenario, job.id, rel.id,

@@ -32,6 +32,24 @@ class UsersConfig:
         "minimum": 1, "maximum": 4096,
         "description": "Users' own adapters resident on the engine at once; others are paged in from the chain "
                        "when their user's turn comes, least recently used out."})
+    tasks: str | None = field(default=None, metadata={
+        "description": "A user's own gate tasks: a path relative to the scenarios folder in which `{user}` stands "
+                       "for the user's name (e.g. gate/assist/{user}.jsonl). A user's candidate is gated on their "
+                       "file where it exists, on gate.tasks otherwise."})
+
+    share: bool = field(default=False, metadata={
+        "description": "Promotion: the shared line may learn from what users who consent (reefctl users share) "
+                       "taught their own releases, by `reefctl train NAME --promote`, through the scenario's gate."})
+    share_min_users: int = field(default=2, metadata={
+        "minimum": 1, "maximum": 1_000_000,
+        "description": "A promotion runs only on the records of at least this many consenting users' releases."})
+
+    def tasks_of(self, user: str | None, scenarios_dir: Path) -> str | None:
+        """The gate tasks file of `user`'s candidates, when `tasks` names one that exists (blocking stat)."""
+        if user is None or self.tasks is None:
+            return None
+        own = self.tasks.replace("{user}", user)  # a user's name holds no `/` or `..`: it stays one path segment
+        return own if (scenarios_dir / own).is_file() else None
 
 
 class UsersFull(Exception):
@@ -110,6 +128,21 @@ class Users:
         deadline = time.monotonic() + timeout_s
         while self._turns[(scenario, user)] > 0 and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
+
+    def sharing(self, scenario: str) -> list[str]:
+        """The users of `scenario` who consent to the shared line learning from their releases' records."""
+        return sorted(u for u, entry in self.known(scenario).items() if entry.get("share") is True)
+
+    async def set_share(self, scenario: str, user: str, share: bool) -> bool:
+        """Record `user`'s consent (or its withdrawal), durably; False when they are not one of the users."""
+        async with self._locks.setdefault(scenario, asyncio.Lock()):
+            known = self.known(scenario)
+            if user not in known:
+                return False
+            updated = {**known, user: {**known[user], "share": share}}
+            await asyncio.to_thread(write_json, self._path(scenario), {"users": updated}, indent=1)
+            self._known[scenario] = updated
+            return True
 
     async def forget(self, scenario: str, user: str) -> bool:
         """`user` is no longer one of `scenario`'s users (their deletion); False when they were not one."""

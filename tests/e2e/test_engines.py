@@ -60,6 +60,7 @@ TOP_K = ("recipe:\n  params:\n    top_k: 3\n    judge:\n      model: tests.recip
 def d(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
     """One reefd per engine kind, serving two scenarios, each on an engine of its own, launched side by side:
     - contract: one process; its recipe (OpenClaw-RL, never triggered here) asks every answer's top-3 logprobs;
+      it learns per user (two users' adapters resident at once);
     - pair: two replicas behind sglang-router that load every adapter after the first from the first one's
       folder and say success (the worker's own test fault, or vLLM's server run with it: tests/e2e/vllm_fault.py),
       with the release proof on."""
@@ -68,7 +69,7 @@ def d(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) 
     untied = untie(Path(os.environ["REEF_TEST_TINY"]), base / "tiny-untied")
     text = scenario(engine, extra=TOP_K).replace("  - release: follow\n", "  - recipe: openclaw-rl\n"
                                                                           "  - release: follow\n")
-    text = text.replace("  replicas: 1\n", f"  replicas: 1\n  path: {untied}\n")
+    text = text.replace("  replicas: 1\n", f"  replicas: 1\n  path: {untied}\n") + "users:\n  slots: 2\n"
     yield from shared_daemon(base, names=(), extra={"contract": text, "pair": proven(faulty(engine, base))})
 
 
@@ -197,7 +198,7 @@ def test_seeded_sampling_repeats_in_any_batch(d: Daemon) -> None:
 def loras(d: Daemon, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("loras")
     model = d.state / "models" / "tiny"
-    return {name: make_lora(model, root / name, seed=seed, scale=2.0) for name, seed in (("a", 1), ("b", 2))}
+    return {name: make_lora(model, root / name, seed=seed, scale=2.0) for name, seed in (("a", 1), ("b", 2), ("c", 3))}
 
 
 def test_adapter_and_weights_swap_under_load(d: Daemon, loras: dict[str, Path], tmp_path: Path) -> None:
@@ -309,3 +310,32 @@ def test_weights_swap_with_tied_embeddings(d: Daemon, request: pytest.FixtureReq
     assert out.returncode == 0, out.stderr
     published = json.loads(out.stdout)
     assert published["serving"] == published["release"]["id"], published
+
+
+def test_users_adapters_answer_side_by_side_as_each_does_alone(d: Daemon, loras: dict[str, Path]) -> None:
+    """Two users' own adapters and the shared release's, requests for all three at once: the worker batches the
+    rows with their own LoRA each, vLLM through its multi-LoRA settings (--max-loras). Each answer is what its
+    adapter says served alone: the same greedy tokens, logprobs within the proof's tolerance."""
+    for user, lora in (("alice", "a"), ("carol", "c")):
+        out = reefctl(d, "publish", "contract", "--adapter", str(loras[lora]), "--user", user, "-o", "json")
+        assert out.returncode == 0, out.stderr
+
+    def ask(user: str | None) -> tuple[str, str, list[float]]:
+        headers = {"x-reef-user": user} if user else {}
+        raw = oai(d).chat.completions.with_raw_response.create(model="contract", messages=PROMPT, max_tokens=8,
+                                                               extra_headers=headers)
+        rec = record(d, raw.headers["x-reef-agent-record-id"])
+        return raw.parse().choices[0].message.content or "", raw.headers["x-reef-release-id"], \
+            rec["completion_logprobs"]
+
+    who = [None, "alice", "carol"]
+    alone = {u: ask(u) for u in who}  # one at a time
+    assert len({text for text, _, _ in alone.values()}) == 3, alone  # three adapters, three answers
+    with ThreadPoolExecutor(6) as pool:
+        together = list(pool.map(ask, who * 4))
+    for user, (text, release, logprobs) in zip(who * 4, together, strict=True):
+        want_text, want_release, want_logprobs = alone[user]
+        assert (text, release) == (want_text, want_release), (user, text, want_text)
+        assert max(abs(a - b) for a, b in zip(logprobs, want_logprobs, strict=True)) <= 0.05, user
+    assert {"alice", "carol"} <= {u["user"] for u in json.loads(d.get("/reef/scenarios/contract/users")[1])["data"]
+                                  if u["own_release"] == u["release"]}

@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import json
 import subprocess
+import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import openai
 import pytest
@@ -26,14 +28,19 @@ from tests.loras import make_lora, make_weights
 pytestmark = pytest.mark.filterwarnings("ignore:.*is_gradient_checkpointing.*:FutureWarning")
 PROMPT = [{"role": "user", "content": "Whose release are you?"}]
 ASSIST = "defaults:\n  - model: tiny\n  - _self_\nserve:\n  default_max_tokens: 8\nusers:\n  slots: 1\n"
-# sao, a count trigger at 4 scored records, the always gate; an engine of its own (assist's takes full weights)
-LEARNERS = learn_yaml(extra="model:\n  max_batch: 4\n") + "users: {}\n"
+# sao, a count trigger at 4 scored records; an engine of its own (assist's takes full weights). The floor gate's
+# shared task passes any answer (an empty pattern matches every text); carol's own task passes none.
+LEARNERS = learn_yaml(gate="floor", extra="model:\n  max_batch: 4\n") + (
+    "gate:\n  scorer: regex\n  min_tasks: 1\n  max_tokens: 4\n  floor: 0.5\n  tasks: gate/learners.jsonl\n"
+    "users:\n  tasks: gate/learners-{user}.jsonl\n  share: true\n  share_min_users: 2\n")
+GATE_FILES = {"gate/learners.jsonl": json.dumps({"prompt": "Anything?", "answer": ""}) + "\n",
+              "gate/learners-carol.jsonl": json.dumps({"prompt": "Anything?", "answer": "(?!)"}) + "\n"}
 
 
 @pytest.fixture(scope="module")
 def d(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
     yield from shared_daemon(tmp_path_factory.mktemp("user-releases"), names=(),
-                             extra={"assist": ASSIST, "learners": LEARNERS})
+                             extra={"assist": ASSIST, "learners": LEARNERS}, files=GATE_FILES)
 
 
 @pytest.fixture(scope="module")
@@ -139,6 +146,58 @@ def test_a_users_count_trigger_trains_their_line_on_their_records_alone(d: Daemo
     assert users["bob"]["last_job"] is None
 
 
+def test_a_users_own_gate_tasks_judge_their_candidates_and_a_loser_stays_where_it_was(d: Daemon) -> None:
+    """users.tasks: carol's candidates are gated on her own file (which no answer passes), so her job is
+    rejected and she stays on the shared release; erin, who has no file, is gated on the scenario's tasks."""
+    shared = ctl(d, "history", "learners")["head"]
+    for user, want in (("carol", "rejected"), ("erin", "published")):
+        for i in range(4):
+            _scored(d, user, f"{user}'s question {i}", score=float(i % 2))
+        job = _last_job(d, user)
+        assert (job["user"], job["state"]) == (user, want), job
+        assert job["verdict"]["per_task"] and job["verdict"]["floor"] == 0.5, job["verdict"]
+    assert ask(d, "carol", "learners")[1] == shared
+    assert ask(d, "erin", "learners")[1] == _last_job(d, "erin")["release"] != shared
+    refused = ctl(d, "history", "learners", "--user", "carol", "--all")["data"][0]
+    assert refused["user"] == "carol" and refused["meta"]["gate"]["verdict"] == "fail", refused
+
+
+def test_what_consenting_users_releases_learned_is_promoted_into_the_shared_line_naming_them(d: Daemon) -> None:
+    """users.share: a promotion trains the shared line on the records that consenting users' own releases
+    learned from (alice's and erin's; bob consents but has no release; carol does not consent), through the
+    gate; its release names them, in lineage and in `reefctl explain`, and serves everyone without a line."""
+    def promote() -> dict[str, Any]:
+        job = ctl(d, "train", "learners", "--promote")
+        deadline = time.monotonic() + 180
+        while job["state"] in ("queued", "running"):
+            assert time.monotonic() < deadline, d.logs()
+            time.sleep(0.2)
+            job = json.loads(d.get(f"/reef/jobs/{job['id']}")[1])
+        return dict(job)
+
+    ctl(d, "users", "share", "learners", "alice")
+    alone = promote()
+    assert alone["state"] == "skipped" and "fewer than users.share_min_users (2)" in alone["error"], alone
+    for user in ("erin", "bob"):
+        ctl(d, "users", "share", "learners", user)
+    taught = {u: {r for rel in ctl(d, "history", "learners", "--user", u)["data"] if rel.get("user") == u
+                  for r in rel["meta"].get("receipts") or []} for u in ("alice", "erin", "carol")}
+    job = promote()
+    assert job["state"] == "published" and job["user"] is None and job["users"] == ["alice", "erin"], job
+    # a batch of 4 (sao's batch_size) taken by turns: two of alice's, two of erin's
+    assert len(set(job["receipts"]) & taught["alice"]) == len(set(job["receipts"]) & taught["erin"]) == 2, job
+    assert not set(job["receipts"]) & taught["carol"]
+    head = ctl(d, "history", "learners")
+    assert head["head"] == job["release"] and head["data"][0].get("user") is None
+    lineage = ctl(d, "explain", job["release"])["releases"][0]
+    assert lineage["users"] == ["alice", "erin"]
+    assert {e["user"] for e in lineage["learned_from"]} == {"alice", "erin"}
+    shown = reefctl(d, "explain", job["release"])
+    assert shown.returncode == 0 and "Users:   alice, erin" in shown.stdout, shown.stdout
+    assert ask(d, None, "learners")[1] == job["release"] and ask(d, "bob", "learners")[1] == job["release"]
+    assert ask(d, "alice", "learners")[1] == ctl(d, "history", "learners", "--user", "alice")["head"]
+
+
 def test_deleting_a_user_leaves_no_byte_of_theirs_and_the_others_serving(d: Daemon) -> None:
     """dora's records, reports, trained release, its adapter's LFS objects, her job and her sessions are gone
     from the LMDB file, the git object store (after its garbage collection) and the state folder; her receipts
@@ -171,6 +230,17 @@ def test_deleting_a_user_leaves_no_byte_of_theirs_and_the_others_serving(d: Daem
     kept = [oid for oid in lfs if (d.state / "releases.git" / "lfs" / "objects" / oid[:2] / oid[2:4] / oid).exists()]
     assert len(kept) < len(lfs)  # her adapter's own bytes went
     assert all(f"oid sha256:{oid}".encode() in objects for oid in kept)  # what stays, another release points to
+
+
+def _last_job(d: Daemon, user: str) -> dict[str, Any]:
+    """`user`'s newest job in `learners`, once it is over."""
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline:
+        found = [j for j in jobs(d, "learners") if j["user"] == user]
+        if found and found[0]["state"] in ("published", "rejected", "failed", "skipped"):
+            return found[0]
+        time.sleep(0.2)
+    raise AssertionError(f"no job of {user}'s ended: {jobs(d, 'learners')}\n{d.logs()}")
 
 
 def _scored(d: Daemon, user: str, text: str, score: float = 1.0) -> str:

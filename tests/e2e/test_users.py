@@ -180,3 +180,22 @@ def test_reefctl_token_create_takes_a_user_and_lists_it(world: tuple[Daemon, dic
     assert rows["alice"][4] == "alice" and rows["t1"][4] == "*", listed.stdout
     bad = reefctl(d.state, "token", "create", "mallory", "--scope", "serve", "--user", "../root")
     assert bad.returncode != 0 and "--user: '../root' holds '/'" in bad.stderr, bad.stderr
+
+
+def test_a_user_consents_to_sharing_for_themselves_only(world: tuple[Daemon, dict[str, str]]) -> None:
+    """PATCH …/users/NAME {"share": bool}: a user's token sets its own user's consent, never another's; the list
+    shows it; a bad body is 400 and a user nobody knows 404."""
+    d, tokens = world
+    assert chat(d, tokens["alice"], "hello from alice")[0] == 200  # alice is one of u's users now
+    status, kept = call(d, "PATCH", "/reef/scenarios/u/users/alice", tokens["alice"], {"share": True})
+    assert status == 200 and kept == {"object": "reef.user", "scenario": "u", "user": "alice", "share": True,
+                                      "promotions": False}, kept  # u has no users.share: nothing is promoted
+    status, err = call(d, "PATCH", "/reef/scenarios/u/users/alice", tokens["bob"], {"share": False})
+    assert status == 403 and err["error"]["code"] == "permission_denied", err
+    _, listed = call(d, "GET", "/reef/scenarios/u/users", TOKEN)
+    assert {r["user"]: r["share"] for r in listed["data"]}["alice"] is True
+    status, err = call(d, "PATCH", "/reef/scenarios/u/users/alice", TOKEN, {"share": "yes"})
+    assert status == 400 and err["error"]["param"] == "share", err
+    status, err = call(d, "PATCH", "/reef/scenarios/u/users/nobody-here", TOKEN, {"share": True})
+    assert status == 404 and err["error"]["code"] == "user_not_found", err
+    assert call(d, "PATCH", "/reef/scenarios/u/users/alice", tokens["alice"], {"share": False})[1]["share"] is False
