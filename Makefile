@@ -100,6 +100,7 @@ fuzz: venv
 
 bench: venv vllm-venv
 	$(BIN)/python bench/records.py
+	$(BIN)/python bench/record_growth.py
 	$(BIN)/python bench/retention.py
 	$(BIN)/python bench/proxy_overhead.py
 	$(BIN)/python bench/engine_batching.py --model tiny

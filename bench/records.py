@@ -60,9 +60,11 @@ def make_templates(count: int = 16) -> list[dict[str, Any]]:
     return templates
 
 
-def bench_group_commit(path: str, templates: list[dict[str, Any]], n: int, concurrency: int) -> dict[str, Any]:
+def bench_group_commit(path: str, templates: list[dict[str, Any]], n: int, concurrency: int,
+                       whole: bool = False) -> dict[str, Any]:
+    """`whole`: each record as one value, as the store wrote them before pieces (reefd/observe/pieces.py)."""
     async def main() -> dict[str, Any]:
-        store = RecordStore(path, map_size=1 << 28)
+        store = RecordStore(path, map_size=1 << 28, whole=whole)
         await store.open()
         receipts: list[str] = []
 
@@ -147,6 +149,7 @@ def main() -> None:
         print(f"warning: {args.dir} is on {fs}: fsync costs nothing there, so the ratios mean little")
     try:
         group = bench_group_commit(os.path.join(work, "group"), templates, args.n, args.concurrency)
+        whole = bench_group_commit(os.path.join(work, "whole"), templates, args.n, args.concurrency, whole=True)
         fsync = bench_lmdb_per_record(os.path.join(work, "fsync"), templates, min(args.n, args.baseline_n))
         sqlite = bench_sqlite_full(work, templates, min(args.n, args.baseline_n))
     finally:
@@ -160,18 +163,22 @@ def main() -> None:
     print(f"{'writer':44} {'records':>8} {'seconds':>8} {'records/s':>10}")
     label = f"RecordStore group commit (c={args.concurrency})"
     print(f"{label:44} {args.n:8d} {group['seconds']:8.2f} {group['rps']:10.0f}")
+    print(f"{'  the same, each record one value (before)':44} {args.n:8d} {whole['seconds']:8.2f} {whole['rps']:10.0f}")
     print(f"{'LMDB, one txn + fsync per record':44} {min(args.n, args.baseline_n):8d} "
           f"{fsync['seconds']:8.2f} {fsync['rps']:10.0f}")
     print(f"{'SQLite WAL synchronous=FULL, commit per record':44} {min(args.n, args.baseline_n):8d} "
           f"{sqlite['seconds']:8.2f} {sqlite['rps']:10.0f}")
     print(f"group commit: {group['commits']} commits for {group['ops']} records "
           f"(mean batch {group['ops'] / group['commits']:.1f}, largest {group['largest_batch']})")
+    print(f"records in pieces against each record one value (the store before pieces): "
+          f"{group['rps'] / whole['rps']:.2f}x (goal: not lower)")
     print(f"ratio vs per-record fsync: {ratio_fsync:.1f}x   vs SQLite FULL: {ratio_sqlite:.1f}x   "
           f"(goals: >= 20000 records/s, >= 5x both)")
     print(json.dumps({
         "bench": "records", "group_commit_rps": round(group["rps"]), "per_record_fsync_rps": round(fsync["rps"]),
         "sqlite_full_rps": round(sqlite["rps"]), "ratio_vs_fsync": round(ratio_fsync, 2),
         "ratio_vs_sqlite": round(ratio_sqlite, 2), "goal_rps": 20000, "goal_ratio": 5,
+        "whole_values_rps": round(whole["rps"]), "pieces_vs_whole": round(group["rps"] / whole["rps"], 2),
     }))
 
 

@@ -13,9 +13,10 @@ from typing import Any
 
 import lmdb
 
+from reefd.observe import piecetable
 from reefd.observe.groupcommit import COUNTS, StorageError, StoreClosed, practice_key, scenario_key, user_key
 from reefd.observe.receipts import is_receipt, new_receipt, receipt_ms
-from reefd.observe.recordcodec import pack, unpack
+from reefd.observe.recordcodec import unpack
 from reefd.observe.report_store import ClaimTaken, ReportConflict, Reports, UnknownReceipt
 
 __all__ = ["ClaimTaken", "RecordStore", "ReportConflict", "StorageError", "StoreClosed", "UnknownReceipt",
@@ -42,11 +43,13 @@ class RecordStore(Reports):
     """Records and reports in one LMDB env. Writes are group-committed by one thread; reads are inline."""
 
     TABLES = ("records", "by_scenario", "by_session", "reports", "report_index", "counts", "meta", "consumed",
-              "reported", "links", "claims", "by_user")
+              "reported", "links", "claims", "by_user", *piecetable.TABLES)
 
-    def __init__(self, path: str | os.PathLike[str], **options: Any) -> None:
+    def __init__(self, path: str | os.PathLike[str], *, whole: bool = False, **options: Any) -> None:
+        """`whole`: write each record as one value, as stores did before pieces (benchmarks compare the two)."""
         super().__init__(path, **options)
         self._selecting: dict[str, asyncio.Lock] = {}
+        self.whole = whole
 
     # --- writes: enqueue, then wait for the batch's commit ----------------------------------
 
@@ -68,15 +71,16 @@ class RecordStore(Reports):
         to_link = None  # link=False: a record that must not continue its turn (a failed stream)
         previous = record.get("previous")
         if link and is_receipt(previous):
-            to_link = (str(previous).encode(), pack({"next": receipt, "next_state": next_state or []}))
+            to_link = (str(previous).encode(), {"next": receipt, "next_state": next_state or []})
         linked: bool = await self._submit(self._apply_record, str(receipt).encode(), scenario, record, to_link)
         self._written(record["scenario"])
         return linked
 
     def _apply_record(self, txn: lmdb.Transaction[bytes], deltas: dict[bytes, list[int]], receipt: bytes,
-                      scenario: bytes, record: dict[str, Any], link: tuple[bytes, bytes] | None) -> bool:
-        if not txn.put(receipt, pack(record), overwrite=False, db=self._dbs["records"]):
+                      scenario: bytes, record: dict[str, Any], link: tuple[bytes, dict[str, Any]] | None) -> bool:
+        if txn.get(receipt, db=self._dbs["records"]) is not None:
             raise ValueError(f"receipt {receipt.decode()} is already stored")
+        txn.put(receipt, piecetable.encode(txn, self._dbs, record, self.whole), db=self._dbs["records"])
         txn.put(scenario + b"\0" + receipt, b"", db=self._dbs["by_scenario"])
         if isinstance(record.get("session"), str):
             txn.put(_session_prefix(scenario, record["session"]) + receipt, b"", db=self._dbs["by_session"])
@@ -86,8 +90,10 @@ class RecordStore(Reports):
         if isinstance(user := record.get("user"), str):
             txn.put(user_key(scenario, user) + b"\0" + receipt, b"", db=self._dbs["by_user"])
             deltas.setdefault(user_key(scenario, user), [0, 0])[0] += 1
-        if link is not None and txn.get(link[0], db=self._dbs["records"]) is not None:
-            return bool(txn.put(link[0], link[1], overwrite=False, db=self._dbs["links"]))
+        if link is not None and txn.get(link[0], db=self._dbs["records"]) is not None \
+                and txn.get(link[0], db=self._dbs["links"]) is None:
+            txn.put(link[0], piecetable.encode(txn, self._dbs, link[1], self.whole), db=self._dbs["links"])
+            return True
         return False
 
     async def mark_consumed(self, scenario: str, receipts: list[str], by: str) -> None:
@@ -209,7 +215,7 @@ class RecordStore(Reports):
             raw = txn.get(key, db=db["records"])
             if raw is None or txn.get(prefix + key, db=db["by_scenario"]) is None:
                 continue
-            record = unpack(raw)
+            record = piecetable.decode(txn, db, raw)
             rows.append((key, record.get("session"), record.get("turn_kind") == "practice", record.get("user")))
             with txn.cursor(db=db["report_index"]) as cursor:  # receipt + seq -> report key
                 for index_key, report_key in cursor if cursor.set_range(key) else ():
@@ -227,7 +233,9 @@ class RecordStore(Reports):
             if isinstance(session, str):
                 txn.delete(_session_prefix(scenario, session) + key, db=db["by_session"])
             for table in ("records", "links"):
-                txn.delete(key, db=db[table])
+                if (stored := txn.get(key, db=db[table])) is not None:
+                    piecetable.release(txn, db, stored)  # its pieces go with the last record that needs them
+                    txn.delete(key, db=db[table])
             for table in ("consumed", "reported"):
                 txn.delete(prefix + key, db=db[table])
             with txn.cursor(db=db["report_index"]) as cursor:
@@ -327,7 +335,7 @@ class RecordStore(Reports):
                     break
                 raw = txn.get(key[len(prefix):], db=self._dbs["records"])
                 if raw is not None:
-                    record = unpack(raw)
+                    record = piecetable.decode(txn, self._dbs, raw)
                     if float(record.get("created_at") or 0) < since:
                         break
                     out.append(record)
@@ -337,10 +345,10 @@ class RecordStore(Reports):
         raw = txn.get(receipt, db=self._dbs["records"])
         if raw is None:
             return None
-        record: dict[str, Any] = unpack(raw)
+        record: dict[str, Any] = piecetable.decode(txn, self._dbs, raw)
         link = txn.get(receipt, db=self._dbs["links"])
         if link is not None:
-            record.update(unpack(link))
+            record.update(piecetable.decode(txn, self._dbs, link))
         reports = []
         with txn.cursor(db=self._dbs["report_index"]) as cursor:
             for key, report_key in cursor if cursor.set_range(receipt) else ():  # receipt + seq -> report

@@ -1,0 +1,261 @@
+"""A record split into pieces stored once: what a session's turns repeat (its transcript, its tools, its system
+prompt, its prompt's token ids) is kept a single time, however many records hold it.
+
+Coding agents resend their whole transcript on every turn, so a session's records held it over and over: a
+60-turn session stored 43 times its final transcript. Here each message (an element of a list in the record, or
+in a dict of it such as the provider's `request`), each long string in such a dict, and each aligned chunk of
+`prompt_token_ids` is a *piece*, named by the hash of its bytes (content-addressed, so the same message in the
+raw request, in the normalised messages and in every later turn is one piece, and a system prompt or a tool list
+shared by every session of a scenario is one piece too). A record keeps its small fields as before and, for each
+value cut into pieces, the list of its pieces' hashes, itself cut into groups of hashes stored as pieces, so a
+turn that extends the last one shares every full group with it: what a record adds is linear in what is new.
+Token chunks are aligned from the prompt's start: a prompt that extends the previous turn's shares its chunks.
+
+Why content addresses rather than a delta on the turn a record extends: a read never walks a chain of earlier
+records (the last record of a 200-turn session reads as a record of one turn holding the same transcript does);
+deleting any record, in any order, leaves the others whole; and what repeats across sessions is shared too.
+
+The store counts each piece's references (reefd/observe/records.py) and deletes a piece with the last record
+that needs it. Pure: knows nothing of LMDB; `split` gives the pieces, `join` takes a function that fetches one.
+"""
+
+from __future__ import annotations
+
+import array
+import hashlib
+import struct
+import zlib
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+
+from reefd.observe.recordcodec import ARRAYS, arrays_bytes, pack, pack_arrays, unpack_arrays
+
+FORMAT = b"b"  # a record value in pieces (recordcodec's b"a": one whole value)
+LIST_MIN = 512  # bytes of JSON: a shorter list stays in the record
+STRING_MIN = 1024  # bytes: a shorter string stays in the record
+CHUNK = 128  # token ids per piece of prompt_token_ids, aligned from the prompt's start
+GROUP = 16  # hashes per group piece
+HASH = 16  # bytes of a piece's name (BLAKE2b)
+_U32 = struct.Struct("<I")
+JSON, IDS, IDS16, HASHES = b"j", b"i", b"I", b"h"  # a piece's kind: its first byte, then its content, deflated
+# (but HASHES). IDS: int32 token ids; IDS16: ids that all fit 16 bits, two bytes each (a vocabulary under 65536)
+
+
+def name(kind: bytes, content: bytes) -> bytes:
+    return hashlib.blake2b(kind + content, digest_size=HASH).digest()
+
+
+@dataclass
+class Split:
+    """A record ready to store: its value, and every piece it references with how often (a piece referenced
+    twice, say by the request and the normalised messages, counts twice)."""
+
+    value: bytes
+    pieces: dict[bytes, bytes]  # name -> stored bytes (kind byte + content; JSON deflated)
+    uses: list[bytes]  # the names it references, with repeats
+
+
+def _piece(split: Split, kind: bytes, content: bytes) -> bytes:
+    key = name(kind, content)
+    if key not in split.pieces:
+        split.pieces[key] = kind + (content if kind == HASHES else zlib.compress(content, 1))
+    split.uses.append(key)
+    return key
+
+
+def _names(split: Split, keys: list[bytes]) -> tuple[int, bytes]:
+    """A list of piece names as full groups (each a piece) and the rest: (groups, their names + the rest's)."""
+    full = len(keys) // GROUP
+    groups = [_piece(split, HASHES, b"".join(keys[i * GROUP:(i + 1) * GROUP])) for i in range(full)]
+    return full, b"".join(groups + keys[full * GROUP:])
+
+
+def _extends(lists: dict[int, list[bytes]], elements: list[bytes]) -> int | None:
+    """An earlier list cut whose elements this one starts with (and it has a group's worth), or None."""
+    for index, earlier in lists.items():
+        if GROUP <= len(earlier) <= len(elements) and elements[:len(earlier)] == earlier:
+            return index
+    return None
+
+
+def _ids_piece(split: Split, ids: array.array[int]) -> bytes:
+    narrow = max(ids) < 65536 and min(ids) >= 0
+    return _piece(split, IDS16 if narrow else IDS, array.array("H", ids).tobytes() if narrow else ids.tobytes())
+
+
+def _cuts(record: dict[str, Any]) -> Iterator[tuple[list[str], Any]]:
+    """Where a record is cut: its lists, and the lists and long strings of its dicts (paths of one or two keys)."""
+    for key, value in record.items():
+        if key in ARRAYS:
+            continue
+        if isinstance(value, list):
+            yield [key], value
+        elif isinstance(value, dict):
+            for inner, sub in value.items():
+                if isinstance(sub, list) or (isinstance(sub, str) and len(sub) >= STRING_MIN):
+                    yield [key, inner], sub
+
+
+def split(record: dict[str, Any]) -> Split:
+    """The record's value with its repeated parts as pieces. The value holds the record's JSON with each cut
+    value set to null (so that keys keep their order), the cuts, then the token arrays as recordcodec keeps them,
+    prompt_token_ids' full chunks as pieces. A record with nothing long enough to cut is one whole value."""
+    out = Split(b"", {}, [])
+    skeleton = dict(record)
+    cuts: list[list[Any]] = []  # [path, "str", 0] | [path, "list", groups, count] | [path, "extends", cut, extra]
+    lists: dict[int, list[bytes]] = {}  # a list cut's index -> its elements' names
+    blob: list[bytes] = []
+    for path, value in list(_cuts(record)):
+        if isinstance(value, str):
+            key = _piece(out, JSON, orjson.dumps(value))
+            cuts.append([path, "str", 0])
+            blob.append(key)
+        else:
+            if len(orjson.dumps(value, option=orjson.OPT_NON_STR_KEYS)) < LIST_MIN:  # one call: most lists are short
+                continue
+            parts = [orjson.dumps(item, option=orjson.OPT_NON_STR_KEYS) for item in value]
+            elements = [_piece(out, JSON, p) for p in parts]
+            base = _extends(lists, elements)
+            if base is None:
+                groups, keys = _names(out, elements)
+                cuts.append([path, "list", groups, len(parts)])
+            else:  # the normalised messages: the request's, then the reply
+                keys = b"".join(elements[len(lists[base]):])
+                cuts.append([path, "extends", base, len(parts) - len(lists[base])])
+            lists[len(cuts) - 1] = elements
+            blob.append(keys)
+        _set(skeleton, path, None, copy=True)
+    ids = record.get("prompt_token_ids")
+    arrays, rest = pack_arrays(skeleton)
+    chunked = None
+    if "prompt_token_ids" in arrays and len(ids or []) >= CHUNK:
+        whole = arrays["prompt_token_ids"]
+        full = len(whole) // CHUNK
+        groups, keys = _names(out, [_ids_piece(out, whole[i * CHUNK:(i + 1) * CHUNK]) for i in range(full)])
+        chunked = [groups, full]
+        blob.append(keys)
+        arrays["prompt_token_ids"] = arrays["prompt_token_ids"][full * CHUNK:]
+    if not cuts and chunked is None:  # nothing repeats: the whole value, as recordcodec keeps it
+        out.value = pack(record)
+        return out
+    head = orjson.dumps({"cuts": cuts, "chunked": chunked})
+    text = zlib.compress(orjson.dumps(rest, option=orjson.OPT_NON_STR_KEYS), 1)
+    names = b"".join(blob)
+    out.value = b"".join([FORMAT, _U32.pack(len(text)), text, _U32.pack(len(head)), head, _U32.pack(len(names)),
+                          names, zlib.compress(b"".join(arrays_bytes(arrays)), 1)])
+    return out
+
+
+def _set(obj: dict[str, Any], path: list[str], value: Any, copy: bool = False) -> None:
+    if len(path) == 1:
+        obj[path[0]] = value
+        return
+    inner = dict(obj[path[0]]) if copy else obj[path[0]]
+    inner[path[1]] = value
+    obj[path[0]] = inner
+
+
+Fetch = Callable[[bytes], bytes | None]
+"""(a piece's name) -> its stored bytes, or None when it is missing."""
+
+
+class MissingPiece(ValueError):
+    """A record names a piece the store does not hold."""
+
+
+class _Reader:
+    def __init__(self, value: bytes) -> None:
+        self.value, self.at = value, 1
+
+    def block(self) -> bytes:
+        (size,) = _U32.unpack_from(self.value, self.at)
+        start = self.at + _U32.size
+        self.at = start + size
+        return self.value[start:self.at]
+
+
+def _parts(value: bytes) -> tuple[dict[str, Any], dict[str, Any], bytes, bytes]:
+    """(the JSON with cuts as null, the cuts, the names, the arrays' bytes)."""
+    reader = _Reader(value)
+    rest = orjson.loads(zlib.decompress(reader.block()))
+    head = orjson.loads(reader.block())
+    names = reader.block()
+    return rest, head, names, zlib.decompress(value[reader.at:])
+
+
+def _load(fetch: Fetch, key: bytes) -> bytes:
+    """A piece's content (IDS16 widened to int32 ids, as the record's array holds them)."""
+    stored = fetch(key)
+    if stored is None:
+        raise MissingPiece(f"piece {key.hex()} is missing")
+    kind, content = stored[:1], stored[1:]
+    if kind == HASHES:
+        return content
+    if kind == IDS16:
+        return array.array("i", array.array("H", zlib.decompress(content))).tobytes()
+    return zlib.decompress(content)
+
+
+def _expand(fetch: Fetch, names: bytes, at: int, groups: int, count: int) -> tuple[list[bytes], int, list[bytes]]:
+    """The `count` names a cut lists, from `groups` group pieces then single names at `at`; the offset after
+    them; the group pieces' own names."""
+    group_keys = [names[at + i * HASH:at + (i + 1) * HASH] for i in range(groups)]
+    at += groups * HASH
+    keys: list[bytes] = []
+    for g in group_keys:
+        content = _load(fetch, g)
+        keys += [content[i:i + HASH] for i in range(0, len(content), HASH)]
+    tail = count - len(keys)
+    keys += [names[at + i * HASH:at + (i + 1) * HASH] for i in range(tail)]
+    return keys, at + tail * HASH, group_keys
+
+
+def _walk(value: bytes, fetch: Fetch) -> Iterator[tuple[list[str] | None, str, list[bytes], list[bytes]]]:
+    """Each cut of a stored value: (path or None for the token chunks, kind, its pieces' names, its groups')."""
+    _, head, names, _ = _parts(value)
+    at = 0
+    listed: dict[int, list[bytes]] = {}
+    for index, cut in enumerate(head["cuts"]):
+        path, kind = cut[0], cut[1]
+        if kind == "str":
+            yield path, kind, [names[at:at + HASH]], []
+            at += HASH
+            continue
+        if kind == "extends":
+            extra = [names[at + i * HASH:at + (i + 1) * HASH] for i in range(cut[3])]
+            at += cut[3] * HASH
+            listed[index] = keys = listed[cut[2]] + extra
+            yield path, "list", keys, []
+            continue
+        keys, at, groups = _expand(fetch, names, at, cut[2], cut[3])
+        listed[index] = keys
+        yield path, kind, keys, groups
+    if head["chunked"] is not None:
+        keys, at, groups = _expand(fetch, names, at, *head["chunked"])
+        yield None, "ids", keys, groups
+
+
+def join(value: bytes, fetch: Fetch) -> dict[str, Any]:
+    """The record `split` was given, exactly (key order, values, arrays), from its value and its pieces."""
+    rest, _, _, arrays = _parts(value)
+    chunks = b""
+    for path, kind, keys, _ in _walk(value, fetch):
+        if path is None:
+            chunks = b"".join(_load(fetch, k) for k in keys)
+        elif kind == "str":
+            _set(rest, path, orjson.loads(_load(fetch, keys[0])))
+        else:
+            _set(rest, path, [orjson.loads(_load(fetch, k)) for k in keys])
+    unpack_arrays(rest, arrays, prefix={"prompt_token_ids": chunks} if chunks else None)
+    return rest
+
+
+def uses(value: bytes, fetch: Fetch) -> list[bytes]:
+    """Every piece name a stored value references, with repeats, as `split` counted them (for its deletion)."""
+    out: list[bytes] = []
+    for _, _, keys, groups in _walk(value, fetch):
+        out += keys + groups
+    return out
