@@ -56,6 +56,7 @@ MATRIX: list[tuple[str, str, str | None]] = [
     ("GET", "/reef/status", "read"),
     ("GET", "/reef/scenarios/{name}/users", "read"),
     ("DELETE", "/reef/scenarios/{name}/users/{user}", "admin"),
+    ("PATCH", "/reef/scenarios/{name}/users/{user}", "report"),
     ("GET", "/reef/scenarios/{name}/releases", "read"),
     ("GET", "/reef/releases/{release}", "read"),
     ("GET", "/reef/releases/{release}/lineage", "read"),
