@@ -55,13 +55,18 @@ def wait_answering(url: str, what: str, timeout_s: float = 30.0) -> None:
     raise RuntimeError(f"{what} did not start")
 
 
-def link_smollm2(state: Path) -> None:
-    """SmolLM2 in a bench's state folder: the copy `make run` converts once, not a fresh conversion per run."""
+def smollm2_folder() -> Path:
+    """SmolLM2's model folder: the copy `make run` converts once (in REEF_STATE or the default state folder)."""
     from reefd.worker.prepare import prepare
 
     home = Path(os.environ.get("REEF_STATE") or Path.home() / ".local" / "state" / "reefd")
+    return Path(prepare("smollm2", home / "models" / "smollm2"))
+
+
+def link_smollm2(state: Path) -> None:
+    """SmolLM2 in a bench's state folder: the copy `make run` converts once, not a fresh conversion per run."""
     (state / "models").mkdir(parents=True, exist_ok=True)
-    (state / "models" / "smollm2").symlink_to(prepare("smollm2", home / "models" / "smollm2"))
+    (state / "models" / "smollm2").symlink_to(smollm2_folder())
 
 
 def start_reefd(tmp: Path, extra: dict[str, str], names: tuple[str, ...] = (),

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import orjson
-from _harness import ROOT, scratch_dir
+from _harness import ROOT, scratch_dir, smollm2_folder
 
 sys.path.insert(0, str(ROOT))
 
@@ -35,10 +35,7 @@ from tests.test_pieces import session
 def tokenizer() -> Any:
     from transformers import AutoTokenizer
 
-    from reefd.worker.prepare import prepare
-
-    home = Path.home() / ".local" / "state" / "reefd" / "models" / "smollm2"
-    return AutoTokenizer.from_pretrained(str(prepare("smollm2", home)))
+    return AutoTokenizer.from_pretrained(str(smollm2_folder()))
 
 
 def with_ids(turns: list[dict[str, Any]], tok: Any) -> list[dict[str, Any]]:

@@ -128,16 +128,15 @@ def split(record: dict[str, Any]) -> Split:
             lists[len(cuts) - 1] = elements
             blob.append(keys)
         _set(skeleton, path, None, copy=True)
-    ids = record.get("prompt_token_ids")
     arrays, rest = pack_arrays(skeleton)
     chunked = None
-    if "prompt_token_ids" in arrays and len(ids or []) >= CHUNK:
-        whole = arrays["prompt_token_ids"]
-        full = len(whole) // CHUNK
-        groups, keys = _names(out, [_ids_piece(out, whole[i * CHUNK:(i + 1) * CHUNK]) for i in range(full)])
+    ids = arrays.get("prompt_token_ids")
+    if ids is not None and len(ids) >= CHUNK:
+        full = len(ids) // CHUNK
+        groups, keys = _names(out, [_ids_piece(out, ids[i * CHUNK:(i + 1) * CHUNK]) for i in range(full)])
         chunked = [groups, full]
         blob.append(keys)
-        arrays["prompt_token_ids"] = arrays["prompt_token_ids"][full * CHUNK:]
+        arrays["prompt_token_ids"] = ids[full * CHUNK:]
     if not cuts and chunked is None:  # nothing repeats: the whole value, as recordcodec keeps it
         out.value = pack(record)
         return out
@@ -177,13 +176,21 @@ class _Reader:
         return self.value[start:self.at]
 
 
-def _parts(value: bytes) -> tuple[dict[str, Any], dict[str, Any], bytes, bytes]:
-    """(the JSON with cuts as null, the cuts, the names, the arrays' bytes)."""
+def _parts(value: bytes) -> tuple[bytes, dict[str, Any], bytes, bytes]:
+    """(the deflated JSON with cuts as null, the cuts, the names, the deflated arrays), nothing inflated but
+    the cuts."""
     reader = _Reader(value)
-    rest = orjson.loads(zlib.decompress(reader.block()))
+    rest = reader.block()
     head = orjson.loads(reader.block())
     names = reader.block()
-    return rest, head, names, zlib.decompress(value[reader.at:])
+    return rest, head, names, value[reader.at:]
+
+
+def fields(value: bytes) -> dict[str, Any]:
+    """A stored value's own fields, without fetching a piece: its top-level strings and numbers (session, user,
+    turn_kind, ...) are never cut; what was cut reads as null."""
+    result: dict[str, Any] = orjson.loads(zlib.decompress(_parts(value)[0]))
+    return result
 
 
 def _load(fetch: Fetch, key: bytes) -> bytes:
@@ -213,9 +220,9 @@ def _expand(fetch: Fetch, names: bytes, at: int, groups: int, count: int) -> tup
     return keys, at + tail * HASH, group_keys
 
 
-def _walk(value: bytes, fetch: Fetch) -> Iterator[tuple[list[str] | None, str, list[bytes], list[bytes]]]:
+def _walk(head: dict[str, Any], names: bytes,
+          fetch: Fetch) -> Iterator[tuple[list[str] | None, str, list[bytes], list[bytes]]]:
     """Each cut of a stored value: (path or None for the token chunks, kind, its pieces' names, its groups')."""
-    _, head, names, _ = _parts(value)
     at = 0
     listed: dict[int, list[bytes]] = {}
     for index, cut in enumerate(head["cuts"]):
@@ -240,22 +247,25 @@ def _walk(value: bytes, fetch: Fetch) -> Iterator[tuple[list[str] | None, str, l
 
 def join(value: bytes, fetch: Fetch) -> dict[str, Any]:
     """The record `split` was given, exactly (key order, values, arrays), from its value and its pieces."""
-    rest, _, _, arrays = _parts(value)
+    text, head, names, arrays = _parts(value)
+    rest = orjson.loads(zlib.decompress(text))
     chunks = b""
-    for path, kind, keys, _ in _walk(value, fetch):
+    for path, kind, keys, _ in _walk(head, names, fetch):
         if path is None:
             chunks = b"".join(_load(fetch, k) for k in keys)
         elif kind == "str":
             _set(rest, path, orjson.loads(_load(fetch, keys[0])))
         else:
             _set(rest, path, [orjson.loads(_load(fetch, k)) for k in keys])
-    unpack_arrays(rest, arrays, prefix={"prompt_token_ids": chunks} if chunks else None)
-    return rest
+    unpack_arrays(rest, zlib.decompress(arrays), prefix={"prompt_token_ids": chunks} if chunks else None)
+    result: dict[str, Any] = rest
+    return result
 
 
 def uses(value: bytes, fetch: Fetch) -> list[bytes]:
     """Every piece name a stored value references, with repeats, as `split` counted them (for its deletion)."""
+    _, head, names, _ = _parts(value)
     out: list[bytes] = []
-    for _, _, keys, groups in _walk(value, fetch):
+    for _, _, keys, groups in _walk(head, names, fetch):
         out += keys + groups
     return out

@@ -28,8 +28,7 @@ def encode(txn: lmdb.Transaction[bytes], dbs: dict[str, Any], obj: dict[str, Any
     cut = pieces.split(obj)
     refs, table = dbs["piece_refs"], dbs["pieces"]
     for key in cut.uses:
-        raw = txn.get(key, db=refs)
-        count = _COUNT.unpack(raw)[0] if raw is not None else 0
+        count = _count(txn, refs, key)
         if count == 0:
             txn.put(key, cut.pieces[key], db=table)
         txn.put(key, _COUNT.pack(count + 1), db=refs)
@@ -44,14 +43,23 @@ def decode(txn: lmdb.Transaction[bytes], dbs: dict[str, Any], value: bytes) -> A
     return pieces.join(value, lambda key: txn.get(key, db=table))
 
 
+def fields(value: bytes) -> Any:
+    """What a deletion reads of a stored value (its session, user, turn_kind), without reassembling it."""
+    return pieces.fields(value) if value[:1] == pieces.FORMAT else unpack(value)
+
+
+def _count(txn: lmdb.Transaction[bytes], refs: Any, key: bytes) -> int:
+    raw = txn.get(key, db=refs)
+    return _COUNT.unpack(raw)[0] if raw is not None else 0
+
+
 def release(txn: lmdb.Transaction[bytes], dbs: dict[str, Any], value: bytes) -> None:
     """A stored value is being deleted: lower its pieces' counts, deleting those it was the last to need."""
     if value[:1] != pieces.FORMAT:
         return
     refs, table = dbs["piece_refs"], dbs["pieces"]
     for key in pieces.uses(value, lambda k: txn.get(k, db=table)):
-        raw = txn.get(key, db=refs)
-        count = _COUNT.unpack(raw)[0] if raw is not None else 0
+        count = _count(txn, refs, key)
         if count <= 1:
             txn.delete(key, db=refs)
             txn.delete(key, db=table)

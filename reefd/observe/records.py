@@ -215,7 +215,7 @@ class RecordStore(Reports):
             raw = txn.get(key, db=db["records"])
             if raw is None or txn.get(prefix + key, db=db["by_scenario"]) is None:
                 continue
-            record = piecetable.decode(txn, db, raw)
+            record = piecetable.fields(raw)
             rows.append((key, record.get("session"), record.get("turn_kind") == "practice", record.get("user")))
             with txn.cursor(db=db["report_index"]) as cursor:  # receipt + seq -> report key
                 for index_key, report_key in cursor if cursor.set_range(key) else ():

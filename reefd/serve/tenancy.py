@@ -95,6 +95,11 @@ class Users:
             self._known[scenario] = found
         return found
 
+    async def _keep(self, scenario: str, users: dict[str, dict[str, Any]]) -> None:
+        """`scenario`'s users are now `users`: written and fsynced, then cached (under the scenario's lock)."""
+        await asyncio.to_thread(write_json, self._path(scenario), {"users": users}, indent=1)
+        self._known[scenario] = users
+
     async def admit(self, scenario: str, user: str, cfg: UsersConfig) -> bool:
         """Make sure `user` is one of `scenario`'s users (durably, before the caller serves it); True when new.
         UsersFull when it would be one more than `cfg.max`; BeingDeleted while their deletion runs."""
@@ -108,9 +113,7 @@ class Users:
                 return False
             if len(known) >= cfg.max:
                 raise UsersFull(scenario, user, cfg.max)
-            updated = {**known, user: {"since": round(time.time(), 3)}}
-            await asyncio.to_thread(write_json, self._path(scenario), {"users": updated}, indent=1)
-            self._known[scenario] = updated
+            await self._keep(scenario, {**known, user: {"since": round(time.time(), 3)}})
             return True
 
     @contextlib.asynccontextmanager
@@ -139,9 +142,7 @@ class Users:
             known = self.known(scenario)
             if user not in known:
                 return False
-            updated = {**known, user: {**known[user], "share": share}}
-            await asyncio.to_thread(write_json, self._path(scenario), {"users": updated}, indent=1)
-            self._known[scenario] = updated
+            await self._keep(scenario, {**known, user: {**known[user], "share": share}})
             return True
 
     async def forget(self, scenario: str, user: str) -> bool:
@@ -150,7 +151,5 @@ class Users:
             known = self.known(scenario)
             if user not in known:
                 return False
-            updated = {k: v for k, v in known.items() if k != user}
-            await asyncio.to_thread(write_json, self._path(scenario), {"users": updated}, indent=1)
-            self._known[scenario] = updated
+            await self._keep(scenario, {k: v for k, v in known.items() if k != user})
             return True
