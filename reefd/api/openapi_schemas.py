@@ -201,11 +201,12 @@ SCHEMAS: dict[str, Any] = {
     "Releases": _obj("object scenario serving head declared data", object={"const": "list"}, scenario=STR,
                      serving=_OPT_STR, head=_OPT_STR, declared=_OPT_STR, data={"type": "array", "items": _RELEASE},
                      user=STR, own_line={"type": "boolean"}),
-    "UserDeleted": _obj("object scenario user records releases jobs sessions shared_releases_learned_from tokens",
+    "UserDeleted": _obj("object scenario user records releases jobs sessions shared_releases_learned_from "
+                        "tokens_revoked tokens_kept",
                         object={"const": "reef.user.deleted"}, scenario=STR, user=STR, records=_INT,
                         releases={"type": "array", "items": STR}, jobs=_INT, sessions=_INT,
                         shared_releases_learned_from={"type": "array", "items": STR},
-                        tokens={"type": "array", "items": STR}),
+                        tokens_revoked={"type": "array", "items": STR}, tokens_kept={"type": "array", "items": STR}),
     "Users": _obj("object scenario max slots shared_release data", object={"const": "list"}, scenario=STR, max=_INT,
                   slots=_INT, shared_release=_OPT_STR, data={"type": "array", "items": _obj(
                       "user since share own_release release records reports", user=STR, since=_NUM,

@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 from typing import Any
 
 from aiohttp import web
@@ -17,8 +18,10 @@ from reefd.grow.schedule import CannotCancel
 from reefd.loop import CHAIN, CONVERSATIONS, RECONCILER, RECORDS, REGISTRY, SCHEDULER
 from reefd.observe.retention import receipts_of
 from reefd.ops.auth import KEYRING
-from reefd.ops.tokens import read as read_tokens
+from reefd.ops.tokens import TokensFileError, revoke_user
 from reefd.serve.scenarios import Scenario
+
+log = logging.getLogger("reefd.api.users")
 
 
 async def list_users(request: web.Request) -> web.Response:
@@ -86,11 +89,25 @@ async def delete_user(request: web.Request) -> web.Response:
         await registry.users.forget(scenario.name, user)
     finally:
         registry.users.deleting.discard((scenario.name, user))
-    keyring = app[KEYRING]
-    tokens = [] if keyring.file is None else [
-        e.grant.name for e in await asyncio.to_thread(read_tokens, keyring.file) if e.grant.user == user]
     return json_response({"object": "reef.user.deleted", "scenario": scenario.name, "user": user,
-                          "cancelled_jobs": cancelled, **erased, "tokens": tokens})
+                          "cancelled_jobs": cancelled, **erased, **await _revoke(app, scenario.name, user)})
+
+
+async def _revoke(app: web.Application, scenario: str, user: str) -> dict[str, list[str]]:
+    """The user's tokens limited to this scenario revoked (and no longer accepted), those reaching other
+    scenarios kept and named. A tokens file reefd cannot write keeps them all, named, with the reason logged."""
+    keyring = app[KEYRING]
+    if keyring.file is None:
+        return {"tokens_revoked": [], "tokens_kept": []}
+    try:
+        revoked, kept = await asyncio.to_thread(revoke_user, keyring.file, scenario, user)
+    except (OSError, TokensFileError) as exc:
+        log.warning("deleting user %r of %s: cannot revoke their tokens in %s: %s", user, scenario, keyring.file, exc)
+        return {"tokens_revoked": [], "tokens_kept": [
+            e.grant.name for e in keyring.entries() if e.grant.user == user and e.grant.covers(scenario)]}
+    if revoked:
+        keyring.reload()
+    return {"tokens_revoked": revoked, "tokens_kept": kept}
 
 
 async def _stop_jobs(request: web.Request, scenario: str, user: str) -> list[str]:

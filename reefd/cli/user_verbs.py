@@ -83,6 +83,8 @@ def _delete(client: Client, args: argparse.Namespace, scenario: str, user: str) 
           f"releases, {gone.get('jobs', 0)} jobs, {gone.get('lfs_objects', 0)} LFS objects")
     for rel in gone.get("shared_releases_learned_from") or []:
         note(f"shared release {rel} learned from their records: retrain without them (docs/users.md)")
-    for token in gone.get("tokens") or []:
-        note(f"token {token} still speaks for {user}: reefctl token revoke {token}")
+    for token in gone.get("tokens_revoked") or []:
+        note(f"token {token} (made for {user} on {scenario} alone) is revoked")
+    for token in gone.get("tokens_kept") or []:
+        note(f"token {token} still speaks for {user} on other scenarios: reefctl token revoke {token}")
     return 0

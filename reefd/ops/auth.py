@@ -91,6 +91,10 @@ class Keyring:
             self._scoped = read_tokens_file(self.file)
         return len(self._scoped)
 
+    def entries(self) -> list[Entry]:
+        """The scoped tokens as last read."""
+        return list(self._scoped)
+
     def grant(self, presented: str | None) -> Grant | None:
         """What `presented` may do, or None for no valid token. Compares against every token (no early exit)."""
         if not presented:

@@ -238,3 +238,16 @@ def revoke(path: Path, name: str) -> Entry:
             raise TokensFileError(f"no token named {name!r} in {path} (tokens: {known})")
         write(path, [e for e in entries if e is not gone])
     return gone
+
+
+def revoke_user(path: Path, scenario: str, user: str) -> tuple[list[str], list[str]]:
+    """What deleting `user` from `scenario` does to the tokens made for them: those limited to that scenario
+    alone are revoked; those that also reach other scenarios stay (the user still exists there).
+    Returns (revoked names, kept names)."""
+    with _locked(path):
+        entries = read(path)
+        theirs = [e for e in entries if e.grant.user == user and e.grant.covers(scenario)]
+        gone = [e for e in theirs if e.grant.scenarios == frozenset({scenario})]
+        if gone:
+            write(path, [e for e in entries if e not in gone])
+    return [e.grant.name for e in gone], [e.grant.name for e in theirs if e not in gone]

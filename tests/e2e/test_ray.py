@@ -45,7 +45,8 @@ def test_a_grow_job_runs_as_a_ray_job(ray_head: tuple[str, Path], tmp_path: Path
     url, token = ray_head
     scen = make_scenarios(tmp_path / "scenarios", names=(), extra={
         "learn": LEARN.format(address=url, fault=""), "unreachable": LEARN.format(address="http://127.0.0.1:9",
-                                                                                   fault="")})
+                                                                                   fault=""),
+        "mine": LEARN.format(address=url, fault="") + "users:\n  slots: 2\n"})
     d = Daemon(scenarios=scen, state=tmp_path / "state", log_path=tmp_path / "reefd.log",
                env={"RAY_AUTH_TOKEN_PATH": str(token)})
     d.start()
@@ -80,8 +81,37 @@ def test_a_grow_job_runs_as_a_ray_job(ray_head: tuple[str, Path], tmp_path: Path
         assert failed["state"] == "failed" and "cannot reach the Ray cluster at http://127.0.0.1:9" in \
             failed["error"], failed
         assert json.loads(d.get("/reef/scenarios/unreachable/releases")[1])["head"] == before
+        users_jobs_fan_out(d, url, token)
     finally:
         stop(d)
+
+
+def users_jobs_fan_out(d: Daemon, url: str, token: Path) -> None:
+    """Per-user learning on the Ray backend: alice's and bob's jobs are Ray jobs of their own, submitted together,
+    each trained on its user's records alone and published to its user's line, which serves that user only."""
+    shared = client(d, "mine")
+    receipts: dict[str, list[str]] = {}
+    for user in ("alice", "bob"):
+        c = shared.with_options(default_headers={"x-reef-scenario": "mine", "x-reef-user": user})
+        receipts[user] = [turn(d, c, f"{user} {i}", score=float(i % 2), name="mine")[0] for i in range(4)]
+    for user in receipts:
+        out = reefctl(d, "train", "mine", "--user", user)
+        assert out.returncode == 0, out.stdout + out.stderr
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        done = json.loads(d.get("/reef/jobs?scenario=mine")[1])["data"]
+        if len(done) == 2 and all(j["state"] in ("published", "failed", "rejected") for j in done):
+            break
+        time.sleep(0.5)
+    by_user = {j["user"]: j for j in done}
+    assert set(by_user) == {"alice", "bob"} and all(j["state"] == "published" for j in done), done
+    for user, job in by_user.items():
+        assert job["receipts"] == receipts[user], job  # their own records alone
+        ray_job = ray_get(url, token, f"/api/jobs/reef-{job['id']}")
+        assert isinstance(ray_job, dict) and ray_job["status"] == "SUCCEEDED", ray_job
+        c = shared.with_options(default_headers={"x-reef-scenario": "mine", "x-reef-user": user})
+        assert turn(d, c, "after", name="mine")[1] == job["release"]
+    assert turn(d, shared, "nobody's", name="mine")[1] not in {j["release"] for j in done}
 
 
 def ray_get(url: str, token: Path, path: str) -> object:

@@ -21,7 +21,8 @@ from tests.served import aiohttp_in_thread
 pytestmark = pytest.mark.contract
 
 TOKENS = {"alice": ("--user", "alice", "--scenario", "u"), "bob": ("--user", "bob", "--scenario", "u"),
-          "dave": ("--user", "dave"), "t1": ("--scenario", "plain"), "t2": ("--scenario", "plain")}
+          "dave": ("--user", "dave"), "dave-u": ("--user", "dave", "--scenario", "u"),
+          "t1": ("--scenario", "plain"), "t2": ("--scenario", "plain")}
 
 
 @pytest.fixture(scope="module")
@@ -199,3 +200,18 @@ def test_a_user_consents_to_sharing_for_themselves_only(world: tuple[Daemon, dic
     status, err = call(d, "PATCH", "/reef/scenarios/u/users/nobody-here", TOKEN, {"share": True})
     assert status == 404 and err["error"]["code"] == "user_not_found", err
     assert call(d, "PATCH", "/reef/scenarios/u/users/alice", tokens["alice"], {"share": False})[1]["share"] is False
+
+
+def test_deleting_a_user_revokes_their_tokens_for_that_scenario_alone(world: tuple[Daemon, dict[str, str]]) -> None:
+    """dave's token limited to u stops being accepted once dave is deleted from u; his token that reaches every
+    scenario is kept (dave exists elsewhere) and named in the answer."""
+    d, tokens = world
+    for user in [r["user"] for r in call(d, "GET", "/reef/scenarios/u/users", TOKEN)[1]["data"]]:
+        assert call(d, "DELETE", f"/reef/scenarios/u/users/{user}", TOKEN)[0] == 200  # room under users.max
+    assert chat(d, tokens["dave-u"], "dave here")[0] == 200
+    status, gone = call(d, "DELETE", "/reef/scenarios/u/users/dave", TOKEN)
+    assert status == 200 and (gone["tokens_revoked"], gone["tokens_kept"]) == (["dave-u"], ["dave"]), gone
+    status, err, _ = chat(d, tokens["dave-u"], "still here?")
+    assert status == 401 and err["error"]["code"] == "invalid_api_key", err
+    assert "dave-u" not in reefctl(d.state, "token", "list").stdout
+    assert chat(d, tokens["dave"], "dave, anew")[0] == 200  # the token for every scenario still speaks for him
