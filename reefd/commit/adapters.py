@@ -291,12 +291,13 @@ def _lora_ranks(path: Path, config: dict[str, Any]) -> dict[str, int]:
     return ranks
 
 
-def _rank(module: str, ranks: dict[str, int]) -> int:
-    """PEFT's rule (`get_pattern_key`): the first rank_pattern key matching a suffix of the name."""
-    for pattern, r in ranks.items():
+def module_value(module: str, values: dict[str, Any]) -> Any:
+    """PEFT's rule (`get_pattern_key`) for rank_pattern and alpha_pattern: the value of the first pattern key
+    matching a suffix of the module's name, else the default under ""."""
+    for pattern, value in values.items():
         if pattern and re.match(rf"(.*\.)?({pattern})$", module):
-            return r
-    return ranks[""]
+            return value
+    return values[""]
 
 
 def _targeted_modules(path: Path, targets: Any, base: _Base) -> frozenset[str]:
@@ -341,7 +342,7 @@ def _check_tensors(
             raise InvalidAdapter(
                 path, f"tensor {key!r} is {info.dtype}; LoRA weights must be one of {sorted(ADAPTER_DTYPES)}")
         out_features, in_features = base.linears[module]
-        r = _rank(module, ranks)
+        r = module_value(module, ranks)
         want = (r, in_features) if half == "A" else (out_features, r)
         if info.shape != want:
             raise InvalidAdapter(path, f"tensor {key!r} has shape {info.shape}, {base.label} needs {want} (rank {r})")

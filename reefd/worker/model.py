@@ -7,7 +7,6 @@ sampling or scheduling; every call here runs on the batcher thread.
 from __future__ import annotations
 
 import logging
-import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,12 +16,11 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 from transformers.utils import logging as hf_logging
 
-from reefd.train import quiet_peft
 from reefd.worker import kvcache, openings
+from reefd.worker.lora import RowLoRA
 from reefd.worker.params import BadRequest
 
 log = logging.getLogger("reefd.worker")
-BASE = "__base__"  # PEFT's adapter name for "no adapter" in a mixed batch
 
 
 @dataclass
@@ -60,8 +58,7 @@ class Model:
         self.context_length = context_length or model_length
         self.eos_ids = self._eos_ids()
         self.adapters: dict[str, str] = {}  # LoRA adapter name -> the folder it came from
-        self._peft: Any = None  # the PeftModel wrapping `model` while adapters are loaded
-        self._active: str | None = None  # the adapter PEFT has active (set_adapter), for uniform batches
+        self.lora = RowLoRA(self.model, self.device)  # their factors, each row of a batch reading its own
         self.weight_version: str | None = None
         self.fault: str | None = None  # tests only (params.FAULTS): loads that say success and serve otherwise
         self._cache_arg = kvcache.cache_arg(self.model)
@@ -87,32 +84,13 @@ class Model:
         return str(self.tokenizer.decode(list(ids), skip_special_tokens=True))
 
     def _forward(self, adapters: Sequence[str | None] | None, **kwargs: Any) -> Any:
-        """One model call; `adapters` names each row's LoRA adapter (None: the base model).
-
-        With adapters loaded, a batch whose rows all use one adapter (the usual case: a
-        scenario serves one release) runs with that adapter active, PEFT's plain path; rows
-        with different adapters, or base rows beside adapter rows, go through PEFT's
-        mixed-batch path (`adapter_names=[...]`, "__base__" for base rows) and share one
-        forward. The plain path is about 15% faster per decode step on a CPU.
-        """
-        names = [a or BASE for a in adapters] if adapters is not None else []
-        if self._peft is None:
-            if any(n != BASE for n in names):
-                raise RuntimeError(f"no LoRA adapter is loaded (rows asked for {sorted(set(names) - {BASE})})")
-            return self.model(**kwargs)
+        """One model call; `adapters` names each row's LoRA adapter (None: the base model). Rows on different
+        adapters, and base rows beside them, share the forward: each row reads its own adapter's factors
+        (reefd/worker/lora.py)."""
         rows = int(kwargs["input_ids"].shape[0])
-        if len(names) != rows:
-            names = [BASE] * rows
-        only = names[0]
-        if only != BASE and all(n == only for n in names):
-            if self._active != only:
-                try:
-                    self._peft.set_adapter(only, inference_mode=True)
-                except TypeError:  # an older peft, without the argument: requires_grad does not matter here
-                    self._peft.set_adapter(only)
-                self._active = only
-            return self._peft(**kwargs)
-        return self._peft(**kwargs, adapter_names=names)
+        names = list(adapters) if adapters is not None and len(adapters) == rows else [None] * rows
+        with self.lora.rows(names):
+            return self.model(**kwargs)
 
     def prefill(self, prompts: Sequence[Sequence[int]], keep: int = 1,
                 adapters: Sequence[str | None] | None = None) -> Prefill:
@@ -190,27 +168,17 @@ class Model:
 
     def load_adapter(self, name: str, path: Path) -> list[str]:
         """Validate, then load a PEFT LoRA folder under `name`; on any failure nothing changes."""
-        if not name or name == BASE:
+        if not name:
             raise BadRequest(f"{name!r} is not a usable adapter name")
         if name in self.adapters:
             raise BadRequest(f"an adapter named {name!r} is already loaded (unload it first)")
         notes = self.check_adapter(path)
-        from peft import PeftModel
-
         try:
-            with quiet_peft():
-                if self._peft is None:
-                    peft_model = PeftModel.from_pretrained(self.model, str(path), adapter_name=name, is_trainable=False)
-                    self._peft = peft_model.to(self.device).eval()
-                else:
-                    self._peft.load_adapter(str(path), adapter_name=name, is_trainable=False)
-                    self._peft.to(self.device)
+            self.lora.load(name, Path(path))
         except Exception as exc:
-            self._drop_adapter(name)
             raise BadRequest(f"cannot load adapter {name!r} from {path}: {exc}") from None
-        self._active = None  # loading may change which adapter PEFT has active
         if self.fault is not None:
-            self._misload(name)
+            self.lora.misload(name, self.fault, next(reversed(self.adapters), None))
         self.adapters[name] = str(path)
         for note in notes:
             log.warning("adapter %s: %s", name, note)
@@ -220,22 +188,9 @@ class Model:
     def unload_adapter(self, name: str) -> None:
         if name not in self.adapters:
             raise BadRequest(f"no adapter named {name!r} is loaded")
-        self._drop_adapter(name)
+        self.lora.unload(name)
         del self.adapters[name]
         log.info("unloaded LoRA adapter %s", name)
-
-    def _drop_adapter(self, name: str) -> None:
-        """Remove `name` from the PEFT wrapper; the last one gone restores the plain model."""
-        self._active = None  # PEFT picks another active adapter when it deletes the active one
-        if self._peft is None:
-            return
-        if name in self._peft.peft_config:
-            with warnings.catch_warnings():  # "Adapter X was active ...": rows name their adapter anyway
-                warnings.filterwarnings("ignore", ".*was active which is now deleted.*", UserWarning)
-                self._peft.delete_adapter(name)
-        if not self._peft.peft_config:
-            self.model = self._peft.base_model.unload()  # the LoRA wrappers replaced by their base layers
-            self._peft = None
 
     def read_weights(self, path: Path) -> dict[str, torch.Tensor]:
         """Load an HF folder's parameters (off the batcher thread); refuses another architecture."""
@@ -259,8 +214,7 @@ class Model:
                       partial: bool = False) -> None:
         """Copy weights into the running model (batcher thread); all checked before any copy. `path` None: they
         came over a weight update group, and `partial`: only the parameters named change."""
-        params = {name.replace(".base_layer", ""): param for name, param in self.model.named_parameters()
-                  if ".lora_" not in name}
+        params = dict(self.model.named_parameters())
         source = path or "the broadcast"
         if (set(weights) - set(params)) if partial else set(weights) != set(params):
             diff = sorted(set(weights) ^ set(params) if not partial else set(weights) - set(params))[:5]
@@ -277,23 +231,6 @@ class Model:
             self.path = Path(path)
         self.weight_version = version
         log.info("weights updated from %s (version %s, %d tensors)", source, version, len(weights))
-
-    @torch.no_grad()
-    def _misload(self, name: str) -> None:
-        """A test fault (params.FAULTS) on the adapter just loaded, whose load still answers success."""
-        mine = {n: p for n, p in self._peft.named_parameters() if f".{name}." in n and ".lora_" in n}
-        if self.fault == "empty-adapters":  # serves the base model under the adapter's name
-            for n, p in mine.items():
-                if ".lora_B." in n:
-                    p.zero_()
-        elif self.fault == "corrupt-adapters":  # one tensor of it damaged
-            p = next(p for n, p in sorted(mine.items()) if ".lora_B." in n)
-            p.mul_(-3.0)
-        elif self.fault == "stale-adapters" and self.adapters:  # the last adapter's tensors under the new name
-            last = list(self.adapters)[-1]
-            for n, p in self._peft.named_parameters():
-                if f".{last}." in n and ".lora_" in n:
-                    mine[n.replace(f".{last}.", f".{name}.")].copy_(p)
 
     def cache_from(self, kv: kvcache.KV) -> DynamicCache:
         return kvcache.build(kv, self.config)

@@ -9,7 +9,7 @@ import os
 
 from reefd.engines.launch import die_with_parent
 
-MODULES = ("torch", "transformers.modeling_utils", "transformers.generation.utils", "peft", "aiohttp.web",
+MODULES = ("torch", "transformers.modeling_utils", "transformers.generation.utils", "aiohttp.web",
            "reefd.worker.batcher", "reefd.worker.server", "reefd.worker.wire")
 
 # The fork server goes when reefd goes, even by SIGKILL, and takes the workers it forked with it (each has
