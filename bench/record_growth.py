@@ -95,7 +95,6 @@ def main() -> None:
                     size, last_ms, single_ms = asyncio.run(measure(tmp / f"{engine}-{n}-{whole}", turns, whole))
                     got[whole] = (size, last_ms, single_ms)
                 before, after = got[True], got[False]
-                before, after = got[True], got[False]
                 rows.append({"turns": n, "engine": engine, "final_transcript_b": final,
                              "before_ratio": round(before[0] / final, 2), "after_ratio": round(after[0] / final, 2),
                              "read_last_ms": round(after[1], 3), "read_same_in_one_turn_ms": round(after[2], 3),

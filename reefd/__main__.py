@@ -195,6 +195,10 @@ def main(argv: list[str] | None = None) -> int:
         except argparse.ArgumentTypeError as exc:
             print(f"REEF_METRICS_LISTEN: {exc}", file=sys.stderr)
             return 2
+    records = os.environ.get("REEF_RECORDS", "pieces")
+    if records not in ("pieces", "whole"):
+        print(f"REEF_RECORDS: {records!r} is not one of 'pieces' (the default), 'whole'", file=sys.stderr)
+        return 2
     malloc.return_big_buffers()
     args.state.mkdir(mode=0o700, parents=True, exist_ok=True)  # records and the token live here
     tokens_file = path_for(args.state)
@@ -205,7 +209,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     settings = Settings(state_dir=args.state, tokens=load_tokens(args.state), tokens_file=tokens_file,
                         scenarios=scenarios, scenarios_dir=args.scenarios,
-                        max_jobs=int(os.environ.get("REEF_MAX_JOBS", "1")))
+                        max_jobs=int(os.environ.get("REEF_MAX_JOBS", "1")), records_whole=records == "whole")
     with asyncio.Runner(loop_factory=_loop_factory()) as runner:
         return runner.run(serve(settings, host, port, args.scenarios))
 

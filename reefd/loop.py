@@ -80,6 +80,7 @@ class Settings:
     tokens: list[str]  # root tokens: every scope, every scenario
     tokens_file: Path | None = None  # scoped tokens (reefd/ops/tokens.py), re-read on SIGHUP
     records_map_size: int = 1 << 30
+    records_whole: bool = False  # REEF_RECORDS=whole: each record one value, as reefd wrote them before pieces
     shutdown_timeout_s: float = 30.0
     scenarios: dict[str, ScenarioConfig] = field(default_factory=dict)
     scenarios_dir: Path = Path("scenarios")  # gate task files and harness folders are relative to it
@@ -97,7 +98,9 @@ def install(app: web.Application, settings: Settings) -> None:
 
 
 async def records(app: web.Application) -> AsyncIterator[None]:  # Observe
-    app[RECORDS] = RecordStore(app[SETTINGS].state_dir / "records", map_size=app[SETTINGS].records_map_size)
+    settings = app[SETTINGS]
+    app[RECORDS] = RecordStore(settings.state_dir / "records", map_size=settings.records_map_size,
+                               whole=settings.records_whole)
     await app[RECORDS].open()
     yield
     await app[RECORDS].close()

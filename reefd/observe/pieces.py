@@ -31,11 +31,13 @@ from typing import Any
 
 import orjson
 
-from reefd.observe.recordcodec import ARRAYS, arrays_bytes, pack, pack_arrays, unpack_arrays
+from reefd.observe.recordcodec import ARRAYS, arrays_bytes, dumps, pack_arrays, pack_text, unpack_arrays
 
 FORMAT = b"b"  # a record value in pieces (recordcodec's b"a": one whole value)
-LIST_MIN = 512  # bytes of JSON: a shorter list stays in the record
-STRING_MIN = 1024  # bytes: a shorter string stays in the record
+# A record whose JSON (but its token arrays) is shorter than this is stored whole, unread for pieces: what it
+# could share is worth less than a piece costs (a name, a reference count, two LMDB entries), and most records
+# served are that short. Within a longer record, a list of fewer bytes of JSON, or a shorter string, stays in it.
+SMALL = LIST_MIN = STRING_MIN = 2048
 CHUNK = 128  # token ids per piece of prompt_token_ids, aligned from the prompt's start
 GROUP = 16  # hashes per group piece
 HASH = 16  # bytes of a piece's name (BLAKE2b)
@@ -86,17 +88,22 @@ def _ids_piece(split: Split, ids: array.array[int]) -> bytes:
     return _piece(split, IDS16 if narrow else IDS, array.array("H", ids).tobytes() if narrow else ids.tobytes())
 
 
-def _cuts(record: dict[str, Any]) -> Iterator[tuple[list[str], Any]]:
-    """Where a record is cut: its lists, and the lists and long strings of its dicts (paths of one or two keys)."""
+def _cuts(record: dict[str, Any]) -> list[tuple[list[str], Any]]:
+    """Where a record may be cut: its lists, and the lists and long strings of its dicts (paths of one or two
+    keys). Exact types (JSON's): this runs for every record written, most of which have nothing to cut."""
+    found = []
     for key, value in record.items():
+        kind = type(value)
         if key in ARRAYS:
             continue
-        if isinstance(value, list):
-            yield [key], value
-        elif isinstance(value, dict):
+        if kind is list:
+            found.append(([key], value))
+        elif kind is dict:
             for inner, sub in value.items():
-                if isinstance(sub, list) or (isinstance(sub, str) and len(sub) >= STRING_MIN):
-                    yield [key, inner], sub
+                inner_kind = type(sub)
+                if inner_kind is list or (inner_kind is str and len(sub) >= STRING_MIN):
+                    found.append(([key, inner], sub))
+    return found
 
 
 def split(record: dict[str, Any]) -> Split:
@@ -104,19 +111,26 @@ def split(record: dict[str, Any]) -> Split:
     value set to null (so that keys keep their order), the cuts, then the token arrays as recordcodec keeps them,
     prompt_token_ids' full chunks as pieces. A record with nothing long enough to cut is one whole value."""
     out = Split(b"", {}, [])
-    skeleton = dict(record)
+    arrays, rest = pack_arrays(record)
+    ids = arrays.get("prompt_token_ids")
+    if ids is None or len(ids) < CHUNK:
+        text = dumps(rest)
+        if len(text) < SMALL:  # no list or string in it is long enough to cut: the whole value, at once
+            out.value = pack_text(text, arrays)
+            return out
+    skeleton = rest if rest is not record else dict(record)  # pack_arrays copied it when it took arrays out
     cuts: list[list[Any]] = []  # [path, "str", 0] | [path, "list", groups, count] | [path, "extends", cut, extra]
     lists: dict[int, list[bytes]] = {}  # a list cut's index -> its elements' names
     blob: list[bytes] = []
-    for path, value in list(_cuts(record)):
+    for path, value in _cuts(skeleton):
         if isinstance(value, str):
             key = _piece(out, JSON, orjson.dumps(value))
             cuts.append([path, "str", 0])
             blob.append(key)
         else:
-            if len(orjson.dumps(value, option=orjson.OPT_NON_STR_KEYS)) < LIST_MIN:  # one call: most lists are short
+            if len(dumps(value)) < LIST_MIN:  # one call: most lists are short
                 continue
-            parts = [orjson.dumps(item, option=orjson.OPT_NON_STR_KEYS) for item in value]
+            parts = [dumps(item) for item in value]
             elements = [_piece(out, JSON, p) for p in parts]
             base = _extends(lists, elements)
             if base is None:
@@ -128,9 +142,7 @@ def split(record: dict[str, Any]) -> Split:
             lists[len(cuts) - 1] = elements
             blob.append(keys)
         _set(skeleton, path, None, copy=True)
-    arrays, rest = pack_arrays(skeleton)
     chunked = None
-    ids = arrays.get("prompt_token_ids")
     if ids is not None and len(ids) >= CHUNK:
         full = len(ids) // CHUNK
         groups, keys = _names(out, [_ids_piece(out, ids[i * CHUNK:(i + 1) * CHUNK]) for i in range(full)])
@@ -138,10 +150,10 @@ def split(record: dict[str, Any]) -> Split:
         blob.append(keys)
         arrays["prompt_token_ids"] = ids[full * CHUNK:]
     if not cuts and chunked is None:  # nothing repeats: the whole value, as recordcodec keeps it
-        out.value = pack(record)
+        out.value = pack_text(dumps(skeleton), arrays)
         return out
     head = orjson.dumps({"cuts": cuts, "chunked": chunked})
-    text = zlib.compress(orjson.dumps(rest, option=orjson.OPT_NON_STR_KEYS), 1)
+    text = zlib.compress(dumps(skeleton), 1)
     names = b"".join(blob)
     out.value = b"".join([FORMAT, _U32.pack(len(text)), text, _U32.pack(len(head)), head, _U32.pack(len(names)),
                           names, zlib.compress(b"".join(arrays_bytes(arrays)), 1)])

@@ -72,10 +72,20 @@ def unpack_arrays(obj: dict[str, Any], value: bytes, prefix: dict[str, bytes] | 
 
 
 def pack(obj: Any) -> bytes:
-    arrays, obj = pack_arrays(obj)
-    # orjson: ~15x faster than json here; non-finite floats elsewhere in a record become null
-    text = zlib.compress(orjson.dumps(obj, option=orjson.OPT_NON_STR_KEYS), 1)
-    return b"".join([b"a", _HEAD.pack(len(text)), text, *arrays_bytes(arrays)])
+    arrays, rest = pack_arrays(obj)
+    return pack_text(dumps(rest), arrays)
+
+
+def dumps(obj: Any) -> bytes:
+    """A record's JSON as stored (orjson: ~15x faster than json here; non-finite floats outside the arrays
+    become null)."""
+    return orjson.dumps(obj, option=orjson.OPT_NON_STR_KEYS)
+
+
+def pack_text(text: bytes, arrays: dict[str, array.array[Any]]) -> bytes:
+    """`pack` of a record given as `dumps` of all but its arrays, and the arrays `pack_arrays` took out."""
+    deflated = zlib.compress(text, 1)
+    return b"".join([b"a", _HEAD.pack(len(deflated)), deflated, *arrays_bytes(arrays)])
 
 
 def unpack(value: bytes) -> Any:
