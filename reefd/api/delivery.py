@@ -20,7 +20,7 @@ from reefd.commit.chain import Release, ReleaseChain, UnknownRelease, WrongScena
 from reefd.commit.materialize import read_harness
 from reefd.harness import Harness
 from reefd.harness.installer import ADAPTERS, installer
-from reefd.loop import CHAIN, REGISTRY
+from reefd.loop import CHAIN, RECONCILER, REGISTRY
 from reefd.serve.scenarios import Scenario
 
 
@@ -44,10 +44,12 @@ def _files(harness: Harness) -> list[dict[str, Any]]:
              "content": data.decode("utf-8")} for path, data in sorted(harness.files().items())]
 
 
-def harness_versions(chain: ReleaseChain, scenario: str) -> list[Release]:
+def harness_versions(chain: ReleaseChain, scenario: str, user: str | None = None) -> list[Release]:
     """The releases that changed the harness (its first one included), newest first: a release whose harness
-    tree is its parent's (an adapter release, say) is not a new harness version."""
-    history = chain.history(scenario)
+    tree is its parent's (an adapter release, say) is not a new harness version. `user`: on their line (their
+    releases, then the shared ones it forked from)."""
+    own = chain.history(scenario, user=user) if user is not None else []
+    history = own or chain.history(scenario)  # a user with no line of their own is on the shared one
     trees = [chain.artifacts(r.id).get("harness") for r in history]
     return [r for i, r in enumerate(history) if trees[i] is not None and (i + 1 == len(history) or trees[i + 1]
                                                                              != trees[i])]
@@ -64,14 +66,23 @@ def _version(chain: ReleaseChain, rel: Release) -> Release:
     return rel
 
 
+def _serving(request: web.Request, scenario: Scenario, user: str | None) -> str | None:
+    """The release serving the request's user (their line's head, as their turns are answered), or the
+    scenario's."""
+    return scenario.release if user is None else request.app[RECONCILER].users.serving(scenario, user)
+
+
 async def _harness_of(request: web.Request, scenario: Scenario) -> tuple[Release, Harness]:
+    """The harness the request's user is served (a user's token's, or x-reef-user's; their own line's where they
+    have one), or the one of `?release=` on their line."""
     chain = request.app[CHAIN]
-    wanted = request.query.get("release") or scenario.release
+    user = access.user(request, scenario)
+    wanted = request.query.get("release") or _serving(request, scenario, user)
     if wanted is None:
         raise ApiError(503, f"scenario {scenario.name!r} is not serving yet; retry shortly",
                        code="engine_unavailable", headers={"Retry-After": "2"})
     try:
-        rel = await asyncio.to_thread(chain.target, scenario.name, wanted.removeprefix("release/"))
+        rel = await asyncio.to_thread(chain.target, scenario.name, wanted.removeprefix("release/"), user=user)
     except (UnknownRelease, WrongScenario) as exc:
         raise ApiError(404, f"no release {shown(wanted)} of scenario {scenario.name!r} ({exc})",
                        code="release_not_found") from None
@@ -100,16 +111,19 @@ async def releases(request: web.Request) -> web.Response:
     """The harness versions (releases that changed it), newest first, and the one serving now."""
     scenario = _scenario(request)
     chain = request.app[CHAIN]
+    user = access.user(request, scenario)
+    serving_id = _serving(request, scenario, user)
 
     def listing() -> tuple[list[dict[str, Any]], str | None]:
-        versions = harness_versions(chain, scenario.name)
-        serving = chain.get(scenario.release) if scenario.release else None
+        versions = harness_versions(chain, scenario.name, user)
+        serving = chain.get(serving_id) if serving_id else None
         current = _version(chain, serving).id if serving and "harness" in chain.artifacts(serving.id) else None
         return [{"id": r.id, "parent": r.parent, "kind": r.kind, "created_at": r.created_at,
                  "summary": str(r.meta.get("summary") or "")} for r in versions], current
 
     data, current = await asyncio.to_thread(listing)
-    return json_response({"object": "list", "scenario": scenario.name, "current": current, "data": data})
+    return json_response({"object": "list", "scenario": scenario.name, "current": current, "data": data,
+                          **({} if user is None else {"user": user})})
 
 
 async def install(request: web.Request) -> web.Response:

@@ -273,7 +273,7 @@ SCHEMAS: dict[str, Any] = {
     "HarnessReleases": _obj("object scenario current data", object={"const": "list"}, scenario=STR,
                             current=_OPT_STR, data={"type": "array", "items": _obj(
                                 "id parent kind created_at summary", id=STR, parent=_OPT_STR, kind=STR,
-                                created_at=STR, summary=STR)}),
+                                created_at=STR, summary=STR)}, user=STR),
     "Health": _obj("status", status={"const": "ok"}),
     "Ready": _obj("ready", ready={"type": "boolean"}, scenarios={"type": "object", "additionalProperties": STR}),
 }

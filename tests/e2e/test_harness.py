@@ -92,7 +92,7 @@ def coder(harnessd: Daemon, own_scenario: Callable[..., str]) -> Callable[..., s
     """`coder(proposer_url=None, margin=-100, gate="paired")`: a SkillClaw scenario of the test's own on the
     module's reefd, with a harness folder and tasks file of its own; its name."""
 
-    def add(proposer_url: str | None = None, margin: int = -100, gate: str = "paired") -> str:
+    def add(proposer_url: str | None = None, margin: int = -100, gate: str = "paired", extra: str = "") -> str:
         proposer = "" if proposer_url is None else (
             f"    proposer:\n      engine: upstream\n      url: {proposer_url}\n      api_key_env: UP_KEY\n"
             "      upstream_model: proposer\n")
@@ -100,15 +100,16 @@ def coder(harnessd: Daemon, own_scenario: Callable[..., str]) -> Callable[..., s
         harness, tasks = f"harness-{n}", f"tasks-{n}.jsonl"
         harness_dir(harnessd.scenarios / harness)
         return own_scenario(harnessd, SCENARIO.format(gate=gate, proposer=proposer, margin=margin, tasks=tasks,
-                                                      harness=harness), prefix="coder",
+                                                      harness=harness) + extra, prefix="coder",
                             files={tasks: "".join(json.dumps({"prompt": f"task {i}", "answer": ""}) + "\n"
                                                   for i in range(4))})
 
     return add
 
 
-def get(d: Daemon, path: str, name: str) -> tuple[int, Any, dict[str, str]]:
-    req = urllib.request.Request(d.url + path, headers={**d.headers(), "x-reef-scenario": name})
+def get(d: Daemon, path: str, name: str, user: str | None = None) -> tuple[int, Any, dict[str, str]]:
+    req = urllib.request.Request(d.url + path, headers={**d.headers(), "x-reef-scenario": name,
+                                                        **({"x-reef-user": user} if user else {})})
     try:
         with urllib.request.urlopen(req, timeout=30) as r:
             body = r.read()
@@ -118,9 +119,9 @@ def get(d: Daemon, path: str, name: str) -> tuple[int, Any, dict[str, str]]:
         return e.code, json.loads(e.read()), dict(e.headers)
 
 
-def scored_turns(d: Daemon, n: int, name: str) -> list[str]:
+def scored_turns(d: Daemon, n: int, name: str, user: str | None = None) -> list[str]:
     c = sdk(openai.OpenAI(base_url=d.url + "/v1", api_key=d.token, max_retries=0,
-                          default_headers={"x-reef-scenario": name}))
+                          default_headers={"x-reef-scenario": name, **({"x-reef-user": user} if user else {})}))
     receipts = []
     for i in range(n):
         raw = c.chat.completions.with_raw_response.create(
@@ -247,6 +248,37 @@ def test_skillclaw_publishes_a_harness_release_that_serves_next(harnessd: Daemon
     rolled = reefctl(d, "rollback", name)  # harness releases roll back like any other
     assert rolled.returncode == 0 and "skills/commit-messages/SKILL.md" not in {
         f["path"] for f in get(d, "/reef/harness", name)[1]["files"]}
+
+
+def test_a_users_harness_is_learned_from_their_records_and_delivered_to_them_alone(
+        harnessd: Daemon, coder: Callable[..., str], proposer: tuple[str, Path]) -> None:
+    """On a per-user scenario, SkillClaw trains alice's line on alice's reports alone; her harness release serves
+    her turns and is what the harness routes and the installer give her, while bob and nobody keep the shared
+    harness."""
+    d, name = harnessd, coder(proposer[0], extra="users:\n  slots: 2\n")
+    base = get(d, "/reef/harness", name)[1]["release"]
+    scored_turns(d, 1, name, user="bob")
+    receipts = scored_turns(d, 2, name, user="alice")
+    out = reefctl(d, "train", name, "--user", "alice", "--follow")
+    assert out.returncode == 0, out.stdout + out.stderr
+    job = jobs_of(d, name)[0]
+    assert job["state"] == "published" and job["user"] == "alice" and job["receipts"] == receipts, job
+    rel = json.loads(d.get(f"/reef/releases/{job['release']}")[1])
+    assert rel["kind"] == "harness" and rel["user"] == "alice" and rel["parent"] == base, rel
+    new_skill = "skills/commit-messages/SKILL.md"
+    for user, want in (("alice", job["release"]), ("bob", base), (None, base)):
+        code, body, headers = get(d, "/reef/harness", name, user)
+        assert code == 200 and body["release"] == want == headers["x-reef-release-id"], (user, body)
+        assert (new_skill in {f["path"] for f in body["files"]}) == (user == "alice"), user
+        listing = get(d, "/reef/harness/releases", name, user)[1]
+        assert listing["current"] == want and [r["id"] for r in listing["data"]][:1] == [want], listing
+        script = get(d, "/reef/harness/install?adapter=claude", name, user)[1]
+        assert (b"Start with a verb" in script) == (user == "alice"), user
+        record = json.loads(d.get(f"/reef/records/{scored_turns(d, 1, name, user=user)[0]}")[1])
+        assert record["release"] == want and ("commit-messages" in record["messages"][0]["content"]) == (
+            user == "alice"), record["messages"][0]
+    code, err, _ = get(d, f"/reef/harness?release={job['release']}", name)  # not on the shared line
+    assert code == 404 and err["error"]["code"] == "release_not_found", err
 
 
 def test_skillclaw_candidate_rejected_by_the_paired_gate(harnessd: Daemon, coder: Callable[..., str],
