@@ -1,9 +1,10 @@
 """The verification sandbox: one command in a process tree of its own, in a scratch folder it alone may write,
-with a time limit, a memory limit, a process limit and no network. Whatever the command does (hang, crash, fork,
-fill its output, write elsewhere), the caller gets an Outcome and the tree is gone. Knows nothing about tasks,
-answers or verdicts.
+with a time limit, a memory limit, a process limit, a bound on what it writes, and no network. Whatever the
+command does (hang, crash, fork, fill its output or its folders, write elsewhere), the caller gets an Outcome
+and the tree is gone. Knows nothing about tasks, answers or verdicts.
 
-It is bubblewrap (`bwrap`, Debian's `bubblewrap`): the host's filesystem read-only, a private /tmp, /dev and
+It is bubblewrap (`bwrap`, Debian's `bubblewrap`): the host's filesystem read-only, a private /tmp, /dev/shm and
+scratch folder (each a tmpfs of `disk_mb`, so nothing it writes reaches the host's disk), a private /dev and
 /proc, new user, network, PID, IPC and UTS namespaces, every capability dropped, `hide`'s folders (reefd's state)
 replaced by empty ones. util-linux's `prlimit` sets the limits inside the new user namespace, where the process
 limit counts the tree's own processes only. The kernel never applies that limit to root, so under root each run
@@ -43,6 +44,7 @@ class Limits:
     processes: int = 64  # processes and threads at once
     output_bytes: int = 65536  # of stdout and of stderr each, the last ones (a verdict line ends stdout)
     file_mb: int = 64  # the largest file it may write
+    disk_mb: int = 256  # what it may write in each of its writable folders: its scratch folder, /tmp, /dev/shm
 
 
 @dataclass(frozen=True)
@@ -80,10 +82,14 @@ def bwrap() -> str:
 
 def argv_for(command: Sequence[str], scratch: Path, limits: Limits, hide: Sequence[Path] = (),
              env: dict[str, str] | None = None, expose: Sequence[Path] = (), status_fd: int | None = None) -> list[str]:
-    """The full command line that runs `command` in the sandbox, in `scratch`; `expose`'s folders are seen
-    read-only even where they lie under /tmp; bwrap reports on `status_fd` (JSON lines) that it started."""
+    """The full command line that runs `command` in the sandbox, in a folder at `scratch`'s path that is a
+    tmpfs of its own holding `scratch`'s files read-only (what it writes never reaches the host's disk);
+    `expose`'s folders are seen read-only even where they lie under /tmp; bwrap reports on `status_fd` (JSON
+    lines) that it started."""
+    size = str(limits.disk_mb << 20)
     wrap = [bwrap(), *(["--json-status-fd", str(status_fd)] if status_fd is not None else []),
-            "--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc", "--tmpfs", "/tmp"]
+            "--ro-bind", "/", "/", "--dev", "/dev", "--size", size, "--tmpfs", "/dev/shm", "--proc", "/proc",
+            "--size", size, "--tmpfs", "/tmp"]
     # every path absolute: bwrap resolves a relative one against its new root, where it cannot be mounted (reefd
     # started with a relative --state would have every answer judged wrong)
     for folder in (f.absolute() for f in expose):
@@ -93,7 +99,10 @@ def argv_for(command: Sequence[str], scratch: Path, limits: Limits, hide: Sequen
         if folder.is_dir():
             wrap += ["--tmpfs", str(folder), "--remount-ro", str(folder)]
     scratch = scratch.absolute()
-    wrap += ["--bind", str(scratch), str(scratch), "--chdir", str(scratch), "--unshare-all", "--die-with-parent",
+    wrap += ["--size", size, "--tmpfs", str(scratch)]
+    for path in sorted(scratch.iterdir()):
+        wrap += ["--ro-bind", str(path), str(path)]
+    wrap += ["--chdir", str(scratch), "--unshare-all", "--die-with-parent",
              "--new-session", "--cap-drop", "ALL", "--clearenv", "--setenv", "PATH", PATH,
              "--setenv", "HOME", str(scratch), "--setenv", "TMPDIR", "/tmp"]
     for key, value in (env or {}).items():

@@ -48,6 +48,9 @@ class VerifierConfig:
                                                   "description": "Address space of each of its processes."})
     processes: int = field(default=64, metadata={"minimum": 1, "maximum": 4096,
                                                  "description": "Processes and threads at once."})
+    disk_mb: int = field(default=256, metadata={"minimum": 1, "maximum": 1 << 20, "description":
+                                                "What it may write in each of its scratch folder, /tmp and "
+                                                "/dev/shm (each a tmpfs of this size, in memory)."})
 
 
 @dataclass(frozen=True)
@@ -92,7 +95,8 @@ class Verifier:
             self.argv = list(cfg.command)
         else:
             raise VerifierError("practice.verifier.command: a non-empty string or list of strings")
-        self.limits = Limits(timeout_s=cfg.timeout_s, memory_mb=cfg.memory_mb, processes=cfg.processes)
+        self.limits = Limits(timeout_s=cfg.timeout_s, memory_mb=cfg.memory_mb, processes=cfg.processes,
+                             disk_mb=cfg.disk_mb)
 
     def describe(self) -> str:
         """The verifier in one line, for status."""
