@@ -75,8 +75,9 @@ def held(store: RecordStore, fetch: Any = None) -> dict[str, int]:
 
 @pytest.mark.parametrize("record", [
     {"id": "x", "messages": [{"role": "user", "content": "a" * 600}], "z": 1, "prompt_token_ids": list(range(512))},
-    {"id": "x", "request": {"system": "s" * 2000, "messages": [], "k": [1] * 300}, "completion_logprobs":
-     [float("-inf"), -0.5], "prompt_token_ids": list(range(700)), "after": {"nested": [[1, 2], {"a": None}]}},
+    {"id": "x", "request": {"system": "s" * (pieces.STRING_MIN + 50), "messages": [], "k": [1] * 300},
+     "completion_logprobs": [float("-inf"), -0.5], "prompt_token_ids": list(range(700)),
+     "after": {"nested": [[1, 2], {"a": None}]}},
     {"id": "x", "prompt_token_ids": [2**40, 1], "messages": [{"role": "tool", "content": "é\u2028" * 400}]},
     {"id": "x", "small": [1, 2, 3], "request": {"messages": [{"role": "user", "content": "hi"}]}},
 ])

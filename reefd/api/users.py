@@ -87,10 +87,11 @@ async def delete_user(request: web.Request) -> web.Response:
         await lines.forget(scenario, user)
         erased = await erase(app, scenario, user)
         await registry.users.forget(scenario.name, user)
+        revoked = await _revoke(app, scenario.name, user)  # before their turns are let through again
     finally:
         registry.users.deleting.discard((scenario.name, user))
     return json_response({"object": "reef.user.deleted", "scenario": scenario.name, "user": user,
-                          "cancelled_jobs": cancelled, **erased, **await _revoke(app, scenario.name, user)})
+                          "cancelled_jobs": cancelled, **erased, **revoked})
 
 
 async def _revoke(app: web.Application, scenario: str, user: str) -> dict[str, list[str]]:
@@ -106,7 +107,11 @@ async def _revoke(app: web.Application, scenario: str, user: str) -> dict[str, l
         return {"tokens_revoked": [], "tokens_kept": [
             e.grant.name for e in keyring.entries() if e.grant.user == user and e.grant.covers(scenario)]}
     if revoked:
-        keyring.reload()
+        try:
+            keyring.reload()
+        except (OSError, TokensFileError) as exc:  # the file was just written; a SIGHUP reads it again
+            log.error("deleting user %r of %s: revoked %s in %s, but cannot read it back: %s", user, scenario,
+                      revoked, keyring.file, exc)
     return {"tokens_revoked": revoked, "tokens_kept": kept}
 
 

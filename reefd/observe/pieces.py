@@ -113,6 +113,7 @@ def split(record: dict[str, Any]) -> Split:
     out = Split(b"", {}, [])
     arrays, rest = pack_arrays(record)
     ids = arrays.get("prompt_token_ids")
+    text = None
     if ids is None or len(ids) < CHUNK:
         text = dumps(rest)
         if len(text) < SMALL:  # no list or string in it is long enough to cut: the whole value, at once
@@ -150,7 +151,7 @@ def split(record: dict[str, Any]) -> Split:
         blob.append(keys)
         arrays["prompt_token_ids"] = ids[full * CHUNK:]
     if not cuts and chunked is None:  # nothing repeats: the whole value, as recordcodec keeps it
-        out.value = pack_text(dumps(skeleton), arrays)
+        out.value = pack_text(text if text is not None else dumps(skeleton), arrays)  # skeleton is rest here
         return out
     head = orjson.dumps({"cuts": cuts, "chunked": chunked})
     text = zlib.compress(dumps(skeleton), 1)

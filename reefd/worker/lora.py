@@ -70,6 +70,9 @@ class Factors:
             return None
         if rows.uniform is not None:
             return (x @ self.a[rows.uniform]) @ self.b[rows.uniform]
+        if x.shape[0] != rows.index.numel():  # a layer fed flattened or routed tokens (an MoE expert, say)
+            raise RuntimeError(f"a LoRA layer got {x.shape[0]} rows of input for a batch of {rows.index.numel()}: "
+                               "this model's targeted layers cannot batch different adapters row by row")
         flat = x.reshape(x.shape[0], -1, x.shape[-1])
         h = torch.bmm(flat, self.a.index_select(0, rows.index))
         return torch.bmm(h, self.b.index_select(0, rows.index)).reshape(*x.shape[:-1], -1)
@@ -108,7 +111,8 @@ class RowLoRA:
 
     @torch.no_grad()
     def load(self, name: str, path: Path) -> None:
-        """Read a checked PEFT LoRA folder into a free slot; on any failure nothing changes."""
+        """Read a checked PEFT LoRA folder into a free slot; on any failure no slot holds any of it (a layer it
+        was the first to target keeps zero factors, which add nothing)."""
         config = json.loads((path / ADAPTER_CONFIG).read_text())
         if config.get("lora_bias"):
             raise ValueError("lora_bias is set; LoRA adapters with a bias are not supported")

@@ -35,7 +35,7 @@ from tests.e2e.test_grow import wait_job
 from tests.e2e.test_practice import EVEN, TASKS, practice_status, practice_yaml
 from tests.e2e.test_reefctl import reefctl
 
-SYSTEM = "You are a careful coding agent. " * 60  # long enough to be a piece of its own (a 1 KB string or more)
+SYSTEM = "You are a careful coding agent. " * 70  # a piece of its own: a string of pieces.STRING_MIN or more
 TOOLS = [{"type": "function", "function": {"name": f"tool_{i}", "description": f"Tool number {i}. " * 12,
                                            "parameters": {"type": "object", "properties": {"path": {
                                                "type": "string"}}}}} for i in range(3)]

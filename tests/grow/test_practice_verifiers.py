@@ -146,13 +146,14 @@ def test_memory_past_the_limit_fails(tmp_path: Path) -> None:
 
 def test_what_it_writes_is_bounded_everywhere_it_may_write(tmp_path: Path) -> None:
     """Its scratch folder, /tmp and /dev/shm each hold at most disk_mb (tmpfs in memory, none on the host's
-    disk); past it a write fails with ENOSPC, and the inputs it was given stay read-only."""
+    disk); past it a write fails with ENOSPC; the inputs it was given, and /dev, stay read-only."""
     script = ("for d in . /tmp /dev/shm; do head -c 40000000 /dev/zero > $d/fill 2>/dev/null; "
-              "echo $d $(stat -c %s $d/fill); done; echo 6 > answer.txt 2>/dev/null || echo read-only")
+              "echo $d $(stat -c %s $d/fill); done; echo 6 > answer.txt 2>/dev/null || echo read-only; "
+              "echo x > /dev/probe 2>/dev/null || echo no /dev")
     verdict = verify(script, scenarios=tmp_path, disk_mb=16)
     out = verdict.output["stdout"].splitlines()
     assert out[:3] == [f"{d} {16 << 20}" for d in (".", "/tmp", "/dev/shm")], verdict.output
-    assert out[3] == "read-only", verdict.output
+    assert out[3:] == ["read-only", "no /dev"], verdict.output
     assert verify(CHECK, "5", scenarios=tmp_path, disk_mb=16).passed  # small writes and reads go on
 
 

@@ -88,8 +88,8 @@ def argv_for(command: Sequence[str], scratch: Path, limits: Limits, hide: Sequen
     lines) that it started."""
     size = str(limits.disk_mb << 20)
     wrap = [bwrap(), *(["--json-status-fd", str(status_fd)] if status_fd is not None else []),
-            "--ro-bind", "/", "/", "--dev", "/dev", "--size", size, "--tmpfs", "/dev/shm", "--proc", "/proc",
-            "--size", size, "--tmpfs", "/tmp"]
+            "--ro-bind", "/", "/", "--dev", "/dev", "--remount-ro", "/dev", "--size", size, "--tmpfs", "/dev/shm",
+            "--proc", "/proc", "--size", size, "--tmpfs", "/tmp"]
     # every path absolute: bwrap resolves a relative one against its new root, where it cannot be mounted (reefd
     # started with a relative --state would have every answer judged wrong)
     for folder in (f.absolute() for f in expose):
