@@ -1,7 +1,7 @@
 """Per-user learning on SmolLM2 through reefd: four users, four preferences, four release lines.
 
 Each simulated user (bench/openclaw_user.py) wants every answer to open their own way: alice with "Hello", bob
-with "Hey", carol with "Hi", dave with "Sure". They never report a score: each says so only as a correction
+with "Hey", carol with "Alright", dave with "Sure". They never report a score: each says so only as a correction
 ("Please start your answer with 'Hey'.") when an answer misses it, in conversations of their own (`x-reef-user`,
 a session header). One scenario serves them all (`users:`), with openclaw-rl (a scripted judge reads each user's
 next message, labelled as such), a count trigger that counts each user's own judged turns, and the holdout gate
@@ -17,7 +17,11 @@ it; the diagonal should be high, the rest near the base row), then checks in the
 It writes bench/out/users.png (each user's own score per round) and bench/out/users.json; the last line printed
 is a JSON summary.
 
-Run: python bench/users_demo.py [--minutes 20] [--keep]   (make demo runs it; about 15 minutes on 2 cores)
+Learning stops once every user's own score reaches --target (0.8), or after --rounds rounds (20): a budget of
+steps, so a busy machine makes the demo slower, not different.
+
+Run: python bench/users_demo.py [--rounds 20] [--minutes M] [--keep]   (make demo runs it; 15-30 minutes on
+2 cores)
 """
 
 from __future__ import annotations
@@ -40,7 +44,7 @@ from _harness import ROOT, Daemon, scratch_dir, start_reefd
 
 OUT = ROOT / "bench" / "out"
 NAME = "assist"
-OPENINGS = {"alice": "Hello", "bob": "Hey", "carol": "Hi", "dave": "Sure"}  # each user's hidden preference
+OPENINGS = {"alice": "Hello", "bob": "Hey", "carol": "Alright", "dave": "Sure"}  # each user's hidden preference
 CONVERSATIONS, TURNS, BATCH = 4, 3, 8  # per user and round: 4 x 2 judged turns = one job of 8
 
 
@@ -157,13 +161,13 @@ class Demo:
                 messages.append({"role": "user", "content": sim.reply(text, questions[(turn + 1) % 3],
                                                                       OPENINGS[user])})
 
-    async def learn(self, minutes: float, target: float) -> None:
+    async def learn(self, rounds: int, target: float, minutes: float | None = None) -> None:
         self.rows["base"] = await self.evaluate(None)
         print("base (the shared release), held-out: " + fmt(self.rows["base"]), flush=True)
         for u in OPENINGS:
             self.curve[u].append((0.0, self.rows["base"][u]))
         start, seen, n = time.monotonic(), set(), 0
-        while time.monotonic() - start < minutes * 60:
+        while n < rounds and (minutes is None or time.monotonic() - start < minutes * 60):
             n += 1
             await asyncio.gather(*(self.conversation(u) for u in OPENINGS for _ in range(CONVERSATIONS)))
             jobs = [j for j in await self.client.settle() if j["id"] not in seen]
@@ -182,10 +186,10 @@ class Demo:
                 break
 
     def table(self) -> str:
-        lines = ["release \\ scored by".ljust(22) + "".join(f"{u} ({o})".rjust(14) for u, o in OPENINGS.items())]
+        lines = ["release \\ scored by".ljust(22) + "".join(f"{u} ({o})".rjust(16) for u, o in OPENINGS.items())]
         for who, row in self.rows.items():
             lines.append((f"{who}'s" if who != "base" else "base (shared)").ljust(22)
-                         + "".join(f"{row[u]:14.2f}" for u in OPENINGS))
+                         + "".join(f"{row[u]:16.2f}" for u in OPENINGS))
         return "\n".join(lines)
 
 
@@ -265,7 +269,7 @@ async def run(args: argparse.Namespace, d: Daemon, scratch: Path) -> dict[str, A
     try:
         demo = Demo(client, args.seed)
         t0 = time.monotonic()
-        await demo.learn(args.minutes, args.target)
+        await demo.learn(args.rounds, args.target, args.minutes)
         learned_min = (time.monotonic() - t0) / 60
         print("\nheld-out, greedy (16 questions): the share of answers that open as each user wants\n"
               + demo.table() + "\n", flush=True)
@@ -285,7 +289,9 @@ async def run(args: argparse.Namespace, d: Daemon, scratch: Path) -> dict[str, A
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
-    parser.add_argument("--minutes", type=float, default=20.0, help="learning's time budget")
+    parser.add_argument("--rounds", type=int, default=20, help="learning's budget: rounds of conversations, each "
+                        "user's job and its evaluation")
+    parser.add_argument("--minutes", type=float, default=None, help="also stop learning after this many minutes")
     parser.add_argument("--target", type=float, default=0.8, help="stop once every user's own score reaches it")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--keep", action="store_true", help="keep the scratch folder")

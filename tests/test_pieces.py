@@ -8,6 +8,7 @@ import asyncio
 import json
 import random
 import shutil
+import zlib
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -104,6 +105,32 @@ def test_a_sessions_records_cost_about_its_transcript_and_read_exactly(tmp_path:
     sizes = with_store(tmp_path / "s", body)
     final = len(orjson.dumps(turns[-1]["messages"]))
     assert sum(sizes.values()) <= 1.5 * final, (sizes, final)  # it was 60 times the transcript, as one value each
+
+
+def test_a_long_text_is_stored_once_whatever_form_its_message_takes(tmp_path: Path) -> None:
+    """A tool's 3 KB output in the request as sent (with its tool_call_id), in the normalised messages (without
+    it) and in a next state: one piece of text, and each record reads back exactly; deleting them leaves none."""
+    rng = random.Random(3)
+    output, system = text(rng, 3000), text(rng, 3000)
+    sent = [{"role": "system", "content": system}, {"role": "tool", "tool_call_id": "call_1", "content": output}]
+    normalised = [sent[0], {"role": "tool", "content": output}, {"role": "assistant", "content": None}]
+    first = {"id": new_receipt(), "scenario": "s", "request": {"messages": sent}, "messages": normalised}
+    second = {**first, "id": new_receipt(), "session": "b"}
+
+    async def body(store: RecordStore) -> None:
+        await store.put_record(first)
+        await store.put_record({**second, "previous": first["id"]}, next_state=[sent[1]])
+        for rec in (first, second):
+            got = store.get_record(rec["id"])
+            assert got is not None and got["request"] == rec["request"] and got["messages"] == normalised
+        with store._reading() as txn:
+            texts = [v for _, v in txn.cursor(db=store._dbs["pieces"])
+                     if v[:1] == pieces.JSON and output.encode() in zlib.decompress(v[1:])]
+        assert len(texts) == 1, len(texts)
+        assert await store.delete_records("s", [first["id"], second["id"]]) == 2
+        assert held(store)["pieces"] == held(store)["piece_refs"] == 0
+
+    with_store(tmp_path / "s", body)
 
 
 def test_deleting_half_a_session_keeps_the_rest_whole_and_no_piece_unreferenced(tmp_path: Path) -> None:

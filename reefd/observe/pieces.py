@@ -44,6 +44,7 @@ HASH = 16  # bytes of a piece's name (BLAKE2b)
 _U32 = struct.Struct("<I")
 JSON, IDS, IDS16, HASHES = b"j", b"i", b"I", b"h"  # a piece's kind: its first byte, then its content, deflated
 # (but HASHES). IDS: int32 token ids; IDS16: ids that all fit 16 bits, two bytes each (a vocabulary under 65536)
+ELEMENT = b"e"  # a list element whose long strings are pieces of their own: their count, names, then its JSON
 
 
 def name(kind: bytes, content: bytes) -> bytes:
@@ -64,6 +65,24 @@ def _piece(split: Split, kind: bytes, content: bytes) -> bytes:
     key = name(kind, content)
     if key not in split.pieces:
         split.pieces[key] = kind + (content if kind == HASHES else zlib.compress(content, 1))
+    split.uses.append(key)
+    return key
+
+
+def _element(split: Split, item: Any, part: bytes) -> bytes:
+    """A cut list's element: its JSON `part`, or, for a dict holding strings of STRING_MIN or more (a tool's
+    output, a long message), those strings as pieces of their own and the rest with them as null. So the same
+    text is stored once in the request as sent, in the normalised messages and in a next state, whatever else
+    differs between those forms of its message (a tool_call_id, a null content)."""
+    long = [k for k, v in item.items() if type(v) is str and len(v) >= STRING_MIN] \
+        if type(item) is dict and len(part) >= STRING_MIN else []
+    if not long:
+        return _piece(split, JSON, part)
+    names = b"".join(_piece(split, JSON, orjson.dumps(item[k])) for k in long)
+    body = dumps([long, {k: None if k in long else v for k, v in item.items()}])
+    key = name(ELEMENT, names + body)
+    if key not in split.pieces:
+        split.pieces[key] = ELEMENT + _U32.pack(len(long)) + names + zlib.compress(body, 1)
     split.uses.append(key)
     return key
 
@@ -132,7 +151,7 @@ def split(record: dict[str, Any]) -> Split:
             if len(dumps(value)) < LIST_MIN:  # one call: most lists are short
                 continue
             parts = [dumps(item) for item in value]
-            elements = [_piece(out, JSON, p) for p in parts]
+            elements = [_element(out, item, p) for item, p in zip(value, parts, strict=True)]
             base = _extends(lists, elements)
             if base is None:
                 groups, keys = _names(out, elements)
@@ -206,11 +225,38 @@ def fields(value: bytes) -> dict[str, Any]:
     return result
 
 
-def _load(fetch: Fetch, key: bytes) -> bytes:
-    """A piece's content (IDS16 widened to int32 ids, as the record's array holds them)."""
+def _fetch(fetch: Fetch, key: bytes) -> bytes:
     stored = fetch(key)
     if stored is None:
         raise MissingPiece(f"piece {key.hex()} is missing")
+    return stored
+
+
+def _strings(stored: bytes) -> tuple[list[bytes], int]:
+    """An ELEMENT piece's string pieces' names, and where its JSON starts."""
+    (count,) = _U32.unpack_from(stored, 1)
+    at = 1 + _U32.size
+    return [stored[at + i * HASH:at + (i + 1) * HASH] for i in range(count)], at + count * HASH
+
+
+def _item(fetch: Fetch, key: bytes) -> Any:
+    """A cut list's element, as `split` was given it."""
+    stored = _fetch(fetch, key)
+    if stored[:1] != ELEMENT:
+        return orjson.loads(_content(stored))
+    strings, at = _strings(stored)
+    long, item = orjson.loads(zlib.decompress(stored[at:]))
+    for k, string in zip(long, strings, strict=True):
+        item[k] = orjson.loads(_load(fetch, string))
+    return item
+
+
+def _load(fetch: Fetch, key: bytes) -> bytes:
+    return _content(_fetch(fetch, key))
+
+
+def _content(stored: bytes) -> bytes:
+    """A piece's content (IDS16 widened to int32 ids, as the record's array holds them)."""
     kind, content = stored[:1], stored[1:]
     if kind == HASHES:
         return content
@@ -269,7 +315,7 @@ def join(value: bytes, fetch: Fetch) -> dict[str, Any]:
         elif kind == "str":
             _set(rest, path, orjson.loads(_load(fetch, keys[0])))
         else:
-            _set(rest, path, [orjson.loads(_load(fetch, k)) for k in keys])
+            _set(rest, path, [_item(fetch, k) for k in keys])
     unpack_arrays(rest, zlib.decompress(arrays), prefix={"prompt_token_ids": chunks} if chunks else None)
     result: dict[str, Any] = rest
     return result
@@ -279,6 +325,10 @@ def uses(value: bytes, fetch: Fetch) -> list[bytes]:
     """Every piece name a stored value references, with repeats, as `split` counted them (for its deletion)."""
     _, head, names, _ = _parts(value)
     out: list[bytes] = []
-    for _, _, keys, groups in _walk(head, names, fetch):
+    for _, kind, keys, groups in _walk(head, names, fetch):
         out += keys + groups
+        if kind == "list":  # an element's own string pieces count once for each use of it
+            for key in keys:
+                if (stored := _fetch(fetch, key))[:1] == ELEMENT:
+                    out += _strings(stored)[0]
     return out
