@@ -212,7 +212,8 @@ def cancel_jobs(d: Daemon, scenario: str) -> None:
 
 
 def shared_daemon(base: Path, names: tuple[str, ...] = ("tiny",), extra: dict[str, str] | None = None,
-                  env: dict[str, str] | None = None, files: dict[str, str] | None = None) -> Iterator[Daemon]:
+                  env: dict[str, str] | None = None, files: dict[str, str] | None = None,
+                  ready_s: float = 180.0) -> Iterator[Daemon]:
     """The body of a module's shared-daemon fixture: one reefd for the module, a scenario per test
     (`own_scenario`); `files`: more files in its scenarios folder (path -> text). Tests of the process itself
     (signals, restarts, kills) keep a daemon of their own."""
@@ -221,8 +222,9 @@ def shared_daemon(base: Path, names: tuple[str, ...] = ("tiny",), extra: dict[st
         (scenarios / rel).parent.mkdir(parents=True, exist_ok=True)
         (scenarios / rel).write_text(text)
     d = Daemon(scenarios=scenarios, state=base / "state", log_path=base / "reefd.log", env=env or {})
-    d.start()
-    try:
+    try:  # a daemon that never got ready is stopped too, with its engines: they would slow every later test
+        d.start(wait_ready=False)
+        d.wait_ready(ready_s)
         yield d
     finally:
         if d.proc is not None and d.proc.poll() is None:

@@ -70,7 +70,9 @@ def d(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) 
     text = scenario(engine, extra=TOP_K).replace("  - release: follow\n", "  - recipe: openclaw-rl\n"
                                                                           "  - release: follow\n")
     text = text.replace("  replicas: 1\n", f"  replicas: 1\n  path: {untied}\n") + "users:\n  slots: 2\n"
-    yield from shared_daemon(base, names=(), extra={"contract": text, "pair": proven(faulty(engine, base))})
+    # three engine processes start side by side (vLLM's take minutes on 2 busy cores)
+    yield from shared_daemon(base, names=(), extra={"contract": text, "pair": proven(faulty(engine, base))},
+                             ready_s=600)
 
 
 def faulty(engine: str, tmp_path: Path) -> str:
