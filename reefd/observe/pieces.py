@@ -3,7 +3,8 @@ prompt, its prompt's token ids) is kept a single time, however many records hold
 
 Coding agents resend their whole transcript on every turn, so a session's records held it over and over: a
 60-turn session stored 43 times its final transcript. Here each message (an element of a list in the record, or
-in a dict of it such as the provider's `request`), each long string in such a dict, and each aligned chunk of
+in a dict of it such as the provider's `request`), each long string in such a dict or in such a message (a
+tool's output, shared by the forms a message takes: as sent, normalised, a next state), and each aligned chunk of
 `prompt_token_ids` is a *piece*, named by the hash of its bytes (content-addressed, so the same message in the
 raw request, in the normalised messages and in every later turn is one piece, and a system prompt or a tool list
 shared by every session of a scenario is one piece too). A record keeps its small fields as before and, for each
@@ -112,9 +113,9 @@ def _cuts(record: dict[str, Any]) -> list[tuple[list[str], Any]]:
     keys). Exact types (JSON's): this runs for every record written, most of which have nothing to cut."""
     found = []
     for key, value in record.items():
-        kind = type(value)
         if key in ARRAYS:
             continue
+        kind = type(value)
         if kind is list:
             found.append(([key], value))
         elif kind is dict:
