@@ -100,9 +100,14 @@ def test_a_script_in_the_scenarios_folder(tmp_path: Path) -> None:
     (tmp_path / "check_sum.py").write_text(
         "import json, sys\ntask = json.load(open('task.json'))\n"
         "sys.exit(0 if sys.stdin.read().strip() == task['answer'] else 1)\n")
+    (tmp_path / "notes.txt").write_text("not listed\n")
     command = 'python3 "$REEF_SCENARIOS/check_sum.py"'
-    assert verify(command, "5", scenarios=tmp_path).passed
-    assert verify(command, "five", scenarios=tmp_path).score == 0.0
+    assert verify(command, "5", scenarios=tmp_path, read=["check_sum.py"]).passed
+    assert verify(command, "five", scenarios=tmp_path, read=["check_sum.py"]).score == 0.0
+    unlisted = verify(command, "5", scenarios=tmp_path)  # the scenarios folder is seen only where `read` lists
+    assert unlisted.error == "exit status 2" and "check_sum.py" in unlisted.output["stderr"], unlisted.output
+    other = verify(f'cat "{tmp_path}/notes.txt"', scenarios=tmp_path, read=["check_sum.py"])
+    assert "No such file" in other.output["stderr"] and "not listed" not in other.output["stdout"], other.output
 
 
 @pytest.mark.parametrize(("command", "error"), [
@@ -167,7 +172,7 @@ def test_writes_outside_its_folder_reach_nothing() -> None:
         verdict = verify(f"cat {outside}/visible; echo x > {outside}/f; echo x > {state}/tokens; cat {state}/tokens; "
                          "echo x > /tmp/reef-escape; echo mine > mine; cat mine", scenarios=outside, hide=(state,))
         out = verdict.output["stdout"].split()
-        assert out == ["seen", "mine"], verdict.output  # the host is readable, reefd's state is not
+        assert out == ["mine"], verdict.output  # nothing of the host's is seen, reefd's state least of all
         assert sorted(p.name for p in outside.iterdir()) == ["state", "visible"]
         assert (state / "tokens").read_text() == "secret" and not Path("/tmp/reef-escape").exists()
     finally:
@@ -176,7 +181,8 @@ def test_writes_outside_its_folder_reach_nothing() -> None:
 
 def test_no_environment_of_reefds_is_readable_inside(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """bubblewrap's init is PID 1 inside, and /proc/1/environ shows the environment bwrap started with: never
-    reefd's (its root token, upstream keys), whatever the command itself is given."""
+    reefd's (its root token, upstream keys), whatever the command itself is given. Under root the verifier, as
+    nobody, cannot read PID 1's at all; under another user it reads PATH alone there."""
     monkeypatch.setenv("REEF_TOKEN", "reef-root-secret")
     monkeypatch.setenv("UPSTREAM_API_KEY", "upstream-secret")
     dump = ("ls -d /proc/1 && tr '\\0' '\\n' < /proc/1/environ | grep -c ^PATH= && "
@@ -184,7 +190,9 @@ def test_no_environment_of_reefds_is_readable_inside(tmp_path: Path, monkeypatch
             "env | grep -e secret -e KEY -e TOKEN; exit 1")
     verdict = verify(dump, scenarios=tmp_path)
     seen = verdict.output["stdout"]
-    assert verdict.error is None and seen.startswith("/proc/1\n1\n"), verdict.output  # it did read PID 1's
+    denied = "/proc/1/environ: Permission denied" in verdict.output["stderr"]
+    assert verdict.error is None and seen.startswith("/proc/1\n0\n" if denied else "/proc/1\n1\n"), verdict.output
+    assert denied == (os.geteuid() == 0), verdict.output
     assert "secret" not in seen and "REEF_TOKEN" not in seen and "UPSTREAM_API_KEY" not in seen, seen
 
 
@@ -199,24 +207,28 @@ def test_no_network_not_even_loopback(tmp_path: Path) -> None:
     assert verdict.output["returncode"] == 1 and "ConnectionRefusedError" in verdict.output["stderr"]  # its own lo
 
 
-def check_add(answer: str, task: dict[str, Any]) -> bool:
+CHECKS = """
+def check_add(answer, task):
     return answer.strip() == task["answer"]
 
 
-def half(answer: str, task: dict[str, Any]) -> float:
+def half(answer, task):
     return 0.5
 
 
-def raises(answer: str, task: dict[str, Any]) -> bool:
+def raises(answer, task):
     raise RuntimeError("the checker itself broke")
 
 
-def nonsense(answer: str, task: dict[str, Any]) -> str:
+def nonsense(answer, task):
     return "yes"
+"""
 
 
 def test_function_verifiers_run_in_the_sandbox(tmp_path: Path) -> None:
-    me = "tests.grow.test_practice_verifiers"
+    (tmp_path / "checks_here").mkdir()
+    (tmp_path / "checks_here" / "__init__.py").write_text(CHECKS)  # a package beside the scenarios
+    me = "checks_here"
     assert verify(function=f"{me}:check_add", answer="5", scenarios=tmp_path).passed
     assert verify(function=f"{me}:check_add", answer="4", scenarios=tmp_path).score == 0.0
     assert verify(function=f"{me}:half", scenarios=tmp_path).score == 0.5

@@ -3,12 +3,16 @@ with a time limit, a memory limit, a process limit, a bound on what it writes, a
 command does (hang, crash, fork, fill its output or its folders, write elsewhere), the caller gets an Outcome
 and the tree is gone. Knows nothing about tasks, answers or verdicts.
 
-It is bubblewrap (`bwrap`, Debian's `bubblewrap`): the host's filesystem read-only, a private /tmp, /dev/shm and
-scratch folder (each a tmpfs of `disk_mb`, so nothing it writes reaches the host's disk), a private /dev and
-/proc, new user, network, PID, IPC and UTS namespaces, every capability dropped, `hide`'s folders (reefd's state)
-replaced by empty ones. util-linux's `prlimit` sets the limits inside the new user namespace, where the process
-limit counts the tree's own processes only. The kernel never applies that limit to root, so under root each run
-also gets a pids cgroup of its own (cgroup v2, or v1's pids hierarchy) whose pids.max holds it.
+It is bubblewrap (`bwrap`, Debian's `bubblewrap`) on a root of its own that holds only the system's libraries and
+interpreters (SYSTEM, a few files of /etc), the paths the caller exposes (the Python prefix, the verifier's own
+program, what a scenario lists), its scratch folder, and a private /tmp, /dev/shm, /dev and /proc: no /root, no
+/home, no reefd state, nothing else of the host's. Its writable places are tmpfs mounts of `disk_mb` each, so
+nothing it writes reaches the host's disk. It has new network, PID, IPC and UTS namespaces and no capabilities,
+and it runs as user nobody (NOBODY): under root, bubblewrap drops to that uid itself (setpriv, before the
+command starts, the only capabilities kept until then being those two); under any other user, in a new user
+namespace where reefd's own uid is seen as nobody's. util-linux's `prlimit` sets the limits; under root, where
+the kernel never applies the process limit to root and nobody's count is the host's, each run also gets a pids
+cgroup of its own (cgroup v2, or v1's pids hierarchy) whose pids.max holds it.
 """
 
 from __future__ import annotations
@@ -31,6 +35,9 @@ PATH = "/usr/local/bin:/usr/bin:/bin"
 # started with, whatever --clearenv gives the command. So bwrap starts with this alone, never with reefd's
 # environment (REEF_TOKEN, upstream API keys).
 WRAPPER_ENV = {"PATH": PATH}
+NOBODY = 65534  # the uid and gid a verifier runs as
+SYSTEM = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")  # libraries and interpreters
+SYSTEM_ETC = ("alternatives", "ld.so.cache", "ld.so.conf", "ld.so.conf.d", "localtime")  # what programs look up
 
 
 class SandboxUnavailable(RuntimeError):
@@ -84,32 +91,82 @@ def argv_for(command: Sequence[str], scratch: Path, limits: Limits, hide: Sequen
              env: dict[str, str] | None = None, expose: Sequence[Path] = (), status_fd: int | None = None) -> list[str]:
     """The full command line that runs `command` in the sandbox, in a folder at `scratch`'s path that is a
     tmpfs of its own holding `scratch`'s files read-only (what it writes never reaches the host's disk);
-    `expose`'s folders are seen read-only even where they lie under /tmp; bwrap reports on `status_fd` (JSON
-    lines) that it started."""
+    `expose`'s paths are seen read-only at their own paths, `hide`'s folders as empty ones even where they lie
+    in an exposed path; bwrap reports on `status_fd` (JSON lines) that it started."""
     size = str(limits.disk_mb << 20)
-    wrap = [bwrap(), *(["--json-status-fd", str(status_fd)] if status_fd is not None else []),
-            "--ro-bind", "/", "/", "--dev", "/dev", "--remount-ro", "/dev", "--size", size, "--tmpfs", "/dev/shm",
-            "--proc", "/proc", "--size", size, "--tmpfs", "/tmp"]
+    root = Root()
+    for path in [Path(p) for p in SYSTEM] + [Path("/etc") / e for e in SYSTEM_ETC]:
+        root.add(path)
+    root.args += ["--dev", "/dev", "--perms", "1777", "--size", size, "--tmpfs", "/dev/shm", "--remount-ro", "/dev",
+                  "--proc", "/proc", "--perms", "1777", "--size", size, "--tmpfs", "/tmp"]
     # every path absolute: bwrap resolves a relative one against its new root, where it cannot be mounted (reefd
     # started with a relative --state would have every answer judged wrong)
-    for folder in (f.absolute() for f in expose):
-        if folder.is_dir() and folder.is_relative_to("/tmp"):
-            wrap += ["--ro-bind", str(folder), str(folder)]
+    for path in expose:  # after /tmp: an exposed path may lie under it
+        root.add(path.absolute())
     for folder in (f.absolute() for f in hide):
-        if folder.is_dir():
-            wrap += ["--tmpfs", str(folder), "--remount-ro", str(folder)]
+        if folder.is_dir() and root.covers(folder):
+            root.args += ["--tmpfs", str(folder), "--remount-ro", str(folder)]
     scratch = scratch.absolute()
-    wrap += ["--size", size, "--tmpfs", str(scratch)]
+    root.args += ["--perms", "1777", "--size", size, "--tmpfs", str(scratch)]
     for path in sorted(scratch.iterdir()):
-        wrap += ["--ro-bind", str(path), str(path)]
-    wrap += ["--chdir", str(scratch), "--unshare-all", "--die-with-parent",
-             "--new-session", "--cap-drop", "ALL", "--clearenv", "--setenv", "PATH", PATH,
-             "--setenv", "HOME", str(scratch), "--setenv", "TMPDIR", "/tmp"]
+        path.chmod(0o644)  # readable by nobody inside; the host folder (0700) keeps other users out
+        root.args += ["--ro-bind", str(path), str(path)]
+    wrap = [bwrap(), *(["--json-status-fd", str(status_fd)] if status_fd is not None else []), *root.args,
+            "--chdir", str(scratch), *_identity(), "--die-with-parent", "--new-session", "--clearenv",
+            "--setenv", "PATH", PATH, "--setenv", "HOME", str(scratch), "--setenv", "TMPDIR", "/tmp"]
     for key, value in (env or {}).items():
         wrap += ["--setenv", key, value]
-    limit = ["prlimit", f"--as={limits.memory_mb << 20}", f"--nproc={limits.processes}",
-             f"--fsize={limits.file_mb << 20}", "--core=0", "--"]
-    return [*wrap, "--", *limit, *command]
+    limit = ["prlimit", f"--as={limits.memory_mb << 20}", f"--fsize={limits.file_mb << 20}", "--core=0",
+             *([] if os.geteuid() == 0 else [f"--nproc={limits.processes}"]), "--"]  # under root: the cgroup
+    return [*wrap, "--", *_drop(), *limit, *command]
+
+
+class Root:
+    """The sandbox's root as bwrap arguments: host paths bound read-only at their own paths (a symlink made as
+    one), each folder on the way to them made 0755 (bwrap would make it 0700, which nobody cannot cross)."""
+
+    def __init__(self) -> None:
+        self.args: list[str] = []
+        self.bound: list[Path] = []
+        self.made = {Path("/"), Path("/tmp"), Path("/dev"), Path("/proc")}
+
+    def covers(self, path: Path) -> bool:
+        """Whether `path` lies in a bound path (so the sandbox would see it)."""
+        return any(path.is_relative_to(b) for b in self.bound)
+
+    def add(self, path: Path) -> None:
+        if self.covers(path) or not (path.exists() or path.is_symlink()):
+            return
+        for folder in reversed(path.parents):
+            if folder not in self.made:
+                self.args += ["--perms", "0755", "--dir", str(folder)]
+                self.made.add(folder)
+        if path.is_symlink():  # merged /usr's /bin, /etc/localtime: its target is in the root or nowhere
+            self.args += ["--symlink", os.readlink(path), str(path)]
+        else:
+            self.args += ["--ro-bind", str(path), str(path)]
+        self.bound.append(path)
+
+
+def _identity() -> list[str]:
+    """The namespaces and the user: under root, no user namespace (bwrap drops to NOBODY by _drop, keeping only
+    the capabilities to do so); otherwise a user namespace where reefd's uid and gid are seen as NOBODY's."""
+    spaces = ["--unshare-ipc", "--unshare-pid", "--unshare-net", "--unshare-uts", "--unshare-cgroup-try"]
+    if os.geteuid() == 0:
+        return [*spaces, "--cap-drop", "ALL", *(a for c in _KEPT for a in ("--cap-add", c))]
+    return [*spaces, "--unshare-user", "--uid", str(NOBODY), "--gid", str(NOBODY), "--cap-drop", "ALL"]
+
+
+_KEPT = ("CAP_SETUID", "CAP_SETGID", "CAP_SETPCAP")  # under root, until setpriv has become nobody
+
+
+def _drop() -> list[str]:
+    """Under root, what the command is started by: setpriv, becoming NOBODY with no groups and an empty bounding
+    set (the kernel clears the capabilities kept for it as the uid leaves 0)."""
+    if os.geteuid() != 0:
+        return []
+    return ["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups", "--inh-caps=-all",
+            "--bounding-set=-all", "--"]
 
 
 async def run(command: Sequence[str], *, limits: Limits, stdin: bytes = b"", files: dict[str, bytes] | None = None,
