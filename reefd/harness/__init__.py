@@ -11,6 +11,7 @@ from typing import Any
 
 import yaml
 
+from reefd.harness import declared
 from reefd.harness.entry import (
     _ID_RE,
     _SKILL_FILE,
@@ -185,6 +186,21 @@ class Harness(Mapping[tuple[str, str], Entry]):
             more = f" (+{len(ids) - 5} more)" if len(ids) > 5 else ""
             parts.append(f"{op} {kind} {', '.join(ids[:5])}{more}")
         return "; ".join(parts) or "no changes"
+
+    def operator_only(self, base: Harness) -> str | None:
+        """What this harness changes from `base` that only an operator may change, in one line ("adds extension
+        lint, changes the tools list of role reviewer"): any extension added, changed or removed, and any role's
+        `tools` given, changed or dropped (declared.operator_only); None when it changes neither. reefd refuses
+        a recipe's candidate that does, before its gate; the harness folder an operator gives a scenario is not
+        checked."""
+        found = []
+        for key in sorted(set(self) | set(base), key=_order):
+            old, new = base.get(key), self.get(key)
+            why = declared.operator_only(*key, old.config if old is not None else None,
+                                         new.config if new is not None else None)
+            if why is not None:
+                found.append(why)
+        return ", ".join(found) or None
 
     # -- prompt
 

@@ -76,6 +76,27 @@ def _plain(value: Any) -> Any:
     return value
 
 
+def operator_only(kind: str, ident: str, old: Mapping[str, Any] | None, new: Mapping[str, Any] | None) -> str | None:
+    """What changing one entry from `old` to `new` (None: absent) does that only an operator may do, e.g. "adds
+    extension lint"; None when nothing. Extensions are programs and servers the agent runs, and a role's `tools`
+    are what its subagent may use: a recipe's candidate that adds, changes or removes either is refused before its
+    gate (reefd/grow/job_kinds/harness_job.py). A role's description and body are text, and stay a recipe's to
+    edit, and a new role that lists no tools is allowed (it may use the agent's own, as any role without a list)."""
+    if kind == "extension" and old != new:
+        return f"{'adds' if old is None else 'removes' if new is None else 'changes'} extension {ident}"
+    if kind != "role":
+        return None
+    before = None if old is None else old.get("tools")
+    after = None if new is None else new.get("tools")
+    if before == after:
+        return None
+    if before is None:
+        return f"gives {'the new ' if old is None else ''}role {ident} a tools list"
+    if new is None:
+        return f"removes role {ident} and its tools list"
+    return f"{'drops' if after is None else 'changes'} the tools list of role {ident}"
+
+
 def role_file(ident: str, config: Mapping[str, Any]) -> bytes:
     """roles/<id>.md: front matter (name, description, tools when it names them), then the instructions."""
     meta: dict[str, Any] = {"name": ident, "description": config["description"]}

@@ -126,7 +126,8 @@ def test_gepa_jobs_keep_an_archive_and_serve_only_what_beats_the_serving_harness
             assert entry["rejected"]
     prompts = [json.loads(line) for line in reflections.read_text().splitlines()[shown_before:]]
     assert len(prompts) == 6
-    assert "## Generated Outputs" in prompts[0] and "too vague, name the file" in prompts[0]
+    assert "## Generated Outputs" in prompts[0]
+    assert 'Score 0.\n<untrusted source="report feedback">\ntoo vague, name the file\n</untrusted>' in prompts[0]
     assert "```\nAnswer in one word.\n```" in prompts[0]
     texts = [r["text"] for r in archive["rejected"]]
     assert len(texts) == len(set(texts))  # a rejected text is never proposed (and rejected) again

@@ -10,6 +10,7 @@ import asyncio
 import contextlib
 import dataclasses
 import json
+import logging
 import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -27,6 +28,8 @@ from reefd.serve.scenarios import Scenario
 if TYPE_CHECKING:
     from reefd.grow.runner import Runner
 
+log = logging.getLogger("reefd.grow.runner")
+
 PROPOSAL = "proposal"  # in a bundle job's folder: the proposed harness, rendered before the adapter trains
 PROPOSAL_META = "proposal.json"  # beside it: what the release keeps of the proposal (a restart trains again)
 
@@ -37,12 +40,17 @@ class BundleKind:
 
     async def make(self, job: Job, scenario: Scenario, spec: Bundle, stack: contextlib.AsyncExitStack
                    ) -> Made | None:
-        """Propose first (the serving release answers, before the trainer takes the CPU), then train."""
+        """Propose first (the serving release answers, before the trainer takes the CPU), then train. A proposal
+        that only an operator may make (HarnessKind.refusal) is dropped, and the adapter goes on alone."""
         current = HarnessKind.serving(scenario)
         found = Proposal(None, "the harness recipe found nothing in the batch to learn from")
         if spec.harness is not None:
             await self.runner.save(job, "propose")
             found = await self.harness.propose(job, scenario, spec.harness, current)
+            refused = HarnessKind.refusal(current, found.harness) if found.harness is not None else None
+            if refused is not None:  # the adapter goes on alone; the release says why its harness is unchanged
+                log.warning("%s %s: %s", job.scenario, job.id, refused)
+                found = Proposal(None, refused)
         weights = dataclasses.replace(spec.weights, samples=spec.samples)  # as the runner marked them
         job.skipped = [*weights.skipped, *job.skipped]
         await self.runner.save(job, "train")

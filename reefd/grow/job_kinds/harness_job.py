@@ -1,5 +1,6 @@
 """The harness and search job kinds: a proposer's answer edited into harness mutations (a HarnessJob), or a recipe's
-search driven round by round with every Ask answered here (a HarnessSearch, e.g. GEPA); both gated by a paired
+search driven round by round with every Ask answered here (a HarnessSearch, e.g. GEPA); both refused before the
+gate when they touch what only an operator may change (extensions, a role's tools), else gated by a paired
 comparison on the scenario's engine, where the sides differ in the system prompt only. Knows nothing about trainers.
 """
 
@@ -9,6 +10,7 @@ import asyncio
 import contextlib
 import dataclasses
 import json
+import logging
 import shutil
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
@@ -26,6 +28,8 @@ from reefd.serve.scenarios import Scenario
 
 if TYPE_CHECKING:
     from reefd.grow.runner import Runner
+
+log = logging.getLogger("reefd.grow.runner")
 
 Reflector = Callable[[Ask], Awaitable[str]]
 
@@ -61,8 +65,25 @@ class HarnessProduct:
         await until_ready(engine, startup_s, what)
         return engine, adapter
 
-    async def made(self, job: Job, current: Harness, proposed: Harness, meta: dict[str, Any]) -> Made:
-        """The proposed harness, rendered in the job's folder, with what its release keeps."""
+    @staticmethod
+    def refusal(current: Harness, proposed: Harness) -> str | None:
+        """Why a recipe's candidate may not even be gated: it adds, changes or removes an extension (an MCP server or
+        a hook) or a role's tools, which only an operator may do (Harness.operator_only). A recipe learns from what
+        users and verifiers wrote, and that text can ask for anything; None when the candidate changes neither."""
+        change = proposed.operator_only(current)
+        if change is None:
+            return None
+        return (f"candidate refused before the gate: it {change}; a recipe never changes extensions or a role's "
+                "tools (those are the operator's, from the scenario's harness folder)")
+
+    async def made(self, job: Job, current: Harness, proposed: Harness, meta: dict[str, Any]) -> Made | None:
+        """The proposed harness, rendered in the job's folder, with what its release keeps; None (the job skipped,
+        with the reason) for a candidate refused before its gate (refusal())."""
+        refused = self.refusal(current, proposed)
+        if refused is not None:
+            log.warning("%s %s: %s", job.scenario, job.id, refused)
+            job.state, job.error = "skipped", refused
+            return None
         work = self.runner.jobs.workdir(job)
         await asyncio.to_thread(shutil.rmtree, work, True)
         await asyncio.to_thread(proposed.render, work / "harness")
