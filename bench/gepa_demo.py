@@ -210,6 +210,10 @@ def main() -> int:
     summary["png"] = str(OUT / "gepa.png")
     (OUT / "gepa.json").write_text(json.dumps({**summary, "details": runs}, indent=1))
     print(json.dumps(summary))
+    scripted = runs[0]  # the goal is the loop's: with a reflector that writes a better text, it is served
+    if not scripted["served_after"] > scripted["served_before"]:
+        print("gepa_demo: goal missed (the scripted run's served harness did not beat the seed)", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -419,7 +419,7 @@ def report_run(arms: dict[str, Arm], releases: list[dict[str, Any]], target: flo
     return result
 
 
-def report(runs: list[tuple[dict[str, Arm], list[dict[str, Any]]]], target: float, args: argparse.Namespace) -> None:
+def report(runs: list[tuple[dict[str, Arm], list[dict[str, Any]]]], target: float, args: argparse.Namespace) -> bool:
     """Each run's figures, then over several runs the medians: each arm's median time to the target (a run
     that never reached it counts as infinitely slow), their ratio, and the median clock-per-iteration ratio."""
     result: dict[str, Any] = {"bench": "learning", "model": "smollm2", "iterations": args.iterations,
@@ -451,7 +451,9 @@ def report(runs: list[tuple[dict[str, Arm], list[dict[str, Any]]]], target: floa
             result.update({"bare_reach_s": bare_s, "daemon_reach_s": daemon_s,
                            "ratio": None if ratio is None else round(ratio, 3), "iteration_ratio": round(per_it, 3)})
     print(f"learning curve: {PNG}")
+    result["goal_met"] = result.get("ratio") is not None and result["ratio"] <= GOAL
     print(json.dumps(result))
+    return bool(result["goal_met"])
 
 
 def main() -> None:
@@ -490,7 +492,9 @@ def main() -> None:
         del runners  # the bare loop's model and optimizer
         gc.collect()
     plot([arms for arms, _ in runs], args.target, PNG)
-    report(runs, args.target, args)
+    if not report(runs, args.target, args) and not args.quick:
+        raise SystemExit(f"learning: the daemon did not reach held-out {args.target:g} within {GOAL}x the bare "
+                         "loop's time (make demo fails on a missed goal)")
 
 
 if __name__ == "__main__":

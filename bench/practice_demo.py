@@ -274,6 +274,9 @@ def main() -> None:
                       "ratio_to_bare_run": None if run_ratio is None else round(run_ratio, 3), "rise": rise,
                       "practice": status, "speed_s": {k: round(v, 3) for k, v in speed.items()},
                       "goal": {"rise": 0.3, "ratio": 1.2}, "png": str(PNG.relative_to(ROOT))}))
+    if not (rise["reefd"] >= 0.3 and ratio is not None and ratio <= 1.2):
+        raise SystemExit("practice_demo: a goal was missed (held-out rise >= 0.3, time to the bare script's final "
+                         "level <= 1.2x); make demo fails on it")
 
 
 if __name__ == "__main__":

@@ -119,6 +119,11 @@ def main() -> int:
                           "seconds": round(seconds, 1), "release": job.get("release"),
                           "reason": job.get("error") or (job.get("verdict") or {}).get("reason"),
                           "changed_files": changed}))
+        # the goal is the pipeline's: the job ends as published, rejected by the gate or refused with a reason,
+        # never failed (what SmolLM2 proposes is whatever it is)
+        if job["state"] not in ("published", "rejected", "skipped") or (job["state"] == "published" and not changed):
+            print(f"skillclaw_demo: goal missed (job {job['state']}: {job.get('error')})", file=sys.stderr)
+            return 1
         return 0
     finally:
         d.stop()

@@ -242,6 +242,10 @@ def main() -> int:
     plot(runs, OUT / "ttt.png")
     (OUT / "ttt.json").write_text(json.dumps({**summary, "runs": runs}, indent=1))
     print(json.dumps(summary))
+    if len(runs) == 2 and not summary["ttt_mean_above_control"]:
+        print("ttt_demo: goal missed (TTT-Discover's mean reward over its last 3 steps above the control's)",
+              file=sys.stderr)
+        return 1
     return 0
 
 
