@@ -159,7 +159,8 @@ def test_every_scenario_file_the_guides_show_composes(tmp_path: Path, page: str,
     scenarios = make_scenarios(tmp_path / "s", names=(), extra={option: text})
     if group:
         (scenarios / group / f"{option}.yaml").write_text(option_text)
-    shutil.copy(ROOT / "scenarios" / "coder-tasks.jsonl", scenarios)
+    for shipped in (ROOT / "scenarios").glob("*.jsonl"):  # the shipped sets (code.yaml's is a code practice set)
+        shutil.copy(shipped, scenarios)
     for tasks in re.findall(r"tasks: ([\w.-]+\.jsonl)", text):  # a tasks file of the reader's own, 16 tasks
         if not (scenarios / tasks).exists():
             (scenarios / tasks).write_text("".join(

@@ -114,6 +114,25 @@ def test_practice_answers_are_verified_into_records_apart_from_traffic(d: Daemon
     assert verdicts["passed"] + verdicts["failed"] >= 8 and verdicts["error"] == 0
 
 
+CODE_TASKS = "".join(json.dumps({"prompt": f"Write a Python function `plus{n}(a)` that returns a + {n}.",
+                                 "entry": f"plus{n}", "tests": [{"args": [1], "expected": 1 + n}]}) + "\n"
+                     for n in range(2))
+
+
+def test_a_code_practice_set_is_scored_by_running_the_answers(d: Daemon, own_scenario: Callable[..., str]) -> None:
+    """`verifier.code: python` through the daemon: each answer of the tiny model's (no passing code, nor likely any
+    code at all) is run against its task's tests in the code sandbox and scored 0, with feedback saying why, and
+    never a verifier error."""
+    yaml = practice_yaml("    code: python\n", samples=1).replace("practice-tasks.jsonl", "code-practice.jsonl")
+    name = own_scenario(d, yaml, prefix="practice", files={"code-practice.jsonl": CODE_TASKS})
+    found = practice_status(d, name, "verified", 2)
+    assert found["verifier"] == "code: python" and found["verifier_errors"] == 0 and found["passed"] == 0, found
+    reports = [r for rec in records(d, name, "only") for r in rec.get("reports") or []]
+    assert reports and all(r["score"] == 0.0 and r["metadata"]["error"] is None for r in reports), reports
+    assert all(r["metadata"]["tests"] == 1 and r["feedback"].startswith(
+        ("the code did not load: ", "passed 0 of 1 tests", "the code stopped after")) for r in reports), reports
+
+
 def test_listings_and_exports_keep_practice_apart(d: Daemon, practising: Callable[..., str]) -> None:
     name = practising()
     practice_status(d, name, "answers", 4)

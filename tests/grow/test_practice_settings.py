@@ -13,12 +13,14 @@ from reefd.config import CanaryConfig
 from tests.conftest import make_scenarios
 
 GOOD = '{"prompt": "2 + 3 =", "answer": "5"}\n{"prompt": [{"role": "user", "content": "1 + 1 ="}]}\n'
+CODE = '{"prompt": "Write add(a, b).", "entry": "add", "tests": [{"args": [1, 2], "expected": 3}]}\n'
 
 
 def scenario(tmp_path: Path, practice: str, tasks: str = GOOD) -> Path:
     scen = make_scenarios(tmp_path / "s", names=(), extra={
         "p": f"defaults:\n  - model: tiny\n  - _self_\npractice:\n{practice}"})
     (scen / "tasks.jsonl").write_text(tasks)
+    (tmp_path / "outside.jsonl").write_text(tasks)
     return scen / "p.yaml"
 
 
@@ -29,6 +31,8 @@ def test_a_practice_set_and_its_verifier_load(tmp_path: Path) -> None:
     assert cfg.practice.max_waiting == 8 and cfg.practice.preempt is False
     assert cfg.practice.verifier.command == ["sh", "-c", "exit 0"] and cfg.practice.verifier.timeout_s == 2
     assert config.compose(scenario(tmp_path / "none", "  tasks: null\n")).practice.tasks is None
+    code = config.compose(scenario(tmp_path / "code", "  tasks: tasks.jsonl\n  verifier: {code: python}\n", CODE))
+    assert code.practice.verifier.code == "python" and code.practice.verifier.command is None
 
 
 @pytest.mark.parametrize(("practice", "tasks", "message"), [
@@ -36,7 +40,19 @@ def test_a_practice_set_and_its_verifier_load(tmp_path: Path) -> None:
     ("  tasks: tasks.jsonl\n  verifier: {command: 'true'}\n", '{"answer": 1}\n', r"tasks\.jsonl:1: missing 'prompt'"),
     ("  tasks: tasks.jsonl\n  verifier: {command: 'true'}\n", "\n", r"tasks\.jsonl: no tasks"),
     ("  tasks: missing.jsonl\n  verifier: {command: 'true'}\n", GOOD, r"missing\.jsonl: tasks file not found"),
-    ("  tasks: tasks.jsonl\n", GOOD, r"practice\.verifier: set exactly one of command and function"),
+    ("  tasks: tasks.jsonl\n", GOOD, r"practice\.verifier: set exactly one of command, function and code"),
+    ("  tasks: tasks.jsonl\n  verifier: {code: ruby}\n", CODE, r"practice\.verifier\.code: 'ruby' is not one of"),
+    ("  tasks: tasks.jsonl\n  verifier: {code: python}\n", GOOD, r"tasks\.jsonl:1: missing 'entry'"),
+    ("  tasks: tasks.jsonl\n  verifier: {code: python}\n", CODE.replace('"add"', '"2add"'),
+     r"tasks\.jsonl:1: 'entry' must be the name of the Python function to call"),
+    ("  tasks: tasks.jsonl\n  verifier: {code: python}\n", CODE.replace('"expected"', '"expect"'),
+     r"tasks\.jsonl:1: tests\[0\] must be an object with 'expected'"),
+    ("  tasks: tasks.jsonl\n  verifier: {code: python}\n", CODE.replace('"args": [1, 2]', '"args": 1, "kw": 2'),
+     r"tasks\.jsonl:1: tests\[0\]: unknown key 'kw'"),
+    ("  tasks: tasks.jsonl\n  verifier: {code: python}\n", CODE.replace('[{"args": [1, 2], "expected": 3}]', '[3]'),
+     r"tasks\.jsonl:1: tests\[0\] must be an object"),
+    ("  tasks: ../outside.jsonl\n  verifier: {code: python}\n", CODE,
+     r"outside\.jsonl: a code practice set must lie in the scenarios folder"),
     ("  tasks: tasks.jsonl\n  verifier: {function: nope}\n", GOOD, r"'nope' is not pkg\.mod:fn"),
     ("  tasks: tasks.jsonl\n  verifier: {command: 'true'}\n  samples: 0\n", GOOD, r"practice\.samples: .*minimum"),
     ("  tasks: tasks.jsonl\n  verifier: {command: 'true'}\n  max_waiting: 0\n", GOOD,

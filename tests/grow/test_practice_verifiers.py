@@ -259,8 +259,11 @@ def test_verifiers_run_side_by_side_without_waiting_on_each_other(tmp_path: Path
 
 
 @pytest.mark.parametrize(("cfg", "message"), [
-    ({}, "exactly one of command and function"),
+    ({}, "exactly one of command, function and code"),
     ({"command": "true", "function": "a:b"}, "exactly one"),
+    ({"command": "true", "code": "python"}, "exactly one"),
+    ({"code": "python", "read": ["."]}, "a code verifier's sandbox holds the answer's code alone"),
+    ({"code": "ruby"}, "practice.verifier.code: 'ruby' is not one of python"),
     ({"command": ""}, "non-empty string or list"),
     ({"command": ["sh", 3]}, "non-empty string or list"),
     ({"function": "not dotted"}, "is not pkg.mod:fn"),

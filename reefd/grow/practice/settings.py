@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from reefd.commit.gates.tasks import GateError, Task, read_tasks
-from reefd.grow.practice import sandbox
+from reefd.grow.practice import code_tasks, sandbox
 from reefd.grow.practice.verifiers import Verifier, VerifierConfig, VerifierError
 
 
@@ -20,8 +20,9 @@ class PracticeConfig:
 
     tasks: str | None = field(default=None, metadata={
         "description": "JSONL practice set, relative to the scenarios folder: one object per line with `prompt` "
-                       "(a string or OpenAI messages) and whatever the verifier reads (task.json holds the line). "
-                       "null: no practice."})
+                       "(a string or OpenAI messages) and whatever the verifier reads (task.json holds the line; "
+                       "for `verifier.code`, `entry` and `tests`, and the file must lie in the scenarios folder, "
+                       "which that verifier's sandbox hides). null: no practice."})
     verifier: VerifierConfig = field(default_factory=VerifierConfig)
     tasks_per_round: int = field(default=8, metadata={"minimum": 1, "maximum": 100_000,
                                                       "description": "Tasks answered per round, in turn through "
@@ -54,11 +55,19 @@ class PracticeConfig:
 
 
 def load(cfg: PracticeConfig, scenarios_dir: Path) -> list[Task]:
-    """The practice set's tasks; GateError (naming the file and line) for a set that cannot be used."""
+    """The practice set's tasks; GateError (naming the file and line) for a set that cannot be used. A code
+    verifier's set must lie in the scenarios folder (its sandbox hides that folder, so the candidate never reads
+    the set's expected values), and each line must be a code task."""
     assert cfg.tasks is not None
-    tasks, _ = read_tasks(scenarios_dir / cfg.tasks, required=("prompt",))
+    path, code = scenarios_dir / cfg.tasks, cfg.verifier.code is not None
+    if code and not path.resolve().is_relative_to(scenarios_dir.resolve()):
+        raise GateError(f"{path}: a code practice set must lie in the scenarios folder, which the code sandbox hides")
+    tasks, _ = read_tasks(path, required=("prompt", "entry", "tests") if code else ("prompt",))
     if not tasks:
-        raise GateError(f"{scenarios_dir / cfg.tasks}: no tasks")
+        raise GateError(f"{path}: no tasks")
+    for task in tasks if code else ():
+        if (problem := code_tasks.task_problem(task.raw)) is not None:
+            raise GateError(f"{task.where}: {problem}")
     return tasks
 
 

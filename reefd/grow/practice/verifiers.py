@@ -49,9 +49,9 @@ class VerifierConfig:
         "enum": [None, *LANGUAGES],
         "description": "python: each task line has `entry` (the function to write) and `tests` (a list of "
                        "{\"args\": [...], \"kwargs\": {...}, \"expected\": ...}); the answer's code (its first "
-                       "```python block, else the whole answer) runs with the standard library in a sandbox of its "
-                       "own that holds neither the task nor an expected value, and its score is the share of tests "
-                       "whose result reefd finds equal to `expected`."})
+                       "```python block, else its first untagged one, else all of it) runs with the standard "
+                       "library in a sandbox of its own that holds neither the task nor an expected value, and its "
+                       "score is the share of tests whose result reefd finds equal to `expected`."})
     read: list[str] = field(default_factory=list, metadata={
         "description": "Files and folders the verifier may read (read-only, at their own paths): relative to the "
                        "scenarios folder, or absolute. Nothing else of the host is seen but the system's "
@@ -77,6 +77,8 @@ class Verifier:
         if cfg.code is not None and cfg.read:
             raise VerifierError("practice.verifier.read: a code verifier's sandbox holds the answer's code alone")
         if cfg.code is not None:
+            if cfg.code not in LANGUAGES:
+                raise VerifierError(f"practice.verifier.code: {cfg.code!r} is not one of {', '.join(LANGUAGES)}")
             self.argv: list[str] = []
         elif cfg.function is not None:
             if not plugins.is_dotted(cfg.function):
@@ -92,7 +94,7 @@ class Verifier:
         self.limits = Limits(timeout_s=cfg.timeout_s, memory_mb=cfg.memory_mb, processes=cfg.processes,
                              disk_mb=cfg.disk_mb)
         # the scenarios folder holds the code tasks' expected values: hidden, whatever the sandbox's root holds
-        self.code = None if cfg.code is None else CodeVerifier(cfg.code, self.limits, (*hide, self.scenarios_dir))
+        self.code = None if cfg.code is None else CodeVerifier(self.limits, (*hide, self.scenarios_dir))
 
     def _expose(self, cfg: VerifierConfig) -> tuple[Path, ...]:
         """What the sandbox sees besides the system: Python's prefixes, reefd's package, the function's own module
