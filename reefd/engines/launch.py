@@ -11,8 +11,10 @@ import ctypes
 import multiprocessing
 import os
 import runpy
+import select
 import signal
 import sys
+import threading
 from collections.abc import Callable
 from typing import Protocol
 
@@ -77,7 +79,7 @@ async def launch(argv: list[str], env: dict[str, str] | None) -> Launched:
 def _run_module(module: str, args: list[str], env: dict[str, str], owner: int) -> None:
     """In the forked child: what `python -m module args...` would do, in the launch's environment."""
     os.setsid()
-    die_with_parent()  # the fork server's child: SIGTERM when it goes, and it goes when reefd does
+    _die_with(owner)  # with reefd, not with the fork server: a server that dies alone takes no engine down
     if _parent_of(os.getppid()) not in (owner, None):
         # reefd (`owner`) died while the server was importing, before it could tie itself to reefd; the request
         # was already queued. Serve nothing: this child ending leaves the server nobody to keep it alive.
@@ -86,6 +88,35 @@ def _run_module(module: str, args: list[str], env: dict[str, str], owner: int) -
     os.environ.update(env)
     sys.argv = [module, *args]
     runpy.run_module(module, run_name="__main__", alter_sys=True)
+
+
+def _die_with(owner: int) -> None:
+    """In the forked child: SIGTERM to itself once reefd (`owner`) has ended, as a launched process gets from
+    die_with_parent, watched through reefd's pidfd by a thread of its own. Its parent is the fork server, which
+    may be killed alone: that must not end an engine that serves. Without pidfds (Linux < 5.3), the server's
+    death is the signal, as before."""
+    try:
+        fd = os.pidfd_open(owner)
+    except ProcessLookupError:  # reefd ended while the server was forking this child
+        os.kill(os.getpid(), signal.SIGTERM)
+        return
+    except (OSError, AttributeError):
+        die_with_parent()
+        return
+
+    def watch() -> None:
+        select.select([fd], [], [])  # readable once reefd has ended
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=watch, name="reefd-watch", daemon=True).start()
+
+
+def _pidfd(pid: int) -> int | None:
+    """A pidfd of `pid` (None: it has ended and been reaped, or pidfds are not supported)."""
+    try:
+        return os.pidfd_open(pid)
+    except (OSError, AttributeError):
+        return None
 
 
 def _settle(ended: asyncio.Future[None]) -> None:
@@ -101,24 +132,40 @@ def _parent_of(pid: int) -> int | None:
         return None
 
 
+SERVER_GONE = 255  # multiprocessing's exit code for a child whose fork server ended before reporting one
+
+
 class Forked:
     """A process from the fork server, watched through the exit report the server writes to its sentinel (it is
-    the server's child, not reefd's)."""
+    the server's child, not reefd's). A server killed alone reports nothing: the sentinel ends with no code
+    (SERVER_GONE) while the process still runs, and from then on its pidfd says when it ends (its exit code is
+    then unknown: SERVER_GONE). The next launch starts a new server."""
 
     def __init__(self, proc: multiprocessing.process.BaseProcess):
         self._proc = proc
         assert proc.pid is not None
         self.pid: int = proc.pid
         self._code: int | None = None
+        self._pidfd: int | None = None  # once the server is gone
+        self._watched = proc.sentinel  # what wait() reads: the sentinel, then the pidfd
         self._ended: asyncio.Future[None] | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
 
     @property
     def returncode(self) -> int | None:
-        if self._code is None and self._proc.exitcode is not None:
-            self._code = self._proc.exitcode
+        if self._code is None and self._pidfd is None and self._proc.exitcode is not None:
+            code = self._proc.exitcode
             self._unwatch()
-            self._proc.close()  # its sentinel: the code is kept here
+            if code == SERVER_GONE and (fd := _pidfd(self.pid)) is not None:
+                self._pidfd = fd  # the server is gone, not the process (or it is a zombie: the pidfd is ready)
+            else:
+                self._code = code
+                self._proc.close()  # its sentinel: the code is kept here
+        if self._pidfd is not None and select.select([self._pidfd], [], [], 0)[0]:
+            self._unwatch()
+            os.close(self._pidfd)
+            self._pidfd, self._code = None, SERVER_GONE
+            self._proc.close()
         return self._code
 
     async def wait(self) -> int:
@@ -126,7 +173,8 @@ class Forked:
             if self._ended is None:  # one reader for every waiter: a waiter's timeout leaves it in place
                 self._loop = asyncio.get_running_loop()
                 self._ended = self._loop.create_future()
-                self._loop.add_reader(self._proc.sentinel, _settle, self._ended)
+                self._watched = self._proc.sentinel if self._pidfd is None else self._pidfd
+                self._loop.add_reader(self._watched, _settle, self._ended)
             await asyncio.shield(self._ended)
             self._unwatch()
         assert self._code is not None
@@ -141,5 +189,5 @@ class Forked:
         if self._ended is not None:  # a waiter blocked on it wakes and finds the exit code
             _settle(self._ended)
         if self._loop is not None and not self._loop.is_closed():
-            self._loop.remove_reader(self._proc.sentinel)
+            self._loop.remove_reader(self._watched)
         self._loop = self._ended = None

@@ -56,6 +56,10 @@ def ask(d: Daemon, session: str) -> tuple[int, dict[str, Any], dict[str, str]]:
                                            "max_tokens": 2}, headers={**REP, "x-reef-session": session})
 
 
+def parent(pid: int) -> int:
+    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+
+
 def served(d: Daemon) -> dict[str, int]:
     return {r["url"]: r["requests"] or 0 for r in replicas(d)}
 
@@ -116,6 +120,22 @@ def test_replicas_behind_the_router(tmp_path: Path) -> None:
         assert json.loads(d.get("/reef/status")[1])["scenarios"][0]["engine"]["state"] == "ready"
         text = reefctl(d, "status").stderr + reefctl(d, "status").stdout
         assert "replica 0" in text and "replica 1" in text and f"release {release}" in text
+
+        # kill -9 of the fork server the replicas were forked from fails no request, and takes neither replica
+        # down; a replica that ends after that is started again from a new server
+        before = wait_for(d, lambda rs: all(r["in_router"] and r["healthy"] for r in rs), "all back", 60)
+        servers = {parent(r["pid"]) for r in before}
+        assert len(servers) == 1 and d.proc is not None and d.proc.pid not in servers  # the server's children
+        os.kill(servers.pop(), signal.SIGKILL)
+        answers = [ask(d, f"server-gone-{i}") for i in range(24)]
+        assert [code for code, _, _ in answers] == [200] * 24, [body for code, body, _ in answers if code != 200]
+        after = replicas(d)
+        assert [r["pid"] for r in after] == [r["pid"] for r in before], (before, after)
+        assert all(r["in_router"] and r["healthy"] and r["restarts"] == b["restarts"]
+                   for r, b in zip(after, before, strict=True)), after
+        os.kill(after[1]["pid"], signal.SIGKILL)
+        wait_for(d, lambda rs: rs[1]["pid"] != after[1]["pid"] and rs[1]["in_router"] and rs[1]["healthy"]
+                 and rs[1]["adapters"], "restarted the replica from a new fork server", 120)
 
         # a stream cut by its dying replica ends with an error event, and its record says what happened
         lines: list[str] = []

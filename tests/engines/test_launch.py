@@ -97,6 +97,29 @@ def test_a_waiter_wakes_when_another_caller_sees_the_exit_first(monkeypatch: pyt
     assert asyncio.run(go()) == 4
 
 
+def test_a_fork_server_killed_alone_takes_no_process_down(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """kill -9 of the fork server: its child goes on (it ends with reefd, not with the server), its waiter is
+    told when it does end (its code then unknown: SERVER_GONE), and the next launch starts a new server."""
+    monkeypatch.setattr(launching, "FORKED", frozenset({CHILD}))
+    out, again = tmp_path / "seen.json", tmp_path / "again.json"
+
+    async def go() -> tuple[int, int]:
+        proc = await launch([sys.executable, "-m", CHILD, str(out), "0", "60"], None)
+        await asyncio.to_thread(seen, out)
+        server = int(Path(f"/proc/{proc.pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+        os.kill(server, signal.SIGKILL)
+        waiter = asyncio.create_task(proc.wait())
+        await asyncio.sleep(1.0)  # the server's death has reached the child and the sentinel
+        assert proc.returncode is None and not waiter.done()  # it still runs, and is still watched
+        os.kill(proc.pid, 0)
+        next_one = await launch([sys.executable, "-m", CHILD, str(again), "5", "0"], None)  # a new server
+        proc.terminate()
+        return await asyncio.wait_for(waiter, 30), await asyncio.wait_for(next_one.wait(), 60)
+
+    ended, code = asyncio.run(go())
+    assert ended == launching.SERVER_GONE and code == 5 and seen(again)["argv"] == [str(again), "5", "0"]
+
+
 def test_other_programs_are_executed(tmp_path: Path) -> None:
     async def go() -> tuple[object, int]:
         proc = await launch([sys.executable, "-c", "raise SystemExit(7)"], None)
