@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import uuid
+import zlib
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -69,20 +70,25 @@ class Generation(SGLangBase):
         except PromptTooLong as exc:
             raise ContextLengthExceeded(exc.at_least, exc.limit, at_least=True) from exc
 
-    def _route(self, weights: str | None, tried: set[int]) -> tuple[SGLangClient, Replica | None]:
+    def _route(self, weights: str | None, tried: set[int], key: str | None = None
+               ) -> tuple[SGLangClient, Replica | None]:
         """Where a request on `weights` goes: the router (or the one process) while they are the serving weights,
-        else straight to a replica that has them (a request taken just before a rolling swap switched, or one on
-        weights on trial)."""
+        else straight to a replica that has them (a request taken just before a rolling swap switched, one on
+        weights on trial, or any request while the router is down or did not take it: -1 in `tried`), the
+        session's own one (`key`) where it can."""
         client = self._client()
-        if self.replicas is None or weights == ANY_WEIGHTS or (weights == self.weights.version and -1 not in tried):
+        if self.replicas is None:
+            return client, None
+        routed = bool(self.replicas.router_url) and -1 not in tried
+        if routed and (weights == ANY_WEIGHTS or weights == self.weights.version):
             return client, None
         found = [r for r in self.replicas.replicas
-                 if r.state in ("ready", "draining", "trial") and r.url and r.weights == weights
-                 and r.index not in tried]
+                 if r.state in ("ready", "draining", "trial") and r.url and r.index not in tried
+                 and (r.weights == weights or (weights == ANY_WEIGHTS and r.state == "ready"))]
         if not found:
             raise EngineUnavailable(f"engine for model {self.cfg.name!r}: the weights "
                                     f"{weights or 'it launched with'} no longer serve; retry", retry_after=1)
-        replica = min(found, key=lambda r: r.direct)
+        replica = found[zlib.crc32(key.encode()) % len(found)] if key else min(found, key=lambda r: r.direct)
         return self._connect(replica.url), replica
 
     async def _open(self, payload: dict[str, Any], timeout_s: float, routing_key: str | None,
@@ -92,7 +98,7 @@ class Generation(SGLangBase):
         is dropped and the request is sent again where those weights still serve."""
         tried: set[int] = set()
         while True:
-            client, replica = self._route(weights, tried)
+            client, replica = self._route(weights, tried, routing_key)
             headers = {ROUTING_HEADER: routing_key} if routing_key and replica is None and self.replicas else None
             if replica is not None:
                 replica.direct += 1
@@ -103,6 +109,16 @@ class Generation(SGLangBase):
                 if replica is not None:
                     replica.direct -= 1
                 raise EngineError("the engine answered without any output") from None
+            except EngineUnavailable:
+                if replica is not None:
+                    replica.direct -= 1
+                await chunks.aclose()  # type: ignore[attr-defined]
+                if self.replicas is None or replica is not None or -1 in tried:
+                    raise
+                log.warning("%s: the router did not take a request (%s); sent straight to a replica",
+                            self.cfg.name, self.replicas.router_url or "down")
+                tried.add(-1)  # the router is down or restarting: a replica that serves takes it
+                continue
             except BaseException:
                 if replica is not None:
                     replica.direct -= 1

@@ -259,7 +259,13 @@ class Replicas:
 
     @property
     def ready(self) -> bool:
-        return bool(self.router_url) and any(r.state == "ready" and r.worker_id for r in self.replicas)
+        """Some replica serves: through the router, or straight while the router is down or has not taken it in
+        yet (direct())."""
+        return bool(self.direct())
+
+    def direct(self) -> list[Replica]:
+        """The replicas a request may be sent to straight, while the router is down (or failed to take it)."""
+        return [r for r in self.replicas if r.state == "ready" and r.url]
 
     @property
     def state(self) -> str:
@@ -267,7 +273,7 @@ class Replicas:
             return "starting"
         if self.ready:
             serving = sum(1 for r in self.replicas if (r.state == "ready" and r.worker_id) or r.state == "trial")
-            return "ready" if serving == len(self.replicas) else "degraded"
+            return "ready" if self.router_url and serving == len(self.replicas) else "degraded"
         return "restarting" if self.router.state == "restarting" else "starting"
 
     def describe(self) -> list[dict[str, Any]]:

@@ -69,9 +69,10 @@ class SGLangBase:
         if not self.ready:
             raise EngineUnavailable(f"engine for model {self.cfg.name!r} is {self.state}; "
                                     "retry shortly", retry_after=2)
-        if self.replicas is not None:  # generation goes through the router
-            if self.client is None or self.client.base_url != self.replicas.router_url:
-                self.client = self._connect(self.replicas.router_url, router=True)
+        if self.replicas is not None:  # generation goes through the router (while it is down: a replica)
+            url = self.replicas.router_url or self.replicas.direct()[0].url
+            if self.client is None or self.client.base_url != url:
+                self.client = self._connect(url, router=bool(self.replicas.router_url))
             return self.client
         if self.supervisor is not None and (self.client is None or self.client.base_url != self.supervisor.url):
             self.client = self._connect(self.supervisor.url)

@@ -60,6 +60,13 @@ def parent(pid: int) -> int:
     return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
 
 
+def _ppid(pid: int) -> int | None:
+    try:
+        return parent(pid)
+    except (OSError, ValueError, IndexError):
+        return None
+
+
 def served(d: Daemon) -> dict[str, int]:
     return {r["url"]: r["requests"] or 0 for r in replicas(d)}
 
@@ -136,6 +143,16 @@ def test_replicas_behind_the_router(tmp_path: Path) -> None:
         os.kill(after[1]["pid"], signal.SIGKILL)
         wait_for(d, lambda rs: rs[1]["pid"] != after[1]["pid"] and rs[1]["in_router"] and rs[1]["healthy"]
                  and rs[1]["adapters"], "restarted the replica from a new fork server", 120)
+
+        # kill -9 of the router fails no request either: while it is down (or before reefd notices), requests go
+        # straight to a replica, and the router comes back with both
+        router = [pid for pid in map(int, filter(str.isdigit, os.listdir("/proc"))) if _ppid(pid) == d.proc.pid
+                  and b"router" in Path(f"/proc/{pid}/cmdline").read_bytes()]
+        assert len(router) == 1, router
+        os.kill(router[0], signal.SIGKILL)
+        answers = [ask(d, f"router-gone-{i}") for i in range(24)]
+        assert [code for code, _, _ in answers] == [200] * 24, [body for code, body, _ in answers if code != 200]
+        wait_for(d, lambda rs: all(r["in_router"] and r["healthy"] for r in rs), "rejoined a new router", 120)
 
         # a stream cut by its dying replica ends with an error event, and its record says what happened
         lines: list[str] = []
