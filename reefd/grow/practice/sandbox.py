@@ -316,4 +316,5 @@ def check() -> None:
     if done.returncode != 0:
         why = " ".join(done.stderr.decode(errors="replace").split())[:300]
         raise SandboxUnavailable(f"the verifier sandbox cannot start here ({why}): it needs user namespaces "
-                                 "(sysctl kernel.unprivileged_userns_clone=1; under systemd, no RestrictNamespaces=)")
+                                 "(sysctl kernel.unprivileged_userns_clone=1; under systemd, the drop-in "
+                                 "systemd/reefd.service.d/practice.conf: docs/operations.md)")
