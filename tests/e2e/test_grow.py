@@ -50,13 +50,14 @@ def learn_yaml(trigger: str = "count", gate: str = "always", extra: str = "", re
 
 def daemon(tmp_path: Path, trigger: str = "count", gate: str = "always", extra: str = "",
            env: dict[str, str] | None = None, files: dict[str, str] | None = None, recipe: str = "",
-           params: str = "", fault: str | None = None, hold: Path | None = None) -> Daemon:
-    """A reefd of the caller's own serving one learning scenario, `learn` (see `learn_yaml`)."""
+           params: str = "", fault: str | None = None, hold: Path | None = None, proof: bool = False) -> Daemon:
+    """A reefd of the caller's own serving one learning scenario, `learn` (see `learn_yaml`); `proof`: its
+    releases proven (tests/conftest.py `unproven`)."""
     scen = make_scenarios(tmp_path / "scenarios", names=(), extra={
         "learn": learn_yaml(trigger, gate, extra, recipe, params, fault, hold)})
     for name, text in (files or {}).items():
         (scen / name).write_text(text)
-    d = Daemon(scenarios=scen, state=tmp_path / "state", log_path=tmp_path / "reefd.log", env=env or {})
+    d = Daemon(scenarios=scen, state=tmp_path / "state", log_path=tmp_path / "reefd.log", env=env or {}, proof=proof)
     d.start()
     return d
 
@@ -259,7 +260,8 @@ def test_cancel_and_timeout_stop_the_trainer_which_saves_its_steps_first(
     hold = tmp_path / "hold"  # the trainer waits after each step while this file exists
     hold.touch()
     d = grow
-    name = learn(trigger="manual", recipe="  job_timeout_s: 12\n", params="    micro_batch: 2\n", fault="pause",
+    # the timeout must come after the second job's first step, even on a busy machine (12 s did not, under load)
+    name = learn(trigger="manual", recipe="  job_timeout_s: 30\n", params="    micro_batch: 2\n", fault="pause",
                  hold=hold)
     c = client(d, name)
     receipts = [turn(d, c, f"task {i}", score=float(i % 2), name=name)[0] for i in range(4)]

@@ -386,8 +386,20 @@ def staged(d: Daemon, name: str, release: str | None) -> list[dict[str, Any]]:
     return replicas
 
 
+def until_staged(d: Daemon, name: str, release: str, timeout_s: float = 600) -> list[dict[str, Any]]:
+    """staged(d, name, release), once it holds (a replica restarting comes back on trial in its own time)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            return staged(d, name, release)
+        except AssertionError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.2)
+
+
 def until_all_on(d: Daemon, name: str, weights: str | None) -> None:
-    deadline = time.monotonic() + 60
+    deadline = time.monotonic() + 600  # a state to wait for, however busy the machine
     while time.monotonic() < deadline:
         if all(r["state"] == "ready" and r["in_router"] and r["weights"] == weights for r in staged(d, name, None)):
             return
@@ -455,15 +467,13 @@ def test_full_weights_on_canary_across_replicas_are_rolled_back(weightsd: Daemon
     name, base, answers, weights = started(d, own_scenario, tmp_path, seed=1)
     with Load(d, name, clients=1) as load:
         trial = publish_weights(d, name, weights)["release"]["id"]
-        pid = next(r["pid"] for r in staged(d, name, trial) if r["state"] == "trial")
+        pid = next(r["pid"] for r in until_staged(d, name, trial) if r["state"] == "trial")
         os.kill(pid, signal.SIGKILL)  # the staged replica dies: its restart stages it again, out of the router
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            replicas = staged(d, name, None)
-            if any(r["state"] == "trial" and r["pid"] != pid for r in replicas):
-                break
+        deadline = time.monotonic() + 600
+        while not any(r["state"] == "trial" and r["pid"] != pid for r in staged(d, name, None)):
+            assert time.monotonic() < deadline, f"the killed replica never came back on trial: {staged(d, name, None)}"
             time.sleep(0.2)
-        staged(d, name, trial)
+        until_staged(d, name, trial)
         traffic = Traffic(d, name, answers)
         decided = traffic.until_decided(trial, turns=2)
         evidence = decided["meta"]["canary"]
