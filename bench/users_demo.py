@@ -1,7 +1,7 @@
 """Per-user learning on SmolLM2 through reefd: four users, four preferences, four release lines.
 
 Each simulated user (bench/openclaw_user.py) wants every answer to open their own way: alice with "Hello", bob
-with "Hey", carol with "Alright", dave with "Sure". They never report a score: each says so only as a correction
+with "Hey", carol with "Dear", dave with "Sure". They never report a score: each says so only as a correction
 ("Please start your answer with 'Hey'.") when an answer misses it, in conversations of their own (`x-reef-user`,
 a session header). One scenario serves them all (`users:`), with openclaw-rl (a scripted judge reads each user's
 next message, labelled as such), a count trigger that counts each user's own judged turns, and the holdout gate
@@ -17,10 +17,10 @@ it; the diagonal should be high, the rest near the base row), then checks in the
 It writes bench/out/users.png (each user's own score per round) and bench/out/users.json; the last line printed
 is a JSON summary.
 
-Learning stops once every user's own score reaches --target (0.8), or after --rounds rounds (20): a budget of
+Learning stops once every user's own score reaches --target (0.8), or after --rounds rounds (24): a budget of
 steps, so a busy machine makes the demo slower, not different.
 
-Run: python bench/users_demo.py [--rounds 20] [--minutes M] [--keep]   (make demo runs it; 15-30 minutes on
+Run: python bench/users_demo.py [--rounds 24] [--minutes M] [--keep]   (make demo runs it; 30-120 minutes on
 2 cores)
 """
 
@@ -44,7 +44,7 @@ from _harness import ROOT, Daemon, scratch_dir, start_reefd
 
 OUT = ROOT / "bench" / "out"
 NAME = "assist"
-OPENINGS = {"alice": "Hello", "bob": "Hey", "carol": "Alright", "dave": "Sure"}  # each user's hidden preference
+OPENINGS = {"alice": "Hello", "bob": "Hey", "carol": "Dear", "dave": "Sure"}  # each user's hidden preference
 CONVERSATIONS, TURNS, BATCH = 4, 3, 8  # per user and round: 4 x 2 judged turns = one job of 8
 
 
@@ -289,7 +289,7 @@ async def run(args: argparse.Namespace, d: Daemon, scratch: Path) -> dict[str, A
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
-    parser.add_argument("--rounds", type=int, default=20, help="learning's budget: rounds of conversations, each "
+    parser.add_argument("--rounds", type=int, default=24, help="learning's budget: rounds of conversations, each "
                         "user's job and its evaluation")
     parser.add_argument("--minutes", type=float, default=None, help="also stop learning after this many minutes")
     parser.add_argument("--target", type=float, default=0.8, help="stop once every user's own score reaches it")
