@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ctypes
+import logging
 import multiprocessing
 import os
 import runpy
@@ -17,6 +18,8 @@ import sys
 import threading
 from collections.abc import Callable
 from typing import Protocol
+
+log = logging.getLogger("reefd.engines")
 
 FORKED = frozenset({"reefd.worker"})
 """Modules launched from the fork server, which has imported what they import (reefd.worker.preload)."""
@@ -68,10 +71,17 @@ async def launch(argv: list[str], env: dict[str, str] | None) -> Launched:
     environment (None: reefd's). `[sys.executable, "-m", M, ...]` with M in FORKED is forked, unless
     REEF_FORKSERVER=0 (then everything is executed)."""
     if argv[:2] == [sys.executable, "-m"] and argv[2] in FORKED and os.environ.get("REEF_FORKSERVER", "1") != "0":
-        proc = _CTX.Process(target=_run_module, name=argv[2], daemon=True,  # daemon: reefd's exit stops it
-                            args=(argv[2], argv[3:], dict(os.environ if env is None else env), os.getpid()))
-        await asyncio.to_thread(proc.start)  # the first start waits for the server's imports
-        return Forked(proc)
+        for attempt in (1, 2):
+            proc = _CTX.Process(target=_run_module, name=argv[2], daemon=True,  # daemon: reefd's exit stops it
+                                args=(argv[2], argv[3:], dict(os.environ if env is None else env), os.getpid()))
+            try:
+                await asyncio.to_thread(proc.start)  # the first start waits for the server's imports
+                return Forked(proc)
+            except (EOFError, ConnectionError) as exc:  # the server ended as it was asked (killed, say)
+                if attempt == 2:
+                    raise
+                log.warning("the fork server ended while starting %s (%r): starting it again", argv[2], exc)
+                await asyncio.sleep(0.2)  # a server killed a moment ago is reaped, so the next start makes one
     return await asyncio.create_subprocess_exec(*argv, stdin=asyncio.subprocess.DEVNULL, env=env,
                                                 preexec_fn=die_with_parent, start_new_session=True)
 
