@@ -32,6 +32,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # tests.loras: the same LoRA helper the test suite uses
 
 from engine_batching import PROMPTS  # noqa: E402  (the same prompts as the CPU batching bench)
+from probes import greedy  # noqa: E402
 
 PROBE = "The three most important things about coral reefs are"  # the greedy prompt each change is judged on
 PROBE_TOKENS = 24
@@ -194,7 +195,7 @@ class Engine:
 
     async def probe(self, lora: str | None = None) -> list[int]:
         """The greedy answer every change is judged on (token ids)."""
-        return (await self.client.greedy(self.ids(PROBE), PROBE_TOKENS, lora))[0]
+        return (await greedy(self.client, self.ids(PROBE), PROBE_TOKENS, lora))[0]
 
     async def weight_version(self) -> tuple[str | None, str | None]:
         """The served weight version and the route that told it. SGLang's releases moved it between
@@ -266,13 +267,18 @@ async def throughput(engine: Engine, part: Part, tokens: int, batch: int, rounds
 
 
 async def release_proof(engine: Engine, lora: str) -> float:
-    """What reefd's release proof costs this process after an adapter load: its built-in probe prompts, greedy,
-    with logprobs, sent at once as reefd sends them (median of 3)."""
+    """What reefd's release proof costs this process after an adapter load: its built-in probe prompts, each with
+    8 tokens after it (the process's own greedy ones, standing for a reference's), teacher-forced, the base
+    weights' beside the adapter's, sent at once as reefd sends them (median of 3)."""
     from reefd.engines.proof import PROBE_TEXTS
+
+    prompts = [engine.ids(text) for text in PROBE_TEXTS]
+    tokens = [(await greedy(engine.client, prompt, 8, lora))[0] for prompt in prompts]
 
     async def once() -> float:
         start = time.perf_counter()
-        await asyncio.gather(*(engine.client.greedy(engine.ids(text), 8, lora) for text in PROBE_TEXTS))
+        await asyncio.gather(*(engine.client.teacher_forced(p, t, a) for a in (None, lora)
+                               for p, t in zip(prompts, tokens, strict=True)))
         return time.perf_counter() - start
 
     return sorted([await once() for _ in range(3)])[1]
@@ -291,7 +297,7 @@ async def lora_swap(engine: Engine, part: Part, lora: Path, base: str) -> None:
     after = await engine.probe()
     part.set(lora_load_s=round(load_s, 3), lora_unload_s=round(unload_s, 3), lora_changes_output=adapted != base,
              lora_unload_restores_output=after == base, proof_s=round(proof_s, 4))
-    say(f"  release proof after the load (reefd's probe set, as one batch): {proof_s * 1000:.0f} ms")
+    say(f"  release proof after the load (reefd's probe set, teacher-forced, at once): {proof_s * 1000:.0f} ms")
     say(f"  LoRA hot swap: load {load_s * 1000:.0f} ms, unload {unload_s * 1000:.0f} ms, "
         f"output with adapter {'differs' if adapted != base else 'SAME'} from base")
     if adapted == base:

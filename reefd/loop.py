@@ -36,6 +36,7 @@ from aiohttp import web
 
 from reefd.commit import policy, proofs
 from reefd.commit.chain import Candidate, Release, ReleaseChain, clear_stale_locks
+from reefd.commit.chain_types import WeightsRefused
 from reefd.commit.reconcile import Reconciler
 from reefd.commit.trials import Trials
 from reefd.config import ScenarioConfig, ServeConfig
@@ -246,7 +247,11 @@ def open_chain(state: Path) -> ReleaseChain:
 
 
 async def write(app: web.Application, scenario: Scenario, cand: Candidate, *, keep_refused: bool = False) -> Release:
-    """The chain's commit policy (policy.commit) with the scenario's release settings, off the event loop."""
+    """The chain's commit policy (policy.commit) with the scenario's release settings, off the event loop. Full
+    weights the scenario's engine cannot serve are refused first (WeightsRefused): nothing is written."""
+    if cand.kind == "weights" and cand.artifact is not None and \
+            (why := await asyncio.to_thread(scenario.weights_refusal, cand.artifact)) is not None:
+        raise WeightsRefused(scenario.name, why)
     m = of(app)
     await proofs.stamp(app[RECONCILER].files.proofs.reference, cand, scenario.cfg.release.proof, scenario.engine)
     with m.timed(m.publish, scenario.name) if m is not None else contextlib.nullcontext():

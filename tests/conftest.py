@@ -120,7 +120,8 @@ def unproven(text: str) -> str:
     group's settings are ReleaseConfig's own defaults), where a daemon started without `proof` turns the release
     proof off. The suite's daemons that do not test the proof so skip its reference process (about 6 s of CPU for
     each daemon that publishes, then a fingerprint per candidate) and the trainer's fingerprint of every job; the
-    proof's own tests keep it (`Daemon(proof=True)`, `own_scenario(..., proof=True)`)."""
+    proof's own tests keep it (`Daemon(proof=True)`, `own_scenario(..., proof=True)`), and so do those where a
+    release is loaded again or beside another (canaries, restarts, replica repair, bundles, practice)."""
     try:
         cfg = OmegaConf.create(text)
         defaults = cfg.get("defaults")
@@ -213,15 +214,16 @@ def cancel_jobs(d: Daemon, scenario: str) -> None:
 
 def shared_daemon(base: Path, names: tuple[str, ...] = ("tiny",), extra: dict[str, str] | None = None,
                   env: dict[str, str] | None = None, files: dict[str, str] | None = None,
-                  ready_s: float = 180.0) -> Iterator[Daemon]:
+                  ready_s: float = 180.0, proof: bool = False) -> Iterator[Daemon]:
     """The body of a module's shared-daemon fixture: one reefd for the module, a scenario per test
-    (`own_scenario`); `files`: more files in its scenarios folder (path -> text). Tests of the process itself
-    (signals, restarts, kills) keep a daemon of their own."""
+    (`own_scenario`); `files`: more files in its scenarios folder (path -> text); `proof`: releases proven as
+    the scenarios say (see `unproven`). Tests of the process itself (signals, restarts, kills) keep a daemon of
+    their own."""
     scenarios = make_scenarios(base / "scenarios", names=names, extra=extra)
     for rel, text in (files or {}).items():
         (scenarios / rel).parent.mkdir(parents=True, exist_ok=True)
         (scenarios / rel).write_text(text)
-    d = Daemon(scenarios=scenarios, state=base / "state", log_path=base / "reefd.log", env=env or {})
+    d = Daemon(scenarios=scenarios, state=base / "state", log_path=base / "reefd.log", env=env or {}, proof=proof)
     try:  # a daemon that never got ready is stopped too, with its engines: they would slow every later test
         d.start(wait_ready=False)
         d.wait_ready(ready_s)

@@ -31,6 +31,7 @@ from reefd.commit.chain import (
     UnknownRelease,
     WrongScenario,
 )
+from reefd.commit.chain_types import WeightsRefused
 from reefd.engines import EngineError, EngineUnavailable
 from reefd.grow.attempts import AttemptError
 from reefd.grow.recipes import RecipeError
@@ -131,6 +132,8 @@ def _from_chain(exc: ReleaseError) -> ApiError | None:
                             code="base_mismatch")
         case TrialRefused():
             return ApiError(409, f"{exc}; nothing was written", code="trial_needs_replicas")
+        case WeightsRefused():
+            return ApiError(409, f"{exc}; nothing was written", code="weights_refused")
         case NothingToRollBack():
             return ApiError(400, str(exc.args[0]), code="invalid_request", param="to")
         case WrongScenario():

@@ -26,6 +26,7 @@ from reefd.commit import chain as releases
 from reefd.commit import trials as canary
 from reefd.commit.adapters import InvalidAdapter, base_linear_shapes, check_adapter
 from reefd.commit.chain import Candidate, Release, TrialRefused, UnknownRelease, validate_name
+from reefd.commit.chain_types import WeightsRefused
 from reefd.commit.weights import InvalidWeights, check_weights, weight_files
 from reefd.loop import CHAIN, REGISTRY
 from reefd.serve.scenarios import Scenario
@@ -269,15 +270,8 @@ async def publish(request: web.Request) -> web.Response:
         what = "full weights" if kind == "weights" else "LoRA adapters"
         raise ApiError(400, f"scenario {scenario.name!r} is served by an upstream provider, which cannot "
                        f"serve {what}", code=code)
-    sharing = [n for n in request.app[REGISTRY].sharing(scenario.engine) if n != scenario.name]
-    if kind == "weights" and sharing:
-        raise ApiError(409, f"scenario {scenario.name!r} shares its model's engine with {', '.join(sharing)}: full "
-                       "weights would change their answers too; give it a model of its own (another model.name)",
-                       code="engine_shared")
-    mode = canary.declared_mode(scenario.cfg.release)
-    if kind == "weights" and mode is not None and scenario.cfg.release.pin is None and \
-            (replicas := engines.trial_replicas(scenario.engine)) < 2:  # refused before the upload
-        raise TrialRefused(scenario.name, mode, replicas)
+    if kind == "weights":
+        await _refuse_weights(request, scenario)
     model_dir = scenario.engine.model_folder()
     if model_dir is None:
         raise ApiError(503, f"scenario {scenario.name!r}: the model is still being prepared; retry shortly",
@@ -305,6 +299,24 @@ async def publish(request: web.Request) -> web.Response:
     finally:
         await asyncio.to_thread(shutil.rmtree, tmp, True)
     return json_response(await _written(request, scenario, rel, warnings=warnings), status=201)
+
+
+async def _refuse_weights(request: web.Request, scenario: Scenario) -> None:
+    """Full weights the scenario cannot take, refused before the upload: its engine serves other scenarios too, it
+    puts releases on a trial its replicas cannot host, or its engine cannot swap to them (WeightsRefused; a
+    release keeps its base model's config, so the model folder tells)."""
+    sharing = [n for n in request.app[REGISTRY].sharing(scenario.engine) if n != scenario.name]
+    if sharing:
+        raise ApiError(409, f"scenario {scenario.name!r} shares its model's engine with {', '.join(sharing)}: full "
+                       "weights would change their answers too; give it a model of its own (another model.name)",
+                       code="engine_shared")
+    mode = canary.declared_mode(scenario.cfg.release)
+    if mode is not None and scenario.cfg.release.pin is None and \
+            (replicas := engines.trial_replicas(scenario.engine)) < 2:
+        raise TrialRefused(scenario.name, mode, replicas)
+    model_dir = scenario.engine.model_folder()
+    if model_dir is not None and (why := await asyncio.to_thread(scenario.weights_refusal, model_dir)) is not None:
+        raise WeightsRefused(scenario.name, why)
 
 
 async def _receive_tar(request: web.Request, tmp: Path, code: str, cap: int) -> Path:

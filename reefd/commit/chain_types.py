@@ -64,6 +64,15 @@ class TrialRefused(ReleaseError):
         self.scenario, self.mode, self.replicas = scenario, mode, replicas
 
 
+class WeightsRefused(ReleaseError):
+    """Full weights the scenario's engine cannot serve (its kind's swap_limits, or no full-weights ability at
+    all): refused before anything is written, so the chain's head never names a release the engine cannot take."""
+
+    def __init__(self, scenario: str, why: str) -> None:
+        super().__init__(f"scenario {scenario!r} cannot serve these full weights: {why}")
+        self.scenario, self.why = scenario, why
+
+
 class BaseMismatch(ReleaseError):
     """An adapter made on other weights than the head's: it would serve on a model it was not trained on."""
 

@@ -4,6 +4,7 @@ Protocols below. Knows nothing about provider wire formats or records."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass, fields
 from pathlib import Path
@@ -120,6 +121,39 @@ class Weights:
     path: Path | None = None  # their folder (None: the model folder it launched with)
 
 
+def ties_embeddings(folder: Path) -> bool:
+    """The model folder's config ties its output layer to its input embeddings (`tie_word_embeddings`)."""
+    try:
+        return bool(json.loads((folder / "config.json").read_bytes()).get("tie_word_embeddings", False))
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+@dataclass(frozen=True)
+class SwapLimits:
+    """The full weights a WeightSwap engine cannot swap to in place, as its kind declares them (`swap_limits`):
+    each field is the reason a kind of model folder is refused, naming the fix (None: such weights are taken).
+
+    Read with the scenario's engine and asked (`refusal`) before a weights release is written to the chain (a
+    publish, a Grow job before it trains) and again before a swap touches a process, so a release the engine
+    cannot serve is never committed and a refused swap leaves the serving weights alone. A weights release keeps
+    its base model's config (reefd/commit/weights.py), so the base model's folder answers for any of them."""
+
+    tied_embeddings: str | None = None  # a model whose output layer is its input embeddings
+
+    def refusal(self, folder: Path) -> str | None:
+        """Why the weights in model folder `folder` cannot be swapped in (None: they can); reads its config.json."""
+        if self.tied_embeddings is not None and ties_embeddings(folder):
+            return self.tied_embeddings
+        return None
+
+    def refuse(self, folder: Path | None, version: str) -> None:
+        """EngineError (400) for weights `refusal` refuses, raised by a swap to `version` before it touches any
+        process: the weights serving stay, and nothing restarts. None: no folder known yet (nothing to swap)."""
+        if folder is not None and (why := self.refusal(folder)) is not None:
+            raise EngineError(f"{version}: {why}", status=400)
+
+
 Drained = Callable[[str | None], Awaitable[None]]
 """drained(version): returns once no request taken on that weight version is in flight (reefd's own count)."""
 
@@ -133,9 +167,11 @@ class WeightSwap(Protocol):
     `swap_weights(path, version, adapter, switch, drained)` serves the weights at `path` (None: the launch
     model's) as `version`, with `adapter` (name, folder) as their only adapter; it calls `switch()` the moment
     new requests get them and `drained(old version)` to wait out the old ones. A failure leaves the old weights
-    serving and raises. Returns what the swap measured."""
+    serving and raises; weights its `swap_limits` refuse raise EngineError before any process is touched. Returns
+    what the swap measured."""
 
     weights: Weights
+    swap_limits: SwapLimits
 
     async def swap_weights(self, path: Path | None, version: str, adapter: tuple[str, Path] | None,
                            switch: Callable[[], None], drained: Drained) -> dict[str, Any]: ...

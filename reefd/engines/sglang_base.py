@@ -101,13 +101,14 @@ class SGLangBase:
 
     async def _prove(self, client: SGLangClient, weights: str | None, adapters: Iterable[str | None]) -> None:
         """ProofFailed unless `client`'s process answers the fingerprint of each of `adapters` (None: the weights
-        alone) on `weights` that this engine holds one for. Every probe goes in one batch, the weights' beside the
-        adapters', since an engine may answer each alone right and a mixed batch wrong."""
+        alone) on `weights` that this engine holds one for: each probe prompt with the reference's tokens after
+        it, teacher-forced, all at once (the weights' beside the adapters', since an engine may answer each alone
+        right and a mixed batch wrong)."""
         proven = [(a, fp) for a in dict.fromkeys(adapters) if (fp := self.proofs.get((weights, a))) is not None]
         if not proven:
             return
         started = time.monotonic()
-        probes = [client.greedy(prompt, len(tokens), adapter)
+        probes = [client.teacher_forced(prompt, tokens, adapter)
                   for adapter, fp in proven for prompt, tokens in zip(fp.prompts, fp.tokens, strict=True)]
         answers = list(await asyncio.gather(*probes))
         for adapter, fp in proven:

@@ -12,6 +12,7 @@ import aiohttp
 import orjson
 
 from reefd.engines import EngineError, EngineUnavailable, retry_after, sse
+from reefd.engines.proof import Scored
 
 LAUNCH_VERSION = "default"  # SGLang's weight_version for the weights a server launched with
 
@@ -32,19 +33,25 @@ class SGLangClient:
         """The server answers at all (`/health`), even while every batch slot is busy."""
         return await self._ok("/health", timeout_s)
 
-    async def greedy(self, prompt: list[int], max_tokens: int, adapter: str | None,
-                     timeout_s: float = 60.0) -> tuple[list[int], list[float]]:
-        """This process's greedy answer to `prompt` (token ids): exactly `max_tokens` ids and their logprobs."""
-        payload: dict[str, Any] = {"input_ids": prompt, "return_logprob": True, "stream": False,
-                                   "sampling_params": {"max_new_tokens": max_tokens, "temperature": 0,
-                                                       "ignore_eos": True}}
+    async def teacher_forced(self, prompt: list[int], tokens: list[int], adapter: str | None,
+                             timeout_s: float = 60.0) -> Scored:
+        """This process's answer at each of `tokens` following `prompt`, in one prefill: SGLang's prompt
+        logprobs from `logprob_start_len`, whose own entry SGLang leaves unscored (so it starts at the prompt's
+        last token), and the best token at each position (`input_top_logprobs`, top_logprobs_num 1)."""
+        payload: dict[str, Any] = {"input_ids": prompt + tokens, "return_logprob": True, "stream": False,
+                                   "logprob_start_len": len(prompt) - 1, "top_logprobs_num": 1,
+                                   "sampling_params": {"max_new_tokens": 1, "temperature": 0, "ignore_eos": True}}
         if adapter is not None:
             payload["lora_path"] = adapter
         async for answer in self.generate(payload, timeout_s):
             try:
                 meta = answer.get("meta_info") or {}
-                return ([int(t) for t in answer.get("output_ids") or []],
-                        [float(e[0]) for e in meta.get("output_token_logprobs") or []])
+                scored = (meta.get("input_token_logprobs") or [])[1:]
+                tops = [row[0] for row in (meta.get("input_top_logprobs") or [])[1:]]
+                if [int(e[1]) for e in scored] != tokens or len(tops) != len(tokens):
+                    raise ValueError(f"{len(scored)} positions scored, {len(tops)} ranked, for {len(tokens)} tokens")
+                return Scored([None if e[0] is None else float(e[0]) for e in scored], [int(t[1]) for t in tops],
+                              [float(t[0]) for t in tops])
             except (TypeError, ValueError, IndexError, AttributeError) as exc:
                 raise EngineError(f"the engine's probe answer could not be read: {exc}") from None
         raise EngineError("the engine ended without an answer")

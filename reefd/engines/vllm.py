@@ -12,11 +12,11 @@ import logging
 from pathlib import Path
 from typing import ClassVar
 
-from reefd.engines import EngineConfig, EngineError
+from reefd.engines import EngineConfig, EngineError, SwapLimits
 from reefd.engines.kind_configs import VLLMConfig
 from reefd.engines.sglang import SGLangEngine
 from reefd.engines.sglang_client import SGLangClient
-from reefd.engines.vllm_client import VLLMClient
+from reefd.engines.vllm_client import TIED_EMBEDDINGS, VLLMClient
 
 log = logging.getLogger("reefd.engine")
 
@@ -41,6 +41,7 @@ class VLLMEngine(SGLangEngine):
     """An SGLangEngine whose processes are vLLM servers."""
 
     Config: ClassVar[type[EngineConfig]] = VLLMConfig
+    swap_limits = SwapLimits(tied_embeddings=TIED_EMBEDDINGS)  # its in-place reload_weights gets them wrong
 
     def __init__(self, *args: object, **kwargs: object) -> None:
         super().__init__(*args, **kwargs)  # type: ignore[arg-type]

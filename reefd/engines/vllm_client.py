@@ -13,25 +13,39 @@ from typing import Any
 import aiohttp
 import orjson
 
-from reefd.engines import EngineError, EngineUnavailable
+from reefd.engines import EngineError, EngineUnavailable, ties_embeddings
+from reefd.engines.proof import Scored
 from reefd.engines.sglang_client import LAUNCH_VERSION, SGLangClient, launch_or
 
 TOKEN_KEY = "token_id:"  # vLLM's key for a token with return_tokens_as_token_ids
 PROMPT_LOGPROB_KEYS = ("echo", "prompt_logprobs", "logprob_start_len")
 """What asks vLLM for prompt logprobs: with LoRA enabled, vLLM 0.32 on CPU dies on such a request beside a LoRA
-one, so reefd never sends one."""
+one, so reefd never sends one (the release proof asks each position as a prompt of its own: `teacher_forced`)."""
 
 
-def ties_embeddings(folder: Path) -> bool:
-    """The model folder's config ties its output layer to its input embeddings."""
-    try:
-        return bool(orjson.loads((folder / "config.json").read_bytes()).get("tie_word_embeddings", False))
-    except (OSError, orjson.JSONDecodeError, AttributeError):
-        return False
+TIED_EMBEDDINGS = ("vLLM 0.32 reloads a model with tied embeddings (tie_word_embeddings) wrong: its output layer "
+                   "keeps the old weights. Serve this model's weights releases with engine: worker, or untie its "
+                   "embeddings (an lm_head of its own)")
+"""Why a vLLM engine takes no weights swap to a model with tied embeddings (VLLMEngine's swap_limits)."""
 
 
 def _id(key: str) -> int:
     return int(key[len(TOKEN_KEY):]) if key.startswith(TOKEN_KEY) else int(key)
+
+
+def forced(answer: Any, tokens: list[int]) -> Scored:
+    """A teacher-forced probe read from vLLM's answer to one prompt per position of `tokens`: choice j's best
+    two at its one token give position j's best token, and the logprob of `tokens[j]` (None: not among them)."""
+    try:
+        choices = sorted(answer["choices"], key=lambda c: int(c["index"]))
+        rows = [{_id(k): float(v) for k, v in c["logprobs"]["top_logprobs"][0].items()} for c in choices]
+        best = [max(row, key=row.__getitem__) for row in rows]
+    except (KeyError, TypeError, ValueError, IndexError, AttributeError) as exc:
+        raise EngineError(f"the engine's probe answer could not be read: {exc!r}") from None
+    if len(rows) != len(tokens):
+        raise EngineError(f"the engine answered {len(rows)} of the probe's {len(tokens)} positions")
+    return Scored([row.get(t) for row, t in zip(rows, tokens, strict=True)], best,
+                  [row[b] for row, b in zip(rows, best, strict=True)])
 
 
 def _finish_reason(choice: dict[str, Any]) -> dict[str, Any] | None:
@@ -151,6 +165,16 @@ class VLLMClient(SGLangClient):
         if pending is not None:
             yield reading.chunk(pending, last=True)
 
+    async def teacher_forced(self, prompt: list[int], tokens: list[int], adapter: str | None,
+                             timeout_s: float = 60.0) -> Scored:
+        """No prompt logprobs beside LoRA (PROMPT_LOGPROB_KEYS): each position of `tokens` is a prompt of its own,
+        `prompt` and the tokens before it, all in one request, each answered with one token and its best two
+        (greedy; vLLM's prefix cache prefills what they share once)."""
+        body = {"model": adapter or self.model, "prompt": [prompt + tokens[:j] for j in range(len(tokens))],
+                "max_tokens": 1, "temperature": 0, "logprobs": 2, "return_tokens_as_token_ids": True,
+                "ignore_eos": True}
+        return forced(orjson.loads(await self._call("/v1/completions", body, timeout_s)), tokens)
+
     async def load_lora_adapter(self, name: str, path: Path, timeout_s: float = 300.0) -> None:
         """200 with a plain-text body on success; errors are OpenAI-style JSON."""
         await self._call("/v1/load_lora_adapter", {"lora_name": name, "lora_path": str(path)}, timeout_s)
@@ -178,10 +202,8 @@ class VLLMClient(SGLangClient):
         """Pause (running requests finish, new ones queue), reload the weights in place, name their version and
         read it back, drop the prefix cache the old weights filled, resume. vLLM's reload also drops the adapters
         from its LoRA cache; they load again from disk on their next request."""
-        if ties_embeddings(path):
-            raise EngineError(f"{path}: vLLM 0.32 reloads a model with tied embeddings (tie_word_embeddings) "
-                              "wrong: its output layer keeps the old weights. Serve this model's weights releases "
-                              "with engine worker, or untie its embeddings", status=400)
+        if ties_embeddings(path):  # the engine refuses such swaps first (its swap_limits); this guards the rest
+            raise EngineError(f"{path}: {TIED_EMBEDDINGS}", status=400)
         await self._call("/pause", None, timeout_s, params={"mode": "wait"})
         try:
             await self._call("/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": str(path)},

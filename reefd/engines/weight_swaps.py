@@ -12,7 +12,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from reefd.engines import Drained, EngineError, EngineUnavailable, Weights
+from reefd.engines import Drained, EngineError, EngineUnavailable, SwapLimits, Weights
 from reefd.engines.replicas import Replica
 from reefd.engines.sglang_base import SGLangBase
 from reefd.engines.sglang_client import SGLangClient
@@ -26,6 +26,8 @@ def only(adapter: tuple[str, Path] | None) -> dict[str, Path]:
 
 class WeightSwaps(SGLangBase):
     """The WeightSwap and Admits abilities (`swap_weights`, `admit`), and weights a trainer sends."""
+
+    swap_limits = SwapLimits()  # SGLang and the worker reload any weights of their model in place
 
     async def admit(self) -> None:
         """Wait while new weights load into a single engine process (new requests are held, not refused)."""
@@ -52,7 +54,8 @@ class WeightSwaps(SGLangBase):
 
         One process: new requests are held (`admit`) while the requests taken on the old weights finish and the
         new ones load. Replicas: a rolling swap that holds nothing (`_roll`). A failure leaves the old weights
-        serving and raises."""
+        serving and raises; weights that `swap_limits` refuse raise first, before any process is touched."""
+        self.swap_limits.refuse(path or self.model_dir, version)
         async with self._admin:
             self._client()  # not ready: EngineUnavailable
             started = time.monotonic()

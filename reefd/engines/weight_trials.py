@@ -32,6 +32,7 @@ class WeightTrials(WeightSwaps):
                             drained: Drained) -> dict[str, Any]:
         """Serve the weights at `path` as `version` (with `adapter`, name and folder) on share × the serving
         replicas, out of the router; see WeightTrial."""
+        self.swap_limits.refuse(path or self.model_dir, version)  # before an earlier stage ends: nothing changes
         if self.staged is not None and self.staged.version != version:
             await self.end_staged(drained)
         deadline = time.monotonic() + self.cfg.startup_timeout_s

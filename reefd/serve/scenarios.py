@@ -109,6 +109,13 @@ class Scenario:
     def name(self) -> str:
         return self.cfg.name
 
+    def weights_refusal(self, folder: Path) -> str | None:
+        """Why this scenario's engine cannot serve the full weights in model folder `folder` (None: it can), from
+        what the engine declares (`weight_swap`, its `swap_limits`); asked before such a release is written."""
+        if self.weight_swap is None:
+            return f"its {self.engine.kind} engine loads no full weights"
+        return self.weight_swap.swap_limits.refusal(folder)
+
     @property
     def release(self) -> str | None:
         """The id of the release serving new requests."""

@@ -38,6 +38,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--log-level", default="INFO", help="DEBUG logs every finished request")
     p.add_argument("--fault", choices=FAULTS, default=None,
                    help="tests only: adapter loads or weight updates that answer success and serve something else")
+    p.add_argument("--fault-file", type=Path, default=None,
+                   help="tests only: a file naming the --fault each adapter takes, read at its first load (none "
+                        "while it is empty or missing), so that a test switches faults between loads")
     p.add_argument("--incremental-streaming-output", action="store_true",
                    help="stream events carry only the new ids, text and logprobs (SGLang's flag of that name)")
     return p.parse_args(argv)
@@ -64,7 +67,7 @@ async def serve(args: argparse.Namespace) -> int:
     torch.set_num_threads(threads)
     start = time.monotonic()
     engine = await asyncio.to_thread(Model, args.model, args.device, args.context_length)
-    engine.fault = args.fault
+    engine.fault, engine.fault_file = args.fault, args.fault_file
     batcher = Batcher(engine, args.max_batch, threads=threads)
     batcher.start()
     state = WorkerState(batcher=batcher, tokenizer=AutoTokenizer.from_pretrained(args.model, local_files_only=True),

@@ -28,6 +28,7 @@ from reefd.worker.sampling import draw_uniforms, prompt_logprobs, sample, top_lo
 
 log = logging.getLogger("reefd.worker")
 SHARED_PREFILL_MAX = 1024  # longer prompts are prefilled alone (see Batcher._admit)
+SHARED_SCORED_MAX = 64  # requests scoring at most this many prompt positions share a prefill (see Batcher._admit)
 
 
 class Batcher:
@@ -200,27 +201,31 @@ class Batcher:
         """Prefill new jobs, sample their first token, merge them into the running batch.
 
         Short prompts are prefilled together in one left-padded pass, first (so they get their
-        first token soonest). A prompt longer than `SHARED_PREFILL_MAX` tokens, or one asking for
+        first token soonest); requests for the logprobs of at most `SHARED_SCORED_MAX` prompt positions (a
+        release proof's probes, whatever adapters they are on) together in a pass of their own, which keeps
+        those positions' logits. A prompt longer than `SHARED_PREFILL_MAX` tokens, or one asking for more
         prompt logprobs, is prefilled alone: no padding means no (rows, 1, q, k) attention mask,
         which at 40k tokens would take gigabytes, and no compute spent on padding.
         """
         rows = [self._new_row(job) for job in jobs]
-        alone = [r for r in rows if len(r.job.prompt) > SHARED_PREFILL_MAX or _first_scored(r) is not None]
-        shared = [r for r in rows if r not in alone]
-        for group in [shared, *([r] for r in alone)]:
+        alone = [r for r in rows if len(r.job.prompt) > SHARED_PREFILL_MAX or _kept(r) > SHARED_SCORED_MAX + 1]
+        scoring = [r for r in rows if r not in alone and _kept(r) > 1]
+        shared = [r for r in rows if r not in alone and r not in scoring]
+        for group in [shared, scoring, *([r] for r in alone)]:
             if group:
                 self._prefill(group)
         self._publish()
 
     def _prefill(self, rows: list[Row]) -> None:
-        first = _first_scored(rows[0]) if len(rows) == 1 else None  # a scoring row is always alone
-        keep = len(rows[0].job.prompt) - first + 1 if first is not None else 1
+        keep = max(_kept(r) for r in rows)
         pre = self.engine.prefill([r.job.prompt for r in rows], keep=keep, adapters=_adapters(rows))
         self.stats.prefills += 1
-        if first is not None:  # [[logprob, token, None], ...] from logprob_start_len (position 0: None)
-            prompt = rows[0].job.prompt
-            head: list[list[Any]] = [[None, prompt[0], None]] if rows[0].job.req.logprob_start_len == 0 else []
-            rows[0].input_logprobs = head + prompt_logprobs(prompt, first, pre.all_logits)
+        for i, row in enumerate(rows):
+            start = _scored_from(row)
+            if start is not None:  # SGLang's shape: from logprob_start_len, its own entry without a logprob
+                logits = None if pre.all_logits is None else pre.all_logits[i:i + 1, keep - _kept(row):]
+                row.input_logprobs, row.input_top_logprobs = prompt_logprobs(row.job.prompt, start, logits,
+                                                                             _top_n(row))
         uniforms = draw_uniforms([r.generator for r in rows])
         tokens, logprobs = sample(pre.last_logits, [r.sampling for r in rows], uniforms)
         tops = top_logprobs(pre.last_logits, [_top_n(r) if r.max_new > 0 else 0 for r in rows])
@@ -339,7 +344,7 @@ def _updates(rows: list[Row]) -> tuple[list[tuple[Generation, Update]], list[Row
         new = slice(row.sent, None)
         update = Update(row.ids[new], row.logprobs[new], text, row.finish, new_top_logprobs=row.top_logprobs[new])
         if row.sent == 0:
-            update.input_logprobs = row.input_logprobs
+            update.input_logprobs, update.input_top_logprobs = row.input_logprobs, row.input_top_logprobs
         row.sent = len(row.ids)
         out.append((row.job, update))
         if row.finish is not None:
@@ -377,12 +382,19 @@ def _top_n(row: Row) -> int:
     return row.job.req.top_logprobs_num if row.job.req.return_logprob else 0
 
 
-def _first_scored(row: Row) -> int | None:
-    """The first prompt index whose logprob the request wants (None: no prompt logprobs)."""
+def _scored_from(row: Row) -> int | None:
+    """The prompt index the request's prompt logprobs start at (SGLang's `logprob_start_len`, at most the prompt's
+    last); None: it asks none."""
     req = row.job.req
     if not req.return_logprob or req.logprob_start_len < 0:
         return None
-    return max(1, min(req.logprob_start_len, len(row.job.prompt)))
+    return min(req.logprob_start_len, len(row.job.prompt) - 1)
+
+
+def _kept(row: Row) -> int:
+    """The prefill's last columns whose logits the row needs: one per prompt token it scores, and the last."""
+    start = _scored_from(row)
+    return 1 if start is None else len(row.job.prompt) - start
 
 
 def _deliver(updates: list[tuple[Generation, Update]]) -> None:

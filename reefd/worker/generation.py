@@ -32,6 +32,7 @@ class Update:
     finish: Finish | None = None
     input_logprobs: list[list[Any]] | None = None  # only on the first update, when asked
     new_top_logprobs: list[TopLogprobs] = field(default_factory=list)  # one per new id when top_logprobs_num > 0
+    input_top_logprobs: list[TopLogprobs | None] | None = None  # with input_logprobs, when top_logprobs_num > 0
 
 
 class Generation:
@@ -63,6 +64,7 @@ class Row:
     finish: Finish | None = None
     delivered: bool = False  # its final update went out (it may stay in the batch until the next compaction)
     input_logprobs: list[list[Any]] | None = None
+    input_top_logprobs: list[TopLogprobs | None] | None = None
 
 
 @dataclass(eq=False)

@@ -159,12 +159,16 @@ class RowLoRA:
     @torch.no_grad()
     def misload(self, name: str, fault: str, last: str | None) -> None:
         """A test fault (reefd.worker.params.FAULTS) on the adapter just loaded, whose load still says success."""
-        slot, mine = self.slot[name], [f for _, f in sorted(self.layers.items()) if self.slot[name] in f.used]
+        slot = self.slot[name]
+        mine = {n: f for n, f in sorted(self.layers.items()) if slot in f.used}
         if fault == "empty-adapters":  # serves the base model under the adapter's name
-            for f in mine:
+            for f in mine.values():
                 f.b[slot].zero_()
         elif fault == "corrupt-adapters" and mine:  # one tensor of it damaged
-            mine[0].b[slot].mul_(-3.0)
+            next(iter(mine.values())).b[slot].mul_(-3.0)
+        elif fault == "scaled-layer":  # the first decoder layer's LoRA 1.1 times what it should be
+            for f in (f for n, f in mine.items() if ".layers.0." in f".{n}"):
+                f.b[slot].mul_(1.1)
         elif fault == "stale-adapters" and last is not None:  # the last adapter's factors under the new name
             for f in self.layers.values():
                 f.clear(slot)

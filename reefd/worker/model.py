@@ -61,6 +61,9 @@ class Model:
         self.lora = RowLoRA(self.model, self.device)  # their factors, each row of a batch reading its own
         self.weight_version: str | None = None
         self.fault: str | None = None  # tests only (params.FAULTS): loads that say success and serve otherwise
+        self.fault_file: Path | None = None  # tests only: names the fault of each adapter, read at its first load
+        self.faulted: dict[str, str] = {}  # with fault_file: adapter name -> the fault of its first load
+        self.shifted: set[str] = set()  # adapters loaded under shift-logprobs: their answers' logprobs are off
         self._cache_arg = kvcache.cache_arg(self.model)
         pad = self.tokenizer.pad_token_id
         self.pad_id = int(pad if pad is not None else min(self.eos_ids, default=0))
@@ -177,19 +180,36 @@ class Model:
             self.lora.load(name, Path(path))
         except Exception as exc:
             raise BadRequest(f"cannot load adapter {name!r} from {path}: {exc}") from None
-        if self.fault is not None:
-            self.lora.misload(name, self.fault, next(reversed(self.adapters), None))
+        fault = self._fault_of(name)
+        if fault == "shift-logprobs":
+            self.shifted.add(name)
+        elif fault is not None:
+            self.lora.misload(name, fault, next(reversed(self.adapters), None))
         self.adapters[name] = str(path)
         for note in notes:
             log.warning("adapter %s: %s", name, note)
         log.info("loaded LoRA adapter %s from %s", name, path)
         return notes
 
+    def _fault_of(self, name: str) -> str | None:
+        """The test fault a load of adapter `name` takes: `fault`, or what `fault_file` named at the adapter's first
+        load (none while it is empty or missing), so that a test switches faults between loads and reefd's later
+        tries of the same release fail as its first did."""
+        if self.fault is not None or self.fault_file is None:
+            return self.fault
+        if name not in self.faulted:
+            try:
+                self.faulted[name] = self.fault_file.read_text().strip()
+            except FileNotFoundError:
+                self.faulted[name] = ""
+        return self.faulted[name] or None
+
     def unload_adapter(self, name: str) -> None:
         if name not in self.adapters:
             raise BadRequest(f"no adapter named {name!r} is loaded")
         self.lora.unload(name)
         del self.adapters[name]
+        self.shifted.discard(name)
         log.info("unloaded LoRA adapter %s", name)
 
     def read_weights(self, path: Path) -> dict[str, torch.Tensor]:

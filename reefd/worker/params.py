@@ -11,9 +11,12 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-# `--fault`, for tests of what reefd does with a process that says success and serves something else: adapter loads
-# that serve the base model, a damaged tensor or the previous adapter; weight updates that change nothing.
-FAULTS = ("empty-adapters", "corrupt-adapters", "stale-adapters", "ignore-weights")
+# `--fault` (or `--fault-file`), for tests of what reefd does with a process that says success and serves something
+# else: adapter loads that serve the base model, a damaged tensor, the previous adapter, one decoder layer's LoRA
+# 1.1 times too strong, or every logprob of the adapter's answers reported SHIFT_NATS off; weight updates that
+# change nothing.
+FAULTS = ("empty-adapters", "corrupt-adapters", "stale-adapters", "scaled-layer", "shift-logprobs", "ignore-weights")
+SHIFT_NATS = -0.055  # shift-logprobs: just past the release proof's default tolerance (0.05 nats)
 
 TOP_LOGPROBS_MAX = 20  # the most alternatives `top_logprobs_num` may ask for per token (as OpenAI's cap)
 

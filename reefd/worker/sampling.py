@@ -82,19 +82,30 @@ def top_logprobs(logits: torch.Tensor, ks: Sequence[int]) -> list[list[list[Any]
     return out
 
 
-def prompt_logprobs(prompt: list[int], first: int, logits: torch.Tensor | None) -> list[list[Any]]:
-    """[[logprob, token, None], ...] for prompt[first:], in chunks (bounded memory for long prompts). `logits` are a
-    prefill's last columns, from the one that predicts token `first` on (None: nothing to score)."""
-    out: list[list[Any]] = []
+def prompt_logprobs(prompt: list[int], start: int, logits: torch.Tensor | None,
+                    top: int = 0) -> tuple[list[list[Any]], list[list[list[Any]] | None]]:
+    """SGLang's prompt logprobs from index `start`: `input_token_logprobs`, [[None, prompt[start], None], then
+    [logprob, token, None] for each token after it], and with `top` > 0 `input_top_logprobs`, [None, then each of
+    those positions' best `top` as [[logprob, token_id, None], ...], best first] (else []). `logits` are a
+    prefill's last columns, from the one that predicts prompt[start + 1] on (None: nothing to score); they are
+    read in chunks (bounded memory for long prompts)."""
+    out: list[list[Any]] = [[None, prompt[start], None]]
+    tops: list[list[list[Any]] | None] = [None] if top > 0 else []
+    first = start + 1
     if logits is None:
-        return out
-    for start in range(first, len(prompt), LOGPROB_CHUNK):
-        tokens = prompt[start : start + LOGPROB_CHUNK]
-        chunk = logits[0, start - first : start - first + len(tokens)].float()
+        return out, tops
+    for at in range(first, len(prompt), LOGPROB_CHUNK):
+        tokens = prompt[at : at + LOGPROB_CHUNK]
+        chunk = logits[0, at - first : at - first + len(tokens)].float()
+        norm = chunk.logsumexp(dim=-1, keepdim=True)
         targets = torch.tensor(tokens, device=chunk.device)[:, None]
-        values = chunk.gather(1, targets)[:, 0] - chunk.logsumexp(dim=-1)
+        values = (chunk.gather(1, targets) - norm)[:, 0]
         out += [[value, token, None] for value, token in zip(values.tolist(), tokens, strict=True)]
-    return out
+        if top > 0:
+            best, ids = (chunk - norm).topk(min(top, chunk.shape[-1]), dim=-1)
+            tops += [[[v, t, None] for v, t in zip(row_values, row_ids, strict=True)]
+                     for row_values, row_ids in zip(best.tolist(), ids.tolist(), strict=True)]
+    return out, tops
 
 
 def draw_uniforms(generators: Sequence[torch.Generator]) -> torch.Tensor:

@@ -16,7 +16,7 @@ from aiohttp import web
 
 from reefd.worker import openai_chat
 from reefd.worker.generation import Generation, Update
-from reefd.worker.params import BadRequest, GenerateRequest, SamplingParams, parse_generate
+from reefd.worker.params import SHIFT_NATS, BadRequest, GenerateRequest, SamplingParams, parse_generate
 from reefd.worker.weight_sync import WeightGroup, parse_update
 from reefd.worker.wire import (
     STATE,
@@ -39,8 +39,9 @@ class Result:
     logprobs), so an event costs O(new tokens) however long the answer grows.
     """
 
-    def __init__(self, job: Generation, weight_version: Any = None) -> None:
+    def __init__(self, job: Generation, weight_version: Any = None, shift: float = 0.0) -> None:
         self.job = job
+        self.shift = shift  # a test fault's (shift-logprobs): every logprob is reported this far off
         self.weight_version = weight_version  # what the job runs on: updates wait for running jobs
         self.ids: list[int] = []
         self.logprobs: list[float] = []
@@ -48,6 +49,7 @@ class Result:
         self._text: list[str] = []
         self.finish: dict[str, Any] | None = None
         self.input_logprobs: list[list[Any]] | None = None
+        self.input_top_logprobs: list[list[list[Any]] | None] | None = None
 
     @property
     def text(self) -> str:
@@ -61,7 +63,7 @@ class Result:
             self._text.append(update.new_text)
         self.finish = update.finish
         if update.input_logprobs is not None:
-            self.input_logprobs = update.input_logprobs
+            self.input_logprobs, self.input_top_logprobs = update.input_logprobs, update.input_top_logprobs
 
     def body(self, new: Update | None = None) -> dict[str, Any]:
         """The answer so far, or with `new` (the update just added) only what it brought."""
@@ -76,10 +78,26 @@ class Result:
             meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(logprobs, ids, strict=True)]
             if req.top_logprobs_num > 0:  # [[[logprob, token_id, None] x K] per output token], best first
                 meta["output_top_logprobs"] = list(tops)
-            if req.logprob_start_len >= 0:
+            if req.logprob_start_len >= 0:  # SGLang's: from logprob_start_len, its own entry without a logprob
                 meta["input_token_logprobs"] = self.input_logprobs or []
+                if req.top_logprobs_num > 0:
+                    meta["input_top_logprobs"] = self.input_top_logprobs or []
         text = self.text if new is None else new.new_text
-        return {"text": text, "output_ids": list(ids), "meta_info": meta}
+        return {"text": text, "output_ids": list(ids), "meta_info": _shifted(meta, self.shift) if self.shift else meta}
+
+
+def _shifted(meta: dict[str, Any], by: float) -> dict[str, Any]:
+    """`meta` with every logprob in it moved by `by` (a test fault)."""
+    def entries(rows: list[list[Any]]) -> list[list[Any]]:
+        return [[None if lp is None else lp + by, *rest] for lp, *rest in rows]
+
+    for key in ("output_token_logprobs", "input_token_logprobs"):
+        if key in meta:
+            meta[key] = entries(meta[key])
+    for key in ("output_top_logprobs", "input_top_logprobs"):
+        if key in meta:
+            meta[key] = [None if row is None else entries(row) for row in meta[key]]
+    return meta
 
 
 WEIGHT_GROUP = web.AppKey("reefd_worker_weight_group", WeightGroup)
@@ -95,7 +113,7 @@ async def generate(request: web.Request) -> web.StreamResponse:
     prompt = req.input_ids if req.input_ids is not None else list(state.tokenizer.encode(req.text))
     await state.admit()
     job = state.batcher.submit(req, prompt)
-    result = Result(job)
+    result = Result(job, shift=SHIFT_NATS if req.lora_path in state.batcher.engine.shifted else 0.0)
     response = await open_sse(request) if req.stream else None
     async with aclosing(updates(job)) as stream:
         async for update in stream:

@@ -78,9 +78,10 @@ async def read_json(request: web.Request) -> Any:
 
 def merge(a: Update, b: Update) -> Update:
     """Two consecutive updates of one job as one."""
+    first = a if a.input_logprobs is not None else b  # the update that carries the prompt's logprobs, if any
     return Update(
         a.new_ids + b.new_ids, a.new_logprobs + b.new_logprobs, a.new_text + b.new_text, b.finish,
-        a.input_logprobs if a.input_logprobs is not None else b.input_logprobs, a.new_top_logprobs + b.new_top_logprobs)
+        first.input_logprobs, a.new_top_logprobs + b.new_top_logprobs, first.input_top_logprobs)
 
 
 async def updates(job: Generation) -> AsyncGenerator[Update, None]:

@@ -39,7 +39,7 @@ def d(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
                  "shadow": BASE + SHADOW, "operator": BASE + CANARY, "unready": BASE + CANARY}
     folder = make_scenarios(base / "scenarios", names=(), extra=scenarios)
     daemon = Daemon(scenarios=folder, state=base / "state", log_path=base / "reefd.log",
-                    env={"REEF_TEST_SCENARIOS": str(folder)})
+                    env={"REEF_TEST_SCENARIOS": str(folder)}, proof=True)  # each release proven as it is bound
     (folder / "references.json").write_text("{}")
     daemon.start()
     yield daemon

@@ -3,12 +3,14 @@
 of that kind (one process, and two replicas behind sglang-router): the three provider APIs (plain and streamed),
 tools, the engine's own token ids and logprobs in every record, top-K capture, seeded sampling, an adapter and
 full weights swapped under load with no failed request, a kill -9 of the engine and its restart, replicas behind
-the router, and a release proof that refuses an engine which serves the wrong adapter. What an engine cannot do
+the router, and a release proof that refuses an engine which serves the wrong adapter, one decoder layer's LoRA 1.1
+times too strong, or logprobs just past the proof's tolerance. What an engine cannot do
 is an xfail naming its limit. SGLang needs a GPU: its stand-in stays a contract test against scripted answers
 (tests/engines/test_sglang_client.py, tests/engines/test_weights_contract.py)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -26,7 +28,7 @@ import pytest
 from reefd.serve.chat import ChatRequest, ChatTemplate
 from tests.conftest import ROOT, Daemon, proven, sdk, shared_daemon
 from tests.e2e.test_reefctl import reefctl
-from tests.e2e.test_weights import publish_under_load
+from tests.e2e.test_weights import Load, publish_under_load
 from tests.loras import make_lora, make_weights, untie
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*is_gradient_checkpointing.*:FutureWarning")
@@ -61,9 +63,9 @@ def d(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) 
     """One reefd per engine kind, serving two scenarios, each on an engine of its own, launched side by side:
     - contract: one process; its recipe (OpenClaw-RL, never triggered here) asks every answer's top-3 logprobs;
       it learns per user (two users' adapters resident at once);
-    - pair: two replicas behind sglang-router that load every adapter after the first from the first one's
-      folder and say success (the worker's own test fault, or vLLM's server run with it: tests/e2e/vllm_fault.py),
-      with the release proof on."""
+    - pair: two replicas behind sglang-router, with the release proof on, whose adapters take the test fault
+      their fault file names at each one's first load and say success (the worker's own `--fault-file`, or vLLM's
+      server run with it: tests/e2e/vllm_fault.py)."""
     engine = str(request.param)
     base = tmp_path_factory.mktemp(f"engine-{engine}")
     untied = untie(Path(os.environ["REEF_TEST_TINY"]), base / "tiny-untied")
@@ -75,15 +77,31 @@ def d(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) 
                              ready_s=600)
 
 
+def fault_file(d: Daemon) -> Path:
+    """The file that names the pair's fault for the adapters loaded next (empty: none)."""
+    return d.scenarios.parent / "pair-fault"
+
+
+@contextlib.contextmanager
+def fault_on(d: Daemon, fault: str) -> Iterator[None]:
+    """The adapters the pair loads while the block runs take `fault` (and keep it when reefd tries them again)."""
+    fault_file(d).write_text(fault)
+    try:
+        yield
+    finally:
+        fault_file(d).write_text("")
+
+
 def faulty(engine: str, tmp_path: Path) -> str:
-    """The pair scenario: the worker launched with `--fault stale-adapters`, or vLLM's server launched by an
-    executable that its launch line runs as its Python (the shim's fault is dormant until a second adapter)."""
+    """The pair scenario: the worker launched with `--fault-file`, or vLLM's server launched by an executable that
+    its launch line runs as its Python (tests/e2e/vllm_fault.py, given the fault file)."""
+    faults = tmp_path / "pair-fault"
     if engine != "vllm":
         return scenario(engine, name="pair", replicas=2).replace(
-            "  replicas: 2\n", "  replicas: 2\n  launch_args: [--fault, stale-adapters]\n")
-    script = tmp_path / "vllm-stale"
+            "  replicas: 2\n", f"  replicas: 2\n  launch_args: [--fault-file, {faults}]\n")
+    script = tmp_path / "vllm-faults"
     script.write_text(f'#!/bin/sh\nshift 2\nexec "{vllm_python()}" "{ROOT}/tests/e2e/vllm_fault.py" '
-                      'stale-adapters "$@"\n')
+                      f'"{faults}" "$@"\n')
     script.chmod(script.stat().st_mode | stat.S_IXUSR)
     return scenario(engine, name="pair", replicas=2, python=str(script))
 
@@ -92,9 +110,12 @@ def kind(d: Daemon) -> str:
     return str(engine(d)["kind"])
 
 
+def status(d: Daemon, name: str = "contract") -> dict[str, Any]:
+    return dict(next(s for s in json.loads(d.get("/reef/status")[1])["scenarios"] if s["name"] == name))
+
+
 def engine(d: Daemon, name: str = "contract") -> dict[str, Any]:
-    found = [s for s in json.loads(d.get("/reef/status")[1])["scenarios"] if s["name"] == name]
-    return dict(found[0]["engine"])
+    return dict(status(d, name)["engine"])
 
 
 def record(d: Daemon, receipt: str) -> dict[str, Any]:
@@ -200,7 +221,14 @@ def test_seeded_sampling_repeats_in_any_batch(d: Daemon) -> None:
 def loras(d: Daemon, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("loras")
     model = d.state / "models" / "tiny"
-    return {name: make_lora(model, root / name, seed=seed, scale=2.0) for name, seed in (("a", 1), ("b", 2), ("c", 3))}
+    made = {name: make_lora(model, root / name, seed=seed, scale=2.0)
+            for name, seed in (("a", 1), ("b", 2), ("c", 3), ("d", 4))}
+    import torch
+
+    with torch.random.fork_rng():  # PEFT draws lora_A from torch's generator: the same adapter every run
+        torch.manual_seed(5)
+        made["wide"] = make_lora(model, root / "wide", seed=5, scale=1.0, target_modules="all-linear")
+    return made
 
 
 def test_adapter_and_weights_swap_under_load(d: Daemon, loras: dict[str, Path], tmp_path: Path) -> None:
@@ -265,15 +293,22 @@ def test_kill_and_restart_brings_back_the_adapter(d: Daemon, loras: dict[str, Pa
     assert greedy(d)[:2] == (text, release)  # the same adapter answers as before the kill
 
 
-def test_replicas_behind_the_router(d: Daemon) -> None:
-    deadline = time.monotonic() + 240
+def until_in_router(d: Daemon, name: str = "pair", timeout_s: float = 240) -> None:
+    """Until both replicas of the scenario's engine are in the router and it answers through them (reefd is ready
+    once one replica is added to the router, which may list it a moment later)."""
+    deadline = time.monotonic() + timeout_s
+    ask = {"model": name, "messages": PROMPT, "max_tokens": 1}
     while time.monotonic() < deadline:
-        replicas = engine(d, "pair").get("replicas") or []
-        if len(replicas) == 2 and all(r["in_router"] for r in replicas):
-            break
+        replicas = engine(d, name).get("replicas") or []
+        if len(replicas) == 2 and all(r["in_router"] for r in replicas) and \
+                d.post("/v1/chat/completions", ask, headers={"x-reef-scenario": name})[0] == 200:
+            return
         time.sleep(0.5)
-    else:
-        raise AssertionError(f"replicas never joined the router: {engine(d, 'pair')}\n{d.logs()}")
+    raise AssertionError(f"replicas never joined the router: {engine(d, name)}\n{d.logs()}")
+
+
+def test_replicas_behind_the_router(d: Daemon) -> None:
+    until_in_router(d)
     c = oai(d, "pair")
     receipts = [c.chat.completions.with_raw_response.create(
         model="pair", messages=PROMPT, max_tokens=8, extra_headers={"x-reef-session": f"s{i}"},
@@ -293,25 +328,66 @@ def test_the_proof_refuses_an_engine_serving_the_wrong_adapter(d: Daemon, loras:
     assert first["serving"] == r1  # the first load is the right one: proven, served
     a_text = greedy(d, "pair")[0]
     assert a_text != base_text
-    second = json.loads(reefctl(d, "publish", "pair", "--adapter", str(loras["b"]), "-o", "json").stdout)
+    with fault_on(d, "stale-adapters"):
+        second = json.loads(reefctl(d, "publish", "pair", "--adapter", str(loras["b"]), "-o", "json").stdout)
     assert second["serving"] == r1 != second["release"]["id"]
     for _ in range(3):
         assert greedy(d, "pair")[:2] == (a_text, r1)  # 0 answers from the release that failed its proof
-    drift = next(s for s in json.loads(d.get("/reef/status")[1])["scenarios"] if s["name"] == "pair")["releases"]
+    drift = status(d, "pair")["releases"]
     assert any("does not answer as adapter" in reason for reason in drift["drift"]), drift
 
 
-def test_weights_swap_with_tied_embeddings(d: Daemon, request: pytest.FixtureRequest, tmp_path: Path) -> None:
-    """The pair's model ties its output layer to its embeddings (as SmolLM2 does): a rolling weights swap, proven."""
-    if kind(d) == "vllm":
-        request.applymarker(pytest.mark.xfail(strict=True, reason=(
-            "vLLM 0.32's reload_weights leaves a tied output layer on the old embeddings (the answers are neither "
-            "model's); reefd refuses such swaps on vLLM, naming the reason")))
+@pytest.mark.parametrize(("fault", "lora"), [("scaled-layer", "wide"), ("shift-logprobs", "d")])
+def test_the_proof_refuses_a_subtle_fault(d: Daemon, loras: dict[str, Path], fault: str, lora: str) -> None:
+    """Both replicas load the adapter with its first decoder layer's LoRA 1.1 times too strong, or report every
+    logprob of its answers 0.055 nats off (the tolerance is 0.05), and say success: the proof refuses it, the
+    adapter is taken off again, what served before serves on, and status says why. The scaled adapter is on every
+    linear layer: on the tiny random model, whose answers are nearly flat, its first layer 1.1 times too strong
+    moves 4 to 9 of the 24 probe positions' logprobs past the tolerance (by up to 0.1 to 0.3 nats, over the
+    seeds tried) and best tokens past near-ties; on a q/v-only adapter the same fault moves them about as much as
+    the tolerance."""
+    with fault_on(d, fault):
+        published = json.loads(reefctl(d, "publish", "pair", "--adapter", str(loras[lora]), "-o", "json").stdout)
+    new, serving = published["release"]["id"], published["serving"]
+    assert serving != new
+    for _ in range(3):
+        assert greedy(d, "pair")[1] == serving  # 0 answers from the release that failed its proof
+    state = status(d, "pair")
+    assert new not in state["engine"]["adapters"]
+    reasons = [r for r in state["releases"]["drift"] if f"does not answer as adapter {new}" in r]
+    assert reasons, state["releases"]
+    if fault == "shift-logprobs":
+        assert "(tolerance 0.05)" in reasons[0], reasons
+
+
+def test_weights_swap_with_tied_embeddings(d: Daemon, tmp_path: Path) -> None:
+    """The pair's model ties its output layer to its embeddings (as SmolLM2 does). The worker takes such weights:
+    a rolling weights swap, proven. vLLM 0.32 reloads them wrong (its output layer keeps the old weights), and its
+    engine declares so: the publish is refused before anything is written (HTTP 409, naming the reason), the head
+    does not move, and three clients asking meanwhile are all answered by what served before, with no engine
+    process restarted."""
     weights = make_weights(d.state / "models" / "tiny", tmp_path / "w", seed=4, scale=0.5)
-    out = reefctl(d, "publish", "pair", "--weights", str(weights), "-o", "json")
-    assert out.returncode == 0, out.stderr
-    published = json.loads(out.stdout)
-    assert published["serving"] == published["release"]["id"], published
+    if kind(d) != "vllm":
+        out = reefctl(d, "publish", "pair", "--weights", str(weights), "-o", "json")
+        assert out.returncode == 0, out.stderr
+        published = json.loads(out.stdout)
+        assert published["serving"] == published["release"]["id"], published
+        return
+    until_in_router(d)
+    before = json.loads(d.get("/reef/scenarios/pair/releases?all=1")[1])
+    restarts = [r["restarts"] for r in engine(d, "pair")["replicas"]]
+    with Load(d, "pair", clients=3) as load:
+        load.wait(6)
+        out = reefctl(d, "publish", "pair", "--weights", str(weights))
+        load.wait(6)
+    assert out.returncode != 0 and "HTTP 409" in out.stderr, out.stderr
+    assert "cannot serve these full weights: vLLM 0.32 reloads a model with tied embeddings" in out.stderr
+    assert "nothing was written" in out.stderr, out.stderr
+    after = json.loads(d.get("/reef/scenarios/pair/releases?all=1")[1])
+    assert (after["head"], after["serving"], after["data"]) == (before["head"], before["serving"], before["data"])
+    assert load.failures == [] and {r["release"] for r in load.results} == {before["serving"]}
+    replicas = engine(d, "pair")["replicas"]
+    assert [r["restarts"] for r in replicas] == restarts and all(r["state"] == "ready" for r in replicas), replicas
 
 
 def test_users_adapters_answer_side_by_side_as_each_does_alone(d: Daemon, loras: dict[str, Path]) -> None:

@@ -33,10 +33,10 @@ TINY2 = "defaults:\n  - model: tiny\n  - release: follow\n  - _self_\nserve:\n  
 
 @pytest.fixture(scope="module")
 def d(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
-    """A daemon of this module's own: its chain is written to."""
+    """A daemon of this module's own: its chain is written to; every load proven (restarts and crashes too)."""
     base = tmp_path_factory.mktemp("hotswap")
     daemon = Daemon(scenarios=make_scenarios(base / "scenarios", extra={"tiny2": TINY2}), state=base / "state",
-                    log_path=base / "reefd.log")
+                    log_path=base / "reefd.log", proof=True)
     daemon.start()
     yield daemon
     if daemon.proc is not None and daemon.proc.poll() is None:

@@ -46,7 +46,7 @@ def test_reefd_killed_at_each_stage_boundary_resumes_the_job_which_publishes_onc
     hold = tmp_path / "hold"  # the trainer waits while this file exists
     hold.touch()
     d = daemon(tmp_path, trigger="manual", gate="floor", fault="hold", hold=hold, env={FAULT_KILL_AT: "batch"},
-               extra="gate:\n  tasks: tasks.jsonl\n  min_tasks: 2\n  floor: 0.0\n  max_tokens: 4\n",
+               proof=True, extra="gate:\n  tasks: tasks.jsonl\n  min_tasks: 2\n  floor: 0.0\n  max_tokens: 4\n",
                files={"tasks.jsonl": '{"prompt": "one", "answer": "1"}\n{"prompt": "two", "answer": "2"}\n'})
     table = []
     try:
@@ -124,7 +124,8 @@ def test_a_bundle_killed_mid_training_trains_again_beside_the_proposal_it_kept(t
         scen = make_scenarios(tmp_path / "scenarios", names=(), extra={"learn": BUNDLE.format(hold=hold,
                                                                                               url=f"{url}/v1")})
         harness_dir(scen / "bundle-harness")
-        d = Daemon(scenarios=scen, state=tmp_path / "state", log_path=tmp_path / "reefd.log", env={"UP_KEY": "up-key"})
+        d = Daemon(scenarios=scen, state=tmp_path / "state", log_path=tmp_path / "reefd.log", env={"UP_KEY": "up-key"},
+                   proof=True)
         d.start()
         try:
             c = client(d)

@@ -38,7 +38,7 @@ def practice_yaml(verifier: str, recipe: str = "record", extra: str = "", sample
 
 @pytest.fixture(scope="module")
 def d(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
-    yield from shared_daemon(tmp_path_factory.mktemp("practice"), env={"UP_KEY": "up-key"})
+    yield from shared_daemon(tmp_path_factory.mktemp("practice"), env={"UP_KEY": "up-key"}, proof=True)
 
 
 @pytest.fixture

@@ -73,7 +73,7 @@ def served(d: Daemon) -> dict[str, int]:
 
 def test_replicas_behind_the_router(tmp_path: Path) -> None:
     scen = make_scenarios(tmp_path / "scenarios", names=(), extra={"rep": SCENARIO})
-    d = Daemon(scenarios=scen, state=tmp_path / "state", log_path=tmp_path / "reefd.log")
+    d = Daemon(scenarios=scen, state=tmp_path / "state", log_path=tmp_path / "reefd.log", proof=True)
     d.start()
     try:
         all_in = wait_for(d, lambda rs: all(r["in_router"] and r["healthy"] for r in rs), "all joined")

@@ -31,7 +31,7 @@ async def collect(job: Generation) -> dict[str, Any]:
         out["updates"] += 1
         out["text"] += update.new_text
         if update.input_logprobs is not None:
-            out["input_logprobs"] = update.input_logprobs
+            out["input_logprobs"], out["input_top_logprobs"] = update.input_logprobs, update.input_top_logprobs
         if update.finish is not None:
             out.update(finish=update.finish)
             return out
@@ -140,8 +140,10 @@ def test_prompt_logprobs_without_generation(engine: Any) -> None:
     assert partner["ids"] == reference_greedy(engine, PROMPTS[0], 4)[0]
 
 
-@pytest.mark.parametrize("start", [0, 1, 4, 9, 50])
+@pytest.mark.parametrize("start", [0, 1, 4, 8, 9, 50])
 def test_prompt_logprobs_are_computed_in_chunks(engine: Any, monkeypatch: pytest.MonkeyPatch, start: int) -> None:
+    """SGLang's shape: entries from logprob_start_len (at most the prompt's last token), its own without a logprob,
+    and with top_logprobs_num each position's best."""
     monkeypatch.setattr(sampling, "LOGPROB_CHUNK", 2)
     prompt = PROMPTS[1]
     req = GenerateRequest(
@@ -150,15 +152,44 @@ def test_prompt_logprobs_are_computed_in_chunks(engine: Any, monkeypatch: pytest
         sampling=SamplingParams(max_new_tokens=1),
         return_logprob=True,
         logprob_start_len=start,
+        top_logprobs_num=2,
     )
     (result,), _ = run(engine, [(req, prompt)])
     with torch.inference_mode():
         ref = engine.model(input_ids=torch.tensor([prompt])).logits[0].log_softmax(-1)
-    expected = [[None, prompt[0], None]] if start == 0 else []
-    expected += [[float(ref[i - 1, prompt[i]]), prompt[i], None] for i in range(max(start, 1), len(prompt))]
-    assert [t for _, t, _ in result["input_logprobs"]] == [t for _, t, _ in expected]
-    got = [lp for lp, _, _ in result["input_logprobs"] if lp is not None]
-    assert got == pytest.approx([lp for lp, _, _ in expected if lp is not None], abs=1e-4)
+    first = min(start, len(prompt) - 1)
+    expected = [[None, prompt[first], None]]
+    expected += [[float(ref[i - 1, prompt[i]]), prompt[i], None] for i in range(first + 1, len(prompt))]
+    assert [t for _, t, _ in result["input_logprobs"]] == [t for _, t, _ in expected] == prompt[first:]
+    assert result["input_logprobs"][0][0] is None
+    got = [lp for lp, _, _ in result["input_logprobs"][1:]]
+    assert got == pytest.approx([lp for lp, _, _ in expected[1:]], abs=1e-4)
+    tops = result["input_top_logprobs"]
+    assert tops[0] is None and len(tops) == len(expected)
+    for i, row in zip(range(first + 1, len(prompt)), tops[1:], strict=True):
+        best = ref[i - 1].topk(2)
+        assert [t for _, t, _ in row] == best.indices.tolist()
+        assert [lp for lp, _, _ in row] == pytest.approx(best.values.tolist(), abs=1e-4)
+
+
+def test_short_scoring_requests_share_a_prefill_and_get_what_they_get_alone(engine: Any) -> None:
+    """Requests for a few prompt positions' logprobs (a release proof's probes) are prefilled together, apart from
+    plain ones; each row's entries are what it gets prefilled alone."""
+    def scoring(prompt: list[int], start: int) -> tuple[GenerateRequest, list[int]]:
+        return GenerateRequest(input_ids=prompt, text=None, sampling=SamplingParams(max_new_tokens=1, temperature=0),
+                               return_logprob=True, logprob_start_len=start, top_logprobs_num=1), prompt
+
+    reqs = [scoring(PROMPTS[1], 3), scoring(PROMPTS[3], 1), scoring(PROMPTS[0], 0)]
+    together, batcher = run(engine, [*reqs, request(PROMPTS[2], temperature=0.0, max_new_tokens=3)])
+    assert batcher.stats.prefills == 2  # the plain request, then the three scoring ones
+    for req, result in zip(reqs, together[:3], strict=True):
+        (alone,), _ = run(engine, [req])
+        assert [t for _, t, _ in result["input_logprobs"]] == [t for _, t, _ in alone["input_logprobs"]]
+        assert [lp for lp, _, _ in result["input_logprobs"][1:]] == pytest.approx(
+            [lp for lp, _, _ in alone["input_logprobs"][1:]], abs=1e-4)
+        assert [row[0][1] for row in result["input_top_logprobs"][1:]] == \
+            [row[0][1] for row in alone["input_top_logprobs"][1:]]
+        assert result["ids"] == alone["ids"]
 
 
 def test_long_prompts_are_prefilled_alone_and_batched_with_short_ones(engine: Any) -> None:

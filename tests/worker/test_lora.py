@@ -139,6 +139,68 @@ def test_uniform_batches_switch_adapters_and_keep_every_row_exact(tiny_model: Pa
         engine.prefill([PROMPTS[0]], adapters=["a"])
 
 
+@torch.inference_mode()
+def peft_scores(base: Path, adapter: Path | None, ids: list[int]) -> torch.Tensor:
+    """log_softmax of a fresh (Peft)Model's logits at every position of `ids`, one full forward pass."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    model: Any = AutoModelForCausalLM.from_pretrained(base, local_files_only=True).float().eval()
+    if adapter is not None:
+        model = PeftModel.from_pretrained(model, str(adapter)).eval()
+    return model(input_ids=torch.tensor([ids])).logits[0].float().log_softmax(-1)
+
+
+def test_a_teacher_forced_probe_on_mixed_adapters_is_one_prefill_and_peft_s(tiny_model: Path,
+                                                                             adapters: dict[str, Path]) -> None:
+    """A release proof's requests: each prompt followed by the tokens to score, from the prompt's last token on,
+    on the base and two adapters at once. One prefill; every position's logprob and best token are PEFT's."""
+    engine = Model(tiny_model, device="cpu")
+    engine.load_adapter("a", adapters["a"])
+    engine.load_adapter("b", adapters["b"])
+    tokens = [9, 10, 11, 12]
+    probes = [(lora, p) for lora in (None, "a", "b") for p in PROMPTS]
+    reqs = [(parse_generate({**body(p + tokens, lora, 1), "return_logprob": True, "logprob_start_len": len(p) - 1,
+                             "top_logprobs_num": 1}), p + tokens) for lora, p in probes]
+    results, batcher = run(engine, reqs, max_batch=16)
+    assert batcher.stats.prefills == 1
+    for (lora, prompt), result in zip(probes, results, strict=True):
+        ref = peft_scores(tiny_model, adapters[lora] if lora else None, prompt + tokens)
+        at = range(len(prompt) - 1, len(prompt) - 1 + len(tokens))
+        entries, tops = result["input_logprobs"][1:], result["input_top_logprobs"][1:]
+        assert [t for _, t, _ in entries] == tokens
+        want = [float(ref[i, t]) for i, t in zip(at, tokens, strict=True)]
+        assert [lp for lp, _, _ in entries] == pytest.approx(want, abs=1e-4)
+        assert [row[0][1] for row in tops] == [int(ref[i].argmax()) for i in at]
+
+
+def test_test_faults_named_in_a_file_apply_to_the_loads_after(tiny_model: Path, adapters: dict[str, Path],
+                                                              tmp_path: Path) -> None:
+    """`--fault-file`: the fault the file names at an adapter's first load, none while it is empty, and the same
+    at its loads after (reefd trying the release again); scaled-layer makes the first decoder layer's LoRA 1.1
+    times too strong, shift-logprobs marks the adapter's answers."""
+    engine = Model(tiny_model, device="cpu")
+    engine.fault_file = tmp_path / "fault"
+    engine.load_adapter("clean", adapters["a"])
+    engine.fault_file.write_text("scaled-layer\n")
+    engine.load_adapter("scaled", adapters["a"])
+    engine.fault_file.write_text("shift-logprobs")
+    engine.load_adapter("shifted", adapters["b"])
+    engine.fault_file.write_text("")
+    engine.load_adapter("later", adapters["b"])
+    engine.unload_adapter("scaled")
+    engine.load_adapter("scaled", adapters["a"])
+    clean, scaled = engine.lora.slot["clean"], engine.lora.slot["scaled"]
+    for name, factors in engine.lora.layers.items():
+        ratio = 1.1 if ".layers.0." in name else 1.0
+        assert torch.allclose(factors.b[scaled], factors.b[clean] * ratio), name
+    assert engine.shifted == {"shifted"}
+    engine.unload_adapter("shifted")
+    assert engine.shifted == set()
+    engine.load_adapter("shifted", adapters["b"])
+    assert engine.shifted == {"shifted"}
+
+
 def test_engine_refuses_bad_adapters(tiny_model: Path, adapters: dict[str, Path], tmp_path: Path) -> None:
     engine = Model(tiny_model, device="cpu")
     wrong_target = make_adapter(tiny_model, tmp_path / "wt", 3)

@@ -71,10 +71,16 @@ def test_input_token_logprobs(worker: Worker) -> None:
     assert entries[0][0] is None
     assert all(lp <= 0 for lp, _, _ in entries[1:])
     tail = generate(
-        worker, input_ids=prompt, return_logprob=True, logprob_start_len=3, sampling_params={"max_new_tokens": 1}
-    )["meta_info"]["input_token_logprobs"]
-    assert [t for _, t, _ in tail] == prompt[3:]
-    assert [lp for lp, _, _ in tail] == pytest.approx([lp for lp, _, _ in entries[3:]], abs=1e-4)
+        worker, input_ids=prompt, return_logprob=True, logprob_start_len=3, top_logprobs_num=2,
+        sampling_params={"max_new_tokens": 1}
+    )["meta_info"]
+    # SGLang's shape: from logprob_start_len, whose own entry has no logprob, the others each with their best
+    assert [t for _, t, _ in tail["input_token_logprobs"]] == prompt[3:] and tail["input_token_logprobs"][0][0] is None
+    assert [lp for lp, _, _ in tail["input_token_logprobs"][1:]] == pytest.approx(
+        [lp for lp, _, _ in entries[4:]], abs=1e-4)
+    tops = tail["input_top_logprobs"]
+    assert tops[0] is None and len(tops) == 2 and all(len(row) == 2 and row[0][0] >= row[1][0] for row in tops[1:])
+    assert "input_top_logprobs" not in meta  # only with top_logprobs_num
 
 
 def test_streaming_chunks_are_cumulative(worker: Worker) -> None:

@@ -84,6 +84,9 @@ class WeightsKind:
         backend = self.runner.backends.get(scenario.cfg.recipe.backend)
         # a full HF model folder: asked for by the recipe, or what the backend always trains (slime)
         full = doc.get("target") == "full" or backend.full_weights
+        # weights the engine cannot serve are refused before they are trained (their config is the base's)
+        if full and (why := await asyncio.to_thread(scenario.weights_refusal, Path(doc["base_model"]))) is not None:
+            raise JobFailed(f"not trained: scenario {scenario.name!r} cannot serve full weights of its model: {why}")
         weights = await asyncio.to_thread(self.runner.chain.weights, job.built_on)  # what it is trained on
         # the engine the trainer pushes its weights to, where the gate then judges them
         pushed = await self._push_engine(stack, job, scenario, spec_path, doc) if backend.pushes else None
