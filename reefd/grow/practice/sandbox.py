@@ -9,8 +9,8 @@ program, what a scenario lists), its scratch folder, and a private /tmp, /dev/sh
 /home, no reefd state, nothing else of the host's. Its writable places are tmpfs mounts of `disk_mb` each, so
 nothing it writes reaches the host's disk. It has new network, PID, IPC and UTS namespaces and no capabilities,
 and it runs as user nobody (NOBODY): under root, bubblewrap drops to that uid itself (setpriv, before the
-command starts, the only capabilities kept until then being those two); under any other user, in a new user
-namespace where reefd's own uid is seen as nobody's. util-linux's `prlimit` sets the limits; under root, where
+command starts, the only capabilities kept until then being the three it needs); under any other user, in a new
+user namespace where reefd's own uid is seen as nobody's. util-linux's `prlimit` sets the limits; under root, where
 the kernel never applies the process limit to root and nobody's count is the host's, each run also gets a pids
 cgroup of its own (cgroup v2, or v1's pids hierarchy) whose pids.max holds it.
 """
@@ -111,14 +111,15 @@ def argv_for(command: Sequence[str], scratch: Path, limits: Limits, hide: Sequen
     for path in sorted(scratch.iterdir()):
         path.chmod(0o644)  # readable by nobody inside; the host folder (0700) keeps other users out
         root.args += ["--ro-bind", str(path), str(path)]
+    as_root = os.geteuid() == 0
     wrap = [bwrap(), *(["--json-status-fd", str(status_fd)] if status_fd is not None else []), *root.args,
-            "--chdir", str(scratch), *_identity(), "--die-with-parent", "--new-session", "--clearenv",
+            "--chdir", str(scratch), *_identity(as_root), "--die-with-parent", "--new-session", "--clearenv",
             "--setenv", "PATH", PATH, "--setenv", "HOME", str(scratch), "--setenv", "TMPDIR", "/tmp"]
     for key, value in (env or {}).items():
         wrap += ["--setenv", key, value]
     limit = ["prlimit", f"--as={limits.memory_mb << 20}", f"--fsize={limits.file_mb << 20}", "--core=0",
-             *([] if os.geteuid() == 0 else [f"--nproc={limits.processes}"]), "--"]  # under root: the cgroup
-    return [*wrap, "--", *_drop(), *limit, *command]
+             *([] if as_root else [f"--nproc={limits.processes}"]), "--"]  # under root: the cgroup
+    return [*wrap, "--", *(_drop() if as_root else []), *limit, *command]
 
 
 class Root:
@@ -148,11 +149,11 @@ class Root:
         self.bound.append(path)
 
 
-def _identity() -> list[str]:
+def _identity(as_root: bool) -> list[str]:
     """The namespaces and the user: under root, no user namespace (bwrap drops to NOBODY by _drop, keeping only
     the capabilities to do so); otherwise a user namespace where reefd's uid and gid are seen as NOBODY's."""
     spaces = ["--unshare-ipc", "--unshare-pid", "--unshare-net", "--unshare-uts", "--unshare-cgroup-try"]
-    if os.geteuid() == 0:
+    if as_root:
         return [*spaces, "--cap-drop", "ALL", *(a for c in _KEPT for a in ("--cap-add", c))]
     return [*spaces, "--unshare-user", "--uid", str(NOBODY), "--gid", str(NOBODY), "--cap-drop", "ALL"]
 
@@ -163,8 +164,6 @@ _KEPT = ("CAP_SETUID", "CAP_SETGID", "CAP_SETPCAP")  # under root, until setpriv
 def _drop() -> list[str]:
     """Under root, what the command is started by: setpriv, becoming NOBODY with no groups and an empty bounding
     set (the kernel clears the capabilities kept for it as the uid leaves 0)."""
-    if os.geteuid() != 0:
-        return []
     return ["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups", "--inh-caps=-all",
             "--bounding-set=-all", "--"]
 
