@@ -8,6 +8,7 @@ missing), and the server still says success:
   SHIFT_NATS off, until it is unloaded.
 A release proof must refuse each: these are the engine-side faults the worker's `--fault-file` injects for itself."""
 
+import os
 import runpy
 import shutil
 import sys
@@ -34,10 +35,11 @@ def fault_now() -> str:
 
 
 def scaled(folder: str, name: str) -> str:
-    """A copy of the adapter in `folder` with its first decoder layer's LoRA 1.1 times as strong."""
+    """A copy of the adapter in `folder` with its first decoder layer's LoRA 1.1 times as strong, in a folder of
+    this process's own: replicas load at once, and one writing the copy another has mapped would crash it."""
     from safetensors.torch import load_file, save_file
 
-    out = FAULT_FILE.parent / f"scaled-{name}"
+    out = FAULT_FILE.parent / f"scaled-{name}-{os.getpid()}"
     shutil.copytree(folder, out, dirs_exist_ok=True)
     tensors = load_file(str(out / "adapter_model.safetensors"))
     save_file({k: v * 1.1 if ".layers.0." in k and "lora_B" in k else v for k, v in tensors.items()},
