@@ -179,14 +179,20 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "schema":
         print(json.dumps(config.json_schema(), indent=2))
         return 0
+    warned: dict[str, list[str]] = {}  # moved keys: --check prints them, serving logs them
     try:
-        scenarios = config.load_all(args.scenarios)
+        scenarios = config.load_all(args.scenarios, warned if args.check else None)
     except config.ConfigError as exc:
+        for name, warnings in warned.items():
+            for warning in warnings:
+                print(f"{name}: warning: {warning}", file=sys.stderr)
         print(exc, file=sys.stderr)
         return 2
-    if args.check:
+    if args.check:  # warnings alone still pass
         for name, cfg in sorted(scenarios.items()):
             print(f"{name}: ok (model {cfg.model.name}, engine {cfg.model.engine})")
+            for warning in warned[name]:
+                print(f"{name}: warning: {warning}")
         return 0
     host, port = args.listen
     if os.environ.get("REEF_METRICS_LISTEN"):

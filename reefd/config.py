@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import logging
 import re
 import typing
 from dataclasses import dataclass, field
@@ -19,7 +20,7 @@ import jsonschema
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from reefd import engines, plugins, schema
+from reefd import engines, moved_keys, plugins, schema
 from reefd.commit import gates
 from reefd.commit.chain import InvalidName, validate_name
 from reefd.engines import ModelConfig
@@ -34,6 +35,8 @@ from reefd.serve.tenancy import UsersConfig
 from reefd.train.spec import SpecError, parse_fault
 
 __all__ = ["ConfigError", "ModelConfig", "ReleaseConfig", "ScenarioConfig", "compose", "json_schema", "load_all"]
+
+log = logging.getLogger("reefd.config")
 
 
 @dataclass
@@ -322,8 +325,9 @@ def _omegaconf_message(exc: OmegaConfBaseException) -> str:
     return f"{key}: {msg}" if key else msg
 
 
-def compose(path: Path) -> ScenarioConfig:
-    """Compose one scenario file with Hydra and validate it; raise ConfigError on any mistake."""
+def compose(path: Path, warnings: list[str] | None = None) -> ScenarioConfig:
+    """Compose one scenario file with Hydra and validate it; raise ConfigError on any mistake. An old key that
+    moved (reefd/moved_keys.py) is read at its new place, with a warning appended to `warnings`, or logged."""
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
@@ -343,11 +347,20 @@ def compose(path: Path) -> ScenarioConfig:
     finally:
         GlobalHydra.instance().clear()
     try:
-        merged = OmegaConf.merge(OmegaConf.structured(ScenarioConfig), raw)
+        plain = typing.cast(dict[str, Any], OmegaConf.to_container(raw, resolve=False))
+        notes = moved_keys.apply(plain)
+        merged = OmegaConf.merge(OmegaConf.structured(ScenarioConfig), plain)
         merged.name = path.stem
         data = typing.cast(dict[str, Any], OmegaConf.to_container(merged, resolve=True))
     except OmegaConfBaseException as exc:
         raise ConfigError(f"{label}: {_omegaconf_message(exc)}") from exc
+    except (moved_keys.MovedKeyError, plugins.PluginError) as exc:
+        raise ConfigError(f"{label}: {exc}") from None
+    for note in notes:
+        if warnings is None:
+            log.warning("%s: %s", label, note)
+        else:
+            warnings.append(f"{label}: {note}")
     found = schema.first_error(_VALIDATOR, data)
     if found is not None:
         where, message = found
@@ -421,11 +434,13 @@ def from_dict(data: dict[str, Any]) -> ScenarioConfig:
         users=None if data["users"] is None else UsersConfig(**data["users"]))
 
 
-def load_all(scenarios_dir: Path) -> dict[str, ScenarioConfig]:
-    """Compose every scenario in the folder; the first bad file raises ConfigError."""
+def load_all(scenarios_dir: Path, warnings: dict[str, list[str]] | None = None) -> dict[str, ScenarioConfig]:
+    """Compose every scenario in the folder; the first bad file raises ConfigError. Each scenario's warnings go
+    to `warnings[name]` when given, else to the log."""
     if not scenarios_dir.is_dir():
         raise ConfigError(f"{scenarios_dir}: scenarios folder not found")
-    out = {p.stem: compose(p) for p in scenario_files(scenarios_dir)}
+    files = scenario_files(scenarios_dir)
+    out = {p.stem: compose(p, None if warnings is None else warnings.setdefault(p.stem, [])) for p in files}
     if not out:
         raise ConfigError(f"{scenarios_dir}: no scenario files (*.yaml) found")
     return out

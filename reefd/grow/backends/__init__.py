@@ -66,6 +66,20 @@ def kind_of(raw: Any) -> tuple[str, dict[str, Any]]:
     return raw["kind"], {k: v for k, v in raw.items() if k != "kind"}
 
 
+def _moved_into(readers: tuple[str, ...]) -> Callable[[Any, str, Any], Any]:
+    """How a key that sat beside `recipe.backend` (before it took a mapping) goes into it (reefd/moved_keys.py):
+    `recipe.backend` with the key added, a kind name becoming {kind: KIND, KEY: value}; None where the kind is
+    not among `readers`, which alone ever read the old key."""
+    def place(raw: Any, key: str, value: Any) -> Any:
+        kind, keys = kind_of("local" if raw is None else raw)
+        return {"kind": kind, **keys, key: value} if kind in readers else None
+    return place
+
+
+into_cluster = _moved_into(("ray", "slime"))  # recipe.ray_address, recipe.ray_resources
+into_slime = _moved_into(("slime",))  # recipe.slime.KEY
+
+
 def load(raw: Any) -> tuple[type, Any]:
     """(the backend's class, its config) for a `recipe.backend` value; PluginError naming `recipe.backend[.KEY]`."""
     name, keys = kind_of(raw)
