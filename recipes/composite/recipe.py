@@ -18,16 +18,16 @@ from reefd.grow.recipes import (
     CapturesTopK,
     HarnessJob,
     Judged,
+    JudgeSettings,
+    Policy,
     Recipe,
     RecipeError,
     Sample,
     WeightJob,
     build,
 )
-from reefd.grow.staleness import Policy
 
 if TYPE_CHECKING:
-    from reefd.grow.judge import JudgeSettings
     from reefd.harness import Harness
 
 HARNESS_SAMPLE = "harness_sample"  # a batch sample's context: what the harness recipe made of the same record

@@ -12,8 +12,7 @@ import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from reefd.grow.judge import JudgeSettings
-from reefd.grow.recipes import RecipeError, Sample, WeightJob, check_model_or_function, engine_tokens
+from reefd.grow.recipes import JudgeSettings, RecipeError, Sample, WeightJob, check_model_or_function, engine_tokens
 from reefd.grow.staleness import StalenessParams
 
 if TYPE_CHECKING:

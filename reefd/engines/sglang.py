@@ -21,12 +21,12 @@ from reefd.engines.generation import Generation
 from reefd.engines.kind_configs import SGLangConfig, WorkerConfig
 from reefd.engines.launch import die_with_parent
 from reefd.engines.lora import Adapters
+from reefd.engines.prepared import is_complete
 from reefd.engines.replicas import Replica, Replicas
 from reefd.engines.sglang_client import launch_or
 from reefd.engines.supervisor import Supervisor
 from reefd.engines.weight_trials import WeightTrials
 from reefd.serve.chat import ChatTemplate
-from reefd.worker.prepare import is_complete
 
 log = logging.getLogger("reefd.engine")
 

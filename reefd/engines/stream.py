@@ -6,8 +6,21 @@ Knows nothing about engines or wire formats.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from reefd.serve.chat import TOOL_OPEN
-from reefd.worker.detok import held_back  # torch-free: the worker's own stop-string rule
+
+
+def held_back(text: str, stops: Sequence[str]) -> int:
+    """How many trailing characters of `text` could still grow into a stop string (the worker's detokenizer
+    holds back by the same rule)."""
+    best = 0
+    for stop in stops:
+        for n in range(min(len(stop) - 1, len(text)), best, -1):
+            if text.endswith(stop[:n]):
+                best = n
+                break
+    return best
 
 
 class StreamGuard:

@@ -17,7 +17,7 @@ from typing import Any
 
 from reefd import plugins
 from reefd.engines import Engine, EngineError, EngineUnavailable, ModelConfig, build_engine
-from reefd.grow.recipes import Judged
+from reefd.grow.recipes import Judged, JudgeSettings
 from reefd.observe.conversations import text_of
 from reefd.observe.records import RecordStore, StorageError, UnknownReceipt
 from reefd.serve.chat import ChatRequest, Completion
@@ -78,22 +78,6 @@ def select_hints(answers: list[str | None], limit: int, min_chars: int = 10) -> 
     """Hints of the votes that answered \\boxed{1}: longer than `min_chars`, deduplicated, shortest first."""
     hints = {h for a in answers if parse_vote(a, (1, -1)) == 1 and (h := parse_hint(a)) and len(h) > min_chars}
     return sorted(hints, key=lambda h: (len(h), h))[:limit]
-
-
-@dataclass
-class JudgeSettings:
-    """What a recipe asks of reefd's judge (a recipe's `judge` attribute; None: no judging)."""
-
-    model: str | dict[str, Any] | None = None  # None: the scenario's engine; a model config; or "pkg.mod:fn"
-    votes: int = 3
-    temperature: float = 0.6
-    top_p: float = 1.0
-    max_tokens: int = 512
-    timeout_s: float = 120.0
-    hints: bool = True
-    max_hints: int = 3
-    concurrency: int = 2  # turns judged at once, per scenario
-    retry_s: float = 30.0  # a turn whose judge was unreachable is tried again this long after
 
 
 @dataclass

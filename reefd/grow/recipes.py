@@ -15,8 +15,6 @@ from typing import TYPE_CHECKING, Any, ClassVar, Protocol, runtime_checkable
 from reefd import plugins, schema
 
 if TYPE_CHECKING:
-    from reefd.grow.judge import JudgeSettings
-    from reefd.grow.staleness import Policy
     from reefd.harness import Harness
 
 PRODUCES = ("weights", "harness", "both", "nothing")
@@ -175,6 +173,34 @@ class Recipe(Protocol):
 
     def candidate(self, samples: list[Sample], harness: Harness | None = None
                   ) -> WeightJob | HarnessJob | HarnessSearch | Bundle: ...
+
+
+# What a recipe declares beyond the contract: its value types live here, so that a recipe imports this module
+# and nothing behind it (reefd/grow/staleness.py and reefd/grow/judge.py act on them).
+
+
+@dataclass(frozen=True)
+class Policy:
+    """What a recipe does with a sample older than `max_staleness` releases (None: no limit)."""
+
+    max_staleness: int | None = None
+    stale: str = "drop"  # drop: consumed, never trained; weight: trained, importance-weighted by its objective
+
+
+@dataclass
+class JudgeSettings:
+    """What a recipe asks of reefd's judge (a recipe's `judge` attribute; None: no judging)."""
+
+    model: str | dict[str, Any] | None = None  # None: the scenario's engine; a model config; or "pkg.mod:fn"
+    votes: int = 3
+    temperature: float = 0.6
+    top_p: float = 1.0
+    max_tokens: int = 512
+    timeout_s: float = 120.0
+    hints: bool = True
+    max_hints: int = 3
+    concurrency: int = 2  # turns judged at once, per scenario
+    retry_s: float = 30.0  # a turn whose judge was unreachable is tried again this long after
 
 
 @runtime_checkable

@@ -10,20 +10,12 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from reefd.grow.recipes import RecipeError, Sample
+from reefd.grow.recipes import Policy, RecipeError, Sample
 
 if TYPE_CHECKING:
     from reefd.commit.chain import Release
 
 STALE = ("drop", "weight")
-
-
-@dataclass(frozen=True)
-class Policy:
-    """What a recipe does with a sample older than `max_staleness` releases (None: no limit)."""
-
-    max_staleness: int | None = None
-    stale: str = "drop"  # drop: consumed, never trained; weight: trained, importance-weighted by its objective
 
 
 @dataclass

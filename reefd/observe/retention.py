@@ -12,21 +12,60 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import Any
+from collections.abc import Mapping, Sequence
+from typing import Any, Protocol
 
-from reefd.commit.chain import ReleaseChain, ReleaseError
-from reefd.config import RetentionConfig
-from reefd.grow.job_store import JobStore
+from reefd.commit.chain_types import Release, ReleaseError
+from reefd.config import RetentionConfig, ScenarioConfig
 from reefd.observe.records import RecordStore, StorageError
 from reefd.ops.background import Background
-from reefd.serve.scenarios import Registry
 
 log = logging.getLogger("reefd.observe.retention")
 
 DAY_S = 86_400.0
 
 
-def lineage(chain: ReleaseChain, scenario: str) -> frozenset[str]:
+# What retention reads of the other stages, as they declare it (loop.py hands it the scenario registry, the
+# release chain and the job store): observe imports none of them.
+
+
+class Configured(Protocol):
+    @property
+    def cfg(self) -> ScenarioConfig: ...
+
+
+class Scenarios(Protocol):
+    """The scenarios whose records are bounded, and each one's config (reefd/serve/scenarios.py's Registry)."""
+
+    @property
+    def scenarios(self) -> Mapping[str, Configured]: ...
+
+
+class Lines(Protocol):
+    """The release lines whose lineage is kept (reefd/commit/chain.py's ReleaseChain; ReleaseError when unread)."""
+
+    def users(self, scenario: str) -> list[str]: ...
+
+    def history(self, scenario: str, *, user: str | None = None) -> Sequence[Release]: ...
+
+    def head(self, scenario: str, user: str | None = None) -> Release | None: ...
+
+
+class Batch(Protocol):
+    @property
+    def receipts(self) -> Sequence[str]: ...
+
+    @property
+    def skipped(self) -> Sequence[str]: ...
+
+
+class ActiveJobs(Protocol):
+    """The queued and running jobs, whose batches are kept (reefd/grow/job_store.py's JobStore)."""
+
+    def all_active(self, scenario: str) -> Sequence[Batch]: ...
+
+
+def lineage(chain: Lines, scenario: str) -> frozenset[str]:
     """The receipts the scenario's published releases learned from, its users' lines' included (blocking: it
     reads the chain)."""
     out: set[str] = set()
@@ -50,7 +89,7 @@ class Retention:
     INTERVAL_S = 3600.0  # every scenario is swept this often (and once at start), for max_age_days
     AFTER_WRITES_S = 1.0  # a scenario past max_records is swept this long after a write (debounced)
 
-    def __init__(self, registry: Registry, store: RecordStore, chain: ReleaseChain, jobs: JobStore) -> None:
+    def __init__(self, registry: Scenarios, store: RecordStore, chain: Lines, jobs: ActiveJobs) -> None:
         self.registry, self.store, self.chain, self.jobs = registry, store, chain, jobs
         self.deleted: dict[str, int] = {}  # scenario -> records deleted since start
         self._lineage: dict[str, tuple[str | None, frozenset[str]]] = {}  # scenario -> (head commit, receipts)

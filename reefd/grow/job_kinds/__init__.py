@@ -13,11 +13,14 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from reefd.commit import gates
+from reefd.commit.chain import ReleaseChain
+from reefd.commit.gates.memory import ScoreMemory
 from reefd.engines import Engine
-from reefd.grow.job_store import Job
+from reefd.grow.backends import Backends
+from reefd.grow.job_store import Job, JobStore
 from reefd.harness import Harness
 from reefd.serve.chat import ChatRequest, Completion, add_system_text
-from reefd.serve.scenarios import Scenario
+from reefd.serve.scenarios import Registry, Scenario
 
 PROPOSAL_CHARS = 64 << 10  # a proposer's answer beyond this is cut in the release
 
@@ -36,6 +39,22 @@ class Made:
     artifact: Path
     harnesses: tuple[Harness, Harness] | None = None  # (serving, proposed)
     pushed: Engine | None = None
+
+
+class JobContext(Protocol):
+    """What a job kind uses of the runner that holds it (reefd/grow/runner.py's Runner, which the kinds never
+    import): the scenarios and the engines they borrow, the job store (work folders), the chain, the trainer
+    backends, remembered gate scores, the scenarios folder (task files), and `save`: the job saved, at `stage` when
+    given (where a cancel that a stage swallowed is honoured)."""
+
+    registry: Registry
+    jobs: JobStore
+    chain: ReleaseChain
+    backends: Backends
+    scores: ScoreMemory
+    scenarios_dir: Path
+
+    async def save(self, job: Job, stage: str | None = None) -> None: ...
 
 
 class JobKind(Protocol):

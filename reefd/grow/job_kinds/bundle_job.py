@@ -13,10 +13,10 @@ import json
 import logging
 import shutil
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from reefd.commit import gates
-from reefd.grow.job_kinds import JobFailed, Made
+from reefd.grow.job_kinds import JobContext, JobFailed, Made
 from reefd.grow.job_kinds.harness_job import HarnessKind, Proposal
 from reefd.grow.job_kinds.weight_job import WeightsKind
 from reefd.grow.job_store import Job
@@ -25,9 +25,6 @@ from reefd.harness import Harness, HarnessError
 from reefd.ops.files import write_json
 from reefd.serve.scenarios import Scenario
 
-if TYPE_CHECKING:
-    from reefd.grow.runner import Runner
-
 log = logging.getLogger("reefd.grow.runner")
 
 PROPOSAL = "proposal"  # in a bundle job's folder: the proposed harness, rendered before the adapter trains
@@ -35,7 +32,7 @@ PROPOSAL_META = "proposal.json"  # beside it: what the release keeps of the prop
 
 
 class BundleKind:
-    def __init__(self, runner: Runner, weights: WeightsKind, harness: HarnessKind) -> None:
+    def __init__(self, runner: JobContext, weights: WeightsKind, harness: HarnessKind) -> None:
         self.runner, self.weights, self.harness = runner, weights, harness
 
     async def make(self, job: Job, scenario: Scenario, spec: Bundle, stack: contextlib.AsyncExitStack

@@ -13,21 +13,18 @@ import json
 import logging
 import shutil
 from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from reefd import plugins
 from reefd.commit import gates
 from reefd.commit.gates.tasks import load_tasks
 from reefd.engines import Engine, ModelConfig
-from reefd.grow.job_kinds import JobFailed, Made, answer, clipped, recipe_params, until_ready
+from reefd.grow.job_kinds import JobContext, JobFailed, Made, answer, clipped, recipe_params, until_ready
 from reefd.grow.job_store import Job
 from reefd.grow.recipes import Ask, Found, HarnessJob, HarnessSearch, RecipeError, Search, SearchContext
 from reefd.harness import Harness, HarnessError
 from reefd.ops.files import write_json
 from reefd.serve.scenarios import Scenario
-
-if TYPE_CHECKING:
-    from reefd.grow.runner import Runner
 
 log = logging.getLogger("reefd.grow.runner")
 
@@ -37,7 +34,7 @@ Reflector = Callable[[Ask], Awaitable[str]]
 class HarnessProduct:
     """What the harness and search kinds share: the serving harness, engines, the rendered candidate, the gate."""
 
-    def __init__(self, runner: Runner) -> None:
+    def __init__(self, runner: JobContext) -> None:
         self.runner = runner
 
     @staticmethod

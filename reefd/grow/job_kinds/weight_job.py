@@ -12,7 +12,7 @@ import json
 import logging
 import shutil
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from reefd import plugins
 from reefd.commit import gates
@@ -21,13 +21,10 @@ from reefd.commit.weights import InvalidWeights, check_weights
 from reefd.engines import Engine, EngineError, EngineUnavailable, ModelConfig, Proves, seeded_sampling
 from reefd.engines.proof import Fingerprint
 from reefd.grow.backends import PushesWeights, Stoppable, TrainerBackend, TrainerTimeout
-from reefd.grow.job_kinds import JobFailed, Made, answer, recipe_params, until_ready
+from reefd.grow.job_kinds import JobContext, JobFailed, Made, answer, recipe_params, until_ready
 from reefd.grow.job_store import Job
 from reefd.grow.recipes import WeightJob
 from reefd.serve.scenarios import Binding, Scenario
-
-if TYPE_CHECKING:
-    from reefd.grow.runner import Runner
 
 log = logging.getLogger("reefd.grow.runner")
 
@@ -41,7 +38,7 @@ def serving_key(binding: Binding) -> str:
 
 
 class WeightsKind:
-    def __init__(self, runner: Runner) -> None:
+    def __init__(self, runner: JobContext) -> None:
         self.runner = runner
 
     async def make(self, job: Job, scenario: Scenario, spec: WeightJob, stack: contextlib.AsyncExitStack
