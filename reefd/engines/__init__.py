@@ -5,7 +5,7 @@ Protocols below. Knows nothing about provider wire formats or records."""
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
@@ -78,7 +78,7 @@ class Engine(Protocol):
     exactly one Completion; it raises EngineUnavailable before yielding anything when the
     engine is not ready. `start` returns promptly (start-up continues in the background);
     `stop` ends anything the engine launched. `describe` is for status pages. Optional abilities: WeightSwap,
-    Admits, Replicated; what a kind's config declares: EngineConfig's class attributes.
+    Admits, Replicated, SamplesTokens; what a kind's config declares: EngineConfig's class attributes.
     """
 
     kind: str
@@ -232,6 +232,88 @@ class Replicated(Protocol):
     """An engine that may run several replicas: `replica_status` describes each (None: it runs one process)."""
 
     async def replica_status(self) -> list[dict[str, Any]] | None: ...
+
+
+@dataclass(frozen=True)
+class TokenSample:
+    """What SamplesTokens samples: `n` answers of at most `max_tokens` to `prompt`, the engine's own token ids.
+    temperature 0 is greedy; top_p 1 and top_k None (or -1) cut nothing; with a `seed` the samples repeat (sample
+    i draws from seed + i). `stop` None ends a sample at the end of text only; a list of strings or of token ids
+    ends it there too; [] never (not even at the end of text). `prompt_logprobs` asks each prompt position's
+    logprob; `adapter` is a loaded LoRA adapter's name (None: the base weights)."""
+
+    prompt: Sequence[int]
+    max_tokens: int
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int | None = None
+    seed: int | None = None
+    stop: Sequence[str] | Sequence[int] | None = None
+    prompt_logprobs: bool = False
+    adapter: str | None = None
+
+    @property
+    def stop_strings(self) -> list[str]:
+        return [s for s in self.stop or () if isinstance(s, str)]
+
+    @property
+    def stop_ids(self) -> list[int]:
+        return [t for t in self.stop or () if not isinstance(t, str)]
+
+    @property
+    def ignore_eos(self) -> bool:
+        """`stop` is []: not even the end of text ends a sample."""
+        return self.stop is not None and len(self.stop) == 0
+
+    def check(self) -> None:
+        """EngineError (400) for a request no engine can take."""
+        def ints(values: Sequence[object]) -> bool:
+            return all(isinstance(v, int) and not isinstance(v, bool) for v in values)
+
+        problem = None
+        if not self.prompt or not ints(self.prompt):
+            problem = "prompt must be a non-empty list of token ids"
+        elif self.n < 1 or self.max_tokens < 1:
+            problem = f"n ({self.n}) and max_tokens ({self.max_tokens}) must be at least 1"
+        elif self.temperature < 0 or not 0 < self.top_p <= 1 or (self.top_k is not None and self.top_k < -1):
+            problem = "temperature must be >= 0, top_p in (0, 1], top_k -1 or more"
+        elif self.stop is not None and not (all(isinstance(s, str) and s for s in self.stop) or ints(self.stop)):
+            problem = "stop must be a list of non-empty strings or a list of token ids"
+        if problem is not None:
+            raise EngineError(problem, status=400)
+
+
+@dataclass(frozen=True)
+class SampledSequence:
+    """One sample: the ids the engine generated (no prompt), one logprob each, and whether a stop (a stop string
+    or id, the end of text) ended it (False: max_tokens or the context length did)."""
+
+    tokens: list[int]
+    logprobs: list[float]
+    stopped: bool
+
+
+@dataclass(frozen=True)
+class TokenSamples:
+    """SamplesTokens' answer: the request's n samples, and with `prompt_logprobs` one logprob per prompt position
+    (position 0, which nothing predicts, None)."""
+
+    samples: list[SampledSequence]
+    prompt_logprobs: list[float | None] | None = None
+
+
+@runtime_checkable
+class SamplesTokens(Protocol):
+    """An engine that samples from a prompt of its own token ids (the Tinker API's `sample`): `sample_tokens`
+    answers req.n samples, each with one logprob per generated id under the distribution the engine reports (the
+    worker's and vLLM's: the model's own, before temperature, top-k and top-p), the ids the engine's own, never
+    text tokenized again. It waits while the engine admits no new requests, and samples on one process serving the
+    weights that serve new requests. EngineUnavailable while the engine is not ready; EngineError 400 for a
+    request it refuses (an adapter that is not loaded, a token id outside the vocabulary, a prompt that leaves no
+    room in the context); a sample may end early, unstopped, at the context length."""
+
+    async def sample_tokens(self, req: TokenSample, *, timeout_s: float = 600.0) -> TokenSamples: ...
 
 
 def engine_class(name: str) -> Any:

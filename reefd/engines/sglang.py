@@ -16,7 +16,7 @@ from typing import Any, ClassVar
 
 import aiohttp
 
-from reefd.engines import EngineConfig, EngineError
+from reefd.engines import EngineConfig, EngineError, TokenSample, TokenSamples, token_sampling
 from reefd.engines.generation import Generation
 from reefd.engines.kind_configs import SGLangConfig, WorkerConfig
 from reefd.engines.launch import die_with_parent
@@ -231,6 +231,12 @@ class SGLangEngine(Generation, Adapters, WeightTrials):
         if self.replicas is not None:
             await self.replicas.stop()
         self._state = "stopped"
+
+    async def sample_tokens(self, req: TokenSample, *, timeout_s: float = 600.0) -> TokenSamples:
+        """SamplesTokens (token_sampling.py): on the one process, or straight on a replica serving the current
+        weights (sglang-router would take vLLM's prompt only as text)."""
+        return await token_sampling.sample(req, self.adapters, self.context_length, self._admission,
+                                           lambda: self._route(self.weights.version, {-1}), timeout_s)
 
     def model_folder(self) -> Path | None:
         return self.model_dir

@@ -11,7 +11,8 @@ from typing import Any
 import aiohttp
 import orjson
 
-from reefd.engines import EngineError, EngineUnavailable, retry_after, sse
+from reefd.engines import EngineError, EngineUnavailable, TokenSample, TokenSamples, retry_after, sse
+from reefd.engines import token_sampling as wire
 from reefd.engines.proof import Scored
 
 LAUNCH_VERSION = "default"  # SGLang's weight_version for the weights a server launched with
@@ -55,6 +56,13 @@ class SGLangClient:
             except (TypeError, ValueError, IndexError, AttributeError) as exc:
                 raise EngineError(f"the engine's probe answer could not be read: {exc}") from None
         raise EngineError("the engine ended without an answer")
+
+    async def sample_tokens(self, req: TokenSample, max_tokens: int, timeout_s: float = 600.0) -> TokenSamples:
+        """SamplesTokens on this process: req.n `/generate` requests at once on the prompt's ids (the worker takes
+        no `n`), sample i seeded seed + i, the first asking the prompt's logprobs when `req` does."""
+        answers = await wire.gathered(wire.only(self.generate(wire.generate_payload(req, max_tokens, i), timeout_s))
+                                      for i in range(req.n))
+        return wire.read_generated(answers, req)
 
     async def healthy(self, timeout_s: float = 30.0) -> bool:
         """The server generates a token (`/health_generate`)."""

@@ -13,7 +13,8 @@ from typing import Any
 import aiohttp
 import orjson
 
-from reefd.engines import EngineError, EngineUnavailable, ties_embeddings
+from reefd.engines import EngineError, EngineUnavailable, TokenSample, TokenSamples, ties_embeddings
+from reefd.engines import token_sampling as wire
 from reefd.engines.proof import Scored
 from reefd.engines.sglang_client import LAUNCH_VERSION, SGLangClient, launch_or
 
@@ -174,6 +175,11 @@ class VLLMClient(SGLangClient):
                 "max_tokens": 1, "temperature": 0, "logprobs": 2, "return_tokens_as_token_ids": True,
                 "ignore_eos": True}
         return forced(orjson.loads(await self._call("/v1/completions", body, timeout_s)), tokens)
+
+    async def sample_tokens(self, req: TokenSample, max_tokens: int, timeout_s: float = 600.0) -> TokenSamples:
+        """SamplesTokens on this server (token_sampling.completions): `/v1/completions` on the prompt's ids."""
+        return await wire.completions(req, max_tokens, self.model, self.stop_ids, lambda body: wire.only(
+            self._answers("/v1/completions", body, timeout_s)))
 
     async def load_lora_adapter(self, name: str, path: Path, timeout_s: float = 300.0) -> None:
         """200 with a plain-text body on success; errors are OpenAI-style JSON."""

@@ -22,7 +22,7 @@ import aiohttp
 
 from reefd.commit import trials as canary
 from reefd.config import ScenarioConfig
-from reefd.engines import Admits, Engine, ModelConfig, WeightSwap, build_engine, turn_limits
+from reefd.engines import Admits, Engine, ModelConfig, SamplesTokens, WeightSwap, build_engine, turn_limits
 from reefd.grow import recipes
 from reefd.grow.recipes import Recipe
 from reefd.harness import Harness
@@ -98,11 +98,13 @@ class Scenario:
     # what the engine and the recipe declare, read once here rather than on every request:
     admits: Admits | None = field(init=False)  # the engine holds new requests while it swaps weights
     weight_swap: WeightSwap | None = field(init=False)  # the engine serves full-weight releases
+    samples_tokens: SamplesTokens | None = field(init=False)  # the engine samples from a prompt of token ids
     capture_top_k: int = field(init=False)  # top-K logprobs the recipe wants for every token (0: none)
 
     def __post_init__(self) -> None:
         self.admits = self.engine if isinstance(self.engine, Admits) else None
         self.weight_swap = self.engine if isinstance(self.engine, WeightSwap) else None
+        self.samples_tokens = self.engine if isinstance(self.engine, SamplesTokens) else None
         self.capture_top_k = self.recipe.capture_top_k if isinstance(self.recipe, recipes.CapturesTopK) else 0
 
     @property
