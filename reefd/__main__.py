@@ -26,6 +26,7 @@ from reefd.ops import malloc, systemd
 from reefd.ops.auth import KEYRING, load_tokens
 from reefd.ops.tokens import TokensFileError, path_for
 from reefd.ops.tokens import read as read_tokens_file
+from reefd.tinker.service import Limits
 
 log = logging.getLogger("reefd")
 
@@ -205,6 +206,12 @@ def main(argv: list[str] | None = None) -> int:
     if records not in ("pieces", "whole"):
         print(f"REEF_RECORDS: {records!r} is not one of 'pieces' (the default), 'whole'", file=sys.stderr)
         return 2
+    try:
+        limits = Limits(sessions=_positive("REEF_TINKER_SESSIONS", Limits.sessions),
+                        models=_positive("REEF_TINKER_MODELS", Limits.models))
+    except ValueError as exc:
+        print(exc, file=sys.stderr)
+        return 2
     malloc.return_big_buffers()
     args.state.mkdir(mode=0o700, parents=True, exist_ok=True)  # records and the token live here
     tokens_file = path_for(args.state)
@@ -215,9 +222,19 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     settings = Settings(state_dir=args.state, tokens=load_tokens(args.state), tokens_file=tokens_file,
                         scenarios=scenarios, scenarios_dir=args.scenarios,
-                        max_jobs=int(os.environ.get("REEF_MAX_JOBS", "1")), records_whole=records == "whole")
+                        max_jobs=int(os.environ.get("REEF_MAX_JOBS", "1")), records_whole=records == "whole",
+                        tinker=limits)
     with asyncio.Runner(loop_factory=_loop_factory()) as runner:
         return runner.run(serve(settings, host, port, args.scenarios))
+
+
+def _positive(name: str, default: int) -> int:
+    raw = os.environ.get(name, "").strip()
+    if not raw:
+        return default
+    if not raw.isdigit() or int(raw) < 1:
+        raise ValueError(f"{name}: {raw!r} is not a whole number of at least 1")
+    return int(raw)
 
 
 def _loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:

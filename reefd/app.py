@@ -10,7 +10,7 @@ from collections.abc import Awaitable, Callable
 from aiohttp import web
 
 from reefd import loop
-from reefd.api import access, admin, anthropic, openai, reports, responses
+from reefd.api import access, admin, anthropic, openai, reports, responses, tinker_routes
 from reefd.api import delivery as harness_api
 from reefd.api import export as export_api
 from reefd.api import jobs as jobs_api
@@ -81,7 +81,8 @@ def metrics_app(main: web.Application) -> web.Application:
 
 
 # The scope each route needs (reefd/ops/tokens.py): `serve` for agents, `report` for feedback, `read` for operators'
-# reads, `admin` for what changes the chain or starts work. A handler missing here needs `admin`.
+# reads, `admin` for what changes the chain or starts work, `train` for the Tinker API. A handler missing here needs
+# `admin`.
 SCOPES: dict[Callable[..., object], str] = {
     openai.chat_completions: "serve", anthropic.messages: "serve", anthropic.count_tokens: "serve",
     responses.create: "serve", responses.refuse_get: "serve", responses.retrieve: "serve",
@@ -95,6 +96,7 @@ SCOPES: dict[Callable[..., object], str] = {
     release_api.publish: "admin", release_api.rollback: "admin", release_api.promote: "admin",
     jobs_api.train: "admin", jobs_api.cancel_job: "admin", users_api.delete_user: "admin",
     admin.healthz: ANY, admin.readyz: ANY, openapi_json: ANY,
+    **tinker_routes.SCOPES,
 }
 
 
@@ -150,4 +152,6 @@ def build_app(settings: Settings) -> web.Application:
     app.router.add_get("/readyz", admin.readyz)
     app.router.add_get("/metrics", metrics_route)
     app.router.add_get("/openapi.json", openapi_json)
+    # Grow, for loops of their own: the Tinker training API (its routes and scopes declared in one table)
+    tinker_routes.add(app)
     return app

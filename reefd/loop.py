@@ -8,6 +8,7 @@ them (callbacks wired here), in the order a turn travels to a hot swap:
     Grow     Scheduler (schedule.py) → Runner (runner.py)            triggers → batch → trainer backend → gate
              Attempts (attempts.py) → Scheduler                      search recipes: a full grid of attempts
              Practice (practice/rounds.py) → engines/, RecordStore   reefd's own answers, verified into reports
+             Tinker (tinker/service.py) → trainer processes          a loop of its own drives the trainer
     Commit   commit() below → policy.commit → Reconciler (reconcile.py) → engines/   append, then hot-swap
              Trials (trials.py) → commit()                           a canary or shadow decided by its scores
 
@@ -53,6 +54,7 @@ from reefd.observe.records import RecordStore
 from reefd.observe.retention import Retention
 from reefd.ops import metrics
 from reefd.serve.scenarios import Registry, Scenario
+from reefd.tinker.service import Limits, Tinker
 
 log = logging.getLogger("reefd")
 
@@ -70,6 +72,7 @@ ATTEMPTS = web.AppKey("attempts", Attempts)
 RETENTION = web.AppKey("retention", Retention)
 PRACTICE = web.AppKey("practice", Practice)
 TRIALS = web.AppKey("trials", Trials)
+TINKER = web.AppKey("tinker", Tinker)
 METRICS = web.AppKey("metrics", object)  # a metrics.Metrics, or None without prometheus_client
 
 
@@ -86,6 +89,7 @@ class Settings:
     scenarios: dict[str, ScenarioConfig] = field(default_factory=dict)
     scenarios_dir: Path = Path("scenarios")  # gate task files and harness folders are relative to it
     max_jobs: int = 1  # Grow jobs running at once, across every scenario
+    tinker: Limits = field(default_factory=Limits)  # the Tinker API's sessions and models
 
 
 SETTINGS = web.AppKey("settings", Settings)
@@ -95,7 +99,8 @@ def install(app: web.Application, settings: Settings) -> None:
     """Add the resources to `app`, set up in this order and torn down in the reverse one."""
     app[SETTINGS], app[STARTED_AT] = settings, time.time()
     app[METRICS] = metrics.Metrics(lambda: app[REGISTRY].scenarios) if metrics.prom is not None else None
-    app.cleanup_ctx.extend([records, http, chain, engines, conversations, reconciler, grow, practice, retention])
+    app.cleanup_ctx.extend([records, http, chain, engines, conversations, reconciler, grow, practice, retention,
+                            tinker])
 
 
 async def records(app: web.Application) -> AsyncIterator[None]:  # Observe
@@ -200,6 +205,14 @@ async def retention(app: web.Application) -> AsyncIterator[None]:  # Observe: re
     yield
     unsubscribe()
     await app[RETENTION].stop()
+
+
+async def tinker(app: web.Application) -> AsyncIterator[None]:  # Grow: loops that bring their own (Tinker API)
+    # Grow → Grow: a checkpoint a loop saves for its sampler goes to the line's gate as a candidate
+    app[TINKER] = Tinker(app[SETTINGS].state_dir, app[SETTINGS].tinker, offer=app[SCHEDULER].offer)
+    await app[TINKER].start()
+    yield
+    await app[TINKER].stop()
 
 
 def reopen_sessions(store: RecordStore, conversations: Conversations, scenarios: list[str],

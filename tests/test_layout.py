@@ -15,7 +15,8 @@ from pathlib import Path
 from tests.conftest import ROOT
 
 TORCH_SIDE = ("reefd.worker", "reefd.train.__main__", "reefd.train.training", "reefd.train.batch",
-              "reefd.train.objective", "reefd.train.slime_batch", "reefd.train.fingerprint", "reefd.train.prefix")
+              "reefd.train.objective", "reefd.train.slime_batch", "reefd.train.fingerprint", "reefd.train.prefix",
+              "reefd.train.session", "reefd.train.losses")
 
 
 def modules() -> dict[str, Path]:
@@ -135,14 +136,15 @@ STAGE_IMPORTS: dict[str, set[str]] = {
     "grow": {"schema", "plugins", "ops", "config", "engines", "harness", "observe", "serve", "commit"},
     "config": {"schema", "plugins", "moved_keys", "engines", "commit", "harness", "serve", "train.spec"},
     "moved_keys": set(),
-    "api": {"ops", "config", "engines", "harness", "observe", "serve", "grow", "commit"},
-    "loop": {"ops", "config", "engines", "observe", "serve", "grow", "commit"},
+    "api": {"ops", "config", "engines", "harness", "observe", "serve", "grow", "commit", "tinker"},
+    "loop": {"ops", "config", "engines", "observe", "serve", "grow", "commit", "tinker"},
     "app": {"ops", "api", "loop"},
-    "__main__": {"ops", "config", "loop", "app", "cli"},
+    "__main__": {"ops", "config", "loop", "app", "cli", "tinker.service"},
     # the processes beside reefd reuse its torch-free pieces; reefd never imports them
     "worker": {"engines", "serve.chat", "commit.adapters"},
     "train": {"ops", "plugins", "commit.weights", "worker"},
-    "tinker": {"ops", "engines", "train"},  # the Tinker API: a trainer session process, and the losses it knows
+    # the Tinker API: a trainer session process per model, and the losses the trainer knows (train.loss_table)
+    "tinker": {"ops", "engines", "observe", "train.loss_table"},
     # plug-ins import the contracts they implement, and nothing behind them
     "recipes": {"schema", "harness", "engines", "serve.chat", "grow.recipes", "grow.staleness", "grow.untrusted",
                 "commit.gates.tasks", "train"},

@@ -7,12 +7,13 @@ parameters. Knows no handler logic: a route's behaviour lives in its handler, it
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from aiohttp import web
 
 from reefd import __version__
-from reefd.api import access, admin, releases, search
+from reefd.api import access, admin, releases, search, tinker_routes
 from reefd.api.access import USER_HEADER
 from reefd.api.errors import SCENARIO_HEADER, json_response
 from reefd.api.openapi_schemas import ID, OBJ, SCHEMAS, STR, ref
@@ -36,11 +37,14 @@ _ERRORS = {
     404: "Unknown scenario, receipt, release, job or response",
     405: "Method not allowed",
     409: "A conflict: a stale `expected_head`, a pinned scenario, a reused `report_id`, a job that has ended",
+    410: "The Tinker session has ended (no heartbeat for a while, or it was finished)",
     413: "The body is too large",
     415: "The body's media type is not accepted",
     426: "Responses over WebSocket are not served",
-    429: "The engine's line is full; retry after `Retry-After` seconds",
-    501: "Not installed (prometheus_client)",
+    429: "The engine's line is full; retry after `Retry-After` seconds (the Tinker API: a bound on sessions or "
+         "models, not to be retried: `x-should-retry: false`)",
+    501: "Not installed (prometheus_client; protobuf and numpy for the Tinker API)",
+    502: "The engine failed the request (the Tinker API: it could not load a checkpoint)",
     503: "The engine is starting or busy, or records cannot be made durable; retry after `Retry-After` seconds",
 }
 _RETRY = {"Retry-After": {"description": "Seconds to wait before retrying.", "schema": STR}}
@@ -318,6 +322,22 @@ def _reef_ops(names: list[str]) -> dict[str, dict[str, Any]]:
     }
 
 
+def _tinker_ops() -> dict[str, dict[str, Any]]:
+    """The Tinker API's operations, from its route table (api/tinker_routes.py)."""
+    out: dict[str, dict[str, Any]] = {}
+    for r in tinker_routes.ROUTES:
+        ok: dict[str, Any] = {JSON: {"schema": r.answer}}
+        if r.protobuf_answer:
+            ok[tinker_routes.PROTOBUF] = {"schema": {"type": "string", "format": "binary"}}
+        body = {tinker_routes.PROTOBUF: {"schema": {"type": "string", "format": "binary"}}} if r.protobuf_body \
+            else None if r.body is None else {JSON: {"schema": r.body}}
+        params = tuple(_param(name, "path", STR, f"The {name.replace('_', ' ')}.")
+                       for name in re.findall(r"{(\w+)}", r.path))
+        out.setdefault(r.path, {})[r.method.lower()] = _op(r.op_id, r.summary, "tinker", {
+            200: {"description": r.summary, "content": ok}}, r.errors, body=body, params=params)
+    return out
+
+
 def document(names: list[str], routes: set[tuple[str, str]] | dict[tuple[str, str], str]) -> dict[str, Any]:
     """The OpenAPI 3.1 document of the `routes` ((method, path) pairs, as the router spells them) of a daemon
     serving the scenarios `names`: a route described here that the app does not serve is left out. When `routes`
@@ -325,6 +345,7 @@ def document(names: list[str], routes: set[tuple[str, str]] | dict[tuple[str, st
     described = _agent_ops(names, by_path=False)
     described.update({"/scenarios/{scenario}" + path: ops for path, ops in _agent_ops(names, by_path=True).items()})
     described.update(_reef_ops(names))
+    described.update(_tinker_ops())
     paths = {path: kept for path, ops in described.items()
              if (kept := {method: op for method, op in ops.items() if (method.upper(), path) in routes})}
     scopes = routes if isinstance(routes, dict) else {}

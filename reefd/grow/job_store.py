@@ -26,7 +26,7 @@ STATES = (*ACTIVE, "published", "rejected", "failed", "skipped", "cancelled")
 class Job:
     id: str
     scenario: str
-    reason: str  # manual | count | interval | cron | promote
+    reason: str  # manual | count | interval | cron | promote | offered (grow/offers.py)
     recipe: str
     state: str = "queued"
     created_at: float = field(default_factory=time.time)

@@ -32,9 +32,10 @@ from reefd.grow.job_kinds.bundle_job import BundleKind
 from reefd.grow.job_kinds.harness_job import HarnessKind, SearchKind
 from reefd.grow.job_kinds.weight_job import WeightsKind, serving_key
 from reefd.grow.job_store import CANDIDATE, Job, JobStore
+from reefd.grow.offers import OFFERED, offered
 from reefd.grow.promotion import PROMOTE, promotion_batch
 from reefd.grow.recipes import TRAINS, Ages, Recipe, RecipeError, Sample, Unbatched, build
-from reefd.observe.records import RecordStore
+from reefd.observe.records import LOOP_TURNS, RecordStore
 from reefd.ops.files import write_json
 from reefd.serve.scenarios import Registry, Scenario
 
@@ -75,6 +76,8 @@ def by_line(store: RecordStore, recipe: Recipe, scenario: str,
     samples (blocking)."""
     lines: dict[str | None, list[Sample]] = {}
     for record in store.unconsumed(scenario):
+        if record.get("turn_kind") == LOOP_TURNS:  # a Tinker loop's samples: that loop trains on them itself
+            continue
         user = record.get("user") if isinstance(record.get("user"), str) else None
         if only is not None and user not in only:
             continue
@@ -248,6 +251,8 @@ class Runner:
         return scenario
 
     async def _run(self, job: Job) -> None:
+        if job.reason == OFFERED:  # a candidate offered whole (a Tinker checkpoint): straight to its gate
+            return await self._walk(job, "weights", lambda stack: offered(self.chain, self.jobs, job))
         scenario = self.scenario(job)
         recipe = scenario.recipe or build(scenario.cfg.recipe.name, scenario.cfg.recipe.params)  # build: its error
         if recipe.produces == "nothing":

@@ -14,9 +14,11 @@ import logging
 import time
 import warnings
 from collections import deque
+from pathlib import Path
 from typing import Any
 
 from reefd.grow.job_store import Job, JobStore
+from reefd.grow.offers import OFFERED, write_offer
 from reefd.grow.runner import Runner, by_line
 from reefd.observe.records import RecordStore
 from reefd.ops.background import Background
@@ -47,6 +49,7 @@ class Scheduler:
         self.max_jobs = max_jobs
         self._queue: deque[Job] = deque()
         self._running: dict[str, asyncio.Task[None]] = {}  # line (`line_key`) -> its running job's task
+        self._after: dict[str, Job] = {}  # line -> an offered candidate's job, queued once the line's job ends
         self._wake = asyncio.Event()
         self._checks: dict[str, asyncio.TimerHandle] = {}
         self._cooldown: dict[str, float] = {}  # line -> monotonic time before which counts do not fire
@@ -60,7 +63,7 @@ class Scheduler:
             log.warning("%s %s: marked failed: %s", job.scenario, job.id, job.error)
         for job in self.jobs.resumable():  # what a stopped reefd left queued or training runs first
             if job.scenario in self.registry.scenarios:
-                self._queue.append(job)
+                self._enqueue(job)
             else:
                 job.state, job.error, job.finished_at = "failed", "its scenario is no longer served", time.time()
                 await asyncio.to_thread(self.jobs.save, job)
@@ -160,6 +163,35 @@ class Scheduler:
         self._wake.set()
         return job
 
+    async def offer(self, scenario: str, user: str | None, folder: Path, meta: dict[str, Any]) -> Job:
+        """A candidate made outside a recipe (a Tinker checkpoint's adapter in `folder`, `meta` for its release),
+        to be gated for the line: in the offered job already waiting there (the newer candidate takes its place),
+        or in a new one, queued now or once the line's current job ends."""
+        line = line_key(scenario, user)
+        waiting = self._after.get(line) or next((j for j in self._queue if line_key(j.scenario, j.user) == line
+                                                 and j.reason == OFFERED), None)
+        job = waiting or self.jobs.new(scenario, OFFERED, OFFERED, user)
+        try:
+            await asyncio.to_thread(write_offer, self.jobs, job, folder, meta)
+            await asyncio.to_thread(self.jobs.save, job)
+        except BaseException:
+            if waiting is None:
+                self.jobs.jobs.pop(job.id, None)
+            raise
+        if waiting is None:
+            self._enqueue(job)
+            log.info("%s %s: a candidate offered (%s)", scenario, job.id, meta.get("source"))
+            self._wake.set()
+        return job
+
+    def _enqueue(self, job: Job) -> None:
+        """Queue `job`, or hold it (an offered candidate's) while its line has another job queued or running."""
+        line = line_key(job.scenario, job.user)
+        if line in self._running or any(line_key(j.scenario, j.user) == line for j in self._queue):
+            self._after[line] = job
+        else:
+            self._queue.append(job)
+
     async def cancel(self, job: Job) -> Job:
         """Stop a queued or running job (`reefctl cancel`): nothing is published, its records stay eligible (count
         triggers wait FAILURE_COOLDOWN_S, so the job does not start again at once). CannotCancel once it has
@@ -169,6 +201,10 @@ class Scheduler:
         if job.stage in ("publish", "done"):
             raise CannotCancel(f"job {job.id} is publishing its release; it can no longer be cancelled")
         self._cooldown[line_key(job.scenario, job.user)] = time.monotonic() + self.FAILURE_COOLDOWN_S
+        if self._after.get(line_key(job.scenario, job.user)) is job:  # held behind its line's job: never started
+            self._after.pop(line_key(job.scenario, job.user))
+            await self._cancel_unstarted(job)
+            return job
         task = self._running.get(line_key(job.scenario, job.user))
         if task is not None and job.id in self.runner.cancelling:  # a cancel under way: wait for it
             await asyncio.wait({task})
@@ -213,6 +249,8 @@ class Scheduler:
             await self.runner.run(job)
         finally:
             self._running.pop(line_key(job.scenario, job.user), None)
+            if (held := self._after.pop(line_key(job.scenario, job.user), None)) is not None:
+                self._queue.append(held)  # an offered candidate waited for the line
             self._wake.set()
             # the batch of a failed job, or of a refused proposal, is still eligible: count triggers wait a while
             if job.state in ("failed", "cancelled") or (job.state == "skipped" and job.reason != "manual"):

@@ -24,6 +24,7 @@ __all__ = ["ClaimTaken", "RecordStore", "ReportConflict", "StorageError", "Store
 
 
 PRACTICE_FILTERS = ("include", "exclude", "only")
+LOOP_TURNS = "tinker"  # the turn_kind of what a training loop of its own sampled (the Tinker API's samples)
 
 
 def kept(record: dict[str, Any], practice: str, user: str | None = None) -> bool:

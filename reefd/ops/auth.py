@@ -61,12 +61,18 @@ def load_tokens(state_dir: Path, env: dict[str, str] | None = None) -> list[str]
     return [token]
 
 
+TINKER_KEY_PREFIX = "tml-"  # the Tinker SDK sends only keys that start so: TINKER_API_KEY=tml-<reef token>
+
+
 def presented_token(request: web.Request) -> str | None:
     auth = request.headers.get("Authorization", "")
     scheme, _, value = auth.partition(" ")
     if scheme.lower() == "bearer" and value.strip():
         return value.strip()
-    return request.headers.get("x-api-key") or None
+    key = request.headers.get("x-api-key") or None
+    if key is not None and request.path.startswith("/api/v1/"):
+        key = key.removeprefix(TINKER_KEY_PREFIX)
+    return key
 
 
 def matches(presented: str | None, tokens: list[str]) -> bool:

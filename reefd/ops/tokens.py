@@ -32,7 +32,7 @@ from typing import Any
 
 from reefd.ops.files import write_json
 
-SCOPES = ("serve", "report", "read", "admin")
+SCOPES = ("serve", "report", "read", "admin", "train")  # train: the Tinker API (reefd/api/tinker_routes.py)
 _IMPLIED = {"admin": ("read",)}
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 _HEX = re.compile(r"[0-9a-f]{64}")
