@@ -3,6 +3,7 @@ every mistake is refused at load in one line naming the file (and the task's lin
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -10,7 +11,7 @@ import pytest
 from reefd import config
 from reefd.commit import trials
 from reefd.config import CanaryConfig
-from tests.conftest import make_scenarios
+from tests.conftest import ROOT, make_scenarios
 
 GOOD = '{"prompt": "2 + 3 =", "answer": "5"}\n{"prompt": [{"role": "user", "content": "1 + 1 ="}]}\n'
 CODE = '{"prompt": "Write add(a, b).", "entry": "add", "tests": [{"args": [1, 2], "expected": 3}]}\n'
@@ -72,3 +73,26 @@ def test_practice_records_are_never_a_canary_score() -> None:
     served = {"id": "01", "release": "r2-bbbbbbb", "turn_kind": "main"}
     assert trials.side_of(spec, served) is True
     assert trials.side_of(spec, {**served, "turn_kind": "practice"}) is None
+
+
+def test_rounds_come_back_to_back_unless_rationed(tmp_path: Path) -> None:
+    """A scenario that sets no `rounds_per_hour` practises a round as soon as the last one ended (with
+    `max_waiting`, as soon as the trainer took its batch): a first run sees its releases within a minute, not one
+    every 10 minutes."""
+    cfg = config.compose(scenario(tmp_path, "  tasks: tasks.jsonl\n  verifier: {command: 'true'}\n"))
+    assert cfg.practice.rounds_per_hour == 3600
+
+
+def test_the_readmes_practice_scenario_trains_each_round_as_one_job(tmp_path: Path) -> None:
+    """The README's scenario, copied as it stands: a round is one job's batch, asked at once, and the next round
+    waits for that job (a max_waiting below the trigger's count would hold practice for good; above it, rounds
+    would run ahead of the trainer). bench/practice_families.py measures what it learns."""
+    block = re.search(r"```yaml\n(# scenarios/add\.yaml\n.*?)```", (ROOT / "README.md").read_text(), re.S)
+    assert block is not None
+    scen = make_scenarios(tmp_path / "s", names=(), extra={"add": block.group(1)})
+    (scen / "add-tasks.jsonl").write_text(GOOD)
+    cfg = config.compose(scen / "add.yaml")
+    practice, batch = cfg.practice, cfg.practice.tasks_per_round * cfg.practice.samples
+    assert practice.max_waiting == batch == cfg.recipe.params["batch_size"] == cfg.trigger.every_n_records
+    assert practice.concurrency == batch <= cfg.model.max_batch
+    assert practice.rounds_per_hour == 3600 and practice.temperature < 1

@@ -30,10 +30,11 @@ class PracticeConfig:
     samples: int = field(default=1, metadata={"minimum": 1, "maximum": 64,
                                               "description": "Answers per task and round: 1 for SAO, k (a group "
                                                              "of the same prompt) for GRPO."})
-    rounds_per_hour: float = field(default=6.0, metadata={"exclusiveMinimum": 0, "maximum": 3600,
-                                                          "description": "How often a round starts (one at a "
-                                                                         "time: a round that runs long delays "
-                                                                         "the next)."})
+    rounds_per_hour: float = field(default=3600.0, metadata={
+        "exclusiveMinimum": 0, "maximum": 3600,
+        "description": "How often a round starts at most (one at a time: a round that runs long delays the next). "
+                       "3600, the default: each round as soon as the last one ended (with `max_waiting`, as soon "
+                       "as the trainer took its batch); lower it to ration practice."})
     concurrency: int = field(default=1, metadata={"minimum": 1, "maximum": 64,
                                                   "description": "Practice answers generating at once; they take "
                                                                  "only idle engine turns."})
