@@ -20,6 +20,7 @@ from reefd.api.tinker_sessions import body_of, field, future, model_of, new_mode
 from reefd.engines import EngineError, EngineUnavailable
 from reefd.tinker.futures import Failure, Outcome, Result
 from reefd.tinker.models import Checkpoint, Refused, TinkerModel, check_name
+from reefd.tinker.sampling import EPHEMERAL
 from reefd.tinker.service import NotFound, Tinker, TooMany
 
 log = logging.getLogger("reefd.tinker")
@@ -52,8 +53,8 @@ async def save_weights_for_sampler(request: web.Request) -> web.Response:
     tinker = tinker_of(request)
     if body.get("path") is None:
         seq = field(body, "sampling_session_seq_id", int)
-        name, overwrite, where = f"ephemeral-{field(body, 'seq_id', int)}", True, target(request, model.scenario,
-                                                                                          None)
+        name, overwrite, where = f"{EPHEMERAL}{field(body, 'seq_id', int)}", True, target(request, model.scenario,
+                                                                                           None)
     else:
         name, overwrite, where = _name(body), bool(body.get("overwrite", False)), None
 

@@ -4,7 +4,8 @@ names). Each sample is a record of the scenario (`turn_kind: tinker`, with the t
 sampled them), written before the request's result is given, and its receipt is the sampled sequence's id.
 
 At most MAX_ADAPTERS checkpoints are loaded at once across every session; the one sampled longest ago is unloaded
-first. Torch-free.
+first, and an ephemeral one (save_weights_and_get_sampling_client's, `ephemeral-SEQ`) is then deleted: an RL loop
+saving one a step keeps at most MAX_ADAPTERS on disk. Torch-free.
 """
 
 from __future__ import annotations
@@ -12,10 +13,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import shutil
 import time
 from collections import OrderedDict, deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from reefd.engines import Engine, EngineError, EngineUnavailable, SamplesTokens, TokenSample, TokenSamples
@@ -24,6 +27,7 @@ from reefd.tinker.futures import Failure, Outcome, Result
 from reefd.tinker.models import Checkpoint, Refused
 
 log = logging.getLogger("reefd.tinker")
+EPHEMERAL = "ephemeral-"  # the name prefix of save_weights_and_get_sampling_client's checkpoints
 
 
 @dataclass
@@ -44,6 +48,7 @@ class _Loaded:
     engine: Engine
     name: str
     used: float
+    folder: Path | None  # an ephemeral checkpoint's: removed once it is unloaded (nothing can name it again)
 
 
 class Samplers:
@@ -66,13 +71,13 @@ class Samplers:
                 return self._loaded[key].name
             while len(self._loaded) >= self.MAX_ADAPTERS:
                 _, old = self._loaded.popitem(last=False)
-                with contextlib.suppress(EngineError, EngineUnavailable):
-                    await old.engine.unload_adapter(old.name)
+                await _unload(old)
             name = f"tinker-{point.run}-{point.kind}-{point.name}"
             if name in engine.adapters:  # loaded before this reefd's bookkeeping (a reload)
                 await engine.unload_adapter(name)
             await engine.load_adapter(name, point.folder)
-            self._loaded[key] = _Loaded(engine, name, time.monotonic())
+            self._loaded[key] = _Loaded(engine, name, time.monotonic(),
+                                        point.folder if point.name.startswith(EPHEMERAL) else None)
             return name
 
     def get(self, sampler_id: str, session: str | None = None) -> Sampler:
@@ -89,8 +94,14 @@ class Samplers:
         async with self._lock:
             loaded, self._loaded = list(self._loaded.values()), OrderedDict()
         for old in loaded:
-            with contextlib.suppress(EngineError, EngineUnavailable):
-                await old.engine.unload_adapter(old.name)
+            await _unload(old)
+
+
+async def _unload(old: _Loaded) -> None:
+    with contextlib.suppress(EngineError, EngineUnavailable):
+        await old.engine.unload_adapter(old.name)
+    if old.folder is not None:
+        await asyncio.to_thread(shutil.rmtree, old.folder, True)
 
 
 def sample_work(samplers: Samplers, sampler: Sampler, req: TokenSample, receipts: list[str],

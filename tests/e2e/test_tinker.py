@@ -283,7 +283,7 @@ RL_LOOP = ROOT / "tests" / "tinker" / "rl_loop.py"
 
 
 def test_a_cookbook_style_rl_loop_samples_through_the_engine_as_records(d: Daemon) -> None:
-    out = subprocess.run([sys.executable, str(RL_LOOP)], env={**sdk_env(d), "STEPS": "3"}, capture_output=True,
+    out = subprocess.run([sys.executable, str(RL_LOOP)], env={**sdk_env(d), "STEPS": "5"}, capture_output=True,
                          text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-4000:] + d.logs()
     steps = [json.loads(line) for line in out.stdout.splitlines()]
@@ -295,6 +295,9 @@ def test_a_cookbook_style_rl_loop_samples_through_the_engine_as_records(d: Daemo
         assert record["turn_kind"] == "tinker" and record["scenario"] == "tiny"
         assert len(record["completion_token_ids"]) == len(record["completion_logprobs"]) <= 8
         assert record["adapter"].startswith("tinker-")  # the policy's own weights, loaded beside the served ones
+    # a checkpoint a step (save_weights_and_get_sampling_client): those unloaded are deleted, at most 4 stay
+    ephemeral = list((d.state / "tinker" / "runs").glob("*/sampler_weights/ephemeral-*"))
+    assert 1 <= len(ephemeral) <= 4, ephemeral
 
 
 def test_a_sampler_samples_the_weights_the_trainer_has(client: tinker.ServiceClient) -> None:
