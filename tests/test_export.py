@@ -1,5 +1,5 @@
-"""Export without the daemon: the store's pages, what `since` accepts, the flat Parquet row and file, and reefctl
-without pyarrow."""
+"""Export without the daemon: the store's pages, what `since` accepts, the flat Parquet row and file, reefctl
+without pyarrow, and records as Tinker datums."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ import pytest
 from reefd.api.errors import ApiError
 from reefd.api.export import since_cursor
 from reefd.cli import main as cli
-from reefd.cli.export_verbs import PARQUET_COLUMNS, flat_row, write_parquet
+from reefd.cli.export_verbs import PARQUET_COLUMNS, datum_line, flat_row, write_parquet
 from reefd.commit.chain import ReleaseChain
 from reefd.observe.receipts import new_receipt, receipt_ms
 from reefd.observe.records import RecordStore
@@ -122,23 +122,24 @@ def test_parquet_without_pyarrow_names_the_extra(monkeypatch: pytest.MonkeyPatch
     assert not (tmp_path / "x.parquet").exists()
 
 
-def test_an_export_cut_half_way_is_an_error_not_a_short_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A failure after the first page was sent cuts the stream: the client cannot take a part for the whole."""
+def export_app(tmp_path: Path, records: list[dict[str, Any]]) -> Any:
+    """The export route alone, in-process, over a real store holding `records` (and their `reports`)."""
     from aiohttp import web
 
     from reefd.api import export as export_api
     from reefd.api.errors import error_middleware
-    from reefd.cli.client import Client, CliError
     from reefd.loop import CHAIN, RECORDS, REGISTRY
-    from tests.served import aiohttp_in_thread
 
     app = web.Application(middlewares=[error_middleware])
 
     async def store(app: web.Application) -> Any:
         app[RECORDS] = RecordStore(tmp_path / "db")
         await app[RECORDS].open()
-        for i in range(5):
-            await app[RECORDS].put_record(record("s1", i=i))
+        for rec in records:
+            reports = rec.pop("reports", [])
+            await app[RECORDS].put_record(rec)
+            for report in reports:
+                await app[RECORDS].put_report(rec["scenario"], {**report, "references": [rec["id"]]})
         yield
         await app[RECORDS].close()
 
@@ -146,6 +147,16 @@ def test_an_export_cut_half_way_is_an_error_not_a_short_file(tmp_path: Path, mon
     app[REGISTRY] = SimpleNamespace(get=lambda name: SimpleNamespace(name=name))  # type: ignore[assignment]
     app[CHAIN] = ReleaseChain(tmp_path / "releases.git")
     app.router.add_get("/reef/scenarios/{name}/export", export_api.export)
+    return app
+
+
+def test_an_export_cut_half_way_is_an_error_not_a_short_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A failure after the first page was sent cuts the stream: the client cannot take a part for the whole."""
+    from reefd.api import export as export_api
+    from reefd.cli.client import Client, CliError
+    from tests.served import aiohttp_in_thread
+
+    app = export_app(tmp_path, [record("s1", i=i) for i in range(5)])
     monkeypatch.setattr(export_api, "PAGE", 2)
     read_page = RecordStore.export_page
     calls: list[int] = []
@@ -167,3 +178,46 @@ def test_an_export_cut_half_way_is_an_error_not_a_short_file(tmp_path: Path, mon
             for line in client.lines("/reef/scenarios/s1/export"):
                 got.append(line)
         assert len(got) == 2
+
+
+def test_a_record_is_one_shifted_datum() -> None:
+    """Next-token prediction over prompt + completion: the prompt's targets weigh 0, the completion's 1; logprobs
+    and the newest report's score ride on the completion's targets; a record without ids or answer has none."""
+    reports = [{"score": 0.5, "created_at": 1.0}, {"score": 2, "created_at": 3.0}, {"score": None, "created_at": 4.0},
+               {"score": True, "created_at": 5.0}]
+    line, _ = datum_line(served(reports=reports, turn_kind="main"))
+    assert line is not None and line["score"] == 2.0 and line["turn_kind"] == "main"
+    datum = line["datum"]
+    assert datum["model_input"] == {"chunks": [{"type": "encoded_text", "tokens": [5, 6, 7, 8, 1, 2]}]}
+    inputs = datum["loss_fn_inputs"]
+    assert inputs["target_tokens"] == {"data": [6, 7, 8, 1, 2, 3], "dtype": "int64", "shape": [6]}
+    assert inputs["weights"]["data"] == [0.0, 0.0, 0.0, 1.0, 1.0, 1.0] and inputs["weights"]["dtype"] == "float32"
+    assert inputs["logprobs"]["data"] == [0.0, 0.0, 0.0, -0.5, -0.25, -0.125]
+    assert inputs["advantages"]["data"] == [0.0, 0.0, 0.0, 2.0, 2.0, 2.0]
+    plain, _ = datum_line(served(completion_logprobs=[-0.5, None, -0.125]))  # a null: no logprobs, no score
+    assert plain is not None and set(plain["datum"]["loss_fn_inputs"]) == {"target_tokens", "weights"}
+    assert plain["score"] is None
+    assert datum_line(served(prompt_token_ids=None)) == (None, "without token ids")
+    assert datum_line(served(completion_token_ids=[])) == (None, "without a completion token to predict")
+
+
+def test_datums_skip_what_has_no_token_ids_and_say_so(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from tinker import types
+
+    from tests.served import aiohttp_in_thread
+
+    kept = served(reports=[{"score": 0.5}])
+    records = [kept, served(prompt_token_ids=None), served(completion_token_ids=None, completion_logprobs=None),
+               served(completion_token_ids=[], completion_logprobs=[])]
+    target = tmp_path / "s1.datums.jsonl"
+    with aiohttp_in_thread(export_app(tmp_path, records)) as url:
+        code = cli.main(["--url", url, "export", "s1", "--format", "datums", "-o", str(target)])
+    err = capsys.readouterr().err
+    assert code == 0, err
+    assert err.splitlines() == ["skipped 3 records of s1: 1 without a completion token to predict, 2 without "
+                                "token ids", f"exported 1 datums of s1 to {target}"]
+    [line] = [json.loads(text) for text in target.read_text().splitlines()]
+    assert (line["receipt"], line["score"]) == (kept["id"], 0.5)
+    datum = types.Datum(model_input=types.ModelInput.model_validate(line["datum"]["model_input"]),
+                        loss_fn_inputs={k: types.TensorData(**v) for k, v in line["datum"]["loss_fn_inputs"].items()})
+    assert datum.model_input.to_ints() == [5, 6, 7, 8, 1, 2]

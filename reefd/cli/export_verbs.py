@@ -1,8 +1,9 @@
-"""reefctl export: a scenario's records with their reports, as JSON lines or as a Parquet file.
+"""reefctl export: a scenario's records with their reports, as JSON lines, as a Parquet file or as Tinker `Datum`s.
 
 Standard library only, except pyarrow for `--format parquet`, imported then and only then (the `export` extra).
 The daemon streams JSON lines (reefd/api/export.py); Parquet is made here, a row group at a time, with one flat
-schema (PARQUET_COLUMNS) that `datasets.load_dataset("parquet", data_files=...)` reads as it is.
+schema (PARQUET_COLUMNS) that `datasets.load_dataset("parquet", data_files=...)` reads as it is; so are the datums,
+in the JSON shape of the `tinker` SDK's `Datum` (without the SDK: its shape, written out in `datum_line`).
 """
 
 from __future__ import annotations
@@ -11,9 +12,11 @@ import argparse
 import contextlib
 import itertools
 import json
+import math
 import os
 import sys
 import urllib.parse
+from collections import Counter
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import IO, Any
@@ -146,6 +149,67 @@ def write_parquet(records: Iterator[Mapping[str, Any]], out: IO[bytes]) -> int:
     return count + len(rows)
 
 
+def _token_ids(value: Any) -> list[int] | None:
+    if not isinstance(value, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in value):
+        return None
+    return value
+
+
+def _tensor(data: list[Any], dtype: str) -> dict[str, Any]:
+    """A `tinker.types.TensorData`, one-dimensional."""
+    return {"data": data, "dtype": dtype, "shape": [len(data)]}
+
+
+def _finite(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def datum_line(record: Mapping[str, Any]) -> tuple[dict[str, Any] | None, str]:
+    """A record as one `--format datums` line, or None and why it has none.
+
+    The datum is next-token prediction over prompt + completion, shifted by one: `model_input` all but the last
+    token, `target_tokens` all but the first; `weights` 0 where the target is the prompt's, 1 where it is the
+    completion's; `logprobs` (the record's own) and `advantages` (the newest report's score) on the completion's
+    targets, 0 on the prompt's, when the record has them.
+    """
+    prompt = _token_ids(record.get("prompt_token_ids"))
+    completion = _token_ids(record.get("completion_token_ids"))
+    if prompt is None or completion is None:
+        return None, "without token ids"
+    tokens = prompt + completion
+    if not completion or len(tokens) < 2:
+        return None, "without a completion token to predict"
+    zeros = max(len(prompt) - 1, 0)  # targets that are the prompt's
+    ones = len(tokens) - 1 - zeros  # ... and the completion's: all of it (all but its first, without a prompt)
+    inputs: dict[str, Any] = {"target_tokens": _tensor(tokens[1:], "int64"),
+                              "weights": _tensor([0.0] * zeros + [1.0] * ones, "float32")}
+    logprobs = record.get("completion_logprobs")
+    if isinstance(logprobs, list) and len(logprobs) == len(completion) and all(_finite(v) for v in logprobs):
+        inputs["logprobs"] = _tensor([0.0] * zeros + [float(v) for v in logprobs[len(completion) - ones:]],
+                                     "float32")
+    reports: list[Mapping[str, Any]] = [r for r in record.get("reports") or [] if isinstance(r, dict)]
+    newest = _latest(reports, "score")
+    score = float(newest) if _finite(newest) else None
+    if score is not None:
+        inputs["advantages"] = _tensor([0.0] * zeros + [score] * ones, "float32")
+    datum = {"model_input": {"chunks": [{"type": "encoded_text", "tokens": tokens[:-1]}]}, "loss_fn_inputs": inputs}
+    return {"datum": datum, "receipt": record.get("id"), "scenario": record.get("scenario"),
+            "turn_kind": record.get("turn_kind"), "release": record.get("release"), "score": score}, ""
+
+
+def write_datums(records: Iterator[Mapping[str, Any]], out: IO[bytes]) -> tuple[int, Counter[str]]:
+    """Write a `datum_line` per record that has one; returns how many, and how many were skipped for each reason."""
+    count, skipped = 0, Counter[str]()
+    for record in records:
+        line, why = datum_line(record)
+        if line is None:
+            skipped[why] += 1
+            continue
+        out.write(json.dumps(line, ensure_ascii=False, separators=(",", ":")).encode() + b"\n")
+        count += 1
+    return count, skipped
+
+
 @contextlib.contextmanager
 def _destination(path: str | None) -> Iterator[IO[bytes]]:
     """stdout, or FILE written beside it as FILE.part and renamed once complete (never a half export as FILE)."""
@@ -166,9 +230,10 @@ def _destination(path: str | None) -> Iterator[IO[bytes]]:
 
 def _export_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("name", metavar="SCENARIO")
-    p.add_argument("--format", choices=["jsonl", "parquet"], default="jsonl",
+    p.add_argument("--format", choices=["jsonl", "parquet", "datums"], default="jsonl",
                    help="jsonl (default): one record per line, as `get record` shows it; parquet: one flat row per "
-                        f"record (needs {INSTALL_HINT})")
+                        f"record (needs {INSTALL_HINT}); datums: one Tinker Datum per record with token ids, as "
+                        '{"datum": ..., "receipt": ..., "score": ...}')
     p.add_argument("--since", metavar="R",
                    help="only records after a receipt, since a release was published (r3-1a2b3c4), from a recent "
                         "duration (90s, 30m, 24h, 7d) or from a time (2025-01-31T00:00:00Z)")
@@ -179,12 +244,7 @@ def _export_args(p: argparse.ArgumentParser) -> None:
                                                        "on a terminal)")
 
 
-@command("export", "write a scenario's records with their reports as JSON lines or Parquet", _export_args)
-def cmd_export(client: Client, args: argparse.Namespace) -> int:
-    if args.format == "parquet":
-        _pyarrow()  # before anything is asked of reefd
-        if args.out in (None, "-") and sys.stdout.isatty():
-            raise CliError("--format parquet writes binary: give -o FILE (or redirect stdout)")
+def _query(args: argparse.Namespace) -> dict[str, str]:
     query: dict[str, str] = {}
     if args.since:
         query["since"] = args.since
@@ -192,15 +252,31 @@ def cmd_export(client: Client, args: argparse.Namespace) -> int:
         query["reported_only"] = "true"
     if args.practice != "include":
         query["practice"] = args.practice
-    lines = client.lines(f"/reef/scenarios/{urllib.parse.quote(args.name, safe='')}/export", query=query)
+    return query
+
+
+@command("export", "write a scenario's records with their reports as JSON lines, Parquet or Tinker Datums",
+         _export_args)
+def cmd_export(client: Client, args: argparse.Namespace) -> int:
+    if args.format == "parquet":
+        _pyarrow()  # before anything is asked of reefd
+        if args.out in (None, "-") and sys.stdout.isatty():
+            raise CliError("--format parquet writes binary: give -o FILE (or redirect stdout)")
+    lines = client.lines(f"/reef/scenarios/{urllib.parse.quote(args.name, safe='')}/export", query=_query(args))
+    skipped: Counter[str] = Counter()
     with _destination(args.out) as out:
         if args.format == "parquet":
             count = write_parquet((json.loads(line) for line in lines if line.strip()), out)
+        elif args.format == "datums":
+            count, skipped = write_datums((json.loads(line) for line in lines if line.strip()), out)
         else:
             count = 0
             for line in lines:
                 out.write(line)
                 count += 1
+    if skipped:
+        why = ", ".join(f"{n} {reason}" for reason, n in sorted(skipped.items()))
+        note(f"skipped {skipped.total()} records of {args.name}: {why}")
     if args.out not in (None, "-"):
-        note(f"exported {count} records of {args.name} to {args.out}")
+        note(f"exported {count} {'datums' if args.format == 'datums' else 'records'} of {args.name} to {args.out}")
     return 0

@@ -1,6 +1,6 @@
-"""Records leave the daemon and the daemon lets them go: `reefctl export` as JSON lines and as a Parquet file that
-`datasets` loads, and `retention:` deleting what no release learned from, on the real daemon and the tiny model:
-one reefd for the module, a scenario per test."""
+"""Records leave the daemon and the daemon lets them go: `reefctl export` as JSON lines, as a Parquet file that
+`datasets` loads and as Tinker datums the SDK takes, and `retention:` deleting what no release learned from, on the
+real daemon and the tiny model: one reefd for the module, a scenario per test."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import json
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -69,6 +70,66 @@ def test_export_jsonl_and_parquet_that_datasets_loads(exportd: Daemon, own_scena
     assert [json.loads(p)[-1]["content"] for p in ds["prompt"]] == [f"question {i}" for i in range(3)]
     assert ds["completion_token_ids"] == [r["completion_token_ids"] for r in lines]
     assert ds["release"] == [release for _, release, _ in served]
+
+
+
+def sdk_datum(line: dict[str, Any]) -> Any:
+    """A `--format datums` line as the SDK's own `Datum`, as docs/tinker.md makes it, checked by the SDK's strict
+    model of the same JSON (extra keys forbidden) on the way."""
+    from tinker import types
+    from tinker.types._pydantic_types.datum import Datum as StrictDatum
+
+    StrictDatum.model_validate(line["datum"])
+    d = line["datum"]
+    return types.Datum(model_input=types.ModelInput.model_validate(d["model_input"]),
+                       loss_fn_inputs={k: types.TensorData(**v) for k, v in d["loss_fn_inputs"].items()})
+
+
+def test_export_datums_that_the_tinker_sdk_takes(exportd: Daemon, own_scenario: Callable[..., str],
+                                                 tmp_path: Path) -> None:
+    """Each served record as a shifted next-token datum, token-exact: the prompt's targets weigh 0, the completion's
+    1, with the record's logprobs and (for the scored one) the newest report's score as its advantage."""
+    d = exportd
+    name = own_scenario(d, learn_yaml(trigger="manual"), prefix="learn")
+    c = client(d, name)
+    receipts = [turn(d, c, f"datum {i}", score=None, name=name)[0] for i in range(2)]
+    for score in (0.25, 0.75):  # the newer report is the one taken
+        code, body, _ = d.post("/reef/report", {"score": score, "references": [receipts[0]]},
+                               headers={"x-reef-scenario": name})
+        assert code == 200, body
+    records = {r["id"]: r for r in exported(d, name)}
+    out = reefctl(d, "export", name, "--format", "datums")
+    assert out.returncode == 0 and out.stderr == "", out.stderr  # nothing skipped: every served turn has its ids
+    lines = [json.loads(line) for line in out.stdout.splitlines()]
+    assert [line["receipt"] for line in lines] == receipts and [line["score"] for line in lines] == [0.75, None]
+    for line in lines:
+        datum, rec = sdk_datum(line), records[line["receipt"]]
+        prompt, completion = rec["prompt_token_ids"], rec["completion_token_ids"]
+        assert prompt and completion and line["scenario"] == name and line["release"] == rec["release"]
+        inputs = line["datum"]["loss_fn_inputs"]
+        targets = datum.loss_fn_inputs["target_tokens"].tolist()
+        assert datum.model_input.to_ints() + targets[-1:] == prompt + completion
+        assert targets == (prompt + completion)[1:]
+        assert inputs["weights"]["data"] == [0.0] * (len(prompt) - 1) + [1.0] * len(completion)
+        assert inputs["logprobs"]["data"] == [0.0] * (len(prompt) - 1) + rec["completion_logprobs"]
+        assert datum.loss_fn_inputs["logprobs"].tolist()[len(prompt) - 1:] == \
+            pytest.approx(rec["completion_logprobs"], abs=1e-6)  # float32 in the SDK
+    first = records[receipts[0]]
+    assert lines[0]["datum"]["loss_fn_inputs"]["advantages"]["data"] == \
+        [0.0] * (len(first["prompt_token_ids"]) - 1) + [0.75] * len(first["completion_token_ids"])
+    assert "advantages" not in lines[1]["datum"]["loss_fn_inputs"]
+
+    def receipts_of(*args: str) -> list[str]:
+        got = reefctl(d, "export", name, "--format", "datums", *args)
+        assert got.returncode == 0, got.stderr
+        return [json.loads(line)["receipt"] for line in got.stdout.splitlines()]
+
+    assert receipts_of("--reported-only") == receipts[:1] and receipts_of("--since", receipts[0]) == receipts[1:]
+    assert receipts_of("--practice", "only") == []
+    target = tmp_path / "datums.jsonl"
+    written = reefctl(d, "export", name, "--format", "datums", "-o", str(target))
+    assert written.returncode == 0 and written.stderr == f"exported 2 datums of {name} to {target}\n"
+    assert target.read_text() == out.stdout
 
 
 def test_retention_deletes_beyond_max_records_but_keeps_what_a_release_learned_from(
