@@ -142,6 +142,7 @@ demo: venv
 	$(BIN)/python bench/ttt_demo.py
 	$(BIN)/python bench/gepa_demo.py
 	$(BIN)/python bench/users_demo.py
+	$(BIN)/python bench/tinker_demo.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .bench-tmp

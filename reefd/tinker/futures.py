@@ -13,7 +13,7 @@ import secrets
 import time
 from collections import OrderedDict
 from collections.abc import Awaitable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 
 @dataclass(frozen=True)
@@ -36,15 +36,14 @@ Outcome = Result | Failure
 
 
 class TooMany(Exception):
-    pass
+    """A bound is reached: futures here, sessions or models in service.py (the route answers 429, not to be
+    retried)."""
 
 
 @dataclass
 class _Entry:
     task: asyncio.Task[Outcome]
     done_at: float | None = None
-    kind: str = ""
-    extra: dict[str, object] = field(default_factory=dict)
 
 
 class Futures:
@@ -67,8 +66,12 @@ class Futures:
             self._entries.pop(finished[0])
         request_id = f"{kind}-{secrets.token_hex(8)}"
         task: asyncio.Task[Outcome] = asyncio.ensure_future(work)
-        entry = _Entry(task, kind=kind)
-        task.add_done_callback(lambda _: setattr(entry, "done_at", time.monotonic()))
+        entry = _Entry(task)
+
+        def ended(_: object) -> None:
+            entry.done_at = time.monotonic()
+
+        task.add_done_callback(ended)
         self._entries[request_id] = entry
         return request_id
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from reefd.tinker.futures import Failure, Futures, Outcome, Result
+from reefd.tinker.futures import Failure, Futures, Outcome, Result, TooMany
 from reefd.tinker.models import Checkpoint, Refused, TinkerModel, parse_path
 from reefd.tinker.sampling import Samplers
 from reefd.tinker.trainer import SessionTrainer, TrainerFailed
@@ -34,10 +34,6 @@ class Limits:
     max_rank: int = 128
     request_tokens: int = 1 << 20  # tokens in one forward_backward request
     idle_s: float = 120.0  # without a heartbeat (the SDK sends one every 10 s)
-
-
-class TooMany(Exception):
-    """A bound is reached (the route answers 429, not to be retried)."""
 
 
 class NotFound(KeyError):
