@@ -151,6 +151,20 @@ def scenario(tmp: Path, practice: list[tuple[int, int]]) -> dict[str, str]:
         f"concurrency: {batch}, max_tokens: {MAX_TOKENS}, temperature: {TEMPERATURE}}}\n")}
 
 
+def watch_releases(d: Daemon, name: str, budget_s: float, poll_s: float = 0.2) -> list[tuple[float, str]]:
+    """Each adapter release of scenario `name` for `budget_s`, as (seconds, id) when first seen (within `poll_s` of
+    its swap)."""
+    start, seen, releases = time.time(), set(), []
+    while time.time() - start < budget_s:
+        for rel in get(d, f"/reef/scenarios/{name}/releases")["data"]:
+            if rel["id"] not in seen and rel.get("kind") == "adapter":
+                seen.add(rel["id"])
+                releases.append((time.time() - start, rel["id"]))
+                print(f"reefd: {rel['id']} at {releases[-1][0]:.1f} s", flush=True)
+        time.sleep(poll_s)
+    return releases
+
+
 def get(d: Daemon, path: str) -> dict[str, Any]:
     code, body = d.get(path)
     if code != 200:
@@ -169,14 +183,7 @@ def daemon_arm(practice: list[tuple[int, int]], budget_s: float) -> tuple[list[t
         while not any((get(d, "/reef/status")["scenarios"][0].get("practice") or {}).get(k)
                       for k in ("generating", "answers")):  # the first round has begun
             time.sleep(0.05)
-        start, seen, releases = time.time(), set(), []
-        while time.time() - start < budget_s:
-            for rel in get(d, f"/reef/scenarios/{NAME}/releases")["data"]:
-                if rel["id"] not in seen and rel.get("kind") == "adapter":  # first seen: within 0.2 s of its swap
-                    seen.add(rel["id"])
-                    releases.append((time.time() - start, rel["id"]))
-                    print(f"reefd: {rel['id']} at {releases[-1][0]:.1f} s", flush=True)
-            time.sleep(0.2)
+        releases = watch_releases(d, NAME, budget_s)
         status = next(s for s in get(d, "/reef/status")["scenarios"] if s["name"] == NAME)["practice"]
     finally:
         d.stop()

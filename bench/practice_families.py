@@ -38,7 +38,7 @@ import yaml
 from _harness import ROOT, Daemon, scratch_dir, start_reefd
 from learning import model_folder
 from learning_bare import Bare
-from practice_demo import gauge, get
+from practice_demo import gauge, get, watch_releases
 
 from reefd.commit.chain import ReleaseChain
 
@@ -123,14 +123,7 @@ def practise(cfg: dict[str, Any], tmp: Path, budget_s: float) -> tuple[list[tupl
         while not any((get(d, "/reef/status")["scenarios"][0].get("practice") or {}).get(k)
                       for k in ("generating", "answers")):
             time.sleep(0.05)
-        start, seen, releases = time.time(), set(), []
-        while time.time() - start < budget_s:
-            for rel in get(d, f"/reef/scenarios/{NAME}/releases")["data"]:
-                if rel["id"] not in seen and rel.get("kind") == "adapter":
-                    seen.add(rel["id"])
-                    releases.append((time.time() - start, rel["id"]))
-                    print(f"reefd: {rel['id']} at {releases[-1][0]:.1f} s", flush=True)
-            time.sleep(0.5)
+        releases = watch_releases(d, NAME, budget_s, poll_s=0.5)
         status = next(s for s in get(d, "/reef/status")["scenarios"] if s["name"] == NAME)["practice"]
     finally:
         d.stop()
