@@ -5,6 +5,7 @@ model's seq_id order and answers with a future (reefd/api/tinker_state.py: retri
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 from aiohttp import web
@@ -42,8 +43,6 @@ async def create_model(request: web.Request) -> web.Response:
     return future(request_id, f"{new.session}:train:{new.seq}")
 
 
-
-
 async def get_info(request: web.Request) -> web.Response:
     model = model_of(request, await body_of(request))
     return web.json_response({
@@ -52,16 +51,16 @@ async def get_info(request: web.Request) -> web.Response:
         "model_data": {"model_name": model.scenario, "tokenizer_id": str(model.base)}})
 
 
-
-
 async def forward_backward(request: web.Request) -> web.Response:
-    tinker = tinker_of(request)
+    tinker, who = tinker_of(request), owner(request)
     raw = await request.read()
-    try:
-        head = wire.forward_backward(raw)  # who it is for, before its tokens are checked against that model
-        model = tinker.model(head.model_id, owner(request))
-        req = wire.forward_backward(raw, model.vocab_size) if model.vocab_size else head
+    try:  # the model's vocabulary, once the body names the model
+        req = wire.forward_backward(raw, lambda model_id: tinker.model(model_id, who).vocab_size or None)
+        model = tinker.model(req.model_id, who)
     except wire.WireError as exc:
+        if exc.model_id is not None and exc.seq_id is not None:  # its later requests need not wait for it
+            with contextlib.suppress(NotFound):
+                tinker.model(exc.model_id, who).pass_turn(exc.seq_id)
         raise ApiError(400, str(exc), code="invalid_request") from None
     except NotFound as exc:
         raise refused(exc) from None

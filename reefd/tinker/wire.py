@@ -7,6 +7,7 @@ answers it 400).
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,7 +21,11 @@ _DTYPES = {pb.DTYPE_FLOAT32: np.float32, pb.DTYPE_INT64: np.int64, pb.DTYPE_INT3
 
 
 class WireError(ValueError):
-    pass
+    """`model_id` and `seq_id`: the request's, once its body parsed (the route lets the model's later requests on)."""
+
+    def __init__(self, message: str, model_id: str | None = None, seq_id: int | None = None) -> None:
+        super().__init__(message)
+        self.model_id, self.seq_id = model_id, seq_id
 
 
 @dataclass(frozen=True)
@@ -43,31 +48,40 @@ class ForwardBackward:
         return sum(len(d.tokens) for d in self.data)
 
 
-def forward_backward(body: bytes, vocab_size: int | None = None) -> ForwardBackward:
+def forward_backward(body: bytes, vocab_of: Callable[[str], int | None] = lambda _: None) -> ForwardBackward:
     """The request in `body`, checked: a known loss with the inputs it needs, each input one value per position,
-    finite, and token ids inside the vocabulary when `vocab_size` is known."""
+    finite, and token ids inside the vocabulary `vocab_of(model_id)` gives (None: not checked)."""
     msg = pb.ForwardBackwardRequest()
     try:
         msg.ParseFromString(body)
     except DecodeError as exc:
         raise WireError(f"the body is not a ForwardBackwardRequest protobuf ({exc})") from None
-    spec = LOSS_SPECS.get(msg.loss_fn)
-    if spec is None:
-        raise WireError(f"loss_fn {msg.loss_fn!r} is not one reefd runs; it runs {', '.join(LOSS_SPECS)}")
-    config = dict(spec.config)
+    try:
+        spec = LOSS_SPECS.get(msg.loss_fn)
+        if spec is None:
+            raise WireError(f"loss_fn {msg.loss_fn!r} is not one reefd runs; it runs {', '.join(LOSS_SPECS)}")
+        config = _config(msg, spec.config)
+        if not msg.data:
+            raise WireError("data is empty: a forward_backward needs at least one datum")
+        vocab_size = vocab_of(msg.model_id)
+        data = [_datum(i, d, spec.needs, vocab_size) for i, d in enumerate(msg.data)]
+    except WireError as exc:
+        raise WireError(str(exc), msg.model_id, int(msg.seq_id)) from None
+    return ForwardBackward(msg.model_id, int(msg.seq_id), msg.loss_fn, config, not msg.forward_only, data)
+
+
+def _config(msg: Any, defaults: dict[str, float]) -> dict[str, float]:
+    config = dict(defaults)
     given = {k: v.number for k, v in msg.loss_fn_config_v2.items() if v.WhichOneof("value") == "number"} or \
         dict(msg.loss_fn_config)
     for key, value in given.items():
-        if key not in spec.config:
-            raise WireError(f"loss_fn_config: {msg.loss_fn} takes {', '.join(spec.config) or 'no settings'}, "
+        if key not in defaults:
+            raise WireError(f"loss_fn_config: {msg.loss_fn} takes {', '.join(defaults) or 'no settings'}, "
                             f"not {key!r}")
         if not math.isfinite(value):
             raise WireError(f"loss_fn_config.{key} is {value}; it must be a finite number")
         config[key] = float(value)
-    if not msg.data:
-        raise WireError("data is empty: a forward_backward needs at least one datum")
-    data = [_datum(i, d, spec.needs, vocab_size) for i, d in enumerate(msg.data)]
-    return ForwardBackward(msg.model_id, int(msg.seq_id), msg.loss_fn, config, not msg.forward_only, data)
+    return config
 
 
 def _datum(i: int, d: Any, needs: tuple[str, ...], vocab_size: int | None) -> Datum:
