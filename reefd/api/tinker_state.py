@@ -62,7 +62,7 @@ async def save_weights_for_sampler(request: web.Request) -> web.Response:
         saved = await model.save("sampler_weights", name, overwrite)
         if not isinstance(saved, Result) or saved.json is None:
             return saved
-        point = Checkpoint(model.run, "sampler_weights", name, model.runs / model.run / "sampler_weights" / name)
+        point = model.checkpoint("sampler_weights", name)
         if where is None:
             return Result(json={**saved.json, "reef_job": await _offer(tinker, model, point)})
         try:

@@ -75,10 +75,6 @@ class Futures:
         self._entries[request_id] = entry
         return request_id
 
-    def known(self, request_id: str) -> bool:
-        self._expire()
-        return request_id in self._entries
-
     async def retrieve(self, request_id: str, wait_s: float | None = None) -> Outcome | None:
         """The request's outcome, or None if it is not ready within `wait_s` (try again). KeyError: unknown or
         expired."""

@@ -122,10 +122,13 @@ class TinkerModel:
         except TrainerFailed as exc:
             return Failure(str(exc), "user" if exc.user else "server")
 
+    def checkpoint(self, kind: str, name: str) -> Checkpoint:
+        return Checkpoint(self.run, kind, name, self.runs / self.run / kind / name)
+
     async def save(self, kind: str, name: str, overwrite: bool) -> Outcome:
         """The model's LoRA (and, for `weights`, its optimizer state) as a checkpoint: written beside its place,
         then renamed into it, so a failed save leaves what was there."""
-        point = Checkpoint(self.run, kind, name, self.runs / self.run / kind / name)
+        point = self.checkpoint(kind, name)
         if point.folder.exists() and not overwrite:
             return Failure(f"{point.path} exists already; save under another name, or pass overwrite=True", "user")
         tmp = point.folder.with_name(name + ".tmp")

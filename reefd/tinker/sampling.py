@@ -80,11 +80,8 @@ class Samplers:
                                         point.folder if point.name.startswith(EPHEMERAL) else None)
             return name
 
-    def get(self, sampler_id: str, session: str | None = None) -> Sampler:
-        sampler = self.samplers.get(sampler_id)
-        if sampler is None or (session is not None and sampler.session != session):
-            raise KeyError(sampler_id)
-        return sampler
+    def get(self, sampler_id: str) -> Sampler:
+        return self.samplers[sampler_id]  # KeyError: no such sampler
 
     def forget_session(self, session: str) -> None:
         for sid in [s.id for s in self.samplers.values() if s.session == session]:
